@@ -80,6 +80,7 @@ class Request:
     generator: Any = None
     # Per generated token: {token_id: logprob} when logprobs were asked for.
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 

@@ -1,0 +1,88 @@
+"""EngineConfig: everything that shapes one engine instance, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16")
+DEFAULT_KV_CACHE_BYTES = 4 * 1024**3  # like vLLM-CPU's default KV space
+
+
+@dataclass
+class EngineConfig:
+    """Configuration of one engine (one worker, or the offline ``LLM``).
+
+    Attributes:
+        model: path to a local Hugging Face model directory (None: the default model).
+        dtype: weights, activations and KV cache dtype: "float32" or "bfloat16".
+        block_size: tokens per KV cache block.
+        kv_cache_memory_bytes: KV cache budget in bytes (used when num_kv_blocks is None).
+        num_kv_blocks: KV cache size in blocks; overrides the byte budget.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: most tokens in one forward pass (the per-step budget).
+        max_model_len: longest prompt + output (None: the model's max_position_embeddings).
+        enable_chunked_prefill: split long prompts across steps, mixed with decodes.
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        seed: seed of the random generator used by requests without their own seed.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
+        _require_positive_int("block_size", self.block_size)
+        _require_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.num_kv_blocks is not None:
+            _require_positive_int("num_kv_blocks", self.num_kv_blocks)
+        _require_positive_int("max_num_seqs", self.max_num_seqs)
+        _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _require_positive_int("max_model_len", self.max_model_len)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}), so every running request can decode each step."
+            )
+
+    def resolve_max_model_len(self, model_max_len: int) -> int:
+        """The effective length limit: the configured one, which may not exceed the model's."""
+        if self.max_model_len is None:
+            return model_max_len
+        if self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's maximum "
+                f"({model_max_len} positions)."
+            )
+        return self.max_model_len
+
+    def check_fits(self, max_model_len: int, num_kv_blocks: int) -> None:
+        """Refuse configurations that could never run a request of the full length."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"With chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be at least max_model_len ({max_model_len}); lower max_model_len or "
+                "enable chunked prefill."
+            )
+        blocks_needed = -(-max_model_len // self.block_size)
+        if num_kv_blocks < blocks_needed:
+            raise ValueError(
+                f"The KV cache holds {num_kv_blocks} blocks of {self.block_size} tokens, fewer than "
+                f"one request of max_model_len={max_model_len} needs ({blocks_needed}); raise the "
+                "KV cache budget or lower max_model_len."
+            )
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")

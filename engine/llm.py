@@ -1,0 +1,121 @@
+"""The offline entry point, shaped like vLLM's: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
+
+# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Load a model and generate offline, continuously batched.
+
+    Args:
+        model: a local Hugging Face Llama-family directory; None for the default model.
+        **engine_options: any :class:`EngineConfig` field (dtype, block_size,
+            max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, all batched together; outputs come back in prompt order.
+
+        Every prompt and parameter set is checked before any is queued, so a bad
+        one raises ``ValueError`` without leaving work behind.
+        """
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        requests = [self._token_ids_of(prompt) for prompt in prompt_list]
+        for (text, token_ids), params in zip(requests, params_list):
+            self.engine._prompt_token_ids(text, token_ids)  # validate all first
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}.")
+        request_ids = []
+        for (text, token_ids), params in zip(requests, params_list):
+            request_id = self.engine.next_request_id()
+            self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations (lists of {"role", "content"}) through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(conversation, add_generation_prompt) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> dict:
+        tokenizer = self.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("This model has no chat template; use generate() with a plain prompt.")
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    @staticmethod
+    def _params_per_prompt(params, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(count)]
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"Got {len(params)} sampling_params for {count} prompts.")
+        return params
+
+    @staticmethod
+    def _token_ids_of(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, str):
+            return prompt, None
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], None
+        raise ValueError('A prompt must be a string or a dict with "prompt_token_ids" or "prompt".')
+
+    def _run(self, request_ids: Iterable[str], use_tqdm: bool) -> list[RequestOutput]:
+        request_ids = list(request_ids)
+        final: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Generating", unit="req")
+        try:
+            while len(final) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        final[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        except BaseException:
+            for request_id in request_ids:
+                if request_id not in final:
+                    self.engine.abort_request(request_id)
+            self.engine.step()  # drain the abort outputs
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return [final[request_id] for request_id in request_ids]

@@ -1,0 +1,163 @@
+"""Turns a scheduled step into one forward pass and samples its next tokens.
+
+Owns the model weights and the KV cache tensor, allocated once from the memory
+budget: ``kv_caches[layer]`` is ``[2, num_blocks, block_size, kv_heads, head_dim]``
+(keys, then values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.attention import AttentionMetadata, PrefillSpan
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.models import ModelConfig, load_model
+from splitserve.engine.request import Request
+from splitserve.engine.sampling import Sampler
+from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+_ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
+
+
+def num_kv_blocks_for_budget(config: EngineConfig, model_config: ModelConfig) -> int:
+    """KV blocks that fit the configured budget (or the explicit block count)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    bytes_per_token = model_config.kv_bytes_per_token // 4 * _ELEMENT_SIZE[config.dtype]
+    return max(1, config.kv_cache_memory_bytes // (bytes_per_token * config.block_size))
+
+
+# Below this size the KV cache is zeroed explicitly; above, it comes from a fresh mmap.
+_ZERO_FILL_LIMIT_BYTES = 64 * 1024**2
+
+
+def _allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The KV cache, all zeros, without touching every page up front.
+
+    Slots past a sequence's end are read (and masked) by attention; they must hold
+    finite numbers, since a zero attention weight times NaN is NaN. A large
+    allocation is a fresh anonymous mapping, which the kernel zero-fills page by
+    page on first use, so the budget costs memory only as blocks are used
+    (writing gigabytes of zeros at start takes tens of seconds on a small VM).
+    A small one may reuse heap memory and is zeroed here.
+    """
+    cache = torch.empty(shape, dtype=dtype)
+    if cache.numel() * cache.element_size() < _ZERO_FILL_LIMIT_BYTES:
+        cache.zero_()
+    return cache
+
+
+@dataclass
+class SampledToken:
+    request: Request
+    token_id: int
+    logprobs: dict[int, float] | None
+
+
+@dataclass
+class _BatchInputs:
+    input_ids: torch.Tensor  # [tokens] int64
+    positions: torch.Tensor  # [tokens] int64
+    metadata: AttentionMetadata
+    sample_rows: list[int]  # rows whose logits are sampled, in the order of sample_requests
+    sample_requests: list[Request]
+
+
+class ModelRunner:
+    """The model, its KV cache and the sampler of one engine.
+
+    Args:
+        config: the engine configuration (dtype, block size, budget, seed).
+        model_dir: a Hugging Face model directory.
+        model_config: its parsed configuration.
+        max_model_len: positions the rotary tables must cover.
+    """
+
+    def __init__(self, config: EngineConfig, model_dir: str, model_config: ModelConfig, max_model_len: int) -> None:
+        self.block_size = config.block_size
+        self.model_config = model_config
+        self.model = load_model(model_dir, config.dtype, max_model_len)
+        self.dtype = self.model.model.embed_tokens.weight.dtype
+        self.num_blocks = num_kv_blocks_for_budget(config, model_config)
+        self.kv_cache = _allocate_kv_cache(
+            (model_config.num_hidden_layers, 2, self.num_blocks, self.block_size,
+             model_config.num_key_value_heads, model_config.head_dim),
+            self.dtype,
+        )
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.sampler = Sampler(config.seed)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput, block_tables: dict[str, list[int]]) -> list[SampledToken]:
+        """Run the step's forward pass; sample a token for every request that reached its last known token."""
+        inputs = self._prepare(output.scheduled, block_tables)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        if not inputs.sample_rows:
+            return []
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        sampled = self.sampler(logits, inputs.sample_requests)
+        return [
+            SampledToken(request, token_id, logprobs)
+            for request, token_id, logprobs in zip(inputs.sample_requests, sampled.sampled_token_ids, sampled.logprobs)
+        ]
+
+    def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> _BatchInputs:
+        """Flatten the step: decodes (one token each) first, then prompt chunks."""
+        decodes = [item for item in scheduled if item.num_new_tokens == 1]
+        prefills = [item for item in scheduled if item.num_new_tokens > 1]
+        token_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+
+        for row, item in enumerate(decodes):
+            request = item.request
+            token_ids.append(request.all_token_ids[request.num_computed_tokens])
+            positions.append(request.num_computed_tokens)
+            if item.sample:
+                sample_rows.append(row)
+                sample_requests.append(request)
+        decode_tables = [block_tables[item.request.request_id] for item in decodes]
+        slot_mapping = self._decode_slots(decode_tables, positions)
+
+        spans = []
+        for item in prefills:
+            request = item.request
+            start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
+            row = len(token_ids)
+            token_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            table = torch.tensor(block_tables[request.request_id], dtype=torch.int64)
+            spans.append(PrefillSpan(row, row + item.num_new_tokens, start, table))
+            chunk_positions = torch.arange(start, end)
+            slot_mapping.append(table[chunk_positions // self.block_size] * self.block_size + chunk_positions % self.block_size)
+            if item.sample:
+                sample_rows.append(row + item.num_new_tokens - 1)
+                sample_requests.append(request)
+
+        metadata = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), num_decode_tokens=len(decodes), prefills=spans)
+        if decodes:
+            metadata.decode_block_tables, metadata.decode_mask = self._decode_tables(decode_tables, positions[: len(decodes)])
+        return _BatchInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            metadata=metadata,
+            sample_rows=sample_rows,
+            sample_requests=sample_requests,
+        )
+
+    def _decode_slots(self, tables: list[list[int]], positions: list[int]) -> list[torch.Tensor]:
+        size = self.block_size
+        slots = [table[position // size] * size + position % size for table, position in zip(tables, positions)]
+        return [torch.tensor(slots, dtype=torch.int64)]
+
+    def _decode_tables(self, tables: list[list[int]], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded block tables [decodes, max_blocks] and the key mask [decodes, 1, 1, max_blocks * block_size]."""
+        max_blocks = max(position // self.block_size + 1 for position in positions)
+        padded = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in tables]
+        block_tables = torch.tensor(padded, dtype=torch.int64)
+        seq_lens = torch.tensor(positions, dtype=torch.int64) + 1
+        mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1)
+        return block_tables, mask.view(len(tables), 1, 1, -1)

@@ -1,0 +1,238 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+Module names follow the Hugging Face checkpoints except that q/k/v and
+gate/up projections are fused into one matrix each (one GEMM instead of three
+or two); :meth:`LlamaForCausalLM.load_weights` fuses them while loading.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.attention import AttentionMetadata, paged_attention
+from splitserve.engine.models.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in float32 whatever the dtype, as transformers does.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to ``max_positions``, built once."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = _inverse_frequencies(config)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [tokens]; query: [tokens, q_heads, head_dim]; key: [tokens, kv_heads, head_dim]."""
+        cos = self.cos[positions].unsqueeze(1).to(query.dtype)  # [tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(query.dtype)
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_frequencies(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    original = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = original / low_freq_factor
+    high_freq_wavelen = original / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        """hidden: [tokens, hidden_size]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]."""
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key = rotary(positions, query, key)
+        out = paged_attention(query, key, value, kv_cache[0], kv_cache[1], metadata, self.scale)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, metadata, rotary) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata, rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+
+    def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, metadata, self.rotary)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model: ``forward`` gives final hidden states, ``compute_logits`` the vocabulary scores."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [tokens]. Returns hidden states [tokens, hidden_size]."""
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [rows, hidden_size] -> logits [rows, vocab] (float32)."""
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights) -> None:
+        """Copy Hugging Face checkpoint tensors in, fusing q/k/v and gate/up.
+
+        Args:
+            weights: iterable of (name, tensor) in Hugging Face naming.
+        Raises:
+            ValueError: a required tensor is missing or has the wrong shape.
+        """
+        params = dict(self.named_parameters())
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for part, (fused_name, index) in fused.items():
+                if f".{part}." in name:
+                    target, shard = name.replace(part, fused_name), index
+                    break
+            if target not in params:
+                continue  # e.g. unused buffers some checkpoints carry
+            param = params[target]
+            if shard is None:
+                _copy_checked(param.data, tensor, name)
+            else:
+                _copy_checked(self._shard_view(target, param, shard), tensor, name)
+            loaded.add(f"{target}#{shard}")
+        self._check_all_loaded(params, loaded)
+
+    def _shard_view(self, target: str, param: torch.Tensor, shard: int) -> torch.Tensor:
+        config = self.config
+        if "qkv_proj" in target:
+            q_size = config.num_attention_heads * config.head_dim
+            kv_size = config.num_key_value_heads * config.head_dim
+            sizes = [q_size, kv_size, kv_size]
+        else:
+            sizes = [config.intermediate_size, config.intermediate_size]
+        start = sum(sizes[:shard])
+        return param.data.narrow(0, start, sizes[shard])
+
+    def _check_all_loaded(self, params: dict, loaded: set[str]) -> None:
+        missing = []
+        for target in params:
+            shards = 3 if "qkv_proj" in target else 2 if "gate_up_proj" in target else None
+            keys = [f"{target}#{shard}" for shard in range(shards)] if shards else [f"{target}#None"]
+            missing += [key for key in keys if key not in loaded]
+        if missing:
+            raise ValueError(f"The checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}.")
+
+
+def _copy_checked(destination: torch.Tensor, source: torch.Tensor, name: str) -> None:
+    if destination.shape != source.shape:
+        raise ValueError(f"Checkpoint tensor {name} has shape {tuple(source.shape)}, expected {tuple(destination.shape)}.")
+    destination.copy_(source)

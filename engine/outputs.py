@@ -1,0 +1,48 @@
+"""What the engine hands back per request: vLLM-shaped ``RequestOutput`` objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    # The whole generated text so far (stop strings excluded).
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    # Per generated token {token_id: logprob}, when SamplingParams.logprobs was set.
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    # The stop string or stop token id that finished the request, or an error message.
+    stop_reason: int | str | None = None
+    # Text and token ids added since the previous output of this request (for streaming).
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    # time.monotonic() seconds.
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    # Prompt tokens served from the prefix cache.
+    num_cached_tokens: int = 0

@@ -1,0 +1,215 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests
+come first, in arrival order: a decode takes one token, an unfinished prompt
+takes what is left of it (or of the budget, with chunked prefill). Waiting
+requests join while budget, ``max_num_seqs`` and free blocks allow. When a
+running request cannot get a block, the most recently started request is
+preempted (its blocks freed, to be recomputed later from the queue's front).
+
+Requests in ``WAITING_FOR_REMOTE_KVS`` hold the blocks reserved for their
+prompt and are skipped until :meth:`Scheduler.finish_remote_kv`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.request import Request, RequestStatus
+
+
+class KVCacheFullError(RuntimeError):
+    """The KV cache has too few free blocks to reserve a remote request's prompt."""
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    # Tokens computed in this step: all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens].
+    num_new_tokens: int
+    # Whether the step ends at the request's last known token, so its logits are sampled.
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    # Requests of this step, in batch order; their token ranges are contiguous in the flattened batch.
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Total tokens of the step (sum of num_new_tokens).
+    num_batched_tokens: int = 0
+    # Requests preempted while making room in this step.
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns every unfinished request of one engine and decides each step's batch.
+
+    Args:
+        kv_cache: the block tables; the scheduler is the only one that allocates and frees.
+        max_num_seqs: most requests in the running set.
+        max_num_batched_tokens: per-step token budget.
+        enable_chunked_prefill: split prompts longer than the remaining budget.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_remote_kvs: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request, remote_kv: bool = False) -> None:
+        """Queue a request.
+
+        With ``remote_kv``, blocks for the whole prompt are reserved now and the
+        request waits in ``WAITING_FOR_REMOTE_KVS``; raises :class:`KVCacheFullError`
+        (changing nothing) when they cannot be reserved.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        if remote_kv:
+            if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens, cache_blocks=False):
+                raise KVCacheFullError(
+                    f"Cannot reserve {self.kv_cache.num_blocks_for(request.num_prompt_tokens)} KV blocks "
+                    f"for request {request.request_id!r}: {self.kv_cache.free_block_count} are free."
+                )
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.waiting_for_remote_kvs[request.request_id] = request
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_remote_kv(self, request_id: str, num_computed_tokens: int) -> Request:
+        """The KV of the first ``num_computed_tokens`` tokens is in the request's blocks.
+
+        Moves the request from ``WAITING_FOR_REMOTE_KVS`` to the waiting queue;
+        its blocks enter the prefix cache.
+        """
+        request = self.waiting_for_remote_kvs.pop(request_id, None)
+        if request is None:
+            raise KeyError(f"Request {request_id!r} is not waiting for remote KV.")
+        if not 0 <= num_computed_tokens <= request.num_prompt_tokens:
+            raise ValueError(f"num_computed_tokens must be within the prompt, got {num_computed_tokens}.")
+        request.num_computed_tokens = num_computed_tokens
+        request.num_cached_tokens = 0
+        self.kv_cache.cache_full_blocks(request, num_computed_tokens)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        return request
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request in any state with a finished ``status``; its blocks return to the pool."""
+        assert RequestStatus.is_finished(status), status
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            del self.waiting_for_remote_kvs[request.request_id]
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose the next step's batch; allocates blocks (and may preempt) to fit it."""
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.max_num_batched_tokens)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        output.num_batched_tokens = sum(item.num_new_tokens for item in output.scheduled)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_tokens_to_schedule(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                output.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                index += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached_block_ids: list[int] = []
+            num_computed = request.num_computed_tokens
+            if not self.kv_cache.block_ids(request.request_id):
+                cached_block_ids, num_computed = self.kv_cache.find_cached_prefix(request)
+            num_new = request.num_tokens - num_computed
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv_cache.allocate_slots(request, num_new, cached_block_ids):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if num_new <= budget:
+            return num_new
+        return budget if self.enable_chunked_prefill else 0
+
+    @staticmethod
+    def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
+        sample = request.num_computed_tokens + num_new == request.num_tokens
+        return ScheduledRequest(request, num_new, sample)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """Advance ``num_computed_tokens`` of every request the step computed."""
+        for item in output.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens

