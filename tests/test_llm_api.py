@@ -1,0 +1,175 @@
+"""The offline API end to end: sampling through the engine, stop conditions, errors, aborts."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve import LLM, SamplingParams
+
+PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):", "Water boils at"]
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), num_kv_blocks=256, max_model_len=1024)
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    assert llm.engine.free_block_count == llm.engine.num_kv_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    (alone,) = llm.generate(PROMPTS[1], seeded, use_tqdm=False)
+    others = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    batch = llm.generate(
+        [PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3]], [others, others, seeded, others], use_tqdm=False
+    )
+    assert batch[2].outputs[0].token_ids == alone.outputs[0].token_ids
+    (other_seed,) = llm.generate(PROMPTS[1], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
+    assert_all_blocks_free(llm)
+
+
+def test_top_k_one_equals_greedy(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    top1 = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=12), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in top1] == [o.outputs[0].token_ids for o in greedy]
+
+
+def test_stop_string_ends_generation_and_is_left_out(llm):
+    (free_run,) = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    text = free_run.outputs[0].text  # " Paris.\n\nThe answer is: ..."
+    assert "." in text
+    (stopped,) = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop=["."]), use_tqdm=False)
+    completion = stopped.outputs[0]
+    assert completion.text == text[: text.index(".")]
+    assert completion.finish_reason == "stop" and completion.stop_reason == "."
+    assert len(completion.token_ids) < len(free_run.outputs[0].token_ids)
+
+
+def test_stop_token_id_ends_generation_and_is_kept_in_ids(llm):
+    (free_run,) = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    ids = free_run.outputs[0].token_ids
+    stop_id = ids[3]
+    (stopped,) = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]), use_tqdm=False)
+    first = ids.index(stop_id)
+    assert stopped.outputs[0].token_ids == ids[: first + 1]
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == stop_id
+    # min_tokens keeps it going past the stop id.
+    (longer,) = llm.generate(
+        PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id], min_tokens=first + 2), use_tqdm=False
+    )
+    assert len(longer.outputs[0].token_ids) > first + 1
+
+
+def test_max_tokens_gives_length_finish_and_logprobs(llm):
+    (output,) = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3), use_tqdm=False)
+    completion = output.outputs[0]
+    assert len(completion.token_ids) == 5 and completion.finish_reason == "length"
+    assert len(completion.logprobs) == 5
+    for token_id, step in zip(completion.token_ids, completion.logprobs):
+        assert token_id in step and 3 <= len(step) <= 4
+        # Greedy: the chosen token is the most likely one.
+        assert step[token_id] == max(step.values())
+    assert completion.cumulative_logprob == pytest.approx(sum(s[t] for s, t in zip(completion.logprobs, completion.token_ids)))
+
+
+def test_chat_applies_the_template(llm):
+    (output,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=16))
+    assert "<|im_start|>assistant" in output.prompt
+    assert "Paris" in output.outputs[0].text
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logprobs": 100}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_refused_and_others_go_on(llm):
+    engine = llm.engine
+    engine.add_request("good", PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
+    with pytest.raises(ValueError, match="max_model_len is 1024"):
+        engine.add_request("long", None, SamplingParams(), prompt_token_ids=[100] * 1024)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", None, SamplingParams(), prompt_token_ids=[])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("oov", None, SamplingParams(), prompt_token_ids=[5, 10**6])
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", PROMPTS[1], SamplingParams())
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert outputs[-1].request_id == "good" and outputs[-1].outputs[0].text.startswith(" Paris")
+    assert_all_blocks_free(llm)
+    # generate() checks every prompt first: a bad one queues nothing.
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([PROMPTS[0], {"prompt_token_ids": [100] * 2000}], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+def test_abort_mid_generation_frees_blocks_and_reports_abort(llm):
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[1], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.add_request("b", PROMPTS[2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.abort_request("a")
+    assert not engine.abort_request("a")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    finished = {output.request_id: output for output in outputs if output.finished}
+    assert finished["a"].outputs[0].finish_reason == "abort"
+    assert finished["b"].outputs[0].finish_reason == "length"
+    assert len(finished["b"].outputs[0].token_ids) == 6
+    assert_all_blocks_free(llm)
+
+
+def test_streaming_deltas_add_up_to_the_text(llm):
+    engine = llm.engine
+    engine.add_request("s", PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, stop=["\n\n"]))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            deltas.append(output.outputs[0].delta_text)
+            final = output
+    assert "".join(deltas) == final.outputs[0].text
+    assert final.finished and final.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_engine_config_errors_are_clear(model_dir):
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(str(model_dir), block_size=0)
+    with pytest.raises(ValueError, match="fewer than one request"):
+        LLM(str(model_dir), num_kv_blocks=4, max_model_len=1024)
+    with pytest.raises(ValueError, match="exceeds the model's maximum"):
+        LLM(str(model_dir), num_kv_blocks=8, max_model_len=100_000)
+
+
+def test_unsupported_architecture_is_named(tmp_path, model_dir):
+    import json
+    import shutil
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="Unsupported model architecture GPT2LMHeadModel.*Llama"):
+        LLM(str(tmp_path), num_kv_blocks=8, max_model_len=64)
