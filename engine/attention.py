@@ -1,7 +1,10 @@
 """Paged attention in plain torch: the CPU backend, and the reference for the Triton kernels.
 
-The KV cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads,
-head_dim]``; token ``t`` of a request lives in slot ``block_table[t // B] * B + t % B``.
+The KV cache of one layer is two tensors ``[num_kv_heads, num_blocks, block_size,
+head_dim]``; token ``t`` of a request lives in slot ``block_table[t // B] * B + t % B``
+of every head. Head-major: gathering a request's blocks gives each head's keys
+as one contiguous ``[tokens, head_dim]`` matrix, ready for attention without a
+transposing copy.
 
 A step's batch is flattened: decode tokens first (one per request), then the
 prefill chunks. :class:`AttentionMetadata` is built once per step by the model
@@ -30,15 +33,24 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode requests of similar context length, attended together (padding stays small)."""
+
+    # Rows [row_start, row_end) of the flattened batch, one token per request.
+    row_start: int
+    row_end: int
+    # [requests, max_blocks] int64, padded with block 0 (masked).
+    block_tables: torch.Tensor
+    # [kv_heads * requests, 1, 1, max_blocks * block_size] bool: True where a key position is valid.
+    mask: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     # Where each token's K/V is written: [num_tokens] int64 slot ids.
     slot_mapping: torch.Tensor
-    # Decode tokens occupy rows [0, num_decode_tokens), one per request.
-    num_decode_tokens: int = 0
-    # [num_decodes, max_blocks] int64, padded with block 0 (masked).
-    decode_block_tables: torch.Tensor | None = None
-    # [num_decodes, 1, 1, max_blocks * block_size] bool: True where a key position is valid.
-    decode_mask: torch.Tensor | None = None
+    # Decode tokens come first in the batch, grouped by context length.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -47,11 +59,11 @@ def write_kv(
 ) -> None:
     """Store the step's keys and values into their slots.
 
-    key_cache, value_cache: [num_blocks, block_size, kv_heads, head_dim]; key, value: [num_tokens, kv_heads, head_dim].
+    key_cache, value_cache: [kv_heads, num_blocks, block_size, head_dim]; key, value: [num_tokens, kv_heads, head_dim].
     """
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
+    value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
 def paged_attention(
@@ -72,9 +84,9 @@ def paged_attention(
     """
     write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
     output = torch.empty_like(query)
-    num_decode = metadata.num_decode_tokens
-    if num_decode:
-        output[:num_decode] = decode_attention(query[:num_decode], key_cache, value_cache, metadata, scale)
+    for group in metadata.decode_groups:
+        rows = slice(group.row_start, group.row_end)
+        output[rows] = decode_attention(query[rows], key_cache, value_cache, group, scale)
     for span in metadata.prefills:
         rows = slice(span.query_start, span.query_end)
         output[rows] = prefill_attention(query[rows], key[rows], value[rows], key_cache, value_cache, span, scale)
@@ -82,24 +94,22 @@ def paged_attention(
 
 
 def decode_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
     """One new token per request, each over its whole context.
 
     query: [num_decodes, q_heads, head_dim]. Returns the same shape.
     """
     num_decodes, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    block_tables = metadata.decode_block_tables
-    # keys, values: [num_decodes, kv_heads, max_blocks * block_size, head_dim]
-    keys = _gather_blocks(key_cache, block_tables).transpose(1, 2)
-    values = _gather_blocks(value_cache, block_tables).transpose(1, 2)
-    # q: [num_decodes, q_heads, 1, head_dim]
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), keys, values, attn_mask=metadata.decode_mask, scale=scale,
-        enable_gqa=num_q_heads != num_kv_heads,
-    )
-    return out.view(num_decodes, num_q_heads, head_dim)
+    num_kv_heads = key_cache.shape[0]
+    group_size = num_q_heads // num_kv_heads
+    # keys, values: [kv_heads * num_decodes, 1, max_blocks * block_size, head_dim]
+    keys = _gather_blocks(key_cache, group.block_tables).flatten(0, 1).unsqueeze(1)
+    values = _gather_blocks(value_cache, group.block_tables).flatten(0, 1).unsqueeze(1)
+    # The query heads sharing a KV head act as a short query sequence: [kv_heads * num_decodes, 1, group, head_dim]
+    q = query.view(num_decodes, num_kv_heads, group_size, head_dim).transpose(0, 1).reshape(-1, 1, group_size, head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=scale)
+    return out.view(num_kv_heads, num_decodes, group_size, head_dim).transpose(0, 1).reshape(num_decodes, num_q_heads, head_dim)
 
 
 def prefill_attention(
@@ -127,20 +137,20 @@ def prefill_attention(
     else:
         total = span.num_context_tokens + num_new
         # k, v: [1, kv_heads, total, head_dim] read back from the cache (context + this chunk).
-        k = _gather_blocks(key_cache, span.block_table.unsqueeze(0))[:, :total].transpose(1, 2)
-        v = _gather_blocks(value_cache, span.block_table.unsqueeze(0))[:, :total].transpose(1, 2)
+        k = _gather_blocks(key_cache, span.block_table.unsqueeze(0))[:, :, :total]
+        v = _gather_blocks(value_cache, span.block_table.unsqueeze(0))[:, :, :total]
         query_positions = torch.arange(span.num_context_tokens, total).unsqueeze(1)
         mask = torch.arange(total).unsqueeze(0) <= query_positions  # [chunk, total]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """cache: [num_blocks, block_size, kv_heads, head_dim]; block_tables: [batch, max_blocks].
+    """cache: [kv_heads, num_blocks, block_size, head_dim]; block_tables: [batch, max_blocks].
 
-    Returns: [batch, max_blocks * block_size, kv_heads, head_dim] (a copy).
+    Returns: [kv_heads, batch, max_blocks * block_size, head_dim] (a contiguous copy).
     """
     batch, max_blocks = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = cache.index_select(0, block_tables.reshape(-1))
-    return gathered.view(batch, max_blocks * block_size, num_kv_heads, head_dim)
+    num_kv_heads, _, block_size, head_dim = cache.shape
+    gathered = cache.index_select(1, block_tables.reshape(-1))
+    return gathered.view(num_kv_heads, batch, max_blocks * block_size, head_dim)

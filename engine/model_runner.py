@@ -1,7 +1,7 @@
 """Turns a scheduled step into one forward pass and samples its next tokens.
 
 Owns the model weights and the KV cache tensor, allocated once from the memory
-budget: ``kv_caches[layer]`` is ``[2, num_blocks, block_size, kv_heads, head_dim]``
+budget: ``kv_caches[layer]`` is ``[2, kv_heads, num_blocks, block_size, head_dim]``
 (keys, then values).
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.attention import AttentionMetadata, PrefillSpan
+from splitserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
@@ -82,8 +82,8 @@ class ModelRunner:
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.num_blocks = num_kv_blocks_for_budget(config, model_config)
         self.kv_cache = _allocate_kv_cache(
-            (model_config.num_hidden_layers, 2, self.num_blocks, self.block_size,
-             model_config.num_key_value_heads, model_config.head_dim),
+            (model_config.num_hidden_layers, 2, model_config.num_key_value_heads,
+             self.num_blocks, self.block_size, model_config.head_dim),
             self.dtype,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
@@ -104,8 +104,10 @@ class ModelRunner:
         ]
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> _BatchInputs:
-        """Flatten the step: decodes (one token each) first, then prompt chunks."""
-        decodes = [item for item in scheduled if item.num_new_tokens == 1]
+        """Flatten the step: decodes (one token each, shortest context first), then prompt chunks."""
+        decodes = sorted(
+            (item for item in scheduled if item.num_new_tokens == 1), key=lambda item: item.request.num_computed_tokens
+        )
         prefills = [item for item in scheduled if item.num_new_tokens > 1]
         token_ids: list[int] = []
         positions: list[int] = []
@@ -120,7 +122,11 @@ class ModelRunner:
                 sample_rows.append(row)
                 sample_requests.append(request)
         decode_tables = [block_tables[item.request.request_id] for item in decodes]
-        slot_mapping = self._decode_slots(decode_tables, positions)
+        slot_mapping = [self._decode_slots(decode_tables, positions)]
+        decode_groups = [
+            self._decode_group(start, end, decode_tables[start:end], positions[start:end])
+            for start, end in group_by_length([position + 1 for position in positions])
+        ]
 
         spans = []
         for item in prefills:
@@ -137,9 +143,7 @@ class ModelRunner:
                 sample_rows.append(row + item.num_new_tokens - 1)
                 sample_requests.append(request)
 
-        metadata = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), num_decode_tokens=len(decodes), prefills=spans)
-        if decodes:
-            metadata.decode_block_tables, metadata.decode_mask = self._decode_tables(decode_tables, positions[: len(decodes)])
+        metadata = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), decode_groups=decode_groups, prefills=spans)
         return _BatchInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
@@ -148,16 +152,44 @@ class ModelRunner:
             sample_requests=sample_requests,
         )
 
-    def _decode_slots(self, tables: list[list[int]], positions: list[int]) -> list[torch.Tensor]:
+    def _decode_slots(self, tables: list[list[int]], positions: list[int]) -> torch.Tensor:
         size = self.block_size
         slots = [table[position // size] * size + position % size for table, position in zip(tables, positions)]
-        return [torch.tensor(slots, dtype=torch.int64)]
+        return torch.tensor(slots, dtype=torch.int64)
 
-    def _decode_tables(self, tables: list[list[int]], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded block tables [decodes, max_blocks] and the key mask [decodes, 1, 1, max_blocks * block_size]."""
+    def _decode_group(self, start: int, end: int, tables: list[list[int]], positions: list[int]) -> DecodeGroup:
+        """Padded block tables and the key mask of decode rows [start, end)."""
         max_blocks = max(position // self.block_size + 1 for position in positions)
         padded = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in tables]
-        block_tables = torch.tensor(padded, dtype=torch.int64)
         seq_lens = torch.tensor(positions, dtype=torch.int64) + 1
-        mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1)
-        return block_tables, mask.view(len(tables), 1, 1, -1)
+        mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1)  # [requests, keys]
+        num_kv_heads = self.model_config.num_key_value_heads
+        mask = mask.unsqueeze(0).expand(num_kv_heads, -1, -1).reshape(num_kv_heads * len(tables), 1, 1, -1)
+        return DecodeGroup(start, end, torch.tensor(padded, dtype=torch.int64), mask)
+
+
+# A decode group grows while padding it to its longest member wastes at most this fraction.
+MAX_DECODE_PADDING = 0.25
+MIN_DECODE_GROUP = 8
+
+
+def group_by_length(lengths: list[int]) -> list[tuple[int, int]]:
+    """Split ascending context lengths into contiguous groups with little padding.
+
+    Each group is padded to its longest member; a group closes when adding the next
+    request would pad more than MAX_DECODE_PADDING of its real length (but holds at
+    least MIN_DECODE_GROUP requests, since every group costs a few kernel launches).
+
+    Returns: [(start, end)] row ranges covering all of ``lengths``.
+    """
+    groups: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for index, length in enumerate(lengths):
+        count = index - start + 1
+        if count > MIN_DECODE_GROUP and length * count > (1 + MAX_DECODE_PADDING) * (total + length):
+            groups.append((start, index))
+            start, total = index, 0
+        total += length
+    if lengths:
+        groups.append((start, len(lengths)))
+    return groups

@@ -102,7 +102,7 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
-        """hidden: [tokens, hidden_size]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]."""
+        """hidden: [tokens, hidden_size]; kv_cache: [2, kv_heads, num_blocks, block_size, head_dim]."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
