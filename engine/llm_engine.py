@@ -95,7 +95,7 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        token_ids = self.prompt_token_ids_of(prompt, prompt_token_ids)
         room = self.max_model_len - len(token_ids)
         request = Request(
             request_id=request_id,
@@ -109,7 +109,8 @@ class LLMEngine:
         self._prompts[request_id] = prompt
         return request
 
-    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+    def prompt_token_ids_of(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        """The validated token ids of a prompt (text is tokenized). Raises ValueError with the reason."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError("A prompt must be a string or a list of token ids.")

@@ -7,6 +7,8 @@ budget: ``kv_caches[layer]`` is ``[2, kv_heads, num_blocks, block_size, head_dim
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -29,24 +31,23 @@ def num_kv_blocks_for_budget(config: EngineConfig, model_config: ModelConfig) ->
     return max(1, config.kv_cache_memory_bytes // (bytes_per_token * config.block_size))
 
 
-# Below this size the KV cache is zeroed explicitly; above, it comes from a fresh mmap.
-_ZERO_FILL_LIMIT_BYTES = 64 * 1024**2
-
-
 def _allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The KV cache, all zeros, without touching every page up front.
+    """The KV cache, all zeros, backed by a fresh anonymous mapping with huge pages.
 
-    Slots past a sequence's end are read (and masked) by attention; they must hold
-    finite numbers, since a zero attention weight times NaN is NaN. A large
-    allocation is a fresh anonymous mapping, which the kernel zero-fills page by
-    page on first use, so the budget costs memory only as blocks are used
+    Slots past a sequence's end are read (and masked) by attention, so they must
+    hold finite numbers: a zero attention weight times NaN is NaN. The kernel
+    zero-fills an anonymous mapping page by page on first use, so the budget
+    costs memory only as blocks are used, and nothing is written up front
     (writing gigabytes of zeros at start takes tens of seconds on a small VM).
-    A small one may reuse heap memory and is zeroed here.
+    Huge pages make each first touch cover 2 MiB instead of 4 KiB.
     """
-    cache = torch.empty(shape, dtype=dtype)
-    if cache.numel() * cache.element_size() < _ZERO_FILL_LIMIT_BYTES:
-        cache.zero_()
-    return cache
+    numel = math.prod(shape)
+    num_bytes = numel * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    # The tensor holds a reference to the buffer, which lives as long as it does.
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
 @dataclass
@@ -162,9 +163,9 @@ class ModelRunner:
         max_blocks = max(position // self.block_size + 1 for position in positions)
         padded = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in tables]
         seq_lens = torch.tensor(positions, dtype=torch.int64) + 1
-        mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1)  # [requests, keys]
+        padding = torch.arange(max_blocks * self.block_size).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [requests, keys]
         num_kv_heads = self.model_config.num_key_value_heads
-        mask = mask.unsqueeze(0).expand(num_kv_heads, -1, -1).reshape(num_kv_heads * len(tables), 1, 1, -1)
+        mask = padding.unsqueeze(0).expand(num_kv_heads, -1, -1).reshape(num_kv_heads * len(tables), 1, -1)
         return DecodeGroup(start, end, torch.tensor(padded, dtype=torch.int64), mask)
 
 

@@ -17,6 +17,10 @@ from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.models.model_config import ModelConfig
 
 
+# Up to this many rows, logits use the transposed copy of the head (decode of small batches).
+_SMALL_BATCH_ROWS = 4
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -25,10 +29,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in float32 whatever the dtype, as transformers does.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype != torch.float32:
+            return self.weight * _rms_normalize(x.float(), self.eps).to(x.dtype)
+        return self.weight * _rms_normalize(x, self.eps)
+
+
+def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -43,11 +50,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [tokens]; query: [tokens, q_heads, head_dim]; key: [tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(query.dtype)  # [tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(query.dtype)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the step's positions ([tokens]): each [tokens, 1, head_dim], looked up once per step."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim]."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -96,20 +106,19 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        rotary: RotaryEmbedding,
+        rotary_tables: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """hidden: [tokens, hidden_size]; kv_cache: [2, kv_heads, num_blocks, block_size, head_dim]."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        query, key = rotary(positions, query, key)
+        # Queries and keys are rotated together: [tokens, q_heads + kv_heads, head_dim].
+        query_key = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        query_key = apply_rotary(query_key, *rotary_tables)
+        query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
+        value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(query, key, value, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -134,8 +143,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, metadata, rotary) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata, rotary)
+    def forward(self, hidden, kv_cache, metadata, rotary_tables) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, metadata, rotary_tables)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -149,8 +158,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rotary_tables = self.rotary.tables(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, metadata, self.rotary)
+            hidden = layer(hidden, kv_cache, metadata, rotary_tables)
         return self.norm(hidden)
 
 
@@ -163,6 +173,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, max_positions)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._transposed_head: torch.Tensor | None = None
 
     def forward(
         self,
@@ -176,8 +187,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [rows, hidden_size] -> logits [rows, vocab] (float32)."""
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if hidden.shape[0] <= _SMALL_BATCH_ROWS:
+            return torch.mm(hidden, self._head_weight_transposed()).float()
+        return F.linear(hidden, self._head_weight()).float()
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def _head_weight_transposed(self) -> torch.Tensor:
+        """[hidden, vocab] copy of the head, made on first use: a vector times it reads memory
+        in order, about twice as fast as through the [vocab, hidden] layout on CPU."""
+        if self._transposed_head is None:
+            self._transposed_head = self._head_weight().t().contiguous()
+        return self._transposed_head
 
     def load_weights(self, weights) -> None:
         """Copy Hugging Face checkpoint tensors in, fusing q/k/v and gate/up.
