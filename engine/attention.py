@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from splitserve.kernels import cpu_paged_attention
+
 
 @dataclass
 class PrefillSpan:
@@ -41,8 +43,11 @@ class DecodeGroup:
     row_end: int
     # [requests, max_blocks] int64, padded with block 0 (masked).
     block_tables: torch.Tensor
-    # [kv_heads * requests, 1, max_blocks * block_size] bool: True where a key position is PAST the request's end.
-    mask: torch.Tensor
+    # [requests] int64: context length of each request, the new token included.
+    seq_lens: torch.Tensor
+    # [kv_heads * requests, 1, max_blocks * block_size] bool: True where a key position is PAST the
+    # request's end (torch path only; None when the C++ kernel attends).
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -86,7 +91,12 @@ def paged_attention(
     output = torch.empty_like(query)
     for group in metadata.decode_groups:
         rows = slice(group.row_start, group.row_end)
-        output[rows] = decode_attention(query[rows], key_cache, value_cache, group, scale)
+        if group.mask is None:
+            output[rows] = cpu_paged_attention.paged_decode_attention(
+                query[rows], key_cache, value_cache, group.block_tables, group.seq_lens, scale
+            )
+        else:
+            output[rows] = decode_attention(query[rows], key_cache, value_cache, group, scale)
     for span in metadata.prefills:
         rows = slice(span.query_start, span.query_end)
         output[rows] = prefill_attention(query[rows], key[rows], value[rows], key_cache, value_cache, span, scale)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _DTYPES = ("float32", "bfloat16")
+_ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 DEFAULT_KV_CACHE_BYTES = 4 * 1024**3  # like vLLM-CPU's default KV space
 
 
@@ -24,6 +25,8 @@ class EngineConfig:
         enable_chunked_prefill: split long prompts across steps, mixed with decodes.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         seed: seed of the random generator used by requests without their own seed.
+        attention_backend: decode attention in "cpu" (the C++ kernel, float32), "torch"
+            (the plain-torch reference), or "auto" (the kernel when it can be built).
     """
 
     model: str | None = None
@@ -37,8 +40,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     seed: int = 0
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(_ATTENTION_BACKENDS)}, got {self.attention_backend!r}."
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
         _require_positive_int("block_size", self.block_size)

@@ -18,6 +18,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
+from splitserve.kernels import cpu_paged_attention
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
@@ -48,6 +49,16 @@ def _allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
         buffer.madvise(mmap.MADV_HUGEPAGE)
     # The tensor holds a reference to the buffer, which lives as long as it does.
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+
+
+def _use_cpu_kernel(backend: str, dtype: torch.dtype) -> bool:
+    """Whether decode attention runs in the C++ kernel (compiled on first use) or in plain torch."""
+    if backend == "torch":
+        return False
+    usable = dtype == torch.float32 and cpu_paged_attention.available()
+    if backend == "cpu" and not usable:
+        raise ValueError("attention_backend='cpu' needs float32 and a C++ compiler to build the kernel.")
+    return usable
 
 
 @dataclass
@@ -88,6 +99,7 @@ class ModelRunner:
             self.dtype,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self.use_cpu_kernel = _use_cpu_kernel(config.attention_backend, self.dtype)
         self.sampler = Sampler(config.seed)
 
     @torch.inference_mode()
@@ -124,9 +136,12 @@ class ModelRunner:
                 sample_requests.append(request)
         decode_tables = [block_tables[item.request.request_id] for item in decodes]
         slot_mapping = [self._decode_slots(decode_tables, positions)]
+        # The C++ kernel reads each request's own blocks: one group, no padding to worry about.
+        ranges = [(0, len(decodes))] if self.use_cpu_kernel else group_by_length([p + 1 for p in positions])
         decode_groups = [
             self._decode_group(start, end, decode_tables[start:end], positions[start:end])
-            for start, end in group_by_length([position + 1 for position in positions])
+            for start, end in ranges
+            if end > start
         ]
 
         spans = []
@@ -159,14 +174,16 @@ class ModelRunner:
         return torch.tensor(slots, dtype=torch.int64)
 
     def _decode_group(self, start: int, end: int, tables: list[list[int]], positions: list[int]) -> DecodeGroup:
-        """Padded block tables and the key mask of decode rows [start, end)."""
+        """Padded block tables, context lengths and (torch path) the key mask of decode rows [start, end)."""
         max_blocks = max(position // self.block_size + 1 for position in positions)
         padded = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in tables]
         seq_lens = torch.tensor(positions, dtype=torch.int64) + 1
-        padding = torch.arange(max_blocks * self.block_size).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [requests, keys]
-        num_kv_heads = self.model_config.num_key_value_heads
-        mask = padding.unsqueeze(0).expand(num_kv_heads, -1, -1).reshape(num_kv_heads * len(tables), 1, -1)
-        return DecodeGroup(start, end, torch.tensor(padded, dtype=torch.int64), mask)
+        group = DecodeGroup(start, end, torch.tensor(padded, dtype=torch.int64), seq_lens, None)
+        if not self.use_cpu_kernel:
+            padding = torch.arange(max_blocks * self.block_size).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [requests, keys]
+            num_kv_heads = self.model_config.num_key_value_heads
+            group.mask = padding.unsqueeze(0).expand(num_kv_heads, -1, -1).reshape(num_kv_heads * len(tables), 1, -1)
+        return group
 
 
 # A decode group grows while padding it to its longest member wastes at most this fraction.

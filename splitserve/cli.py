@@ -82,6 +82,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-chunked-prefill", action="store_true", help="never split a prompt across steps")
     group.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
     group.add_argument("--engine-seed", type=int, default=0, help="seed for requests without their own --seed (default: %(default)s)")
+    group.add_argument(
+        "--attention-backend", choices=("auto", "cpu", "torch"), default="auto",
+        help="decode attention: the C++ CPU kernel (compiled on first use, float32), plain torch, "
+        "or auto (the kernel when it can be built) (default: %(default)s)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -96,6 +101,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.engine_seed,
+        attention_backend=args.attention_backend,
     )
 
 
