@@ -163,6 +163,8 @@ def _generate(args: argparse.Namespace) -> int:
                 "prompt": output.prompt, "text": completion.text, "token_ids": completion.token_ids,
                 "finish_reason": completion.finish_reason, "num_prompt_tokens": len(output.prompt_token_ids),
             }
+            if completion.logprobs is not None:
+                record["logprobs"] = [{str(token): value for token, value in step.items()} for step in completion.logprobs]
             if sink:
                 sink.write(json.dumps(record) + "\n")
             else:

@@ -1,0 +1,60 @@
+"""The `splitserve` command, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+SMALL_ENGINE = ["--kv-cache-gb", "0.1", "--max-model-len", "512"]
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_single_prompt_streams_text(model_dir):
+    result = run_cli("generate", "The capital of France is", "--max-tokens", "4", *SMALL_ENGINE)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(" Paris")
+    assert "[length]" in result.stderr
+
+
+def test_jsonl_batch_writes_one_result_a_line(tmp_path, model_dir, tokenizer):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [
+        {"prompt": "The capital of France is", "max_tokens": 3},
+        {"prompt_token_ids": tokenizer.encode("Water boils at")},
+        {"messages": [{"role": "user", "content": "Say hi"}], "logprobs": 2},
+    ]
+    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    output = tmp_path / "out.jsonl"
+    result = run_cli("generate", "--file", str(prompts), "--output", str(output), "--max-tokens", "5", *SMALL_ENGINE)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(records) == 3
+    assert len(records[0]["token_ids"]) == 3 and records[0]["text"].startswith(" Paris")
+    assert records[1]["num_prompt_tokens"] == len(tokenizer.encode("Water boils at"))
+    assert len(records[2]["logprobs"]) == len(records[2]["token_ids"])
+    assert "<|im_start|>assistant" in records[2]["prompt"]
+
+
+def test_bad_input_gives_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    result = run_cli("generate", "--file", str(bad))
+    assert result.returncode == 2
+    assert "bad.jsonl:2: not valid JSON" in result.stderr
+    result = run_cli("generate", "hello", "--temperature", "-1")
+    assert result.returncode == 2
+    assert "temperature must be >= 0" in result.stderr
+    result = run_cli("generate")
+    assert result.returncode == 2 and "at least one prompt" in result.stderr
+
+
+def test_help_lists_every_command():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "generate" in result.stdout and "prepare-model" in result.stdout
