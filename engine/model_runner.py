@@ -15,6 +15,7 @@ import torch
 
 from splitserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.model_store import cache_dir
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
@@ -55,7 +56,7 @@ def _use_cpu_kernel(backend: str, dtype: torch.dtype) -> bool:
     """Whether decode attention runs in the C++ kernel (compiled on first use) or in plain torch."""
     if backend == "torch":
         return False
-    usable = dtype == torch.float32 and cpu_paged_attention.available()
+    usable = dtype == torch.float32 and cpu_paged_attention.available(str(cache_dir()))
     if backend == "cpu" and not usable:
         raise ValueError("attention_backend='cpu' needs float32 and a C++ compiler to build the kernel.")
     return usable

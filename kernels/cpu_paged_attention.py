@@ -1,8 +1,8 @@
 """Loads the C++ paged decode attention kernel (``cpu_paged_attention.cpp``).
 
 The source is compiled on first use with the machine's C++ compiler into the
-cache folder (``$SPLITSERVE_CACHE/kernels``), once per torch version and source
-change; later processes load the built library in milliseconds. When no
+cache folder the caller names (the engine passes splitserve's cache folder),
+once per torch version and source change; later processes load the built library in milliseconds. When no
 compiler is available the engine keeps the plain-torch path.
 """
 
@@ -18,14 +18,12 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 
 
-@functools.lru_cache(maxsize=1)
-def load():
-    """The compiled extension module, or None when it cannot be built here."""
+@functools.lru_cache(maxsize=None)
+def load(cache_folder: str):
+    """The compiled extension, built under ``cache_folder``/kernels, or None when it cannot be built here."""
     from torch.utils.cpp_extension import load as load_extension
 
-    from splitserve.engine.model_store import cache_dir
-
-    build_dir = cache_dir() / "kernels" / f"torch-{torch.__version__}"
+    build_dir = Path(cache_folder) / "kernels" / f"torch-{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return load_extension(
@@ -41,8 +39,14 @@ def load():
         return None
 
 
-def available() -> bool:
-    return load() is not None
+def available(cache_folder: str) -> bool:
+    """Whether the kernel is built (building it now if needed) under ``cache_folder``."""
+    global _module
+    _module = load(str(cache_folder))
+    return _module is not None
+
+
+_module = None
 
 
 def paged_decode_attention(
@@ -56,6 +60,6 @@ def paged_decode_attention(
     """query: [requests, q_heads, head_dim]; caches: [kv_heads, num_blocks, block_size, head_dim];
     block_tables: [requests, max_blocks] int64; seq_lens: [requests] int64.
 
-    Returns: [requests, q_heads, head_dim]. float32 only.
+    Returns: [requests, q_heads, head_dim]. float32 only. Call :func:`available` first.
     """
-    return load().paged_decode_attention(query.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale)
+    return _module.paged_decode_attention(query.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale)

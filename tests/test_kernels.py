@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from splitserve.engine.attention import DecodeGroup, decode_attention
+from splitserve.engine.model_store import cache_dir
 from splitserve.kernels import cpu_paged_attention
 
 
@@ -27,7 +28,7 @@ def reference(query, key_cache, value_cache, block_tables, seq_lens, scale):
     ],
 )
 def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, block_size, lengths):
-    assert cpu_paged_attention.available(), "the C++ kernel must build on this machine"
+    assert cpu_paged_attention.available(str(cache_dir())), "the C++ kernel must build on this machine"
     generator = torch.Generator().manual_seed(0)
     num_blocks = 200
     key_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator)
@@ -52,6 +53,7 @@ def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, blo
 
 
 def test_kernel_refuses_bad_block_ids():
+    assert cpu_paged_attention.available(str(cache_dir()))
     key_cache = torch.zeros(1, 4, 4, 8)
     query = torch.zeros(1, 1, 8)
     with pytest.raises(RuntimeError, match="block id out of range"):
