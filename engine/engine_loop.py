@@ -1,0 +1,169 @@
+"""EngineLoop: one thread drives an LLMEngine; any thread submits requests and reads their outputs.
+
+The engine itself is single-threaded. Services (the gRPC workers) handle each
+call on its own thread, so they talk to the engine through this loop:
+``submit`` returns a :class:`RequestStream` to iterate, ``abort`` and ``call``
+run on the loop thread between steps. Nothing here knows about gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator
+
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+_STOP = object()
+
+
+class RequestStream:
+    """The outputs of one request, in order, ending with the finished one."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._outputs.put(item)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        """The next output; raises what the loop reported (e.g. a refused request) or ``queue.Empty``."""
+        item = self._outputs.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            output = self.get()
+            yield output
+            if output.finished:
+                return
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` on a background thread while requests are unfinished.
+
+    Args:
+        engine: the engine; after ``start()`` only the loop thread touches it.
+        idle_wait_seconds: how long the idle loop sleeps between checks for commands.
+    """
+
+    def __init__(self, engine: LLMEngine, idle_wait_seconds: float = 0.05) -> None:
+        self.engine = engine
+        self.idle_wait_seconds = idle_wait_seconds
+        self._commands: queue.Queue[Any] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread = threading.Thread(target=self._run, name="splitserve-engine", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is unfinished, end the thread, and wait for it."""
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: str | None,
+        sampling_params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        remote_kv: bool = False,
+    ) -> RequestStream:
+        """Queue a request; its outputs arrive on the returned stream.
+
+        Raises:
+            ValueError: the prompt or parameters are invalid (checked here, in the
+                caller's thread, so nothing reaches the engine).
+        """
+        token_ids = self.engine.prompt_token_ids_of(prompt, prompt_token_ids)
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams.")
+        stream = RequestStream(request_id)
+        self._commands.put(("add", stream, (request_id, prompt, sampling_params, token_ids, remote_kv)))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the next step boundary; its stream ends with an "abort" output."""
+        self._commands.put(("abort", request_id, None))
+
+    def call(self, function: Callable[[LLMEngine], Any], timeout: float | None = 30.0) -> Any:
+        """Run ``function(engine)`` on the loop thread between steps and return its result."""
+        future: Future = Future()
+        self._commands.put(("call", future, function))
+        return future.result(timeout)
+
+    # ---- the loop thread -------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            # Busy: take what commands are waiting and step. Idle: sleep until one arrives.
+            wait = 0 if self.engine.has_unfinished_requests() else self.idle_wait_seconds
+            try:
+                command = self._commands.get(timeout=wait)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if command is _STOP:
+                    self._abort_all()
+                    return
+                self._apply(command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _apply(self, command) -> None:
+        kind, target, payload = command
+        if kind == "add":
+            request_id, prompt, params, token_ids, remote_kv = payload
+            try:
+                self.engine.add_request(request_id, prompt, params, prompt_token_ids=token_ids, remote_kv=remote_kv)
+            except Exception as error:  # duplicate id, no room for remote KV: the caller hears of it
+                target.put(error)
+                return
+            self._streams[request_id] = target
+        elif kind == "abort":
+            self.engine.abort_request(target)
+        elif kind == "call":
+            try:
+                target.set_result(payload(self.engine))
+            except Exception as error:
+                target.set_exception(error)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # the engine already fails a broken step's requests; this is a bug
+            logger.exception("Engine step failed")
+            for stream in self._streams.values():
+                stream.put(error)
+            self._streams.clear()
+            return
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id)
+        for output in self.engine.step():
+            stream = self._streams.pop(output.request_id, None)
+            if stream is not None:
+                stream.put(output)
