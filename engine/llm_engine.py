@@ -156,7 +156,8 @@ class LLMEngine:
             self.scheduler.finish_remote_kv(request_id, request.num_prompt_tokens - 1)
             return
         self.scheduler.finish_remote_kv(request_id, request.num_prompt_tokens)
-        self._accept_token(SampledToken(request, int(first_token_id), None))
+        # Reported by the next step(), like any other token (its text is part of the stream).
+        self._pending_outputs.append(self._accept_token(SampledToken(request, int(first_token_id), None)))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)

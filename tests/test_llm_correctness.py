@@ -126,6 +126,9 @@ def test_remote_kv_written_into_reserved_blocks_gives_the_same_tokens(llm, model
     while target.has_unfinished_requests():
         outputs.extend(target.step())
     assert outputs[-1].outputs[0].token_ids == hf_reference[index]
+    # The first token (from the prefill side) is streamed like the others: deltas add up.
+    assert outputs[0].outputs[0].delta_token_ids == [first_token]
+    assert "".join(output.outputs[0].delta_text for output in outputs) == outputs[-1].outputs[0].text
     # Only decode steps ran here: one token per step after the first.
     assert request.num_preemptions == 0
     source.abort_request("p")
