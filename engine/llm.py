@@ -41,9 +41,10 @@ class LLM:
         """
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        requests = [self._token_ids_of(prompt) for prompt in prompt_list]
-        for (text, token_ids), params in zip(requests, params_list):
-            self.engine.prompt_token_ids_of(text, token_ids)  # validate all first
+        requests = []
+        for prompt, params in zip(prompt_list, params_list):  # validate (and tokenize) all first
+            text, token_ids = self._token_ids_of(prompt)
+            requests.append((text, self.engine.prompt_token_ids_of(text, token_ids)))
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}.")
         request_ids = []

@@ -214,6 +214,7 @@ class LLMEngine:
         self.stats.num_generated_tokens += 1
         if token.logprobs is not None:
             request.logprobs.append(token.logprobs)
+            request.cumulative_logprob += token.logprobs[token.token_id]
         status = request.check_stop_token()
         stop_string = self._detokenizers[request.request_id].update([token.token_id])
         if stop_string is not None:
@@ -239,9 +240,7 @@ class LLMEngine:
         detokenizer = self._detokenizers[request.request_id]
         finished = request.is_finished
         logprobs = request.logprobs if request.sampling_params.logprobs is not None else None
-        cumulative = None
-        if logprobs:
-            cumulative = sum(step[token_id] for step, token_id in zip(logprobs, request.output_token_ids))
+        cumulative = request.cumulative_logprob if logprobs else None
         completion = CompletionOutput(
             index=0,
             text=detokenizer.output_text,

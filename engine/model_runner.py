@@ -177,7 +177,8 @@ class ModelRunner:
     def _decode_group(self, start: int, end: int, tables: list[list[int]], positions: list[int]) -> DecodeGroup:
         """Padded block tables, context lengths and (torch path) the key mask of decode rows [start, end)."""
         max_blocks = max(position // self.block_size + 1 for position in positions)
-        padded = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in tables]
+        rows = [table[:max_blocks] for table in tables]
+        padded = [row + [0] * (max_blocks - len(row)) for row in rows]
         seq_lens = torch.tensor(positions, dtype=torch.int64) + 1
         group = DecodeGroup(start, end, torch.tensor(padded, dtype=torch.int64), seq_lens, None)
         if not self.use_cpu_kernel:

@@ -80,6 +80,8 @@ class Request:
     generator: Any = None
     # Per generated token: {token_id: logprob} when logprobs were asked for.
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Sum of the generated tokens' logprobs, kept as they arrive.
+    cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
