@@ -28,6 +28,24 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        # Set once the engine has taken the request: to its KV block ids, or to
+        # the exception that refused it (duplicate id, no room for remote KV).
+        self.accepted: Future = Future()
+
+    def wait_accepted(self, timeout: float | None = None) -> list[int]:
+        """Block until the engine took the request; returns its block ids (reserved
+        ones for remote KV, else none yet). Raises what refused it."""
+        return self.accepted.result(timeout)
+
+    def get_nowait(self) -> RequestOutput | None:
+        """The next output if one is ready, else None; raises what the loop reported."""
+        try:
+            item = self._outputs.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self._outputs.put(item)
@@ -53,11 +71,20 @@ class EngineLoop:
     Args:
         engine: the engine; after ``start()`` only the loop thread touches it.
         idle_wait_seconds: how long the idle loop sleeps between checks for commands.
+        after_step: called on the loop thread after every step with the engine
+            and the step's outputs (a prefill worker ships completed KV blocks
+            from here); must be quick and must not raise.
     """
 
-    def __init__(self, engine: LLMEngine, idle_wait_seconds: float = 0.05) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        idle_wait_seconds: float = 0.05,
+        after_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.idle_wait_seconds = idle_wait_seconds
+        self.after_step = after_step
         self._commands: queue.Queue[Any] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._thread = threading.Thread(target=self._run, name="splitserve-engine", daemon=True)
@@ -79,8 +106,12 @@ class EngineLoop:
         sampling_params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         remote_kv: bool = False,
+        hold_kv_on_finish: bool = False,
     ) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream.
+
+        ``remote_kv`` and ``hold_kv_on_finish`` are passed to ``LLMEngine.add_request``;
+        ``stream.wait_accepted()`` says when the engine has taken it.
 
         Raises:
             ValueError: the prompt or parameters are invalid (checked here, in the
@@ -90,7 +121,9 @@ class EngineLoop:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams.")
         stream = RequestStream(request_id)
-        self._commands.put(("add", stream, (request_id, prompt, sampling_params, token_ids, remote_kv)))
+        self._commands.put(
+            ("add", stream, (request_id, prompt, sampling_params, token_ids, remote_kv, hold_kv_on_finish))
+        )
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -99,9 +132,16 @@ class EngineLoop:
 
     def call(self, function: Callable[[LLMEngine], Any], timeout: float | None = 30.0) -> Any:
         """Run ``function(engine)`` on the loop thread between steps and return its result."""
+        return self.post(function).result(timeout)
+
+    def post(self, function: Callable[[LLMEngine], Any]) -> Future:
+        """Run ``function(engine)`` on the loop thread between steps; returns at once.
+
+        The returned future holds its result or exception.
+        """
         future: Future = Future()
         self._commands.put(("call", future, function))
-        return future.result(timeout)
+        return future
 
     # ---- the loop thread -------------------------------------------------------
 
@@ -128,13 +168,17 @@ class EngineLoop:
     def _apply(self, command) -> None:
         kind, target, payload = command
         if kind == "add":
-            request_id, prompt, params, token_ids, remote_kv = payload
+            request_id, prompt, params, token_ids, remote_kv, hold_kv = payload
             try:
-                self.engine.add_request(request_id, prompt, params, prompt_token_ids=token_ids, remote_kv=remote_kv)
+                self.engine.add_request(
+                    request_id, prompt, params, prompt_token_ids=token_ids, remote_kv=remote_kv, hold_kv_on_finish=hold_kv
+                )
             except Exception as error:  # duplicate id, no room for remote KV: the caller hears of it
+                target.accepted.set_exception(error)
                 target.put(error)
                 return
             self._streams[request_id] = target
+            target.accepted.set_result(self.engine.block_ids(request_id))
         elif kind == "abort":
             self.engine.abort_request(target)
         elif kind == "call":
@@ -152,6 +196,11 @@ class EngineLoop:
                 stream.put(error)
             self._streams.clear()
             return
+        if self.after_step is not None:
+            try:
+                self.after_step(self.engine, outputs)
+            except Exception:  # a broken hook must not stop the engine
+                logger.exception("after_step hook failed")
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:

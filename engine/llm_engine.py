@@ -38,6 +38,20 @@ class EngineStats:
     num_finished_requests: int = 0
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a worker reports to the router: queues and KV blocks right now."""
+
+    num_running_requests: int
+    num_waiting_requests: int
+    num_waiting_for_remote_kvs_requests: int
+    # Prompt tokens scheduled but not computed yet (the prefill backlog).
+    num_queued_prefill_tokens: int
+    num_total_kv_blocks: int
+    # Evictable prefix-cache blocks count as free.
+    num_free_kv_blocks: int
+
+
 class LLMEngine:
     """One model, one KV cache, one scheduler.
 
@@ -82,11 +96,14 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         remote_kv: bool = False,
+        hold_kv_on_finish: bool = False,
     ) -> Request:
         """Validate and queue a request (text ``prompt`` or ``prompt_token_ids``).
 
         With ``remote_kv`` its prompt blocks are reserved and it waits in
-        ``WAITING_FOR_REMOTE_KVS`` until :meth:`finish_remote_kv`.
+        ``WAITING_FOR_REMOTE_KVS`` until :meth:`finish_remote_kv` (or
+        :meth:`recompute_remote_kv`). With ``hold_kv_on_finish`` (prefill role) its
+        blocks outlive it until :meth:`release_kv`.
 
         Raises:
             ValueError: empty or too long prompt, token ids out of range, bad params.
@@ -103,6 +120,7 @@ class LLMEngine:
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             max_output_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
+            hold_kv_on_finish=hold_kv_on_finish,
         )
         self.scheduler.add_request(request, remote_kv=remote_kv)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
@@ -142,6 +160,25 @@ class LLMEngine:
         self._forget(request_id)
         return True
 
+    def fail_request(self, request_id: str, message: str) -> bool:
+        """Finish a request now with ``FINISHED_ERROR`` and ``message`` as its reason.
+
+        Its blocks return to the pool; False if no such request is unfinished.
+        Its final output comes from the next step().
+        """
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return False
+        request.stop_reason = message
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        self._pending_outputs.append(self._make_output(request))
+        self._forget(request_id)
+        return True
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks a finished ``hold_kv_on_finish`` request kept; False if it holds none."""
+        return self.scheduler.release_held(request_id)
+
     def finish_remote_kv(self, request_id: str, first_token_id: int | None = None) -> None:
         """The prompt's KV has been written into the request's blocks from outside.
 
@@ -149,15 +186,26 @@ class LLMEngine:
             first_token_id: the first generated token, when the prefill side sampled
                 it; otherwise the last prompt token is recomputed here for its logits.
         """
-        request = self.scheduler.requests.get(request_id)
-        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-            raise KeyError(f"Request {request_id!r} is not waiting for remote KV.")
+        request = self._waiting_for_remote_kv(request_id)
         if first_token_id is None:
             self.scheduler.finish_remote_kv(request_id, request.num_prompt_tokens - 1)
             return
         self.scheduler.finish_remote_kv(request_id, request.num_prompt_tokens)
+        # A seeded request continues its random stream where the prefill side left it.
+        self.model_runner.sampler.skip_first_draw(request)
         # Reported by the next step(), like any other token (its text is part of the stream).
         self._pending_outputs.append(self._accept_token(SampledToken(request, int(first_token_id), None)))
+
+    def recompute_remote_kv(self, request_id: str) -> None:
+        """Give up waiting for a request's remote KV: its prompt is computed here, in the blocks it holds."""
+        self._waiting_for_remote_kv(request_id)
+        self.scheduler.finish_remote_kv(request_id, 0)
+
+    def _waiting_for_remote_kv(self, request_id: str) -> Request:
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            raise KeyError(f"Request {request_id!r} is not waiting for remote KV.")
+        return request
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
@@ -165,6 +213,20 @@ class LLMEngine:
     def block_ids(self, request_id: str) -> list[int]:
         """The KV blocks the request holds, in token order."""
         return list(self.kv_cache.block_ids(request_id))
+
+    def load(self) -> "EngineLoad":
+        """A snapshot of the queues and KV usage (for load reports)."""
+        scheduler = self.scheduler
+        queued = scheduler.waiting
+        return EngineLoad(
+            num_running_requests=len(scheduler.running),
+            num_waiting_requests=len(queued),
+            num_waiting_for_remote_kvs_requests=len(scheduler.waiting_for_remote_kvs),
+            num_queued_prefill_tokens=sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in queued)
+            + sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in scheduler.running),
+            num_total_kv_blocks=self.kv_cache.num_blocks,
+            num_free_kv_blocks=self.kv_cache.free_block_count,
+        )
 
     @property
     def free_block_count(self) -> int:

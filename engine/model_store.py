@@ -9,6 +9,7 @@ that directory directly and take about a second.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -138,3 +139,28 @@ def resolve_model(model: str | os.PathLike | None, cache: str | os.PathLike | No
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory.")
     return path
+
+
+def model_fingerprint(model_dir: str | os.PathLike, dtype: str) -> str:
+    """A short id of the exact weights and dtype a worker serves, equal across processes.
+
+    Hashes config.json, each safetensors file's name, size and header (tensor
+    names, shapes, offsets) and 64 KiB samples spread over its data: enough to
+    tell two checkpoints apart without reading hundreds of MB at start-up.
+    Prefill and decode workers exchange KV only when their fingerprints match.
+    """
+    digest = hashlib.sha256(dtype.encode())
+    model_dir = Path(model_dir)
+    config = model_dir / "config.json"
+    if config.exists():
+        digest.update(config.read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            header_length = int.from_bytes(handle.read(8), "little")
+            digest.update(handle.read(min(header_length, 16 * 1024 * 1024)))
+            for index in range(16):
+                handle.seek(size * index // 16)
+                digest.update(handle.read(64 * 1024))
+    return digest.hexdigest()[:16]

@@ -82,6 +82,9 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # Sum of the generated tokens' logprobs, kept as they arrive.
     cumulative_logprob: float = 0.0
+    # Prefill role: when it finishes, its blocks stay allocated (the scheduler
+    # holds them) until the engine's ``release_kv``, so their KV can be sent.
+    hold_kv_on_finish: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

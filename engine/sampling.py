@@ -94,6 +94,19 @@ class Sampler:
             sampled_token_ids, compute_logprobs(raw_logits, requests, sampled_token_ids)
         )
 
+    def skip_first_draw(self, request: Request) -> None:
+        """Advance a seeded request's generator past the draw its first token took elsewhere.
+
+        A prefill worker samples the first token of a disaggregated request; the
+        decode worker then continues the same random stream, so a seeded request
+        gives the same tokens whether or not its prefill ran in another process.
+        """
+        if request.sampling_params.seed is None or _is_greedy(request):
+            return
+        if request.generator is None:
+            request.generator = torch.Generator().manual_seed(request.sampling_params.seed)
+        torch.empty(1, dtype=torch.float32).uniform_(generator=request.generator)
+
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Temperature, filters and one draw for each row that samples.
 

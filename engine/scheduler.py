@@ -72,6 +72,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_remote_kvs: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        # Finished requests whose blocks are kept for a KV transfer (prefill role).
+        self.held: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------
@@ -117,7 +119,11 @@ class Scheduler:
         return request
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
-        """End a request in any state with a finished ``status``; its blocks return to the pool."""
+        """End a request in any state with a finished ``status``; its blocks return to the pool.
+
+        A request with ``hold_kv_on_finish`` that stops or reaches its length keeps
+        its blocks in :attr:`held` until :meth:`release_held`.
+        """
         assert RequestStatus.is_finished(status), status
         if request.is_finished:
             return
@@ -128,8 +134,19 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status = status
-        self.kv_cache.free(request)
         del self.requests[request.request_id]
+        if request.hold_kv_on_finish and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.held[request.request_id] = request
+        else:
+            self.kv_cache.free(request)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks of a finished request held for a KV transfer; False if none are held."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv_cache.free(request)
+        return True
 
     @property
     def num_unfinished(self) -> int:

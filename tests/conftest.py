@@ -18,3 +18,19 @@ def tokenizer(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="session")
+def prompt_token_ids(tokenizer):
+    """The eight reference prompts (a few tokens to over a thousand), tokenized."""
+    from tests.reference import PROMPTS
+
+    return [tokenizer.encode(prompt) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_dir, prompt_token_ids):
+    """transformers' greedy continuation of each reference prompt (float32), computed once per session."""
+    from tests.reference import MAX_TOKENS, hf_greedy
+
+    return [hf_greedy(str(model_dir), ids, MAX_TOKENS) for ids in prompt_token_ids]

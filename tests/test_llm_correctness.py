@@ -7,19 +7,9 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.request import RequestStatus
-from tests.reference import MAX_TOKENS, PROMPTS, hf_greedy
+from tests.reference import MAX_TOKENS, PROMPTS
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def prompt_token_ids(tokenizer):
-    return [tokenizer.encode(prompt) for prompt in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def hf_reference(model_dir, prompt_token_ids):
-    return [hf_greedy(str(model_dir), ids, MAX_TOKENS) for ids in prompt_token_ids]
 
 
 def generate_all(llm: LLM, prompt_token_ids) -> list[list[int]]:
