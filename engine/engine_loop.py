@@ -88,6 +88,8 @@ class EngineLoop:
         self._commands: queue.Queue[Any] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._thread = threading.Thread(target=self._run, name="splitserve-engine", daemon=True)
+        # The engine's load after the latest step (or command), readable from any thread without waiting.
+        self.last_load = engine.load()
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -164,6 +166,7 @@ class EngineLoop:
                     command = None
             if self.engine.has_unfinished_requests():
                 self._step()
+            self.last_load = self.engine.load()
 
     def _apply(self, command) -> None:
         kind, target, payload = command

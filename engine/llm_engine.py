@@ -277,6 +277,9 @@ class LLMEngine:
         if token.logprobs is not None:
             request.logprobs.append(token.logprobs)
             request.cumulative_logprob += token.logprobs[token.token_id]
+        elif request.sampling_params.logprobs is not None:
+            # A first token sampled elsewhere (remote prefill): its logprobs travel with it there.
+            request.logprobs.append({})
         status = request.check_stop_token()
         stop_string = self._detokenizers[request.request_id].update([token.token_id])
         if stop_string is not None:

@@ -63,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the model's chat template")
     add_engine_arguments(generate)
     add_sampling_arguments(generate)
+    generate.add_argument("--server", metavar="ADDR",
+                          help="send the prompts to a running splitserve router (host:port) instead of loading the model here")
     generate.set_defaults(handler=_generate)
+
+    from splitserve.cli_serve import add_serving_commands
+
+    add_serving_commands(commands, add_engine_arguments, engine_options)
     return parser
 
 
@@ -145,10 +151,12 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from splitserve.engine.llm import LLM
-
     items = _read_prompts(args)
     params = [sampling_params_from_args(args, item) for item in items]
+    if args.server:
+        return _generate_remote(args, items, params)
+    from splitserve.engine.llm import LLM
+
     llm = LLM(args.model, **engine_options(args))
     prompts = [_to_prompt(llm, item, args.chat) for item in items]
     if len(prompts) == 1 and not args.output:
@@ -173,6 +181,48 @@ def _generate(args: argparse.Namespace) -> int:
         if sink:
             sink.close()
     return 0
+
+
+def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[SamplingParams]) -> int:
+    """Stream each prompt's reply from a router, one after the other."""
+    import grpc
+
+    from splitserve.client import Client
+
+    with Client(args.server) as client:
+        sink = open(args.output, "w") if args.output else None
+        try:
+            for item, item_params in zip(items, params):
+                prompt = item.get("messages") or item.get("prompt_token_ids") or item["prompt"]
+                if args.chat and isinstance(prompt, str):
+                    prompt = [{"role": "user", "content": prompt}]
+                text, token_ids, finish = "", [], None
+                try:
+                    for chunk in client.generate_stream(prompt, item_params):
+                        text += chunk.text
+                        token_ids.extend(chunk.token_ids)
+                        if not sink:
+                            sys.stdout.write(chunk.text)
+                            sys.stdout.flush()
+                        if chunk.finish_reason:
+                            finish = chunk
+                except grpc.RpcError as error:
+                    print(f"\nsplitserve: error: {error.code().name}: {error.details()}", file=sys.stderr)
+                    return 1
+                reason = _FINISH_NAMES.get(finish.finish_reason, "?") if finish else "?"
+                if sink:
+                    sink.write(json.dumps({"prompt": item.get("prompt"), "text": text, "token_ids": token_ids,
+                                           "finish_reason": reason}) + "\n")
+                else:
+                    ttft = finish.timing.time_to_first_token_seconds if finish else 0.0
+                    print(f"\n[{reason}; first token after {ttft * 1000:.0f} ms]", file=sys.stderr)
+        finally:
+            if sink:
+                sink.close()
+    return 0
+
+
+_FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "error"}
 
 
 def _read_prompts(args: argparse.Namespace) -> list[dict]:

@@ -1,0 +1,223 @@
+"""The ``p2p`` connector: torch.distributed point to point, one process group per prefill/decode pair.
+
+No global process group and nothing external. The decode worker hosts a
+``TCPStore`` (its KV endpoint address, ``host:port``). A prefill worker that
+first sends to it connects to that store, takes a pair number (``add`` on a
+counter), and both build a two-rank ``ProcessGroupGloo`` over the store under
+that pair's prefix (prefill rank 0, decode rank 1): the decode side learns of
+new pairs by watching the counter, so it needs no hint from the router. On
+GPUs the same shape works with ``ProcessGroupNCCL`` when both caches are on
+CUDA (chosen by the tensor's device); only Gloo runs on this CPU build.
+
+One message per payload, on the pair in order: an int64 pair [header bytes,
+payload bytes], the header, the payload bytes; the receiver answers with an
+int64 acknowledgement once the payload is in its memory, which is when
+``send`` returns. The receiver verifies (fingerprint, layout, size, CRC-32)
+before the callback; a peer that dies mid-transfer breaks only its pair.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from splitserve.kvtransfer.base import (KVConnector, KVEndpointInfo, KVLayout, KVTransferError, OnError, OnPayload,
+                                        ReceivedPayload, TransferHeader, payload_bytes, payload_tensor, verify)
+
+logger = logging.getLogger(__name__)
+
+_PEERS_KEY = "splitserve/kv/peers"
+_TAG_META, _TAG_HEADER, _TAG_PAYLOAD, _TAG_ACK = 0, 1, 2, 3
+_SENDER, _RECEIVER = 0, 1
+
+
+class _Pair:
+    """One process group to one peer, used by one thread at a time."""
+
+    def __init__(self, group, peer: str) -> None:
+        self.group = group
+        self.peer = peer
+        self.lock = threading.Lock()
+        self.broken = False
+
+
+class P2PConnector(KVConnector):
+    """Options: ``host`` the store binds (decode side), ``connect_timeout_seconds`` (default 10),
+    ``send_timeout_seconds`` (default 120)."""
+
+    def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout, host: str = "127.0.0.1",
+                 connect_timeout_seconds: float = 10.0, send_timeout_seconds: float = 120.0) -> None:
+        super().__init__(worker_id, model_fingerprint, layout)
+        self.host = host
+        self.connect_timeout = timedelta(seconds=float(connect_timeout_seconds))
+        self.send_timeout = timedelta(seconds=float(send_timeout_seconds))
+        self._store: dist.TCPStore | None = None
+        self._store_lock = threading.Lock()
+        self._pairs: dict[str, _Pair] = {}  # sender side, by destination address
+        self._pair_locks: dict[str, threading.Lock] = {}
+        self._pairs_lock = threading.Lock()
+        self._cancelled: set[str] = set()
+        self._closed = threading.Event()
+        self._on_payload: OnPayload | None = None
+        self._on_error: OnError | None = None
+
+    # ---- decode side ---------------------------------------------------------------------
+
+    def endpoint(self) -> KVEndpointInfo:
+        return KVEndpointInfo("p2p", f"{self.host}:{self._master_store().port}", self.worker_id, {"backend": "gloo"})
+
+    def _master_store(self) -> dist.TCPStore:
+        with self._store_lock:
+            if self._store is None:
+                self._store = dist.TCPStore(self.host, 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+                self._store.add(_PEERS_KEY, 0)
+            return self._store
+
+    def start_receiving(self, on_payload: OnPayload, on_error: OnError) -> None:
+        self._on_payload, self._on_error = on_payload, on_error
+        store = self._master_store()
+        threading.Thread(target=self._watch_peers, args=(store,), name="p2p-peers", daemon=True).start()
+
+    def cancel(self, transfer_id: str) -> None:
+        with self._pairs_lock:
+            self._cancelled.add(transfer_id)
+            if len(self._cancelled) > 100_000:
+                self._cancelled.clear()
+
+    def _watch_peers(self, store: dist.TCPStore) -> None:
+        known = 0
+        while not self._closed.wait(0.02):
+            try:
+                count = store.add(_PEERS_KEY, 0)
+            except Exception:  # the store is gone: closing
+                return
+            for index in range(known, count):
+                threading.Thread(target=self._receive_from, args=(store, index), name=f"p2p-recv-{index}",
+                                 daemon=True).start()
+            known = count
+
+    def _receive_from(self, store: dist.TCPStore, index: int) -> None:
+        try:
+            peer = store.get(f"splitserve/kv/peer/{index}").decode()
+            # An idle pair must not time out: the receiver waits as long as the sender lives.
+            group = dist.ProcessGroupGloo(dist.PrefixStore(f"splitserve/kv/pair/{index}", store), _RECEIVER, 2,
+                                          timedelta(days=1))
+        except Exception as error:
+            logger.warning("KV pair %d could not be set up: %s", index, error)
+            return
+        logger.info("KV pair %d with %s ready", index, peer)
+        while not self._closed.is_set():
+            transfer_id = None
+            try:
+                meta = torch.empty(2, dtype=torch.int64)
+                group.recv([meta], _SENDER, _TAG_META).wait()
+                header_length, payload_length = (int(value) for value in meta)
+                header_buffer = torch.empty(header_length, dtype=torch.uint8)
+                group.recv([header_buffer], _SENDER, _TAG_HEADER).wait()
+                header = TransferHeader.from_bytes(header_buffer.numpy().tobytes())
+                transfer_id = header.transfer_id
+                payload_buffer = torch.empty(payload_length, dtype=torch.uint8)
+                group.recv([payload_buffer], _SENDER, _TAG_PAYLOAD).wait()
+                group.send([torch.zeros(1, dtype=torch.int64)], _SENDER, _TAG_ACK).wait()
+            except Exception as error:
+                if not self._closed.is_set():
+                    logger.warning("KV pair %d with %s broke: %s", index, peer, error)
+                    self._on_error(transfer_id, KVTransferError(f"the connection to {peer} broke: {error}"))
+                return
+            self._deliver(header, payload_buffer)
+
+    def _deliver(self, header: TransferHeader, buffer: torch.Tensor) -> None:
+        with self._pairs_lock:
+            if header.transfer_id in self._cancelled:
+                return
+        try:
+            data = memoryview(buffer.numpy())
+            verify(header, data, self.model_fingerprint, self.layout)
+            payload = payload_tensor(header, data)
+        except KVTransferError as error:
+            self._on_error(header.transfer_id, error)
+            return
+        try:
+            self._on_payload(ReceivedPayload(header, payload))
+        except Exception:
+            logger.exception("KV payload handler failed for transfer %s", header.transfer_id)
+
+    # ---- prefill side ----------------------------------------------------------------------
+
+    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: torch.Tensor) -> None:
+        data = payload_bytes(payload)
+        message = (torch.tensor([len(header_bytes := header.to_bytes()), len(data)], dtype=torch.int64),
+                   torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8),
+                   torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8))
+        for attempt in range(2):  # a pair the peer dropped (idle timeout, restart) is rebuilt once
+            pair = self._pair_to(destination)
+            try:
+                with pair.lock:
+                    if pair.broken:
+                        raise KVTransferError("pair broken")
+                    self._send_on(pair, message)
+                return
+            except Exception as error:
+                pair.broken = True
+                self._drop_pair(destination.address, pair)
+                if attempt == 1 or self._closed.is_set():
+                    raise KVTransferError(f"Sending KV to {destination.address} failed: {error}") from None
+
+    @staticmethod
+    def _send_on(pair: _Pair, message) -> None:
+        meta, header, data = message
+        pair.group.send([meta], _RECEIVER, _TAG_META).wait()
+        pair.group.send([header], _RECEIVER, _TAG_HEADER).wait()
+        pair.group.send([data], _RECEIVER, _TAG_PAYLOAD).wait()
+        pair.group.recv([torch.empty(1, dtype=torch.int64)], _RECEIVER, _TAG_ACK).wait()
+
+    def _pair_to(self, destination: KVEndpointInfo) -> _Pair:
+        address = destination.address
+        with self._pairs_lock:
+            pair = self._pairs.get(address)
+            if pair is not None:
+                return pair
+            creation_lock = self._pair_locks.setdefault(address, threading.Lock())
+        with creation_lock:
+            with self._pairs_lock:
+                if address in self._pairs:
+                    return self._pairs[address]
+            pair = self._connect(address)
+            with self._pairs_lock:
+                self._pairs[address] = pair
+            return pair
+
+    def _connect(self, address: str) -> _Pair:
+        host, _, port = address.rpartition(":")
+        started = time.monotonic()
+        try:
+            store = dist.TCPStore(host, int(port), None, False, self.connect_timeout)
+            index = store.add(_PEERS_KEY, 1) - 1
+            store.set(f"splitserve/kv/peer/{index}", self.worker_id)
+            group = dist.ProcessGroupGloo(dist.PrefixStore(f"splitserve/kv/pair/{index}", store), _SENDER, 2,
+                                          self.send_timeout)
+        except Exception as error:
+            raise KVTransferError(f"Cannot reach the KV endpoint {address}: {error}") from None
+        logger.info("KV pair %d to %s ready in %.2f s", index, address, time.monotonic() - started)
+        pair = _Pair(group, address)
+        pair.store = store  # keep the client connection alive with the group
+        return pair
+
+    def _drop_pair(self, address: str, pair: _Pair) -> None:
+        with self._pairs_lock:
+            if self._pairs.get(address) is pair:
+                del self._pairs[address]
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._pairs_lock:
+            self._pairs.clear()
+        with self._store_lock:
+            self._store = None

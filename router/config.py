@@ -1,0 +1,63 @@
+"""RouterConfig: one validated configuration for the router process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+
+
+@dataclass
+class RouterConfig:
+    """The router, from its flags.
+
+    Attributes:
+        host, port: where the router listens (port 0: a free one).
+        model: model directory for the tokenizer and limits (None: the default model).
+        dtype: the workers' dtype (part of the model fingerprint they must share).
+        max_model_len: context limit enforced at the door (None: the model's).
+        prefill_workers, decode_workers, colocated_workers: static worker addresses
+            (workers may also register themselves with ``--router``).
+        prefill_policy, decode_policy: routing policy per pool.
+        local_prefill_threshold: prompts shorter than this many tokens are prefilled
+            by the decode worker itself (0: always disaggregate when a prefill worker is up).
+        max_in_flight_requests: requests in flight beyond which new ones get RESOURCE_EXHAUSTED.
+        lease_seconds: a registered worker silent this long is removed.
+        heartbeat_seconds: how often workers heartbeat (and static workers are polled).
+        prefill_attempts: prefill workers tried per request before the decode worker prefills itself.
+        kv_timeout_seconds: how long a decode worker waits for KV before recomputing (None: its own setting).
+        block_size: KV block size of the workers (prefix-aware routing hashes whole blocks).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    model: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    prefill_workers: list[str] = field(default_factory=list)
+    decode_workers: list[str] = field(default_factory=list)
+    colocated_workers: list[str] = field(default_factory=list)
+    prefill_policy: str = "prefix_aware"
+    decode_policy: str = "least_loaded"
+    local_prefill_threshold: int = 0
+    max_in_flight_requests: int = 512
+    lease_seconds: float = 10.0
+    heartbeat_seconds: float = 1.0
+    prefill_attempts: int = 2
+    kv_timeout_seconds: float | None = None
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ValueError(f"{name} must be one of {', '.join(POLICIES)}, got {getattr(self, name)!r}.")
+        if self.local_prefill_threshold < 0:
+            raise ValueError(f"local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}.")
+        if self.max_in_flight_requests < 1:
+            raise ValueError(f"max_in_flight_requests must be >= 1, got {self.max_in_flight_requests}.")
+        if not 0 < self.heartbeat_seconds < self.lease_seconds:
+            raise ValueError("heartbeat_seconds must be > 0 and shorter than lease_seconds.")
+        if self.prefill_attempts < 1:
+            raise ValueError(f"prefill_attempts must be >= 1, got {self.prefill_attempts}.")
+        if self.kv_timeout_seconds is not None and not self.kv_timeout_seconds > 0:
+            raise ValueError(f"kv_timeout_seconds must be > 0, got {self.kv_timeout_seconds}.")

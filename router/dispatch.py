@@ -1,0 +1,245 @@
+"""One request's path across the cluster: choose workers, open the decode stream, run the prefill, relay.
+
+    decode = DecodeWorker.Decode(prompt, transfer_id, source=prefill's KV endpoint)
+    ack    = first message: blocks reserved, WAITING_FOR_REMOTE_KVS
+    PrefillWorker.Prefill(prompt, transfer_id, destination=decode's KV endpoint)
+    relay the decode stream (first token included) until its finish reason
+
+Short prompts (``local_prefill_threshold``), colocated workers and an empty
+prefill pool skip the prefill: the decode worker computes the prompt itself.
+A prefill that fails is retried on another prefill worker with a fresh decode
+attempt; when every attempt fails, the decode worker prefills locally.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import grpc
+
+from splitserve.router.config import RouterConfig
+from splitserve.router.frontend import Prompt
+from splitserve.router.policies import RoutingPolicy
+from splitserve.router.registry import Worker, WorkerRegistry, WorkerRole
+from splitserve.rpc.errors import ServiceError, Unavailable
+from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+# Worker errors after which another worker is worth trying.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.UNKNOWN}
+_MAX_DECODE_ATTEMPTS = 3
+
+
+class RequestCancelled(Exception):
+    """The request was aborted through the router's Abort RPC."""
+
+
+@dataclass
+class RouterRequest:
+    """A request in flight on the router, with what cancels its worker calls."""
+
+    request_id: str
+    prompt: Prompt
+    sampling_params: inference_pb2.SamplingParams
+    accepted: float = field(default_factory=time.monotonic)
+    aborted: bool = False
+    prefill: worker_pb2.PrefillResponse | None = None
+    prefilled_remotely: bool = False
+    _cancels: list[Callable[[], None]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def on_cancel(self, cancel: Callable[[], None]) -> None:
+        """Run ``cancel`` when the request is cancelled (at once if it already was)."""
+        with self._lock:
+            if not self.aborted:
+                self._cancels.append(cancel)
+                return
+        cancel()
+
+    def cancel(self) -> None:
+        """Cancel every worker call of the request (client gone, deadline, or Abort)."""
+        with self._lock:
+            self.aborted = True
+            cancels, self._cancels = self._cancels, []
+        for cancel in cancels:
+            cancel()
+
+
+class Channels:
+    """One gRPC channel per worker address, shared by all requests."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = grpc.insecure_channel(address)
+            return channel
+
+    def decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+        return worker_pb2_grpc.DecodeWorkerStub(self.channel(address))
+
+    def prefill(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
+        return worker_pb2_grpc.PrefillWorkerStub(self.channel(address))
+
+    def forget(self, address: str) -> None:
+        """Drop the channel of a removed worker; calls still on it finish or fail on their own."""
+        with self._lock:
+            self._channels.pop(address, None)
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+
+
+class Dispatcher:
+    """Runs requests across the registry's workers."""
+
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, prefill_policy: RoutingPolicy,
+                 decode_policy: RoutingPolicy, channels: Channels) -> None:
+        self.config = config
+        self.registry = registry
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.channels = channels
+
+    def run(self, job: RouterRequest, timeout: Callable[[], float | None]) -> Iterator[worker_pb2.DecodeResponse]:
+        """The decode worker's messages for ``job`` after its acknowledgement, the last one finished.
+
+        Args:
+            timeout: seconds left before the client's deadline (None: no deadline), asked before each call.
+
+        Raises:
+            ServiceError: no worker could take the request (UNAVAILABLE, RESOURCE_EXHAUSTED, ...).
+            RequestCancelled: the request was aborted.
+        """
+        call, decode_worker = self._start(job, timeout)
+        try:
+            for message in call:
+                yield message
+        except grpc.RpcError as error:
+            if job.aborted:
+                raise RequestCancelled() from None
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                self.registry.mark_unreachable(decode_worker.worker_id)
+            raise ServiceError(
+                f"Decode worker {decode_worker.worker_id} failed during the request: {error.details()}", error.code()
+            ) from None
+        finally:
+            call.cancel()
+            self.registry.end_request(decode_worker.worker_id)
+
+    # ---- choosing workers and starting calls ----------------------------------------------
+
+    def _start(self, job: RouterRequest, timeout):
+        """Open the decode stream (after a remote prefill when there is one); returns (call, decode worker)."""
+        tried_decode: set[str] = set()
+        tried_prefill: set[str] = set()
+        prefill_failures = 0
+        for _ in range(_MAX_DECODE_ATTEMPTS + self.config.prefill_attempts):
+            decode_worker, colocated = self._choose_decode(job, tried_decode)
+            prefill_worker = None
+            if not colocated and prefill_failures < self.config.prefill_attempts:
+                prefill_worker = self._choose_prefill(job, tried_prefill)
+            transfer_id = uuid.uuid4().hex if prefill_worker is not None else ""
+            attempt_id = f"{job.request_id}#{uuid.uuid4().hex[:8]}"
+            call = self._open_decode(job, attempt_id, decode_worker, prefill_worker, transfer_id, timeout)
+            if call is None:
+                tried_decode.add(decode_worker.worker_id)
+                continue
+            if prefill_worker is None:
+                return call, decode_worker
+            if self._prefill(job, attempt_id, prefill_worker, decode_worker, transfer_id, timeout):
+                return call, decode_worker
+            # The prefill failed: drop this decode attempt (its blocks are freed) and try again.
+            call.cancel()
+            self.registry.end_request(decode_worker.worker_id)
+            tried_prefill.add(prefill_worker.worker_id)
+            prefill_failures += 1
+        raise Unavailable("No decode worker could take the request: every attempt failed.")
+
+    def _choose_decode(self, job: RouterRequest, tried: set[str]) -> tuple[Worker, bool]:
+        for role, colocated in ((WorkerRole.DECODE, False), (WorkerRole.BOTH, True)):
+            workers = [w for w in self.registry.routable(role) if w.worker_id not in tried]
+            if workers:
+                return self.decode_policy.choose(workers, job.prompt.token_ids), colocated
+        if tried:
+            raise Unavailable(f"No decode worker could take the request (tried {', '.join(sorted(tried))}).")
+        raise Unavailable("No decode worker is serving: the decode pool is empty or every worker is draining "
+                          "or unreachable.")
+
+    def _choose_prefill(self, job: RouterRequest, tried: set[str]) -> Worker | None:
+        if len(job.prompt.token_ids) < self.config.local_prefill_threshold:
+            return None
+        workers = [w for w in self.registry.routable(WorkerRole.PREFILL) if w.worker_id not in tried]
+        if not workers:
+            return None
+        return self.prefill_policy.choose(workers, job.prompt.token_ids)
+
+    def _open_decode(self, job, attempt_id, decode_worker, prefill_worker, transfer_id, timeout):
+        """Start Decode and read its acknowledgement; None if the worker is unreachable or full."""
+        request = worker_pb2.DecodeRequest(
+            request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
+            sampling_params=job.sampling_params, prefill_locally=prefill_worker is None,
+        )
+        if prefill_worker is not None and prefill_worker.kv_endpoint is not None:
+            request.source.CopyFrom(prefill_worker.kv_endpoint)
+        if self.config.kv_timeout_seconds is not None:
+            request.kv_timeout_seconds = self.config.kv_timeout_seconds
+        self.registry.begin_request(decode_worker.worker_id)
+        call = self.channels.decode(decode_worker.address).Decode(request, timeout=timeout())
+        job.on_cancel(call.cancel)
+        try:
+            next(call)
+        except grpc.RpcError as error:
+            self.registry.end_request(decode_worker.worker_id)
+            if job.aborted:
+                raise RequestCancelled() from None
+            if error.code() not in _RETRYABLE:
+                raise ServiceError(error.details() or str(error.code()), error.code()) from None
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                self.registry.mark_unreachable(decode_worker.worker_id)
+            logger.warning("Decode worker %s refused request %s: %s", decode_worker.worker_id, job.request_id,
+                           error.details())
+            return None
+        return call
+
+    def _prefill(self, job, attempt_id, prefill_worker, decode_worker, transfer_id, timeout) -> bool:
+        """Run the prefill; False if it failed in a way another worker may not."""
+        request = worker_pb2.PrefillRequest(
+            request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
+            sampling_params=job.sampling_params, destination=decode_worker.kv_endpoint,
+        )
+        self.registry.begin_request(prefill_worker.worker_id)
+        future = self.channels.prefill(prefill_worker.address).Prefill.future(request, timeout=timeout())
+        job.on_cancel(future.cancel)
+        try:
+            job.prefill = future.result()
+            job.prefilled_remotely = True
+            return True
+        except grpc.RpcError as error:
+            if job.aborted:
+                raise RequestCancelled() from None
+            if error.code() not in _RETRYABLE:
+                raise ServiceError(error.details() or str(error.code()), error.code()) from None
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                self.registry.mark_unreachable(prefill_worker.worker_id)
+            logger.warning("Prefill of %s on %s failed (%s: %s); trying again", job.request_id,
+                           prefill_worker.worker_id, error.code().name, error.details())
+            return False
+        except grpc.FutureCancelledError:
+            raise RequestCancelled() from None
+        finally:
+            self.registry.end_request(prefill_worker.worker_id)

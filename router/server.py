@@ -1,0 +1,109 @@
+"""The router process: the Inference and WorkerRegistry services, lease expiry, static-worker polling."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from splitserve.router.config import RouterConfig
+from splitserve.router.dispatch import Channels, Dispatcher
+from splitserve.router.frontend import Frontend
+from splitserve.router.policies import make_policy
+from splitserve.router.registry import WorkerRegistry, WorkerRole, WorkerState
+from splitserve.router.servicer import InferenceServicer, RegistryServicer, load_from_pb
+from splitserve.rpc.server import start_server
+from splitserve.v1 import inference_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class Router:
+    """A started router: its server, registry and background threads."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.frontend = Frontend(config.model, config.dtype, config.max_model_len)
+        self.registry = WorkerRegistry(
+            lease_duration_seconds=config.lease_seconds, heartbeat_interval_seconds=config.heartbeat_seconds,
+            model_fingerprint=self.frontend.model_fingerprint,
+        )
+        self.channels = Channels()
+        self.dispatcher = Dispatcher(
+            config, self.registry,
+            make_policy(config.prefill_policy, WorkerRole.PREFILL, block_size=config.block_size),
+            make_policy(config.decode_policy, WorkerRole.DECODE, block_size=config.block_size),
+            self.channels,
+        )
+        self.inference = InferenceServicer(self.frontend, self.dispatcher, self.registry,
+                                           config.max_in_flight_requests, config.block_size)
+        self._static: list[tuple[WorkerRole, str]] = (
+            [(WorkerRole.PREFILL, a) for a in config.prefill_workers]
+            + [(WorkerRole.DECODE, a) for a in config.decode_workers]
+            + [(WorkerRole.BOTH, a) for a in config.colocated_workers]
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._maintain, name="registry", daemon=True)
+        self.server = start_server(
+            f"{config.host}:{config.port}",
+            [
+                (inference_pb2_grpc.add_InferenceServicer_to_server, self.inference, "splitserve.v1.Inference"),
+                (worker_pb2_grpc.add_WorkerRegistryServicer_to_server, RegistryServicer(self.registry),
+                 "splitserve.v1.WorkerRegistry"),
+            ],
+            max_workers=max(64, config.max_in_flight_requests + 16),
+        )
+        self.address = f"{config.host}:{self.server.port}"
+        self._static_ids: dict[str, str] = {}
+        self._poll_static()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.server.stop(2.0)
+        self.channels.close()
+
+    def _maintain(self) -> None:
+        """Expire silent workers; poll the static ones for their load."""
+        while not self._stop.wait(self.config.heartbeat_seconds):
+            for worker in self.registry.expire():
+                logger.warning("Worker %s at %s missed its lease and was removed", worker.worker_id, worker.address)
+                self.channels.forget(worker.address)
+            self._poll_static()
+
+    def _poll_static(self) -> None:
+        for role, address in self._static:
+            stub = worker_pb2_grpc.DecodeWorkerStub(self.channels.channel(address)) if role != WorkerRole.PREFILL \
+                else worker_pb2_grpc.PrefillWorkerStub(self.channels.channel(address))
+            worker_id = self._static_ids.get(address)
+            try:
+                status = stub.GetStatus(worker_pb2.GetWorkerStatusRequest(), timeout=self.config.heartbeat_seconds * 2)
+            except grpc.RpcError:
+                if worker_id is not None:
+                    self.registry.mark_unreachable(worker_id)
+                continue
+            if worker_id is None or self.registry.get(worker_id) is None:
+                worker = self.registry.add_static(
+                    role, address, worker_id=status.status.worker_id or None,
+                    kv_endpoint=status.kv_endpoint if status.HasField("kv_endpoint") else None,
+                    capacity=status.capacity, model_fingerprint=status.model_fingerprint,
+                )
+                self._static_ids[address] = worker.worker_id
+                logger.info("Static %s worker %s at %s is serving", role.name.lower(), worker.worker_id, address)
+            else:
+                self.registry.update_static(worker_id, load_from_pb(status.status.load),
+                                            WorkerState(status.status.state or WorkerState.SERVING.value))
+
+
+def run_router(config: RouterConfig) -> int:
+    from splitserve.rpc.server import wait_for_shutdown_signal
+
+    router = Router(config)
+    print(f"READY {router.address} router", flush=True)
+    logger.info("Router serving on %s", router.address)
+    try:
+        wait_for_shutdown_signal()
+    finally:
+        router.stop()
+    return 0

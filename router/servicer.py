@@ -1,0 +1,264 @@
+"""The router's gRPC services: Inference (the public API) and WorkerRegistry (membership)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import grpc
+
+from splitserve.router.dispatch import Dispatcher, RequestCancelled, RouterRequest
+from splitserve.router.frontend import Frontend
+from splitserve.router.registry import WorkerLoad, WorkerRegistry, WorkerRole, WorkerState
+from splitserve.rpc.convert import sampling_params_from_pb
+from splitserve.rpc.errors import (FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
+                                   stream_errors, unary_errors)
+from splitserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """The public API: validates, tokenizes, dispatches and relays."""
+
+    def __init__(self, frontend: Frontend, dispatcher: Dispatcher, registry: WorkerRegistry,
+                 max_in_flight_requests: int, block_size: int) -> None:
+        self.frontend = frontend
+        self.dispatcher = dispatcher
+        self.registry = registry
+        self.max_in_flight_requests = max_in_flight_requests
+        self.block_size = block_size
+        self._in_flight: dict[str, RouterRequest] = {}
+        self._lock = threading.Lock()
+
+    # ---- generation ------------------------------------------------------------------
+
+    @stream_errors
+    def GenerateStream(self, request: inference_pb2.GenerateRequest, context: grpc.ServicerContext):
+        job = self._admit(request, context)
+        try:
+            yield from self._generate(job, context)
+        finally:
+            self._release(job)
+
+    @unary_errors
+    def Generate(self, request: inference_pb2.GenerateRequest, context) -> inference_pb2.GenerateResponse:
+        job = self._admit(request, context)
+        try:
+            response = inference_pb2.GenerateResponse(request_id=job.request_id)
+            for chunk in self._generate(job, context):
+                response.text += chunk.text
+                response.token_ids.extend(chunk.token_ids)
+                response.logprobs.extend(chunk.logprobs)
+                if chunk.finish_reason:
+                    response.finish_reason = chunk.finish_reason
+                    kind = chunk.WhichOneof("stop_reason")
+                    if kind:
+                        setattr(response, kind, getattr(chunk, kind))
+                    response.error_message = chunk.error_message
+                    response.usage.CopyFrom(chunk.usage)
+                    response.timing.CopyFrom(chunk.timing)
+            return response
+        finally:
+            self._release(job)
+
+    def _admit(self, request: inference_pb2.GenerateRequest, context) -> RouterRequest:
+        prompt = self.frontend.prompt_of(request)
+        params = sampling_params_from_pb(request.sampling_params)  # validates; workers get the message
+        del params
+        request_id = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+        if not request_id:
+            raise InvalidArgument("request_id, when set, must not be empty.")
+        job = RouterRequest(request_id, prompt, request.sampling_params)
+        with self._lock:
+            if request_id in self._in_flight:
+                raise InvalidArgument(f"Request id {request_id!r} is already in flight.")
+            if len(self._in_flight) >= self.max_in_flight_requests:
+                raise ResourceExhausted(
+                    f"The router has {len(self._in_flight)} requests in flight, its limit; retry later."
+                )
+            self._in_flight[request_id] = job
+        # A client that goes away, or whose deadline passes, cancels the worker calls.
+        context.add_callback(job.cancel)
+        return job
+
+    def _release(self, job: RouterRequest) -> None:
+        with self._lock:
+            self._in_flight.pop(job.request_id, None)
+
+    def _generate(self, job: RouterRequest, context):
+        first_token_time = None
+        usage = timing = None
+        try:
+            for message in self.dispatcher.run(job, lambda: _seconds_left(context)):
+                chunk = inference_pb2.GenerateStreamResponse(
+                    request_id=job.request_id, text=message.text, token_ids=message.token_ids,
+                    logprobs=message.logprobs, finish_reason=message.finish_reason,
+                    error_message=message.error_message,
+                )
+                if message.token_ids and first_token_time is None:
+                    first_token_time = time.monotonic()
+                    self._fill_first_logprobs(job, chunk)
+                kind = message.WhichOneof("stop_reason")
+                if kind:
+                    setattr(chunk, kind, getattr(message, kind))
+                if message.finish_reason:
+                    chunk.usage.CopyFrom(message.usage)
+                    chunk.timing.CopyFrom(self._timing(job, first_token_time))
+                if chunk.text or chunk.token_ids or chunk.finish_reason:
+                    yield chunk
+        except RequestCancelled:
+            yield inference_pb2.GenerateStreamResponse(
+                request_id=job.request_id, finish_reason=inference_pb2.FINISH_REASON_ABORT,
+                timing=self._timing(job, first_token_time),
+            )
+
+    @staticmethod
+    def _fill_first_logprobs(job: RouterRequest, chunk: inference_pb2.GenerateStreamResponse) -> None:
+        """The first token of a remote prefill carries no logprobs on the decode side; the prefill's answer has them."""
+        if chunk.logprobs and not chunk.logprobs[0].HasField("sampled") and job.prefill is not None:
+            chunk.logprobs[0].CopyFrom(job.prefill.first_token_logprobs)
+
+    def _timing(self, job: RouterRequest, first_token_time: float | None) -> inference_pb2.Timing:
+        now = time.monotonic()
+        timing = inference_pb2.Timing(end_to_end_seconds=now - job.accepted)
+        if first_token_time is not None:
+            timing.time_to_first_token_seconds = first_token_time - job.accepted
+        if job.prefill is not None:
+            timing.queue_seconds = job.prefill.queue_seconds
+            timing.kv_transfer_seconds = job.prefill.kv_send_seconds
+        return timing
+
+    # ---- the rest of the API ----------------------------------------------------------------
+
+    @unary_errors
+    def Abort(self, request: inference_pb2.AbortRequest, context) -> inference_pb2.AbortResponse:
+        with self._lock:
+            job = self._in_flight.get(request.request_id)
+        if job is None:
+            return inference_pb2.AbortResponse(found=False)
+        job.cancel()
+        return inference_pb2.AbortResponse(found=True)
+
+    @unary_errors
+    def Tokenize(self, request: inference_pb2.TokenizeRequest, context) -> inference_pb2.TokenizeResponse:
+        prompt = self.frontend.prompt_of(request)
+        return inference_pb2.TokenizeResponse(
+            token_ids=prompt.token_ids, prompt_text=prompt.text or "", max_model_len=self.frontend.max_model_len
+        )
+
+    @unary_errors
+    def GetModelInfo(self, request, context) -> inference_pb2.GetModelInfoResponse:
+        info = self.frontend.model_info()
+        info.kv_block_size = self.block_size
+        return info
+
+    @unary_errors
+    def GetClusterStatus(self, request, context) -> inference_pb2.GetClusterStatusResponse:
+        response = inference_pb2.GetClusterStatusResponse()
+        now = time.monotonic()
+        for role, workers in self.registry.pools().items():
+            if not workers:
+                continue
+            pool = response.pools.add(role=role.value)
+            for worker in workers:
+                pool.workers.add(
+                    worker_id=worker.worker_id, role=role.value, address=worker.address, state=worker.state.value,
+                    load=load_to_pb(worker.load), seconds_since_heartbeat=max(now - worker.last_heard, 0.0),
+                )
+        return response
+
+
+class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
+    """Workers register, heartbeat, drain and leave through here."""
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self.registry = registry
+
+    @unary_errors
+    def Register(self, request: worker_pb2.RegisterRequest, context) -> worker_pb2.RegisterResponse:
+        from splitserve.router import registry as registry_module
+
+        if request.role == inference_pb2.WORKER_ROLE_UNSPECIFIED:
+            raise InvalidArgument("role is required.")
+        if request.role != inference_pb2.WORKER_ROLE_BOTH and not request.HasField("kv_endpoint"):
+            raise InvalidArgument("A prefill or decode worker must give its kv_endpoint.")
+        try:
+            worker = self.registry.register(
+                role=WorkerRole(request.role), address=request.address,
+                kv_endpoint=request.kv_endpoint if request.HasField("kv_endpoint") else None,
+                capacity=request.capacity, model_fingerprint=request.model_fingerprint,
+                state=WorkerState(request.state) if request.state else WorkerState.SERVING,
+                worker_id=request.worker_id,
+            )
+        except registry_module.FingerprintMismatch as error:
+            raise FailedPrecondition(str(error)) from None
+        logger.info("Worker %s (%s) registered from %s", worker.worker_id, WorkerRole(request.role).name.lower(),
+                    request.address)
+        return worker_pb2.RegisterResponse(
+            worker_id=worker.worker_id, lease_id=worker.lease_id,
+            lease_duration_seconds=self.registry.lease_duration_seconds,
+            heartbeat_interval_seconds=self.registry.heartbeat_interval_seconds,
+        )
+
+    @unary_errors
+    def Heartbeat(self, request: worker_pb2.HeartbeatRequest, context) -> worker_pb2.HeartbeatResponse:
+        from splitserve.router import registry as registry_module
+
+        try:
+            state, lease = self.registry.heartbeat(
+                request.lease_id, load_from_pb(request.load),
+                WorkerState(request.state) if request.state else WorkerState.SERVING,
+            )
+        except registry_module.UnknownLease as error:
+            raise NotFound(str(error)) from None
+        return worker_pb2.HeartbeatResponse(state=state.value, lease_duration_seconds=lease)
+
+    @unary_errors
+    def Deregister(self, request: worker_pb2.DeregisterRequest, context) -> worker_pb2.DeregisterResponse:
+        from splitserve.router import registry as registry_module
+
+        try:
+            self.registry.deregister(request.lease_id)
+        except registry_module.UnknownLease as error:
+            raise NotFound(str(error)) from None
+        return worker_pb2.DeregisterResponse()
+
+    @unary_errors
+    def Drain(self, request: worker_pb2.DrainRequest, context) -> worker_pb2.DrainResponse:
+        from splitserve.router import registry as registry_module
+
+        try:
+            in_flight = self.registry.drain(request.worker_id)
+        except registry_module.UnknownWorker as error:
+            raise NotFound(str(error)) from None
+        logger.info("Worker %s is draining", request.worker_id)
+        return worker_pb2.DrainResponse(num_in_flight_requests=in_flight)
+
+
+def _seconds_left(context: grpc.ServicerContext) -> float | None:
+    """Seconds before the client's deadline, None without one (gRPC reports "no deadline" as a huge number)."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining > 10**7:
+        return None
+    return max(remaining, 0.001)
+
+
+def load_from_pb(load: inference_pb2.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(
+        num_running_requests=load.num_running_requests, num_waiting_requests=load.num_waiting_requests,
+        num_waiting_for_remote_kvs_requests=load.num_waiting_for_remote_kvs_requests,
+        num_queued_prefill_tokens=load.num_queued_prefill_tokens, num_total_kv_blocks=load.num_total_kv_blocks,
+        num_free_kv_blocks=load.num_free_kv_blocks,
+    )
+
+
+def load_to_pb(load: WorkerLoad) -> inference_pb2.WorkerLoad:
+    return inference_pb2.WorkerLoad(
+        num_running_requests=load.num_running_requests, num_waiting_requests=load.num_waiting_requests,
+        num_waiting_for_remote_kvs_requests=load.num_waiting_for_remote_kvs_requests,
+        num_queued_prefill_tokens=load.num_queued_prefill_tokens, num_total_kv_blocks=load.num_total_kv_blocks,
+        num_free_kv_blocks=load.num_free_kv_blocks, kv_block_usage=load.kv_block_usage,
+    )

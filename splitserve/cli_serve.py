@@ -1,0 +1,207 @@
+"""The serving subcommands: ``router``, ``prefill``, ``decode``, ``colocated``, ``up``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEFAULT_ROUTER_PORT = 50051
+
+
+def add_serving_commands(commands, add_engine_arguments, engine_options) -> None:
+    """Register the serving subcommands on the top-level parser's subparsers."""
+    global _engine_options
+    _engine_options = engine_options
+
+    router = commands.add_parser(
+        "router", help="run the router: the public Inference API in front of the worker pools",
+        description="Serve splitserve.v1.Inference (and WorkerRegistry, for workers started with --router). "
+        "Tokenizes, validates, routes each request to a decode worker and (for long enough prompts) a prefill worker.",
+    )
+    _add_router_arguments(router)
+    router.set_defaults(handler=_run_router)
+
+    for name, role, text in (
+        ("prefill", "prefill", "run a prefill worker: computes prompts' KV and sends it to decode workers"),
+        ("decode", "decode", "run a decode worker: receives prompts' KV (or prefills short ones) and generates"),
+        ("colocated", "both", "run a colocated worker: prefills and decodes its own requests (no KV transfer)"),
+    ):
+        worker = commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        _add_worker_arguments(worker, role)
+        add_engine_arguments(worker)
+        worker.set_defaults(handler=_run_worker, role=role)
+
+    up = commands.add_parser(
+        "up", help="start a local cluster (router + prefill and decode workers) and serve until Ctrl-C",
+        description="Start a router and its workers as child processes on this machine, print the router's "
+        "address, and stop everything cleanly on Ctrl-C (or SIGTERM). Try it with "
+        "`splitserve generate --server ADDRESS \"prompt\"`.",
+    )
+    up.add_argument("--host", default="127.0.0.1", help="interface every process listens on (default: %(default)s)")
+    up.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT, help="router port (default: %(default)s)")
+    up.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default: %(default)s)")
+    up.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default: %(default)s)")
+    up.add_argument("--colocated", type=int, default=0, metavar="N",
+                    help="colocated workers instead of prefill/decode pools (default: %(default)s)")
+    up.add_argument("--kv-transfer", choices=("p2p", "redis"), default="p2p",
+                    help="KV connector between the pools (default: %(default)s)")
+    up.add_argument("--redis-url", help="Redis for --kv-transfer redis (default: start a private redis-server)")
+    up.add_argument("--threads-per-worker", type=int, help="torch threads of each worker (default: torch's)")
+    up.add_argument("--log-dir", help="folder for each process's log (default: a new temporary folder)")
+    up.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
+                    help="prompts shorter than this are prefilled by the decode worker (default: %(default)s)")
+    up.add_argument("--prefill-policy", choices=_POLICIES, default="prefix_aware", help="(default: %(default)s)")
+    up.add_argument("--decode-policy", choices=_POLICIES, default="least_loaded", help="(default: %(default)s)")
+    add_engine_arguments(up)
+    up.set_defaults(handler=_run_up)
+
+
+_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+_engine_options = None
+
+
+def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT, help="port; 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--model", help="model directory for the tokenizer and limits (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the workers' dtype, part of the model fingerprint (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, help="longest prompt + output accepted (default: the model's)")
+    parser.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (default: %(default)s)")
+    parser.add_argument("--prefill-worker", action="append", default=[], metavar="ADDR",
+                        help="a static prefill worker's host:port (repeatable); workers may also register themselves")
+    parser.add_argument("--decode-worker", action="append", default=[], metavar="ADDR", help="a static decode worker (repeatable)")
+    parser.add_argument("--colocated-worker", action="append", default=[], metavar="ADDR",
+                        help="a static colocated worker (repeatable)")
+    parser.add_argument("--prefill-policy", choices=_POLICIES, default="prefix_aware", help="(default: %(default)s)")
+    parser.add_argument("--decode-policy", choices=_POLICIES, default="least_loaded", help="(default: %(default)s)")
+    parser.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
+                        help="prompts shorter than this are prefilled by the decode worker itself (default: %(default)s)")
+    parser.add_argument("--max-in-flight-requests", type=int, default=512,
+                        help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED (default: %(default)s)")
+    parser.add_argument("--lease-seconds", type=float, default=10.0,
+                        help="a registered worker silent this long is removed (default: %(default)s)")
+    parser.add_argument("--heartbeat-seconds", type=float, default=1.0,
+                        help="worker heartbeat and static-worker poll interval (default: %(default)s)")
+    parser.add_argument("--prefill-attempts", type=int, default=2,
+                        help="prefill workers tried before the decode worker prefills itself (default: %(default)s)")
+    parser.add_argument("--kv-timeout", type=float, metavar="SECONDS",
+                        help="decode workers' wait for KV before recomputing (default: each worker's own)")
+    parser.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
+
+
+def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
+    group = parser.add_argument_group("worker")
+    group.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
+    group.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one (default: %(default)s)")
+    group.add_argument("--worker-id", default="", help="id in the cluster (default: derived from the address)")
+    group.add_argument("--router", metavar="ADDR", help="register with this router and heartbeat to it")
+    group.add_argument("--threads", type=int, help="torch threads for this worker (default: torch's)")
+    group.add_argument("--max-queued-requests", type=int, default=256,
+                       help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED (default: %(default)s)")
+    group.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
+    if role != "both":
+        group.add_argument("--kv-transfer", choices=("p2p", "redis"), default="p2p", help="KV connector (default: %(default)s)")
+        group.add_argument("--kv-address", default="",
+                           help="p2p: host the KV rendezvous binds (default: --host); redis: a redis:// URL")
+    else:
+        parser.set_defaults(kv_transfer="p2p", kv_address="")
+    if role == "decode":
+        group.add_argument("--kv-timeout", type=float, default=30.0, metavar="SECONDS",
+                           help="longest wait for a prompt's KV (default: %(default)s)")
+        group.add_argument("--kv-load-failure", choices=("recompute", "fail"), default="recompute",
+                           help="late or refused KV: recompute the prompt here, or fail the request (default: %(default)s)")
+    else:
+        parser.set_defaults(kv_timeout=30.0, kv_load_failure="recompute")
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from splitserve.router.config import RouterConfig
+    from splitserve.router.server import run_router
+    from splitserve.serve import configure_logging
+
+    configure_logging(args.log_level)
+    config = RouterConfig(
+        host=args.host, port=args.port, model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        prefill_workers=args.prefill_worker, decode_workers=args.decode_worker,
+        colocated_workers=args.colocated_worker, prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy, local_prefill_threshold=args.local_prefill_threshold,
+        max_in_flight_requests=args.max_in_flight_requests, lease_seconds=args.lease_seconds,
+        heartbeat_seconds=args.heartbeat_seconds, prefill_attempts=args.prefill_attempts,
+        kv_timeout_seconds=args.kv_timeout, block_size=args.block_size,
+    )
+    return run_router(config)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from splitserve.engine.config import EngineConfig
+    from splitserve.rpc.worker import WorkerConfig
+    from splitserve.serve import configure_logging, run_worker
+
+    configure_logging(args.log_level)
+    config = WorkerConfig(
+        role=args.role, host=args.host, port=args.port, worker_id=args.worker_id, router=args.router,
+        kv_transfer=args.kv_transfer, kv_address=args.kv_address, kv_timeout_seconds=args.kv_timeout,
+        kv_load_failure=args.kv_load_failure, max_queued_requests=args.max_queued_requests,
+        num_threads=args.threads, engine=EngineConfig(args.model, **_engine_options(args)),
+    )
+    return run_worker(config)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from splitserve.engine.model_store import resolve_model
+    from splitserve.launcher import LocalCluster
+    from splitserve.rpc.server import wait_for_shutdown_signal
+
+    if args.colocated < 0 or args.prefill < 0 or args.decode < 0:
+        raise ValueError("Worker counts must be >= 0.")
+    if args.colocated == 0 and args.decode == 0:
+        raise ValueError("A cluster needs at least one decode worker (--decode) or colocated worker (--colocated).")
+    model_dir = str(resolve_model(args.model))  # convert the default model once, before any process starts
+    worker_args = _engine_flags(args, model_dir)
+    if args.threads_per_worker:
+        worker_args += ["--threads", str(args.threads_per_worker)]
+    router_args = ["--model", model_dir, "--dtype", args.dtype, "--block-size", str(args.block_size),
+                   "--local-prefill-threshold", str(args.local_prefill_threshold),
+                   "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
+    if args.max_model_len:
+        router_args += ["--max-model-len", str(args.max_model_len)]
+    cluster = LocalCluster(kv_transfer=args.kv_transfer, redis_url=args.redis_url, worker_args=worker_args,
+                           router_args=router_args, log_dir=args.log_dir, host=args.host, router_port=args.port)
+    started = time.monotonic()
+    try:
+        print(f"Starting the router on {args.host}:{args.port} (logs in {cluster.log_dir})...", file=sys.stderr)
+        address = cluster.start_router()
+        if args.colocated:
+            print(f"Starting {args.colocated} colocated worker(s)...", file=sys.stderr)
+            cluster.start_workers("both", args.colocated)
+        else:
+            print(f"Starting {args.prefill} prefill and {args.decode} decode worker(s), KV over {args.kv_transfer}...",
+                  file=sys.stderr)
+            cluster.start_workers("prefill", args.prefill)
+            cluster.start_workers("decode", args.decode)
+        print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start). "
+              f"Try: splitserve generate --server {address} \"The capital of France is\"   Ctrl-C stops.",
+              file=sys.stderr)
+        print(address, flush=True)
+        wait_for_shutdown_signal()
+    finally:
+        print("Stopping the cluster...", file=sys.stderr)
+        cluster.stop()
+    return 0
+
+
+def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
+    """The engine flags of ``up``, passed on to every worker."""
+    flags = ["--model", model_dir, "--dtype", args.dtype, "--block-size", str(args.block_size),
+             "--kv-cache-gb", str(args.kv_cache_gb), "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--engine-seed", str(args.engine_seed), "--attention-backend", args.attention_backend]
+    if args.max_model_len:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    if args.no_chunked_prefill:
+        flags.append("--no-chunked-prefill")
+    if args.no_prefix_caching:
+        flags.append("--no-prefix-caching")
+    return flags

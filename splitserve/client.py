@@ -1,0 +1,94 @@
+"""A small Python client for a splitserve router (the Inference service).
+
+    from splitserve import Client, SamplingParams
+    with Client("127.0.0.1:50051") as client:
+        for chunk in client.generate_stream("The capital of France is", SamplingParams(temperature=0)):
+            print(chunk.text, end="")
+
+Clients in other languages are generated from ``protos/splitserve/v1/inference.proto``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import grpc
+
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.v1 import inference_pb2, inference_pb2_grpc
+
+
+def sampling_params_to_pb(params: SamplingParams | None) -> inference_pb2.SamplingParams:
+    """The proto form of the engine's SamplingParams (every field set explicitly)."""
+    if params is None:
+        return inference_pb2.SamplingParams()
+    message = inference_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, skip_special_tokens=params.skip_special_tokens,
+    )
+    if params.max_tokens is not None:
+        message.max_tokens = params.max_tokens
+    if params.seed is not None:
+        message.seed = params.seed
+    if params.logprobs is not None:
+        message.logprobs = params.logprobs
+    return message
+
+
+def generate_request(prompt, params: SamplingParams | None = None, request_id: str | None = None):
+    """A GenerateRequest for a text prompt, a list of token ids, or a list of chat messages (dicts)."""
+    request = inference_pb2.GenerateRequest(sampling_params=sampling_params_to_pb(params))
+    if request_id is not None:
+        request.request_id = request_id
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        request.chat.messages.extend(inference_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    else:
+        request.token_ids.ids.extend(int(token) for token in prompt)
+    return request
+
+
+class Client:
+    """A connection to a router. Calls raise ``grpc.RpcError`` with the router's status and message."""
+
+    def __init__(self, address: str, timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address)
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout)
+
+    def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                 timeout: float | None = None) -> inference_pb2.GenerateResponse:
+        return self.stub.Generate(generate_request(prompt, params, request_id), timeout=timeout or self.timeout)
+
+    def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                        timeout: float | None = None) -> Iterator[inference_pb2.GenerateStreamResponse]:
+        """The streamed chunks; cancel early with ``.cancel()`` on the returned call."""
+        return self.stub.GenerateStream(generate_request(prompt, params, request_id), timeout=timeout or self.timeout)
+
+    def abort(self, request_id: str) -> bool:
+        return self.stub.Abort(inference_pb2.AbortRequest(request_id=request_id), timeout=10).found
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.stub.Tokenize(inference_pb2.TokenizeRequest(text=text), timeout=30).token_ids)
+
+    def model_info(self) -> inference_pb2.GetModelInfoResponse:
+        return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=10)
+
+    def cluster_status(self) -> inference_pb2.GetClusterStatusResponse:
+        return self.stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=10)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

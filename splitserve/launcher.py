@@ -1,0 +1,209 @@
+"""Start and stop the processes of a local cluster: router, workers, and a private redis-server.
+
+Used by ``splitserve up``, the integration tests and the serving benchmark.
+Every process is a child of this one, started with its own flags; each prints
+``READY <address> ...`` on stdout when it serves, and logs to its own file.
+Only processes started here are ever signalled, by their PID.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+# Worker role -> its subcommand.
+_COMMANDS = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Process:
+    """One child process of the cluster."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    address: str = ""
+    worker_id: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``; waits for the exit."""
+        if self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+
+    def kill(self) -> None:
+        """SIGKILL at once (a crash, for failure tests)."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(10)
+
+
+def _wait_ready(process: Process, timeout: float) -> str:
+    """Read the child's stdout until its READY line; returns the line."""
+    lines: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        for line in process.popen.stdout:
+            if line.startswith("READY "):
+                lines.append(line.strip())
+                done.set()
+                return
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not done.wait(timeout) or not lines:
+        process.kill()
+        tail = "\n".join(process.log().splitlines()[-30:])
+        raise RuntimeError(f"{process.name} did not become ready within {timeout:.0f} s. Its log:\n{tail}")
+    return lines[0]
+
+
+@dataclass
+class LocalCluster:
+    """A router and its workers as child processes.
+
+    Args:
+        kv_transfer: "p2p" or "redis".
+        redis_url: Redis for the redis connector (None: start a private redis-server).
+        worker_args: extra flags for every worker (engine options).
+        router_args: extra flags for the router.
+        log_dir: where each process logs (default: a new temporary folder).
+        python: the interpreter to run (default: this one).
+    """
+
+    kv_transfer: str = "p2p"
+    redis_url: str | None = None
+    worker_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    host: str = "127.0.0.1"
+    router_port: int = 0
+    python: str = sys.executable
+    ready_timeout: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="splitserve-cluster-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.router: Process | None = None
+        self.workers: list[Process] = []
+        self.redis: Process | None = None
+        self._counter = 0
+
+    # ---- processes -----------------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str]) -> Process:
+        self._counter += 1
+        log_path = self.log_dir / f"{self._counter:02d}-{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        with open(log_path, "w") as log:
+            popen = subprocess.Popen(
+                [self.python, "-m", "splitserve.cli", *args], stdout=subprocess.PIPE, stderr=log,
+                text=True, env=env, start_new_session=True,
+            )
+        return Process(name, popen, log_path)
+
+    def start_redis(self) -> str:
+        """Start a private redis-server on a free loopback port; returns its URL."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not on the PATH; install Redis or pass --redis-url.")
+        port = free_port(self.host)
+        log_path = self.log_dir / "00-redis.log"
+        with open(log_path, "w") as log:
+            popen = subprocess.Popen(
+                [binary, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly", "no"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        self.redis = Process("redis", popen, log_path, address=f"{self.host}:{port}")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((self.host, port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return f"redis://{self.host}:{port}/0"
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {port}; see {log_path}.")
+
+    def start_router(self) -> str:
+        port = self.router_port or free_port(self.host)
+        self.router = self._spawn("router", ["router", "--host", self.host, "--port", str(port), *self.router_args])
+        line = _wait_ready(self.router, self.ready_timeout)
+        self.router.address = line.split()[1]
+        return self.router.address
+
+    def start_workers(self, role: str, count: int = 1, extra_args: list[str] | None = None) -> list[Process]:
+        """Start ``count`` workers of ``role`` (prefill, decode, both) registered with the router; waits until ready."""
+        if self.router is None:
+            raise RuntimeError("Start the router first.")
+        if self.kv_transfer == "redis" and self.redis_url is None and role != "both":
+            self.redis_url = self.start_redis()
+        started = []
+        for _ in range(count):
+            args = [_COMMANDS[role], "--host", self.host, "--port", "0", "--router", self.router.address,
+                    *self.worker_args, *(extra_args or [])]
+            if role != "both":
+                args += ["--kv-transfer", self.kv_transfer]
+            if self.kv_transfer == "redis" and role != "both":
+                args += ["--kv-address", self.redis_url]
+            started.append(self._spawn(f"{role}{len(self.workers) + len(started)}", args))
+        for process in started:
+            line = _wait_ready(process, self.ready_timeout).split()
+            process.address, process.worker_id = line[1], line[3]
+        self.workers.extend(started)
+        return started
+
+    def stop(self) -> None:
+        """Stop workers, then the router, then Redis; each SIGTERM first, SIGKILL if it hangs."""
+        for process in self.workers:
+            if process.alive():
+                process.popen.send_signal(signal.SIGTERM)
+        for process in self.workers:
+            process.stop()
+        if self.router is not None:
+            self.router.stop()
+        if self.redis is not None:
+            self.redis.stop(5)
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

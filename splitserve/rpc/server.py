@@ -1,0 +1,97 @@
+"""Start a gRPC server with the standard health and reflection services beside ours."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from typing import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+# Streams, keep-alive and big unary messages (KV payloads never go through gRPC).
+_SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class RunningServer:
+    """A started gRPC server, its bound port and its health servicer."""
+
+    def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer, service_names: list[str]):
+        self.server = server
+        self.port = port
+        self.health = health_servicer
+        self.service_names = service_names
+
+    def set_serving(self, serving: bool) -> None:
+        """Report SERVING or NOT_SERVING for every service (and the server as a whole, "")."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            self.health.set(name, status)
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.set_serving(False)
+        self.server.stop(grace).wait(grace + 1)
+
+
+def start_server(
+    address: str,
+    services: Iterable[tuple[Callable[[object, grpc.Server], None], object, str]],
+    max_workers: int = 64,
+) -> RunningServer:
+    """Bind ``address`` (host:port; port 0 picks a free one) and start serving.
+
+    Args:
+        services: (add_XServicer_to_server, servicer, full service name) triples.
+        max_workers: threads for concurrent calls; every open stream holds one.
+
+    Returns:
+        The running server; its ``port`` is the bound one.
+
+    Raises:
+        RuntimeError: the address cannot be bound.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+                         options=_SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers * 4)
+    names = []
+    for add, servicer, name in services:
+        add(servicer, server)
+        names.append(name)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as error:
+        raise RuntimeError(f"Cannot listen on {address}: {error}") from None
+    if port == 0:
+        raise RuntimeError(f"Cannot listen on {address}: the port is taken or the host is not local.")
+    server.start()
+    running = RunningServer(server, port, health_servicer, names)
+    running.set_serving(True)
+    return running
+
+
+def wait_for_shutdown_signal() -> None:
+    """Block until SIGINT or SIGTERM (main thread only)."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def host_of(address: str) -> str:
+    """The host part of host:port (brackets of an IPv6 literal kept)."""
+    return address.rsplit(":", 1)[0]

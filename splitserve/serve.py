@@ -1,0 +1,73 @@
+"""Run one process of a cluster: a worker (prefill, decode or both) or the router.
+
+Each ``run_*`` builds its servicer, starts a gRPC server (with health and
+reflection), prints a ``READY <address>`` line on stdout for launchers, and
+blocks until SIGINT/SIGTERM, then shuts down in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def build_worker(config):
+    """Start a worker's runtime and gRPC server; returns (server, runtime, servicer). Does not block."""
+    from splitserve.rpc.server import start_server
+    from splitserve.rpc.worker import WorkerRuntime
+    from splitserve.v1 import worker_pb2_grpc
+
+    address = f"{config.host}:{config.port}"
+    if config.role == "prefill":
+        from splitserve.prefill_service.servicer import PrefillServicer
+
+        servicer = PrefillServicer()
+        runtime = WorkerRuntime(config, after_step=servicer.after_step)
+        servicer.attach(runtime)
+        services = [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, "splitserve.v1.PrefillWorker")]
+    else:
+        from splitserve.decode_service.servicer import DecodeServicer
+
+        runtime = WorkerRuntime(config)
+        servicer = DecodeServicer(runtime)
+        services = [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "splitserve.v1.DecodeWorker")]
+    server = start_server(address, services)
+    bound = f"{config.host}:{server.port}"
+    try:
+        runtime.start(bound)
+        if hasattr(servicer, "start"):
+            servicer.start()
+    except BaseException:
+        server.stop(0)
+        runtime.stop()
+        raise
+    return server, runtime, servicer
+
+
+def run_worker(config) -> int:
+    """Serve as a worker until a signal; returns the exit status."""
+    from splitserve.rpc.server import wait_for_shutdown_signal
+
+    server, runtime, servicer = build_worker(config)
+    print(f"READY {runtime.address} {config.role} {runtime.worker_id}", flush=True)
+    logger.info("%s worker %s serving on %s", config.role, runtime.worker_id, runtime.address)
+    try:
+        wait_for_shutdown_signal()
+    finally:
+        logger.info("Shutting down worker %s", runtime.worker_id)
+        if runtime.membership is not None:
+            runtime.membership.drain()
+        server.stop(2.0)
+        if hasattr(servicer, "stop"):
+            servicer.stop()
+        runtime.stop()
+    return 0
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
+    )

@@ -1,0 +1,67 @@
+"""Helpers for the integration tests that run a real cluster (router and workers as processes)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from splitserve.client import Client
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.launcher import LocalCluster
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
+
+# Small KV caches and one thread per worker: several workers share this machine's two cores.
+WORKER_ARGS = ["--kv-cache-gb", "0.25", "--max-model-len", "2048", "--threads", "1"]
+ROUTER_ARGS = ["--max-model-len", "2048", "--heartbeat-seconds", "0.5", "--lease-seconds", "3"]
+
+
+def start_cluster(kv_transfer: str, log_dir, prefill: int = 1, decode: int = 1, router_args=(), worker_args=()):
+    cluster = LocalCluster(kv_transfer=kv_transfer, worker_args=[*WORKER_ARGS, *worker_args],
+                           router_args=[*ROUTER_ARGS, *router_args], log_dir=log_dir)
+    try:
+        cluster.start_router()
+        if prefill:
+            cluster.start_workers("prefill", prefill)
+        if decode:
+            cluster.start_workers("decode", decode)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def stream_tokens(client: Client, prompt, max_tokens: int, **kwargs) -> tuple[list[int], str, object]:
+    """Run one streaming request; returns (token ids, text, last chunk)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+    token_ids, text, last = [], "", None
+    for chunk in client.generate_stream(prompt, params, timeout=300):
+        token_ids.extend(chunk.token_ids)
+        text += chunk.text
+        last = chunk
+    return token_ids, text, last
+
+
+def worker_status(address: str, role: str) -> worker_pb2.GetWorkerStatusResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
+        return stub.GetStatus(worker_pb2.GetWorkerStatusRequest(), timeout=30)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.2, message: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{message} did not hold within {timeout} s")
+
+
+def all_blocks_free(client: Client) -> bool:
+    """True when every worker in GetClusterStatus reports all its KV blocks free."""
+    status = client.cluster_status()
+    workers = [worker for pool in status.pools for worker in pool.workers]
+    return bool(workers) and all(
+        w.load.num_total_kv_blocks > 0 and w.load.num_free_kv_blocks == w.load.num_total_kv_blocks for w in workers
+    )

@@ -1,0 +1,266 @@
+"""A real cluster: router, prefill and decode workers as separate processes, KV over p2p (Gloo).
+
+Greedy outputs through the cluster are compared with transformers (float32)
+and with the offline engine; the decode worker's counters and log show that
+the KV came through the connector, not from a local recompute.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from splitserve import LLM, SamplingParams
+from splitserve.client import Client, sampling_params_to_pb
+from splitserve.launcher import LocalCluster
+from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from tests.cluster_helpers import (ROUTER_ARGS, WORKER_ARGS, all_blocks_free, start_cluster, stream_tokens,
+                                   wait_until, worker_status)
+from tests.reference import MAX_TOKENS
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = start_cluster("p2p", tmp_path_factory.mktemp("p2p-cluster"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster.router.address) as client:
+        yield client
+
+
+def decode_worker(cluster):
+    return next(p for p in cluster.workers if p.name.startswith("decode"))
+
+
+def prefill_worker(cluster):
+    return next(p for p in cluster.workers if p.name.startswith("prefill"))
+
+
+def test_disaggregated_greedy_is_token_identical_to_transformers(cluster, client, prompt_token_ids, hf_reference):
+    before = worker_status(decode_worker(cluster).address, "decode").counters
+    with ThreadPoolExecutor(len(prompt_token_ids)) as pool:
+        results = list(pool.map(lambda ids: stream_tokens(client, ids, MAX_TOKENS), prompt_token_ids))
+    for (token_ids, text, last), expected in zip(results, hf_reference):
+        assert token_ids == expected
+        expected_reason = inference_pb2.FINISH_REASON_LENGTH if len(expected) == MAX_TOKENS else inference_pb2.FINISH_REASON_STOP
+        assert last.finish_reason == expected_reason
+        assert last.usage.completion_tokens == len(expected)
+        assert last.timing.time_to_first_token_seconds > 0
+    after = worker_status(decode_worker(cluster).address, "decode").counters
+    # Every prompt's KV came through the connector; none was recomputed or prefilled locally.
+    assert after.num_kv_transfers_received - before.num_kv_transfers_received == len(prompt_token_ids)
+    assert after.num_kv_recomputes == before.num_kv_recomputes
+    assert after.num_local_prefills == before.num_local_prefills
+    assert after.num_kv_bytes > before.num_kv_bytes
+    sent = worker_status(prefill_worker(cluster).address, "prefill").counters
+    assert sent.num_kv_transfers_sent >= len(prompt_token_ids)
+    log = decode_worker(cluster).log()
+    assert log.count("WAITING_FOR_REMOTE_KVS -> WAITING") >= len(prompt_token_ids)
+    assert "received through the connector" in log
+    wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")
+
+
+def test_32_concurrent_streams_match_the_offline_engine(client, model_dir):
+    prompts = [f"Question {index}: name a color that starts with the letter {chr(65 + index % 26)}." for index in range(32)]
+    offline = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048)
+    expected = offline.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    del offline
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda prompt: stream_tokens(client, prompt, 16), prompts))
+    for (token_ids, text, last), output in zip(results, expected):
+        assert token_ids == output.outputs[0].token_ids
+        assert text == output.outputs[0].text
+        assert last.finish_reason in (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH)
+
+
+def test_client_cancel_mid_stream_frees_blocks_on_both_workers(client, prompt_token_ids):
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    call = client.generate_stream(prompt_token_ids[6], params, timeout=300)
+    received = 0
+    for chunk in call:
+        received += len(chunk.token_ids)
+        if received >= 3:
+            break
+    call.cancel()
+    assert received >= 3
+    wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free after the cancel")
+    status = client.cluster_status()
+    assert {pool.role for pool in status.pools} >= {inference_pb2.WORKER_ROLE_PREFILL, inference_pb2.WORKER_ROLE_DECODE}
+
+
+def test_abort_rpc_ends_the_stream_with_abort(client):
+    request_id = f"abort-me-{uuid.uuid4().hex[:6]}"
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    chunks = []
+    started = threading.Event()
+
+    def consume():
+        for chunk in client.generate_stream("Tell me a very long story.", params, request_id=request_id, timeout=300):
+            chunks.append(chunk)
+            started.set()
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    assert started.wait(120)
+    assert client.abort(request_id) is True
+    thread.join(60)
+    assert not thread.is_alive()
+    assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_ABORT
+    assert client.abort(request_id) is False
+    wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free after the abort")
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, message",
+    [
+        (dict(text=""), "empty"),
+        (dict(), "no prompt"),
+        (dict(token_ids=inference_pb2.TokenIds(ids=[1, 2, 99999999])), "outside the vocabulary"),
+        (dict(token_ids=inference_pb2.TokenIds(ids=[1] * 2048)), "max_model_len"),
+        (dict(text="hi", sampling_params=inference_pb2.SamplingParams(temperature=-1)), "temperature"),
+        (dict(text="hi", sampling_params=inference_pb2.SamplingParams(top_p=1.5)), "top_p"),
+        (dict(text="hi", sampling_params=inference_pb2.SamplingParams(max_tokens=0)), "max_tokens"),
+        (dict(text="hi", sampling_params=inference_pb2.SamplingParams(logprobs=50)), "logprobs"),
+    ],
+)
+def test_invalid_requests_get_invalid_argument_with_a_sentence(client, request_kwargs, message):
+    for method in (client.stub.Generate, lambda request, timeout: list(client.stub.GenerateStream(request, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as caught:
+            method(inference_pb2.GenerateRequest(**request_kwargs), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in caught.value.details()
+
+
+def test_deadline_propagates_and_frees_blocks(client):
+    params = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+    with pytest.raises(grpc.RpcError) as caught:
+        client.generate("Count from one to a thousand:", params, timeout=1.5)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free after the deadline")
+
+
+def test_unary_generate_and_the_small_rpcs(client, tokenizer):
+    response = client.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0.0, logprobs=2))
+    assert response.text.startswith(" Paris")
+    assert len(response.logprobs) == len(response.token_ids) == response.usage.completion_tokens
+    assert all(len(position.top) == 2 for position in response.logprobs)
+    assert response.logprobs[0].sampled.token_id == response.token_ids[0]
+    assert client.tokenize("The capital of France is") == tokenizer.encode("The capital of France is")
+    info = client.model_info()
+    assert info.max_model_len == 2048 and info.vocab_size == tokenizer.vocab_size and info.has_chat_template
+    chat = client.generate([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=4, temperature=0.0))
+    assert chat.usage.prompt_tokens > 5
+
+
+def test_decode_worker_kv_failure_policies(cluster, client, tokenizer):
+    """A transfer that never arrives: recompute locally (same tokens) or fail with a clear message."""
+    address = decode_worker(cluster).address
+    prompt = tokenizer.encode("The capital of France is")
+    expected, _, _ = stream_tokens(client, prompt, 8)
+    params = sampling_params_to_pb(SamplingParams(max_tokens=8, temperature=0.0))
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        for policy in (worker_pb2.KV_FAILURE_POLICY_RECOMPUTE, worker_pb2.KV_FAILURE_POLICY_FAIL):
+            request = worker_pb2.DecodeRequest(
+                request_id=uuid.uuid4().hex, transfer_id=uuid.uuid4().hex, prompt_token_ids=prompt,
+                sampling_params=params, kv_timeout_seconds=0.5, on_kv_failure=policy,
+            )
+            messages = list(stub.Decode(request, timeout=120))
+            assert messages[0].state == worker_pb2.REQUEST_STATE_WAITING_FOR_REMOTE_KVS
+            last = messages[-1]
+            if policy == worker_pb2.KV_FAILURE_POLICY_RECOMPUTE:
+                assert [t for m in messages for t in m.token_ids] == expected
+                assert last.kv_recomputed
+            else:
+                assert last.finish_reason == inference_pb2.FINISH_REASON_ERROR
+                assert "did not arrive" in last.error_message
+        # Bad input straight to the worker: the right codes, and the worker goes on.
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Decode(worker_pb2.DecodeRequest(request_id="x", prompt_token_ids=prompt), timeout=30))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free after the KV failures")
+
+
+def test_conditional_disaggregation_and_colocated_give_the_same_tokens(cluster, client, prompt_token_ids, hf_reference):
+    decode, prefill = decode_worker(cluster), prefill_worker(cluster)
+    # A second router over the same workers, prefilling prompts under 200 tokens on the decode worker.
+    threshold = LocalCluster(router_args=[*ROUTER_ARGS, "--local-prefill-threshold", "200",
+                                          "--prefill-worker", prefill.address, "--decode-worker", decode.address],
+                             log_dir=cluster.log_dir / "threshold")
+    colocated = LocalCluster(worker_args=WORKER_ARGS, router_args=[*ROUTER_ARGS, "--max-in-flight-requests", "1"],
+                             log_dir=cluster.log_dir / "colocated")
+    try:
+        threshold.start_router()
+        colocated.start_router()
+        colocated.start_workers("both", 1)
+        before = worker_status(decode.address, "decode").counters
+        indexes = range(len(prompt_token_ids))
+        with Client(threshold.router.address) as via_threshold, Client(colocated.router.address) as via_colocated:
+            wait_until(lambda: len(via_threshold.cluster_status().pools) == 2, 20, message="static workers polled")
+            for index in indexes:
+                assert stream_tokens(via_threshold, prompt_token_ids[index], MAX_TOKENS)[0] == hf_reference[index]
+                assert stream_tokens(via_colocated, prompt_token_ids[index], MAX_TOKENS)[0] == hf_reference[index]
+            # Back-pressure: the colocated router takes one request at a time.
+            call = via_colocated.generate_stream("Tell me a long story.", SamplingParams(max_tokens=500, ignore_eos=True))
+            next(iter(call))
+            with pytest.raises(grpc.RpcError) as caught:
+                via_colocated.generate("Hello", SamplingParams(max_tokens=2))
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "limit" in caught.value.details()
+            call.cancel()
+        after = worker_status(decode.address, "decode").counters
+        num_short = sum(1 for ids in prompt_token_ids if len(ids) < 200)
+        assert 0 < num_short < len(prompt_token_ids)
+        assert after.num_local_prefills - before.num_local_prefills == num_short
+        assert after.num_kv_transfers_received - before.num_kv_transfers_received == len(prompt_token_ids) - num_short
+    finally:
+        threshold.stop()
+        colocated.stop()
+
+
+def test_decode_pool_scales_at_run_time(cluster, client, prompt_token_ids, hf_reference):
+    (added,) = cluster.start_workers("decode", 1)
+    wait_until(lambda: any(w.worker_id == added.worker_id for p in client.cluster_status().pools for w in p.workers),
+               20, message="the new decode worker in the cluster status")
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda index: stream_tokens(client, prompt_token_ids[index], MAX_TOKENS)[0],
+                                [0, 1, 2, 3, 0, 1, 2, 3]))
+    assert results == [hf_reference[i] for i in [0, 1, 2, 3, 0, 1, 2, 3]]
+    assert worker_status(added.address, "decode").counters.num_requests > 0
+
+    added.kill()  # a crash: no deregistration, no drain
+    for index in (4, 5, 0, 1):
+        assert stream_tokens(client, prompt_token_ids[index], MAX_TOKENS)[0] == hf_reference[index]
+    wait_until(lambda: all(w.worker_id != added.worker_id for p in client.cluster_status().pools for w in p.workers),
+               20, message="the killed worker removed after its lease")
+    assert stream_tokens(client, prompt_token_ids[2], MAX_TOKENS)[0] == hf_reference[2]
+
+
+def test_prefill_worker_failure_falls_back_to_local_prefill(cluster, client, prompt_token_ids, hf_reference):
+    prefill_worker(cluster).kill()
+    for index in (1, 6):
+        assert stream_tokens(client, prompt_token_ids[index], MAX_TOKENS)[0] == hf_reference[index]
+    wait_until(lambda: all(p.role != inference_pb2.WORKER_ROLE_PREFILL for p in client.cluster_status().pools),
+               20, message="the killed prefill worker removed")
+    assert stream_tokens(client, prompt_token_ids[3], MAX_TOKENS)[0] == hf_reference[3]
+    wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free")
+
+
+def test_no_decode_worker_is_unavailable(tmp_path):
+    with LocalCluster(router_args=ROUTER_ARGS, log_dir=tmp_path) as empty:
+        empty.start_router()
+        with Client(empty.router.address) as client:
+            with pytest.raises(grpc.RpcError) as caught:
+                client.generate("Hello", SamplingParams(max_tokens=2), timeout=30)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "No decode worker" in caught.value.details()
