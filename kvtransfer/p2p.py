@@ -111,8 +111,8 @@ class P2PConnector(KVConnector):
             logger.warning("KV pair %d could not be set up: %s", index, error)
             return
         logger.info("KV pair %d with %s ready", index, peer)
+        open_transfers: set[str] = set()  # transfers on this pair whose last payload has not come yet
         while not self._closed.is_set():
-            transfer_id = None
             try:
                 meta = torch.empty(2, dtype=torch.int64)
                 group.recv([meta], _SENDER, _TAG_META).wait()
@@ -120,15 +120,22 @@ class P2PConnector(KVConnector):
                 header_buffer = torch.empty(header_length, dtype=torch.uint8)
                 group.recv([header_buffer], _SENDER, _TAG_HEADER).wait()
                 header = TransferHeader.from_bytes(header_buffer.numpy().tobytes())
-                transfer_id = header.transfer_id
+                open_transfers.add(header.transfer_id)
                 payload_buffer = torch.empty(payload_length, dtype=torch.uint8)
                 group.recv([payload_buffer], _SENDER, _TAG_PAYLOAD).wait()
                 group.send([torch.zeros(1, dtype=torch.int64)], _SENDER, _TAG_ACK).wait()
             except Exception as error:
-                if not self._closed.is_set():
-                    logger.warning("KV pair %d with %s broke: %s", index, peer, error)
+                if self._closed.is_set():
+                    return
+                if not open_transfers:  # the sender went away between transfers: not an error
+                    logger.info("KV pair %d with %s closed by the peer", index, peer)
+                    return
+                logger.warning("KV pair %d with %s broke mid-transfer: %s", index, peer, error)
+                for transfer_id in open_transfers:
                     self._on_error(transfer_id, KVTransferError(f"the connection to {peer} broke: {error}"))
                 return
+            if header.is_last:
+                open_transfers.discard(header.transfer_id)
             self._deliver(header, payload_buffer)
 
     def _deliver(self, header: TransferHeader, buffer: torch.Tensor) -> None:

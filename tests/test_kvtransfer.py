@@ -1,0 +1,255 @@
+"""KV transfer: the payload contract, and both connectors moving real bytes (p2p across processes, a real Redis)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import pytest
+import redis
+import torch
+
+from splitserve.kvtransfer import create_connector
+from splitserve.kvtransfer.base import (KVEndpointInfo, KVLayout, KVTransferError, KVVerificationError, TransferHeader,
+                                        gather_blocks, payload_checksum, scatter_blocks, verify)
+from splitserve.launcher import LocalCluster
+
+pytestmark = pytest.mark.timeout(120)
+
+# A small cache: 4 layers, 2 KV heads, 16 blocks of 4 tokens, head size 8.
+SHAPE = (4, 2, 2, 16, 4, 8)
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=8, dtype=torch.float32, block_size=4)
+FINGERPRINT = "model-a"
+
+
+def seeded_cache(seed: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def header_for(payload: torch.Tensor, transfer_id: str, position: int, num_tokens: int, num_prompt_tokens: int,
+               is_last: bool, first_token_id=None, fingerprint=FINGERPRINT, layout=LAYOUT) -> TransferHeader:
+    return TransferHeader(transfer_id, fingerprint, layout, position, num_tokens, num_prompt_tokens,
+                          payload.numel() * payload.element_size(), payload_checksum(payload), is_last, first_token_id)
+
+
+class Inbox:
+    """Collects what a receiving connector delivers."""
+
+    def __init__(self) -> None:
+        self.payloads, self.errors = [], []
+        self.event = threading.Condition()
+
+    def on_payload(self, received) -> None:
+        with self.event:
+            self.payloads.append(received)
+            self.event.notify_all()
+
+    def on_error(self, transfer_id, error) -> None:
+        with self.event:
+            self.errors.append((transfer_id, error))
+            self.event.notify_all()
+
+    def wait(self, num_payloads: int = 0, num_errors: int = 0, timeout: float = 30) -> None:
+        with self.event:
+            assert self.event.wait_for(
+                lambda: len(self.payloads) >= num_payloads and len(self.errors) >= num_errors, timeout
+            ), f"got {len(self.payloads)} payloads and {len(self.errors)} errors"
+
+
+# ---- the contract -----------------------------------------------------------------------
+
+
+def test_header_round_trip_and_garbage():
+    payload = gather_blocks(seeded_cache(0), [3, 7])
+    header = header_for(payload, "t1", 8, 7, 15, True, first_token_id=42)
+    parsed = TransferHeader.from_bytes(header.to_bytes())
+    assert parsed == header and parsed.num_blocks == 2
+    without_first = header_for(payload, "t1", 0, 8, 15, False)
+    assert TransferHeader.from_bytes(without_first.to_bytes()).first_token_id is None
+    with pytest.raises(KVTransferError, match="4 bytes"):
+        TransferHeader.from_bytes(b"\x01")
+    with pytest.raises(KVTransferError, match="follow"):
+        TransferHeader.from_bytes(b"\xff\x00\x00\x00abc")
+    future = header_for(payload, "t1", 0, 8, 15, False)
+    future.format_version = 2
+    with pytest.raises(KVVerificationError, match="format version 2 is not supported"):
+        TransferHeader.from_bytes(future.to_bytes())
+
+
+def test_gather_scatter_round_trip_into_other_blocks():
+    source, target = seeded_cache(1), torch.zeros(SHAPE)
+    payload = gather_blocks(source, [3, 7, 1])
+    assert payload.shape == (4, 2, 2, 3, 4, 8) and payload.is_contiguous()
+    scatter_blocks(target, [10, 2, 5], payload)
+    assert torch.equal(target[:, :, :, [10, 2, 5]], source[:, :, :, [3, 7, 1]])
+    untouched = [b for b in range(16) if b not in (10, 2, 5)]
+    assert not target[:, :, :, untouched].any()
+
+
+def test_verify_names_what_differs():
+    payload = gather_blocks(seeded_cache(2), [0, 1])
+    data = memoryview(payload.view(-1).view(torch.uint8).numpy())
+    header = header_for(payload, "t", 0, 8, 8, True)
+    verify(header, data, FINGERPRINT, LAYOUT)
+    with pytest.raises(KVVerificationError, match="fingerprint model-a differs from this worker's model-b"):
+        verify(header, data, "model-b", LAYOUT)
+    other = KVLayout(4, 2, 8, torch.bfloat16, 4)
+    with pytest.raises(KVVerificationError, match="layout .* differs"):
+        verify(header, data, FINGERPRINT, other)
+    corrupted = bytearray(data)
+    corrupted[5] ^= 0xFF
+    with pytest.raises(KVVerificationError, match="Checksum mismatch"):
+        verify(header, corrupted, FINGERPRINT, LAYOUT)
+    with pytest.raises(KVVerificationError, match="bytes"):
+        verify(header, bytes(data)[:-4], FINGERPRINT, LAYOUT)
+    assert header.checksum == zlib.crc32(bytes(data))
+
+
+# ---- p2p across processes -----------------------------------------------------------------
+
+SENDER = r"""
+import sys, torch
+from splitserve.kvtransfer import create_connector
+from splitserve.kvtransfer.base import KVEndpointInfo, KVLayout, TransferHeader, gather_blocks, payload_checksum
+address, worker_id, seed, transfer_id, fingerprint = sys.argv[1:6]
+layout = KVLayout(4, 2, 8, torch.float32, 4)
+cache = torch.randn((4, 2, 2, 16, 4, 8), generator=torch.Generator().manual_seed(int(seed)))
+connector = create_connector("p2p", worker_id, fingerprint, layout, connect_timeout_seconds=10)
+destination = KVEndpointInfo("p2p", address, "receiver")
+# Prompt of 11 tokens in blocks [3, 7, 1]: two payloads, the last with the first token.
+for blocks, position, num_tokens, last in (([3, 7], 0, 8, False), ([1], 8, 3, True)):
+    payload = gather_blocks(cache, blocks)
+    header = TransferHeader(transfer_id, fingerprint, layout, position, num_tokens, 11,
+                            payload.numel() * 4, payload_checksum(payload), last, 99 if last else None)
+    connector.send(destination, header, payload)
+print("SENT", flush=True)
+connector.close()
+"""
+
+
+def run_sender(address: str, worker_id: str, seed: int, transfer_id: str, fingerprint: str = FINGERPRINT):
+    return subprocess.Popen([sys.executable, "-c", SENDER, address, worker_id, str(seed), transfer_id, fingerprint],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def p2p_receiver():
+    connector = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT)
+    inbox = Inbox()
+    connector.start_receiving(inbox.on_payload, inbox.on_error)
+    yield connector, inbox
+    started = time.monotonic()
+    connector.close()
+    assert time.monotonic() - started < 5
+
+
+def test_p2p_across_processes_is_bit_exact(p2p_receiver):
+    connector, inbox = p2p_receiver
+    address = connector.endpoint().address
+    senders = [run_sender(address, f"prefill-{seed}", seed, f"transfer-{seed}") for seed in (11, 12)]
+    for sender in senders:
+        out, err = sender.communicate(timeout=90)
+        assert "SENT" in out, err
+    inbox.wait(num_payloads=4)
+    assert not inbox.errors
+    for seed in (11, 12):
+        received = [p for p in inbox.payloads if p.header.transfer_id == f"transfer-{seed}"]
+        assert [p.header.first_token_position for p in received] == [0, 8]
+        assert received[-1].header.is_last and received[-1].header.first_token_id == 99
+        target = torch.zeros(SHAPE)
+        scatter_blocks(target, [10, 2], received[0].payload)
+        scatter_blocks(target, [5], received[1].payload)
+        assert torch.equal(target[:, :, :, [10, 2, 5]], seeded_cache(seed)[:, :, :, [3, 7, 1]])
+
+
+def test_p2p_refuses_another_model_and_drops_cancelled_transfers(p2p_receiver):
+    connector, inbox = p2p_receiver
+    address = connector.endpoint().address
+    out, err = run_sender(address, "prefill-x", 13, "wrong-model", fingerprint="model-z").communicate(timeout=90)
+    assert "SENT" in out, err
+    inbox.wait(num_errors=2)
+    assert {transfer_id for transfer_id, _ in inbox.errors} == {"wrong-model"}
+    assert "model-z differs" in str(inbox.errors[0][1])
+    connector.cancel("cancelled")
+    out, err = run_sender(address, "prefill-y", 14, "cancelled").communicate(timeout=90)
+    assert "SENT" in out, err
+    time.sleep(0.5)
+    assert inbox.payloads == [] and len(inbox.errors) == 2
+
+
+def test_p2p_send_to_nobody_fails_within_its_timeout():
+    from splitserve.launcher import free_port
+
+    sender = create_connector("p2p", "lonely", FINGERPRINT, LAYOUT, connect_timeout_seconds=2)
+    payload = gather_blocks(seeded_cache(0), [0])
+    started = time.monotonic()
+    with pytest.raises(KVTransferError, match="Cannot reach the KV endpoint"):
+        sender.send(KVEndpointInfo("p2p", f"127.0.0.1:{free_port()}", "nobody"),
+                    header_for(payload, "t", 0, 4, 4, True), payload)
+    assert time.monotonic() - started < 15
+    sender.close()
+
+
+# ---- redis ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    launcher = LocalCluster(log_dir=tmp_path_factory.mktemp("redis"))
+    url = launcher.start_redis()
+    yield url
+    launcher.redis.stop(5)
+
+
+def test_redis_transfer_is_bit_exact_and_leaves_nothing(redis_url):
+    receiver = create_connector("redis", "decode-r", FINGERPRINT, LAYOUT, url=redis_url, piece_bytes=1000)
+    sender = create_connector("redis", "prefill-r", FINGERPRINT, LAYOUT, url=redis_url)
+    inbox = Inbox()
+    receiver.start_receiving(inbox.on_payload, inbox.on_error)
+    source = seeded_cache(21)
+    destination = receiver.endpoint()
+    assert destination.options["inbox"]
+    for blocks, position, num_tokens, last in (([3, 7], 0, 8, False), ([1], 8, 3, True)):
+        payload = gather_blocks(source, blocks)
+        sender.send(destination, header_for(payload, "r1", position, num_tokens, 11, last, 7 if last else None), payload)
+    inbox.wait(num_payloads=2)
+    target = torch.zeros(SHAPE)
+    scatter_blocks(target, [10, 2], inbox.payloads[0].payload)
+    scatter_blocks(target, [5], inbox.payloads[1].payload)
+    assert torch.equal(target[:, :, :, [10, 2, 5]], source[:, :, :, [3, 7, 1]])
+    assert inbox.payloads[1].header.first_token_id == 7
+
+    # A corrupted piece is refused with the reason; a cancelled transfer is dropped; keys never linger.
+    payload = gather_blocks(source, [4])
+    header = header_for(payload, "corrupt", 0, 4, 4, True)
+    header.checksum ^= 1
+    sender.send(destination, header, payload)
+    inbox.wait(num_errors=1)
+    assert inbox.errors[0][0] == "corrupt" and "Checksum mismatch" in str(inbox.errors[0][1])
+    receiver.cancel("dropped")
+    sender.send(destination, header_for(payload, "dropped", 0, 4, 4, True), payload)
+    server = redis.Redis.from_url(redis_url)
+    wait_deadline = time.monotonic() + 10
+    while server.dbsize() and time.monotonic() < wait_deadline:
+        time.sleep(0.05)
+    assert server.dbsize() == 0
+    assert len(inbox.payloads) == 2 and len(inbox.errors) == 1
+    for connector in (sender, receiver):
+        started = time.monotonic()
+        connector.close()
+        assert time.monotonic() - started < 5
+    server.close()
+
+
+def test_redis_unreachable_raises():
+    from splitserve.launcher import free_port
+
+    sender = create_connector("redis", "p", FINGERPRINT, LAYOUT)
+    payload = gather_blocks(seeded_cache(0), [0])
+    destination = KVEndpointInfo("redis", f"redis://127.0.0.1:{free_port()}/0", "d", {"inbox": "x"})
+    with pytest.raises(KVTransferError, match="failed"):
+        sender.send(destination, header_for(payload, "t", 0, 4, 4, True), payload)
+    sender.close()
