@@ -25,9 +25,10 @@ protos:
 	$(PYTHON) -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos \
 		--pyi_out=protos protos/splitserve/v1/*.proto
 
-# Main job: convert the default model on first use and stream a reply.
+# Main job: a local cluster (router, one prefill and one decode worker, KV over
+# p2p) answers a request, then shuts down. The default model is converted on first use.
 demo: install
-	splitserve generate "$(PROMPT)" --max-tokens 32
+	splitserve up --prefill 1 --decode 1 --kv-cache-gb 0.5 --prompt "$(PROMPT)"
 
 # The whole test suite.
 test: install-test

@@ -164,6 +164,9 @@ class EngineLoop:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = None
+            # What the commands produced (a remote prefill's first token, aborts) goes out before the next
+            # forward pass, not after it.
+            self._deliver(self.engine.take_pending_outputs())
             if self.engine.has_unfinished_requests():
                 self._step()
             self.last_load = self.engine.load()
@@ -204,6 +207,9 @@ class EngineLoop:
                 self.after_step(self.engine, outputs)
             except Exception:  # a broken hook must not stop the engine
                 logger.exception("after_step hook failed")
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:

@@ -207,6 +207,11 @@ class LLMEngine:
             raise KeyError(f"Request {request_id!r} is not waiting for remote KV.")
         return request
 
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """Outputs produced between steps (aborts, failures, a remote prefill's first token), without stepping."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
 

@@ -51,6 +51,10 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
     up.add_argument("--log-dir", help="folder for each process's log (default: a new temporary folder)")
     up.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
                     help="prompts shorter than this are prefilled by the decode worker (default: %(default)s)")
+    up.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                    help="once the cluster serves, stream a reply to this prompt through it, then shut down "
+                    "(repeatable; greedy, --max-tokens 32)")
+    up.add_argument("--max-tokens", type=int, default=32, help="tokens to generate for --prompt (default: %(default)s)")
     up.add_argument("--prefill-policy", choices=_POLICIES, default="prefix_aware", help="(default: %(default)s)")
     up.add_argument("--decode-policy", choices=_POLICIES, default="least_loaded", help="(default: %(default)s)")
     add_engine_arguments(up)
@@ -100,6 +104,8 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     group.add_argument("--threads", type=int, help="torch threads for this worker (default: torch's)")
     group.add_argument("--max-queued-requests", type=int, default=256,
                        help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED (default: %(default)s)")
+    group.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM, how long in-flight requests may finish before they are aborted (default: %(default)s)")
     group.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
     if role != "both":
         group.add_argument("--kv-transfer", choices=("p2p", "redis"), default="p2p", help="KV connector (default: %(default)s)")
@@ -144,7 +150,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         role=args.role, host=args.host, port=args.port, worker_id=args.worker_id, router=args.router,
         kv_transfer=args.kv_transfer, kv_address=args.kv_address, kv_timeout_seconds=args.kv_timeout,
         kv_load_failure=args.kv_load_failure, max_queued_requests=args.max_queued_requests,
-        num_threads=args.threads, engine=EngineConfig(args.model, **_engine_options(args)),
+        num_threads=args.threads, drain_timeout_seconds=args.drain_timeout, engine=EngineConfig(args.model, **_engine_options(args)),
     )
     return run_worker(config)
 
@@ -181,14 +187,37 @@ def _run_up(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             cluster.start_workers("prefill", args.prefill)
             cluster.start_workers("decode", args.decode)
-        print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start). "
-              f"Try: splitserve generate --server {address} \"The capital of France is\"   Ctrl-C stops.",
+        print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start).", file=sys.stderr)
+        if args.prompt:
+            return _answer(address, args.prompt, args.max_tokens)
+        print(f"Try: splitserve generate --server {address} \"The capital of France is\"   Ctrl-C stops.",
               file=sys.stderr)
         print(address, flush=True)
         wait_for_shutdown_signal()
     finally:
         print("Stopping the cluster...", file=sys.stderr)
         cluster.stop()
+    return 0
+
+
+def _answer(address: str, prompts: list[str], max_tokens: int) -> int:
+    """Stream a greedy reply to each prompt through the router; report where the prompt was prefilled."""
+    from splitserve.client import Client
+    from splitserve.engine.sampling_params import SamplingParams
+
+    with Client(address) as client:
+        for prompt in prompts:
+            print(f"> {prompt}", file=sys.stderr)
+            last = None
+            for chunk in client.generate_stream(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                                                timeout=300):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+            timing = last.timing
+            print(f"\n[{last.usage.prompt_tokens} prompt tokens, {last.usage.completion_tokens} generated; first token "
+                  f"after {timing.time_to_first_token_seconds * 1000:.0f} ms; KV handed over in "
+                  f"{timing.kv_transfer_seconds * 1000:.1f} ms]", file=sys.stderr)
     return 0
 
 

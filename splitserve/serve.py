@@ -56,10 +56,14 @@ def run_worker(config) -> int:
     try:
         wait_for_shutdown_signal()
     finally:
-        logger.info("Shutting down worker %s", runtime.worker_id)
+        logger.info("Shutting down worker %s: draining", runtime.worker_id)
+        runtime.state = runtime.draining_state()
         if runtime.membership is not None:
             runtime.membership.drain()
-        server.stop(2.0)
+        if not runtime.wait_idle(config.drain_timeout_seconds):
+            logger.warning("%d requests still in flight after %.0f s; aborting them", runtime.num_in_flight,
+                           config.drain_timeout_seconds)
+        server.stop(1.0)
         if hasattr(servicer, "stop"):
             servicer.stop()
         runtime.stop()

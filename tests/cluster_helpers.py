@@ -11,8 +11,9 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.launcher import LocalCluster
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
-# Small KV caches and one thread per worker: several workers share this machine's two cores.
-WORKER_ARGS = ["--kv-cache-gb", "0.25", "--max-model-len", "2048", "--threads", "1"]
+# Small KV caches and one thread per worker: several workers share this machine's two cores. A 512-token
+# step budget makes long prompts prefill in chunks, each shipped as its own KV payload.
+WORKER_ARGS = ["--kv-cache-gb", "0.25", "--max-model-len", "2048", "--threads", "1", "--max-num-batched-tokens", "512"]
 ROUTER_ARGS = ["--max-model-len", "2048", "--heartbeat-seconds", "0.5", "--lease-seconds", "3"]
 
 

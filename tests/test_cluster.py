@@ -67,6 +67,8 @@ def test_disaggregated_greedy_is_token_identical_to_transformers(cluster, client
     log = decode_worker(cluster).log()
     assert log.count("WAITING_FOR_REMOTE_KVS -> WAITING") >= len(prompt_token_ids)
     assert "received through the connector" in log
+    # The 1,111-token prompt was prefilled in 512-token chunks, each chunk's KV sent as it was computed.
+    assert "KV of 1111 tokens received through the connector (3 payloads" in log
     wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")
 
 
@@ -264,3 +266,22 @@ def test_no_decode_worker_is_unavailable(tmp_path):
                 client.generate("Hello", SamplingParams(max_tokens=2), timeout=30)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "No decode worker" in caught.value.details()
+
+
+def test_every_server_offers_health_and_reflection(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    expected = {cluster.router.address: "splitserve.v1.Inference"}
+    expected.update({p.address: "splitserve.v1.DecodeWorker" for p in cluster.workers
+                     if p.name.startswith("decode") and p.alive()})
+    for address, service in expected.items():
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                  timeout=10)
+            names = {s.name for r in responses for s in r.list_services_response.service}
+            assert {service, "grpc.health.v1.Health"} <= names

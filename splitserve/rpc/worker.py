@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -42,6 +43,7 @@ class WorkerConfig:
         kv_load_failure: decode: "recompute" the prompt locally, or "fail" the request.
         max_queued_requests: requests in flight on this worker beyond which new ones get RESOURCE_EXHAUSTED.
         num_threads: torch threads for this worker's compute (None: torch's default).
+        drain_timeout_seconds: on SIGTERM, how long in-flight requests may run before they are aborted.
         engine: the engine's configuration.
     """
 
@@ -56,6 +58,7 @@ class WorkerConfig:
     kv_load_failure: str = "recompute"
     max_queued_requests: int = 256
     num_threads: int | None = None
+    drain_timeout_seconds: float = 30.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -137,6 +140,7 @@ class WorkerRuntime:
             self.worker_id = f"{self.config.role}-{address}"
         if self.config.role != "both":
             self.connector = self._create_connector()
+        self._warm_up()
         self.loop.start()
         self.state = inference_pb2.WORKER_STATE_SERVING
         if self.config.router:
@@ -156,6 +160,21 @@ class WorkerRuntime:
         self.loop.stop()
         if self.connector is not None:
             self.connector.close()
+
+    def _warm_up(self) -> None:
+        """One short request through the engine before serving, so the first client does not pay for
+        lazy initialisation (kernel loading, first allocations)."""
+        from splitserve.engine.sampling_params import SamplingParams
+
+        started = time.monotonic()
+        engine = self.engine
+        engine.add_request("warm-up", None, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                           prompt_token_ids=[1] * 2 * self.config.engine.block_size)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.stats = type(engine.stats)()
+        self.loop.last_load = engine.load()
+        logger.info("Engine warmed up in %.2f s", time.monotonic() - started)
 
     def _on_router_state(self, state: int) -> None:
         if state == inference_pb2.WORKER_STATE_DRAINING and self.state != state:
@@ -187,6 +206,21 @@ class WorkerRuntime:
                 )
             self._in_flight += 1
         self.counters.add(num_requests=1)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight; False if some still are after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self._in_flight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._in_flight == 0
+
+    @staticmethod
+    def draining_state() -> int:
+        return inference_pb2.WORKER_STATE_DRAINING
 
     def release(self) -> None:
         with self._in_flight_lock:
