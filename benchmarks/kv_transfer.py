@@ -10,7 +10,7 @@ sides, the wire and verification. Beside each connector, the raw ceiling on
 the same bytes between the same two processes:
 
 * ``p2p``  vs a bare Gloo ``send``/``recv`` of the same tensor on a two-rank group;
-* ``redis`` vs redis-py ``SET`` of the same pieces (pipelined) then ``GET`` of them.
+* ``redis`` vs redis-py ``SET`` of the same pieces (one per layer, pipelined) then ``GET`` of them.
 
 Medians over ``--repeats``; the target is each connector at >= 80% of its
 ceiling. A private redis-server on a free port is started and stopped here.
@@ -43,14 +43,13 @@ from splitserve.launcher import LocalCluster
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_size=64, dtype=torch.float32, block_size=16)
 TARGET = 0.8
-PIECE_BYTES = 4 << 20
 
 SENDER = r"""
 import json, sys, time
 from datetime import timedelta
 import redis, torch, torch.distributed as dist
 from splitserve.kvtransfer import create_connector
-from splitserve.kvtransfer.base import KVEndpointInfo, KVLayout, TransferHeader, gather_blocks, payload_bytes, payload_checksum
+from splitserve.kvtransfer.base import BlockSource, KVEndpointInfo, KVLayout, TransferHeader, payload_bytes
 layout = KVLayout(30, 3, 64, torch.float32, 16)
 connectors = {}
 cache = torch.randn(30, 2, 3, 260, 16, 64)
@@ -72,17 +71,18 @@ for line in sys.stdin:
     elif kind == "raw_redis_set":
         data = payload_bytes(cache[:, :, :, :num_blocks].contiguous())
         client = redis.Redis.from_url(command["address"])
+        piece = len(data) // 30  # one piece per layer, as the connector writes them
         started = time.monotonic()
         pipe = client.pipeline(transaction=False)
-        for index, offset in enumerate(range(0, len(data), command["piece_bytes"])):
-            pipe.set(f"raw:{index}", data[offset:offset + command["piece_bytes"]], px=60000)
+        for index, offset in enumerate(range(0, len(data), piece)):
+            pipe.set(f"raw:{index}", data[offset:offset + piece], px=60000)
         pipe.execute()
     else:
         connector = connectors.setdefault(kind, create_connector(kind, "bench-sender", "bench", layout,
                                           **({"url": command["address"]} if kind == "redis" else {})))
-        payload = gather_blocks(cache, blocks)
+        payload = BlockSource(cache, blocks)  # as the prefill worker sends: the connector gathers and checksums
         header = TransferHeader(command["transfer_id"], "bench", layout, 0, num_blocks * 16, num_blocks * 16,
-                                payload.numel() * 4, payload_checksum(payload), True, 1)
+                                payload.num_bytes, None, True, 1)
         destination = KVEndpointInfo(kind, command["address"], "bench-receiver", command.get("options", {}))
         connector.send(destination, header, payload)
     print(json.dumps({"started": started, "ended": time.monotonic()}), flush=True)
@@ -157,10 +157,10 @@ def measure_raw_redis(sender: Sender, num_blocks: int, repeats: int, url: str) -
     import redis
 
     client = redis.Redis.from_url(url)
-    num_pieces = -(-num_blocks * LAYOUT.block_num_bytes // PIECE_BYTES)
+    num_pieces = LAYOUT.num_layers
     seconds = []
     for repeat in range(repeats + 1):
-        reply = sender.ask(kind="raw_redis_set", num_blocks=num_blocks, address=url, piece_bytes=PIECE_BYTES)
+        reply = sender.ask(kind="raw_redis_set", num_blocks=num_blocks, address=url)
         pipe = client.pipeline(transaction=False)
         for index in range(num_pieces):
             pipe.get(f"raw:{index}")

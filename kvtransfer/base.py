@@ -95,7 +95,8 @@ class TransferHeader:
     num_tokens: int
     num_prompt_tokens: int
     payload_num_bytes: int
-    checksum: int
+    # CRC-32 of the payload; None until the connector computes it while sending.
+    checksum: int | None
     is_last: bool = False
     first_token_id: int | None = None
     format_version: int = FORMAT_VERSION
@@ -160,6 +161,47 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.
     kv_cache.index_copy_(3, index, payload)
 
 
+class BlockSource:
+    """A payload not gathered yet: ``block_ids`` of a KV cache, read layer by layer by the connector,
+    so gathering, checksumming and the wire overlap (and no whole-payload copy is made up front).
+
+    Until the connector's ``send`` returns, the blocks must not be freed or rewritten.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int]) -> None:
+        self.kv_cache = kv_cache  # [layers, 2, kv_heads, blocks, block_size, head_size]
+        self.index = torch.tensor(block_ids, dtype=torch.long)
+        self.num_layers = kv_cache.shape[0]
+        self.layer_shape = (2, kv_cache.shape[2], len(block_ids), kv_cache.shape[4], kv_cache.shape[5])
+        self.layer_num_bytes = kv_cache.element_size() * 2 * kv_cache.shape[2] * len(block_ids) * \
+            kv_cache.shape[4] * kv_cache.shape[5]
+        self.num_bytes = self.layer_num_bytes * self.num_layers
+
+    def gather_layer(self, layer: int, out: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s part of the payload, ``[2, kv_heads, n, block_size, head_size]``, written into ``out``."""
+        return torch.index_select(self.kv_cache[layer], 2, self.index, out=out.view(self.layer_shape))
+
+
+def payload_layers(payload: "torch.Tensor | BlockSource", staging: torch.Tensor | None = None):
+    """The payload's bytes layer by layer, as uint8 tensors (views of ``payload``, or gathered into ``staging``,
+    a uint8 buffer of at least ``payload.num_bytes``)."""
+    if isinstance(payload, BlockSource):
+        for layer in range(payload.num_layers):
+            out = staging[layer * payload.layer_num_bytes : (layer + 1) * payload.layer_num_bytes]
+            payload.gather_layer(layer, out.view(payload.kv_cache.dtype))
+            yield out
+        return
+    flat = payload.contiguous()
+    for layer in range(flat.shape[0]):
+        yield flat[layer].reshape(-1).view(torch.uint8)
+
+
+def payload_num_bytes(payload: "torch.Tensor | BlockSource") -> int:
+    if isinstance(payload, BlockSource):
+        return payload.num_bytes
+    return payload.numel() * payload.element_size()
+
+
 def payload_bytes(payload: torch.Tensor) -> memoryview:
     """The payload's bytes without a copy (the tensor must be contiguous)."""
     return memoryview(payload.contiguous().view(-1).view(torch.uint8).numpy())
@@ -170,8 +212,12 @@ def payload_checksum(payload: torch.Tensor) -> int:
     return zlib.crc32(payload_bytes(payload)) & 0xFFFFFFFF
 
 
-def verify(header: TransferHeader, data: memoryview | bytes, model_fingerprint: str, layout: KVLayout) -> None:
-    """Check a received payload against this worker. Raises KVVerificationError saying what differs."""
+def verify(header: TransferHeader, data: memoryview | bytes, model_fingerprint: str, layout: KVLayout,
+           checksum: int | None = None) -> None:
+    """Check a received payload against this worker. Raises KVVerificationError saying what differs.
+
+    ``checksum``: the payload's CRC-32 when the caller computed it on the way in (else computed here).
+    """
     if header.model_fingerprint != model_fingerprint:
         raise KVVerificationError(
             f"The sender's model fingerprint {header.model_fingerprint} differs from this worker's "
@@ -187,7 +233,7 @@ def verify(header: TransferHeader, data: memoryview | bytes, model_fingerprint: 
             f"The payload has {len(data)} bytes, its header says {header.payload_num_bytes}, and "
             f"{header.num_tokens} tokens in {header.num_blocks} blocks need {expected}."
         )
-    actual = zlib.crc32(data) & 0xFFFFFFFF
+    actual = (zlib.crc32(data) if checksum is None else checksum) & 0xFFFFFFFF
     if actual != header.checksum:
         raise KVVerificationError(f"Checksum mismatch: the payload's CRC-32 is {actual:08x}, the header says "
                                   f"{header.checksum:08x}.")
@@ -231,7 +277,11 @@ _CONNECTORS = {
 
 @dataclass
 class ReceivedPayload:
-    """A payload that passed verification: its header and its tensor ``[layers, 2, kv_heads, n, block_size, head_size]``."""
+    """A payload that passed verification: its header and its tensor ``[layers, 2, kv_heads, n, block_size, head_size]``.
+
+    The tensor may live in the connector's receive buffer: it is valid only until the callback returns
+    (copy it into the cache there, or clone it).
+    """
 
     header: TransferHeader
     payload: torch.Tensor
@@ -271,8 +321,11 @@ class KVConnector(ABC):
         """The transfer is no longer wanted: its later payloads are dropped and their storage freed."""
 
     @abstractmethod
-    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: torch.Tensor) -> None:
+    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: "torch.Tensor | BlockSource") -> None:
         """Hand one payload to ``destination``; returns once it is safely there. Thread-safe.
+
+        ``payload`` is a gathered tensor ``[layers, 2, kv_heads, n, block_size, head_size]`` or a
+        :class:`BlockSource`; a ``header.checksum`` of None is computed here, on the way.
 
         Raises:
             KVTransferError: the destination cannot be reached or the connection broke.

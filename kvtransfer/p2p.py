@@ -9,11 +9,16 @@ new pairs by watching the counter, so it needs no hint from the router. On
 GPUs the same shape works with ``ProcessGroupNCCL`` when both caches are on
 CUDA (chosen by the tensor's device); only Gloo runs on this CPU build.
 
-One message per payload, on the pair in order: an int64 pair [header bytes,
-payload bytes], the header, the payload bytes; the receiver answers with an
-int64 acknowledgement once the payload is in its memory, which is when
-``send`` returns. The receiver verifies (fingerprint, layout, size, CRC-32)
-before the callback; a peer that dies mid-transfer breaks only its pair.
+One message per payload, on the pair in order: int64 [segments, segment
+bytes], the payload in segments (one per layer), the header's length, then
+the header (it follows the payload because its checksum is computed on the
+way). Gathering, checksumming and the wire overlap: the sender gathers
+layer i+1 (into a reused staging buffer) and checksums it while layer i is in
+flight; the receiver posts every segment's receive into a reused buffer and
+checksums segment i while later ones arrive. The receiver acknowledges once
+the payload is in its memory, which is when ``send`` returns; it verifies
+(fingerprint, layout, size, CRC-32) before the callback. A peer that dies
+mid-transfer breaks only its pair.
 """
 
 from __future__ import annotations
@@ -21,19 +26,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from splitserve.kvtransfer.base import (KVConnector, KVEndpointInfo, KVLayout, KVTransferError, OnError, OnPayload,
-                                        ReceivedPayload, TransferHeader, payload_bytes, payload_tensor, verify)
+from splitserve.kvtransfer.base import (BlockSource, KVConnector, KVEndpointInfo, KVLayout, KVTransferError, OnError,
+                                        OnPayload, ReceivedPayload, TransferHeader, payload_layers, payload_num_bytes,
+                                        payload_tensor, verify)
 
 logger = logging.getLogger(__name__)
 
 _PEERS_KEY = "splitserve/kv/peers"
-_TAG_META, _TAG_HEADER, _TAG_PAYLOAD, _TAG_ACK = 0, 1, 2, 3
+_TAG_META, _TAG_HEADER, _TAG_PAYLOAD, _TAG_ACK, _TAG_HEADER_LENGTH = 0, 1, 2, 3, 4
 _SENDER, _RECEIVER = 0, 1
+_MIN_SEGMENT_BYTES = 2 << 20
 
 
 class _Pair:
@@ -44,6 +52,8 @@ class _Pair:
         self.peer = peer
         self.lock = threading.Lock()
         self.broken = False
+        # Reused for gathering BlockSource payloads (no page faults after the first sends).
+        self.staging = torch.empty(0, dtype=torch.uint8)
 
 
 class P2PConnector(KVConnector):
@@ -112,17 +122,27 @@ class P2PConnector(KVConnector):
             return
         logger.info("KV pair %d with %s ready", index, peer)
         open_transfers: set[str] = set()  # transfers on this pair whose last payload has not come yet
+        buffer = torch.empty(0, dtype=torch.uint8)  # reused: after the first payloads no page faults
         while not self._closed.is_set():
             try:
                 meta = torch.empty(2, dtype=torch.int64)
                 group.recv([meta], _SENDER, _TAG_META).wait()
-                header_length, payload_length = (int(value) for value in meta)
-                header_buffer = torch.empty(header_length, dtype=torch.uint8)
+                num_segments, segment_bytes = (int(value) for value in meta)
+                if buffer.numel() < num_segments * segment_bytes:
+                    buffer = torch.empty(num_segments * segment_bytes, dtype=torch.uint8)
+                segments = [buffer[i * segment_bytes : (i + 1) * segment_bytes] for i in range(num_segments)]
+                works = [group.recv([segment], _SENDER, _TAG_PAYLOAD) for segment in segments]
+                header_length = torch.empty(1, dtype=torch.int64)
+                length_work = group.recv([header_length], _SENDER, _TAG_HEADER_LENGTH)
+                checksum = 0
+                for work, segment in zip(works, segments):  # checksum segment i while later ones arrive
+                    work.wait()
+                    checksum = zlib.crc32(memoryview(segment.numpy()), checksum)
+                length_work.wait()
+                header_buffer = torch.empty(int(header_length), dtype=torch.uint8)
                 group.recv([header_buffer], _SENDER, _TAG_HEADER).wait()
                 header = TransferHeader.from_bytes(header_buffer.numpy().tobytes())
                 open_transfers.add(header.transfer_id)
-                payload_buffer = torch.empty(payload_length, dtype=torch.uint8)
-                group.recv([payload_buffer], _SENDER, _TAG_PAYLOAD).wait()
                 group.send([torch.zeros(1, dtype=torch.int64)], _SENDER, _TAG_ACK).wait()
             except Exception as error:
                 if self._closed.is_set():
@@ -136,15 +156,15 @@ class P2PConnector(KVConnector):
                 return
             if header.is_last:
                 open_transfers.discard(header.transfer_id)
-            self._deliver(header, payload_buffer)
+            self._deliver(header, buffer[: num_segments * segment_bytes], checksum)
 
-    def _deliver(self, header: TransferHeader, buffer: torch.Tensor) -> None:
+    def _deliver(self, header: TransferHeader, buffer: torch.Tensor, checksum: int) -> None:
         with self._pairs_lock:
             if header.transfer_id in self._cancelled:
                 return
         try:
             data = memoryview(buffer.numpy())
-            verify(header, data, self.model_fingerprint, self.layout)
+            verify(header, data, self.model_fingerprint, self.layout, checksum=checksum)
             payload = payload_tensor(header, data)
         except KVTransferError as error:
             self._on_error(header.transfer_id, error)
@@ -156,18 +176,14 @@ class P2PConnector(KVConnector):
 
     # ---- prefill side ----------------------------------------------------------------------
 
-    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: torch.Tensor) -> None:
-        data = payload_bytes(payload)
-        message = (torch.tensor([len(header_bytes := header.to_bytes()), len(data)], dtype=torch.int64),
-                   torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8),
-                   torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8))
+    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload) -> None:
         for attempt in range(2):  # a pair the peer dropped (idle timeout, restart) is rebuilt once
             pair = self._pair_to(destination)
             try:
                 with pair.lock:
                     if pair.broken:
                         raise KVTransferError("pair broken")
-                    self._send_on(pair, message)
+                    self._send_on(pair, header, payload)
                 return
             except Exception as error:
                 pair.broken = True
@@ -176,11 +192,41 @@ class P2PConnector(KVConnector):
                     raise KVTransferError(f"Sending KV to {destination.address} failed: {error}") from None
 
     @staticmethod
-    def _send_on(pair: _Pair, message) -> None:
-        meta, header, data = message
-        pair.group.send([meta], _RECEIVER, _TAG_META).wait()
-        pair.group.send([header], _RECEIVER, _TAG_HEADER).wait()
-        pair.group.send([data], _RECEIVER, _TAG_PAYLOAD).wait()
+    def _send_on(pair: _Pair, header: TransferHeader, payload) -> None:
+        """Segments (one per layer) go out as they are gathered and checksummed; the header follows."""
+        num_bytes = payload_num_bytes(payload)
+        num_segments = payload.num_layers if isinstance(payload, BlockSource) else payload.shape[0]
+        staging = None
+        if isinstance(payload, BlockSource):
+            if pair.staging.numel() < num_bytes:
+                pair.staging = torch.empty(num_bytes, dtype=torch.uint8)
+            staging = pair.staging
+        header.payload_num_bytes = num_bytes
+        layer_bytes = num_bytes // num_segments
+        # Small layers go out a few at a time: fewer messages, same overlap.
+        layers_per_segment = next(d for d in range(1, num_segments + 1)
+                                  if num_segments % d == 0 and (d * layer_bytes >= _MIN_SEGMENT_BYTES or d == num_segments))
+        num_segments //= layers_per_segment
+        checksum = 0
+        works = []
+        pair.group.send([torch.tensor([num_segments, layer_bytes * layers_per_segment])], _RECEIVER, _TAG_META).wait()
+        segment_start = None
+        for index, layer in enumerate(payload_layers(payload, staging)):
+            checksum = zlib.crc32(memoryview(layer.numpy()), checksum)
+            if index % layers_per_segment == 0:
+                segment_start = layer
+            if index % layers_per_segment == layers_per_segment - 1:
+                # Consecutive layers are adjacent in memory: the segment is one span from the first.
+                span = torch.as_strided(segment_start, (layer_bytes * layers_per_segment,), (1,))
+                works.append(pair.group.send([span], _RECEIVER, _TAG_PAYLOAD))
+        if header.checksum is None:
+            header.checksum = checksum & 0xFFFFFFFF
+        header_bytes = header.to_bytes()
+        works.append(pair.group.send([torch.tensor([len(header_bytes)])], _RECEIVER, _TAG_HEADER_LENGTH))
+        works.append(pair.group.send([torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8)], _RECEIVER,
+                                     _TAG_HEADER))
+        for work in works:
+            work.wait()
         pair.group.recv([torch.empty(1, dtype=torch.int64)], _RECEIVER, _TAG_ACK).wait()
 
     def _pair_to(self, destination: KVEndpointInfo) -> _Pair:

@@ -1,8 +1,8 @@
 """The ``redis`` connector: payloads as binary values in Redis with a TTL, announced on the receiver's inbox list.
 
 Sender, per payload, in one pipeline on one connection (so Redis applies it
-in order): ``SET`` each piece of the payload (``piece_bytes`` each; one huge
-value was erratic to read on this machine) with a TTL, then ``RPUSH`` an
+in order): ``SET`` each layer of the payload as its own piece (one huge value
+was erratic to read on this machine) with a TTL, then ``RPUSH`` an
 envelope (the length-prefixed header and the piece keys) onto the decode
 worker's inbox list and ``EXPIRE`` the list. ``send`` returns once Redis has
 applied it. Receiver: a thread ``BLPOP``s its inbox, reads the pieces with
@@ -18,33 +18,35 @@ import logging
 import struct
 import threading
 import uuid
+import zlib
 
 import redis
 import torch
 
-from splitserve.kvtransfer.base import (KVConnector, KVEndpointInfo, KVLayout, KVTransferError, OnError, OnPayload,
-                                        ReceivedPayload, TransferHeader, payload_bytes, payload_tensor, verify)
+from splitserve.kvtransfer.base import (BlockSource, KVConnector, KVEndpointInfo, KVLayout, KVTransferError, OnError,
+                                        OnPayload, ReceivedPayload, TransferHeader, payload_layers, payload_num_bytes,
+                                        payload_tensor, verify)
 
 logger = logging.getLogger(__name__)
 
 
 class RedisConnector(KVConnector):
     """Options: ``url`` (redis://host:port/db, this worker's Redis), ``key_prefix`` (default "splitserve:kv:"),
-    ``ttl_seconds`` (default 60), ``piece_bytes`` (default 4 MiB)."""
+    ``ttl_seconds`` (default 60)."""
 
     def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout, url: str = "redis://127.0.0.1:6379/0",
-                 key_prefix: str = "splitserve:kv:", ttl_seconds: float = 60.0, piece_bytes: int = 4 << 20) -> None:
+                 key_prefix: str = "splitserve:kv:", ttl_seconds: float = 60.0) -> None:
         super().__init__(worker_id, model_fingerprint, layout)
         self.url = url
         self.key_prefix = key_prefix
         self.ttl_ms = int(float(ttl_seconds) * 1000)
-        self.piece_bytes = int(piece_bytes)
         self.inbox = f"{key_prefix}inbox:{worker_id}:{uuid.uuid4().hex[:8]}"
         self._clients: dict[str, redis.Redis] = {}
         self._clients_lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._local = threading.local()  # per sending thread: a reused staging buffer
 
     def _client(self, url: str) -> redis.Redis:
         with self._clients_lock:
@@ -118,19 +120,30 @@ class RedisConnector(KVConnector):
 
     # ---- prefill side ------------------------------------------------------------------------
 
-    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: torch.Tensor) -> None:
+    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload) -> None:
         inbox = destination.options.get("inbox")
         if not inbox:
             raise KVTransferError(f"The KV endpoint of {destination.worker_id} has no inbox option.")
-        data = payload_bytes(payload)
+        num_bytes = payload_num_bytes(payload)
+        staging = None
+        if isinstance(payload, BlockSource):
+            staging = getattr(self._local, "staging", None)
+            if staging is None or staging.numel() < num_bytes:
+                staging = self._local.staging = torch.empty(num_bytes, dtype=torch.uint8)
         base = f"{self.key_prefix}{header.transfer_id}:{header.first_token_position}:"
-        keys = [f"{base}{offset}" for offset in range(0, max(len(data), 1), self.piece_bytes)]
-        header_bytes = header.to_bytes()
+        keys, checksum = [], 0
         try:
             pipeline = self._client(destination.address).pipeline(transaction=False)
-            for key, offset in zip(keys, range(0, max(len(data), 1), self.piece_bytes)):
-                pipeline.set(key, data[offset : offset + self.piece_bytes], px=self.ttl_ms)
-            pipeline.rpush(inbox, header_bytes + json.dumps(keys).encode())
+            # One piece per layer (a few MB at most); the pieces are queued while the next layer is gathered.
+            for index, segment in enumerate(payload_layers(payload, staging)):
+                data = memoryview(segment.numpy())
+                checksum = zlib.crc32(data, checksum)
+                keys.append(f"{base}{index}")
+                pipeline.set(keys[-1], data, px=self.ttl_ms)
+            header.payload_num_bytes = num_bytes
+            if header.checksum is None:
+                header.checksum = checksum & 0xFFFFFFFF
+            pipeline.rpush(inbox, header.to_bytes() + json.dumps(keys).encode())
             pipeline.pexpire(inbox, self.ttl_ms)
             pipeline.execute()
         except redis.RedisError as error:

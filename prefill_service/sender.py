@@ -72,19 +72,20 @@ class TransferSender:
         return self.finished.wait(timeout)
 
     def _run(self) -> None:
-        from splitserve.kvtransfer.base import TransferHeader, gather_blocks, payload_checksum
+        from splitserve.kvtransfer.base import BlockSource, TransferHeader
 
         try:
             while True:
                 plan = self._plans.get()
                 if plan is None or self.cancelled:
                     return
-                payload = gather_blocks(self.kv_cache, list(plan.block_ids))
+                # Gathered layer by layer by the connector, overlapping the wire; it fills in the checksum.
+                payload = BlockSource(self.kv_cache, list(plan.block_ids))
                 header = TransferHeader(
                     transfer_id=self.transfer_id, model_fingerprint=self.model_fingerprint, layout=self.layout,
                     first_token_position=plan.first_token_position, num_tokens=plan.num_tokens,
                     num_prompt_tokens=self.num_prompt_tokens,
-                    payload_num_bytes=payload.numel() * payload.element_size(), checksum=payload_checksum(payload),
+                    payload_num_bytes=payload.num_bytes, checksum=None,
                     is_last=plan.is_last, first_token_id=plan.first_token_id,
                 )
                 self.connector.send(self.destination, header, payload)

@@ -13,7 +13,7 @@ import redis
 import torch
 
 from splitserve.kvtransfer import create_connector
-from splitserve.kvtransfer.base import (KVEndpointInfo, KVLayout, KVTransferError, KVVerificationError, TransferHeader,
+from splitserve.kvtransfer.base import (BlockSource, KVEndpointInfo, KVLayout, KVTransferError, KVVerificationError, TransferHeader,
                                         gather_blocks, payload_checksum, scatter_blocks, verify)
 from splitserve.launcher import LocalCluster
 
@@ -43,6 +43,8 @@ class Inbox:
         self.event = threading.Condition()
 
     def on_payload(self, received) -> None:
+        # The payload tensor is valid only during the callback: keep a copy.
+        received.payload = received.payload.clone()
         with self.event:
             self.payloads.append(received)
             self.event.notify_all()
@@ -113,17 +115,22 @@ def test_verify_names_what_differs():
 SENDER = r"""
 import sys, torch
 from splitserve.kvtransfer import create_connector
-from splitserve.kvtransfer.base import KVEndpointInfo, KVLayout, TransferHeader, gather_blocks, payload_checksum
+from splitserve.kvtransfer.base import BlockSource, KVEndpointInfo, KVLayout, TransferHeader, gather_blocks, payload_checksum
 address, worker_id, seed, transfer_id, fingerprint = sys.argv[1:6]
 layout = KVLayout(4, 2, 8, torch.float32, 4)
 cache = torch.randn((4, 2, 2, 16, 4, 8), generator=torch.Generator().manual_seed(int(seed)))
 connector = create_connector("p2p", worker_id, fingerprint, layout, connect_timeout_seconds=10)
 destination = KVEndpointInfo("p2p", address, "receiver")
 # Prompt of 11 tokens in blocks [3, 7, 1]: two payloads, the last with the first token.
+# The first as the prefill worker sends (blocks gathered by the connector, which fills in the checksum).
 for blocks, position, num_tokens, last in (([3, 7], 0, 8, False), ([1], 8, 3, True)):
-    payload = gather_blocks(cache, blocks)
+    if last:
+        payload = gather_blocks(cache, blocks)
+        checksum = payload_checksum(payload)
+    else:
+        payload, checksum = BlockSource(cache, blocks), None
     header = TransferHeader(transfer_id, fingerprint, layout, position, num_tokens, 11,
-                            payload.numel() * 4, payload_checksum(payload), last, 99 if last else None)
+                            len(blocks) * 4 * 2 * 2 * 4 * 8 * 4, checksum, last, 99 if last else None)
     connector.send(destination, header, payload)
 print("SENT", flush=True)
 connector.close()
@@ -205,7 +212,7 @@ def redis_url(tmp_path_factory):
 
 
 def test_redis_transfer_is_bit_exact_and_leaves_nothing(redis_url):
-    receiver = create_connector("redis", "decode-r", FINGERPRINT, LAYOUT, url=redis_url, piece_bytes=1000)
+    receiver = create_connector("redis", "decode-r", FINGERPRINT, LAYOUT, url=redis_url)
     sender = create_connector("redis", "prefill-r", FINGERPRINT, LAYOUT, url=redis_url)
     inbox = Inbox()
     receiver.start_receiving(inbox.on_payload, inbox.on_error)
@@ -214,7 +221,10 @@ def test_redis_transfer_is_bit_exact_and_leaves_nothing(redis_url):
     assert destination.options["inbox"]
     for blocks, position, num_tokens, last in (([3, 7], 0, 8, False), ([1], 8, 3, True)):
         payload = gather_blocks(source, blocks)
-        sender.send(destination, header_for(payload, "r1", position, num_tokens, 11, last, 7 if last else None), payload)
+        header = header_for(payload, "r1", position, num_tokens, 11, last, 7 if last else None)
+        if not last:  # as the prefill worker sends: gathered by the connector, checksum filled in
+            payload, header.checksum = BlockSource(source, blocks), None
+        sender.send(destination, header, payload)
     inbox.wait(num_payloads=2)
     target = torch.zeros(SHAPE)
     scatter_blocks(target, [10, 2], inbox.payloads[0].payload)
