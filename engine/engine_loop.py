@@ -149,8 +149,9 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
-            # Busy: take what commands are waiting and step. Idle: sleep until one arrives.
-            wait = 0 if self.engine.has_unfinished_requests() else self.idle_wait_seconds
+            # Busy: take what commands are waiting and step. Idle (requests waiting for remote KV included,
+            # which only a command moves on): sleep until a command arrives.
+            wait = 0 if self.engine.has_work() else self.idle_wait_seconds
             try:
                 command = self._commands.get(timeout=wait)
             except queue.Empty:
@@ -167,7 +168,7 @@ class EngineLoop:
             # What the commands produced (a remote prefill's first token, aborts) goes out before the next
             # forward pass, not after it.
             self._deliver(self.engine.take_pending_outputs())
-            if self.engine.has_unfinished_requests():
+            if self.engine.has_work():
                 self._step()
             self.last_load = self.engine.load()
 

@@ -215,6 +215,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
 
+    def has_work(self) -> bool:
+        """True when a step would compute or report something: requests waiting for remote KV do not count
+        (they move only when told their KV arrived)."""
+        scheduler = self.scheduler
+        return scheduler.num_unfinished > len(scheduler.waiting_for_remote_kvs) or bool(self._pending_outputs)
+
     def block_ids(self, request_id: str) -> list[int]:
         """The KV blocks the request holds, in token order."""
         return list(self.kv_cache.block_ids(request_id))

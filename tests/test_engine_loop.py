@@ -76,3 +76,20 @@ def test_stop_aborts_unfinished_requests(llm):
     loop.stop()
     assert [output for output in stream][-1].outputs[0].finish_reason == "abort"
     assert llm.engine.free_block_count == llm.engine.num_kv_blocks
+
+
+def test_waiting_for_remote_kv_does_not_spin_the_loop(llm, loop):
+    """A request parked in WAITING_FOR_REMOTE_KVS leaves the loop idle (no busy stepping that would starve the
+    KV receiver of the GIL and the machine of a core), and a posted command still moves it on at once."""
+    import time
+
+    stream = loop.submit("parked", None, GREEDY, prompt_token_ids=list(range(1, 40)), remote_kv=True)
+    stream.wait_accepted(10)
+    cpu_before, wall_before = time.process_time(), time.monotonic()
+    time.sleep(0.6)
+    cpu_used = time.process_time() - cpu_before
+    assert time.monotonic() - wall_before >= 0.6
+    assert cpu_used < 0.2, f"the loop used {cpu_used:.2f} s of CPU in 0.6 s while nothing could run"
+    loop.post(lambda engine: engine.recompute_remote_kv("parked"))
+    outputs = list(stream)
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == GREEDY.max_tokens
