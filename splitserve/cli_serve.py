@@ -55,8 +55,12 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
                     help="once the cluster serves, stream a reply to this prompt through it, then shut down "
                     "(repeatable; greedy, --max-tokens 32)")
     up.add_argument("--max-tokens", type=int, default=32, help="tokens to generate for --prompt (default: %(default)s)")
-    up.add_argument("--prefill-policy", choices=_POLICIES, default="prefix_aware", help="(default: %(default)s)")
-    up.add_argument("--decode-policy", choices=_POLICIES, default="least_loaded", help="(default: %(default)s)")
+    up.add_argument("--prefill-policy", choices=_POLICIES, default="prefix_aware",
+                    help="how the prefill pool is chosen from: prefix_aware sends prompts with the same first blocks to "
+                    "the same worker (its prefix cache) unless it is overloaded (default: %(default)s)")
+    up.add_argument("--decode-policy", choices=_POLICIES, default="least_loaded",
+                    help="how the decode pool is chosen from: least_loaded weighs KV usage and running requests "
+                    "(default: %(default)s)")
     add_engine_arguments(up)
     up.set_defaults(handler=_run_up)
 
@@ -78,8 +82,12 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-worker", action="append", default=[], metavar="ADDR", help="a static decode worker (repeatable)")
     parser.add_argument("--colocated-worker", action="append", default=[], metavar="ADDR",
                         help="a static colocated worker (repeatable)")
-    parser.add_argument("--prefill-policy", choices=_POLICIES, default="prefix_aware", help="(default: %(default)s)")
-    parser.add_argument("--decode-policy", choices=_POLICIES, default="least_loaded", help="(default: %(default)s)")
+    parser.add_argument("--prefill-policy", choices=_POLICIES, default="prefix_aware",
+                    help="how the prefill pool is chosen from: prefix_aware sends prompts with the same first blocks to "
+                    "the same worker (its prefix cache) unless it is overloaded (default: %(default)s)")
+    parser.add_argument("--decode-policy", choices=_POLICIES, default="least_loaded",
+                    help="how the decode pool is chosen from: least_loaded weighs KV usage and running requests "
+                    "(default: %(default)s)")
     parser.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
                         help="prompts shorter than this are prefilled by the decode worker itself (default: %(default)s)")
     parser.add_argument("--max-in-flight-requests", type=int, default=512,
@@ -92,7 +100,7 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill workers tried before the decode worker prefills itself (default: %(default)s)")
     parser.add_argument("--kv-timeout", type=float, metavar="SECONDS",
                         help="decode workers' wait for KV before recomputing (default: each worker's own)")
-    parser.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
 
 
 def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
@@ -106,7 +114,7 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                        help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED (default: %(default)s)")
     group.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long in-flight requests may finish before they are aborted (default: %(default)s)")
-    group.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
+    group.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     if role != "both":
         group.add_argument("--kv-transfer", choices=("p2p", "redis"), default="p2p", help="KV connector (default: %(default)s)")
         group.add_argument("--kv-address", default="",

@@ -164,6 +164,26 @@ def test_unary_generate_and_the_small_rpcs(client, tokenizer):
     assert chat.usage.prompt_tokens > 5
 
 
+def test_generate_cli_streams_from_the_cluster(cluster):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "generate", "--server", cluster.router.address,
+         "The capital of France is", "--max-tokens", "8"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(" Paris.")
+    assert "[length; first token after" in result.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "generate", "--server", cluster.router.address, "Hi",
+         "--temperature", "-1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode == 2 and "temperature" in bad.stderr
+
+
 def test_decode_worker_kv_failure_policies(cluster, client, tokenizer):
     """A transfer that never arrives: recompute locally (same tokens) or fail with a clear message."""
     address = decode_worker(cluster).address
