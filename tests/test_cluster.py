@@ -251,20 +251,34 @@ def test_conditional_disaggregation_and_colocated_give_the_same_tokens(cluster, 
 
 
 def test_decode_pool_scales_at_run_time(cluster, client, prompt_token_ids, hf_reference):
-    (added,) = cluster.start_workers("decode", 1)
-    wait_until(lambda: any(w.worker_id == added.worker_id for p in client.cluster_status().pools for w in p.workers),
-               20, message="the new decode worker in the cluster status")
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda index: stream_tokens(client, prompt_token_ids[index], MAX_TOKENS)[0],
-                                [0, 1, 2, 3, 0, 1, 2, 3]))
-    assert results == [hf_reference[i] for i in [0, 1, 2, 3, 0, 1, 2, 3]]
-    assert worker_status(added.address, "decode").counters.num_requests > 0
+    drained, crashed = cluster.start_workers("decode", 2)
 
-    added.kill()  # a crash: no deregistration, no drain
+    def listed(process) -> bool:
+        return any(w.worker_id == process.worker_id for p in client.cluster_status().pools for w in p.workers)
+
+    wait_until(lambda: listed(drained) and listed(crashed), 20, message="the new decode workers in the cluster status")
+    indexes = [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda index: stream_tokens(client, prompt_token_ids[index], MAX_TOKENS)[0], indexes))
+    assert results == [hf_reference[i] for i in indexes]
+    assert worker_status(drained.address, "decode").counters.num_requests > 0
+    assert worker_status(crashed.address, "decode").counters.num_requests > 0
+
+    # Drained through the registry: no new requests; then SIGTERM ends it cleanly and it leaves the pool.
+    with grpc.insecure_channel(cluster.router.address) as channel:
+        worker_pb2_grpc.WorkerRegistryStub(channel).Drain(worker_pb2.DrainRequest(worker_id=drained.worker_id), timeout=10)
+    before = worker_status(drained.address, "decode").counters.num_requests
+    for index in (0, 1, 2, 3):
+        assert stream_tokens(client, prompt_token_ids[index], MAX_TOKENS)[0] == hf_reference[index]
+    assert worker_status(drained.address, "decode").counters.num_requests == before
+    drained.stop()
+    assert drained.popen.returncode == 0
+    wait_until(lambda: not listed(drained), 10, message="the drained worker deregistered")
+
+    crashed.kill()  # a crash: no deregistration, no drain
     for index in (4, 5, 0, 1):
         assert stream_tokens(client, prompt_token_ids[index], MAX_TOKENS)[0] == hf_reference[index]
-    wait_until(lambda: all(w.worker_id != added.worker_id for p in client.cluster_status().pools for w in p.workers),
-               20, message="the killed worker removed after its lease")
+    wait_until(lambda: not listed(crashed), 20, message="the killed worker removed after its lease")
     assert stream_tokens(client, prompt_token_ids[2], MAX_TOKENS)[0] == hf_reference[2]
 
 
