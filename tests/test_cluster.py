@@ -213,6 +213,34 @@ def test_decode_worker_kv_failure_policies(cluster, client, tokenizer):
     wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free after the KV failures")
 
 
+def test_decode_worker_out_of_kv_blocks_is_resource_exhausted(cluster, client):
+    """Remote-KV requests reserve their prompt's blocks up front; one that does not fit is refused, not queued."""
+    address = decode_worker(cluster).address
+    total = worker_status(address, "decode").capacity.num_total_kv_blocks
+    prompt = [1000 + i % 500 for i in range(2000)]  # 125 blocks each
+    params = sampling_params_to_pb(SamplingParams(max_tokens=4, temperature=0.0))
+    calls = []
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        try:
+            for _ in range(total // 125):
+                call = stub.Decode(worker_pb2.DecodeRequest(
+                    request_id=uuid.uuid4().hex, transfer_id=uuid.uuid4().hex, prompt_token_ids=prompt,
+                    sampling_params=params, kv_timeout_seconds=120), timeout=120)
+                assert next(call).state == worker_pb2.REQUEST_STATE_WAITING_FOR_REMOTE_KVS
+                calls.append(call)
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Decode(worker_pb2.DecodeRequest(
+                    request_id=uuid.uuid4().hex, transfer_id=uuid.uuid4().hex, prompt_token_ids=prompt,
+                    sampling_params=params), timeout=60))
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "Cannot reserve 125 KV blocks" in caught.value.details()
+        finally:
+            for call in calls:
+                call.cancel()
+    wait_until(lambda: all_blocks_free(client), 20, message="the reserved blocks freed after the cancels")
+
+
 def test_conditional_disaggregation_and_colocated_give_the_same_tokens(cluster, client, prompt_token_ids, hf_reference):
     decode, prefill = decode_worker(cluster), prefill_worker(cluster)
     # A second router over the same workers, prefilling prompts under 200 tokens on the decode worker.
