@@ -12,7 +12,8 @@ the same bytes between the same two processes:
 * ``p2p``  vs a bare Gloo ``send``/``recv`` of the same tensor on a two-rank group;
 * ``redis`` vs redis-py ``SET`` of the same pieces (one per layer, pipelined) then ``GET`` of them.
 
-Medians over ``--repeats``; the target is each connector at >= 80% of its
+Connector and ceiling transfers alternate (so the machine's drifts hit both
+alike); medians over ``--repeats``; the target is each connector at >= 80% of its
 ceiling. A private redis-server on a free port is started and stopped here.
 
 Usage::
@@ -115,65 +116,59 @@ class Sender:
         self.process.wait(30)
 
 
-def measure_connector(kind: str, sender: Sender, num_blocks: int, repeats: int, address_options) -> list[float]:
-    """Seconds per transfer through a connector, sender's send start to receiver's callback end."""
-    receiver = create_connector(kind, "bench-receiver", "bench", LAYOUT, **address_options)
-    done = threading.Event()
-    finished: list[float] = []
+class ConnectorProbe:
+    """A receiving connector in this process; ``once`` times one transfer from the sender process through it,
+    from the sender's ``send`` start to the end of the receiver's callback."""
 
-    def on_payload(received) -> None:
-        finished.append(time.monotonic())
-        done.set()
+    def __init__(self, kind: str, sender: Sender, options: dict) -> None:
+        self.kind, self.sender = kind, sender
+        self.receiver = create_connector(kind, "bench-receiver", "bench", LAYOUT, **options)
+        self.done = threading.Event()
+        self.finished = 0.0
+        self.count = 0
+        self.receiver.start_receiving(self._on_payload, lambda transfer_id, error: print("error:", error, file=sys.stderr))
+        self.endpoint = self.receiver.endpoint()
 
-    receiver.start_receiving(on_payload, lambda transfer_id, error: print("error:", error, file=sys.stderr))
-    endpoint = receiver.endpoint()
-    seconds = []
-    for repeat in range(repeats + 1):  # the first one sets up connections: not counted
-        done.clear()
-        reply = sender.ask(kind=kind, num_blocks=num_blocks, transfer_id=f"t{repeat}", address=endpoint.address,
-                           options=endpoint.options)
-        if not done.wait(60):
-            raise RuntimeError(f"{kind}: the payload did not arrive")
-        if repeat:
-            seconds.append(finished[-1] - reply["started"])
-    receiver.close()
-    return seconds
+    def _on_payload(self, received) -> None:
+        self.finished = time.monotonic()
+        self.done.set()
 
+    def once(self, num_blocks: int) -> float:
+        self.done.clear()
+        self.count += 1
+        reply = self.sender.ask(kind=self.kind, num_blocks=num_blocks, transfer_id=f"t{self.count}",
+                                address=self.endpoint.address, options=self.endpoint.options)
+        if not self.done.wait(60):
+            raise RuntimeError(f"{self.kind}: the payload did not arrive")
+        return self.finished - reply["started"]
 
-def measure_raw_gloo(sender: Sender, num_blocks: int, repeats: int, store: dist.TCPStore, group) -> list[float]:
-    seconds = []
-    for repeat in range(repeats + 1):
-        tensor = torch.empty(LAYOUT.payload_shape(num_blocks))
-        thread, reply = sender.ask_async(kind="raw_gloo", num_blocks=num_blocks)
-        group.recv([tensor], 0, 0).wait()
-        received = time.monotonic()
-        thread.join()
-        if repeat:
-            seconds.append(received - reply["started"])
-    return seconds
+    def close(self) -> None:
+        self.receiver.close()
 
 
-def measure_raw_redis(sender: Sender, num_blocks: int, repeats: int, url: str) -> list[float]:
-    import redis
+def raw_gloo_once(sender: Sender, num_blocks: int, group) -> float:
+    """One bare Gloo send/recv of the same bytes between the same processes."""
+    tensor = torch.empty(LAYOUT.payload_shape(num_blocks))
+    thread, reply = sender.ask_async(kind="raw_gloo", num_blocks=num_blocks)
+    group.recv([tensor], 0, 0).wait()
+    received = time.monotonic()
+    thread.join()
+    return received - reply["started"]
 
-    client = redis.Redis.from_url(url)
+
+def raw_redis_once(sender: Sender, num_blocks: int, client) -> float:
+    """redis-py SET of the same pieces (sender process, pipelined) plus GET of them here."""
     num_pieces = LAYOUT.num_layers
-    seconds = []
-    for repeat in range(repeats + 1):
-        reply = sender.ask(kind="raw_redis_set", num_blocks=num_blocks, address=url)
-        pipe = client.pipeline(transaction=False)
-        for index in range(num_pieces):
-            pipe.get(f"raw:{index}")
-        started = time.monotonic()
-        pieces = pipe.execute()
-        data = bytearray(b"".join(pieces))
-        got = time.monotonic() - started
-        assert len(data) == num_blocks * LAYOUT.block_num_bytes
-        client.delete(*[f"raw:{index}" for index in range(num_pieces)])
-        if repeat:
-            seconds.append(reply["ended"] - reply["started"] + got)
-    client.close()
-    return seconds
+    reply = sender.ask(kind="raw_redis_set", num_blocks=num_blocks, address=client.url)
+    pipe = client.pipeline(transaction=False)
+    for index in range(num_pieces):
+        pipe.get(f"raw:{index}")
+    started = time.monotonic()
+    pieces = pipe.execute()  # the bytes as redis-py returns them: no joining, no checksum
+    got = time.monotonic() - started
+    assert sum(len(piece) for piece in pieces) == num_blocks * LAYOUT.block_num_bytes
+    client.delete(*[f"raw:{index}" for index in range(num_pieces)])
+    return reply["ended"] - reply["started"] + got
 
 
 def main(argv=None) -> int:
@@ -197,21 +192,38 @@ def main(argv=None) -> int:
     setup.join()
     rows = []
     points = [(kind, tokens) for tokens in args.tokens for kind in args.connectors]
+    probes = {}
+    redis_client = None
+    if url is not None:
+        import redis
+
+        redis_client = redis.Redis.from_url(url)
+        redis_client.url = url
     try:
+        for kind in args.connectors:
+            probes[kind] = ConnectorProbe(kind, sender, {"url": url} if kind == "redis" else {})
         for kind, tokens in tqdm(points, desc="kv transfer", unit="point", file=sys.stderr):
             num_blocks = -(-tokens // LAYOUT.block_size)
             megabytes = num_blocks * LAYOUT.block_num_bytes / 1e6
-            options = {"url": url} if kind == "redis" else {}
-            connector = statistics.median(measure_connector(kind, sender, num_blocks, args.repeats, options))
-            if kind == "p2p":
-                ceiling = statistics.median(measure_raw_gloo(sender, num_blocks, args.repeats, store, group))
-            else:
-                ceiling = statistics.median(measure_raw_redis(sender, num_blocks, args.repeats, url))
+            ceiling_once = ((lambda: raw_gloo_once(sender, num_blocks, group)) if kind == "p2p"
+                            else (lambda: raw_redis_once(sender, num_blocks, redis_client)))
+            connector_seconds, ceiling_seconds = [], []
+            for repeat in range(args.repeats + 1):  # interleaved, so drifts of the machine hit both alike
+                connector = probes[kind].once(num_blocks)
+                ceiling = ceiling_once()
+                if repeat:  # the first warms buffers and connections
+                    connector_seconds.append(connector)
+                    ceiling_seconds.append(ceiling)
+            connector, ceiling = statistics.median(connector_seconds), statistics.median(ceiling_seconds)
             rows.append({"connector": kind, "tokens": tokens, "megabytes": round(megabytes, 1),
                          "connector_mb_per_s": megabytes / connector, "ceiling_mb_per_s": megabytes / ceiling,
                          "ratio": ceiling / connector})
     finally:
+        for probe in probes.values():
+            probe.close()
         sender.close()
+        if redis_client is not None:
+            redis_client.close()
         if launcher.redis is not None:
             launcher.redis.stop(5)
     print(f"{'connector':<9} {'tokens':>6} {'MB':>7} {'connector MB/s':>15} {'ceiling MB/s':>13} {'ratio':>6}  target >= {TARGET}")

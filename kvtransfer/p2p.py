@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
@@ -44,6 +45,16 @@ _SENDER, _RECEIVER = 0, 1
 _MIN_SEGMENT_BYTES = 2 << 20
 
 
+class _RunningChecksum:
+    """CRC-32 fed in order by one thread."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: memoryview) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+
 class _Pair:
     """One process group to one peer, used by one thread at a time."""
 
@@ -54,6 +65,7 @@ class _Pair:
         self.broken = False
         # Reused for gathering BlockSource payloads (no page faults after the first sends).
         self.staging = torch.empty(0, dtype=torch.uint8)
+        self.checksummer = ThreadPoolExecutor(1, thread_name_prefix="p2p-crc")
 
 
 class P2PConnector(KVConnector):
@@ -211,14 +223,20 @@ class P2PConnector(KVConnector):
         works = []
         pair.group.send([torch.tensor([num_segments, layer_bytes * layers_per_segment])], _RECEIVER, _TAG_META).wait()
         segment_start = None
+        # The checksum runs on another thread (zlib releases the GIL), segment by segment in order,
+        # while this one gathers and writes to the socket (Gloo writes a large send inline).
+        running = _RunningChecksum()
+        crc_future = None
         for index, layer in enumerate(payload_layers(payload, staging)):
-            checksum = zlib.crc32(memoryview(layer.numpy()), checksum)
+            crc_future = pair.checksummer.submit(running.update, memoryview(layer.numpy()))
             if index % layers_per_segment == 0:
                 segment_start = layer
             if index % layers_per_segment == layers_per_segment - 1:
                 # Consecutive layers are adjacent in memory: the segment is one span from the first.
                 span = torch.as_strided(segment_start, (layer_bytes * layers_per_segment,), (1,))
                 works.append(pair.group.send([span], _RECEIVER, _TAG_PAYLOAD))
+        crc_future.result()  # the single checksum thread runs the updates in order
+        checksum = running.value
         if header.checksum is None:
             header.checksum = checksum & 0xFFFFFFFF
         header_bytes = header.to_bytes()

@@ -47,6 +47,7 @@ class RedisConnector(KVConnector):
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._local = threading.local()  # per sending thread: a reused staging buffer
+        self._buffer = torch.empty(0, dtype=torch.uint8)  # the receiving thread's reused buffer
 
     def _client(self, url: str) -> redis.Redis:
         with self._clients_lock:
@@ -104,8 +105,17 @@ class RedisConnector(KVConnector):
                 return
             if any(piece is None for piece in pieces):
                 raise KVTransferError("some of its pieces are gone from Redis (expired?)")
-            data = bytearray(b"".join(pieces))
-            verify(header, data, self.model_fingerprint, self.layout)
+            # One copy into a reused buffer, checksummed on the way (valid until the callback returns).
+            num_bytes = sum(len(piece) for piece in pieces)
+            if self._buffer.numel() < num_bytes:
+                self._buffer = torch.empty(num_bytes, dtype=torch.uint8)
+            data = memoryview(self._buffer.numpy())[:num_bytes]
+            checksum, offset = 0, 0
+            for piece in pieces:
+                data[offset : offset + len(piece)] = piece
+                checksum = zlib.crc32(piece, checksum)
+                offset += len(piece)
+            verify(header, data, self.model_fingerprint, self.layout, checksum=checksum)
             payload = payload_tensor(header, data)
         except KVTransferError as error:
             self._on_error(transfer_id, error)
