@@ -71,6 +71,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if request_id in self._active:
                 raise InvalidArgument(f"Request id {request_id!r} is already in flight on this worker.")
             self._active[request_id] = request.transfer_id if remote else ""
+        completed = False
         try:
             stream = self.loop.submit(request_id, None, params, list(request.prompt_token_ids), remote_kv=remote)
             block_ids = stream.wait_accepted(_ACCEPT_TIMEOUT_SECONDS)
@@ -88,11 +89,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             else:
                 self.runtime.counters.add(num_local_prefills=1)
             # From here on a client that goes away (or its deadline) aborts the request.
-            context.add_callback(lambda: self._abort(request_id))
+            if not context.add_callback(lambda: self._abort(request_id)):
+                return  # already cancelled: the finally clause aborts it
             state = worker_pb2.REQUEST_STATE_WAITING_FOR_REMOTE_KVS if remote else worker_pb2.REQUEST_STATE_WAITING
             yield worker_pb2.DecodeResponse(request_id=request_id, state=state)
             yield from self._relay(stream, transfer, params.logprobs)
+            completed = True
         finally:
+            if not completed:  # refused after acceptance, cancelled, or the stream closed early: free its blocks
+                self._abort(request_id)
             with self._lock:
                 self._active.pop(request_id, None)
 

@@ -81,13 +81,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 sender.cancel()
                 raise InvalidArgument(f"Request id {request_id!r} is already being prefilled here.")
             self._jobs[request_id] = _Job(request_id, sender, len(prompt))
+        completed = False
         try:
             try:
                 stream = runtime.loop.submit(request_id, None, engine_params, prompt, hold_kv_on_finish=True)
             except ValueError:
                 sender.cancel()
                 raise
-            context.add_callback(lambda: self._abort(request_id))
+            if not context.add_callback(lambda: self._abort(request_id)):
+                raise ServiceError("The prefill was cancelled.", grpc.StatusCode.CANCELLED)
             stream.wait_accepted(_ACCEPT_TIMEOUT_SECONDS)
             final = None
             for output in stream:
@@ -107,7 +109,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 raise Unavailable(f"Cannot send the prompt's KV to {request.destination.address}: {reason}")
             self._release(request_id)
             runtime.counters.add(num_kv_transfers_sent=1, num_kv_bytes=sender.num_sent_bytes)
+            completed = True
         finally:
+            if not completed:  # any failure: no more KV goes out, and the blocks are freed
+                self._abort(request_id)
             with self._lock:
                 self._jobs.pop(request_id, None)
         return self._response(request, params, final, sender, received, sampled)
