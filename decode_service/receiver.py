@@ -34,7 +34,9 @@ class Transfer:
     deadline: float
     fail_on_kv_failure: bool
     block_ids: list[int] = field(default_factory=list)
+    # Prompt tokens whose KV is in place: the cached prefix, then what arrived.
     num_received_tokens: int = 0
+    num_transferred_tokens: int = 0
     num_received_bytes: int = 0
     num_payloads: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -115,6 +117,7 @@ class KVReceiver:
 
                 scatter_blocks(self._kv_cache, block_ids, payload)
                 transfer.num_received_tokens += header.num_tokens
+                transfer.num_transferred_tokens += header.num_tokens
                 transfer.num_received_bytes += header.payload_num_bytes
                 transfer.num_payloads += 1
                 self.counters.add(num_kv_bytes=header.payload_num_bytes)
@@ -131,10 +134,11 @@ class KVReceiver:
         self._pop(transfer.transfer_id)
         self.counters.add(num_kv_transfers_received=1)
         logger.info(
-            "Request %s: KV of %d tokens received through the connector (%d payloads, %.1f MB, %.3f s); "
-            "WAITING_FOR_REMOTE_KVS -> WAITING",
-            transfer.request_id, transfer.num_received_tokens, transfer.num_payloads,
+            "Request %s: KV of %d tokens received through the connector (%d payloads, %.1f MB, %.3f s; "
+            "%d more from the prefix cache); WAITING_FOR_REMOTE_KVS -> WAITING",
+            transfer.request_id, transfer.num_transferred_tokens, transfer.num_payloads,
             transfer.num_received_bytes / 1e6, transfer.wait_seconds,
+            transfer.num_received_tokens - transfer.num_transferred_tokens,
         )
         request_id, first_token_id = transfer.request_id, transfer.first_token_id
         self.loop.post(lambda engine: _finish_remote_kv(engine, request_id, first_token_id))

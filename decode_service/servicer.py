@@ -74,7 +74,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         completed = False
         try:
             stream = self.loop.submit(request_id, None, params, list(request.prompt_token_ids), remote_kv=remote)
-            block_ids = stream.wait_accepted(_ACCEPT_TIMEOUT_SECONDS)
+            accepted = stream.wait_accepted(_ACCEPT_TIMEOUT_SECONDS)
             transfer = None
             if remote:
                 timeout = (request.kv_timeout_seconds if request.HasField("kv_timeout_seconds")
@@ -82,8 +82,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 fail = (request.on_kv_failure == worker_pb2.KV_FAILURE_POLICY_FAIL or
                         (request.on_kv_failure == worker_pb2.KV_FAILURE_POLICY_UNSPECIFIED
                          and self.runtime.config.kv_load_failure == "fail"))
+                # The prompt's cached prefix is here already; the transfer starts after it.
                 transfer = Transfer(request.transfer_id, request_id, len(request.prompt_token_ids),
-                                    time.monotonic() + timeout, fail, block_ids=block_ids)
+                                    time.monotonic() + timeout, fail, block_ids=accepted.block_ids,
+                                    num_received_tokens=accepted.num_cached_tokens)
                 source = _endpoint_or_none(request)
                 self.receiver.expect(transfer, source)
             else:
@@ -92,7 +94,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if not context.add_callback(lambda: self._abort(request_id)):
                 return  # already cancelled: the finally clause aborts it
             state = worker_pb2.REQUEST_STATE_WAITING_FOR_REMOTE_KVS if remote else worker_pb2.REQUEST_STATE_WAITING
-            yield worker_pb2.DecodeResponse(request_id=request_id, state=state)
+            yield worker_pb2.DecodeResponse(request_id=request_id, state=state,
+                                            num_cached_prompt_tokens=accepted.num_cached_tokens if remote else 0)
             yield from self._relay(stream, transfer, params.logprobs)
             completed = True
         finally:

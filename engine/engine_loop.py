@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from splitserve.engine.llm_engine import LLMEngine
@@ -22,19 +23,29 @@ logger = logging.getLogger(__name__)
 _STOP = object()
 
 
+@dataclass(frozen=True)
+class Accepted:
+    """What the engine reserved for a request when it took it."""
+
+    # The request's KV blocks in token order (remote KV: all of the prompt's).
+    block_ids: list[int]
+    # Leading prompt tokens already in this engine's prefix cache (remote KV: their KV need not be sent).
+    num_cached_tokens: int
+
+
 class RequestStream:
     """The outputs of one request, in order, ending with the finished one."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
-        # Set once the engine has taken the request: to its KV block ids, or to
-        # the exception that refused it (duplicate id, no room for remote KV).
+        # Set once the engine has taken the request: to an Accepted, or to the
+        # exception that refused it (duplicate id, no room for remote KV).
         self.accepted: Future = Future()
 
-    def wait_accepted(self, timeout: float | None = None) -> list[int]:
-        """Block until the engine took the request; returns its block ids (reserved
-        ones for remote KV, else none yet). Raises what refused it."""
+    def wait_accepted(self, timeout: float | None = None) -> "Accepted":
+        """Block until the engine took the request; returns its blocks (reserved ones for
+        remote KV, else none yet). Raises what refused it."""
         return self.accepted.result(timeout)
 
     def get_nowait(self) -> RequestOutput | None:
@@ -185,7 +196,8 @@ class EngineLoop:
                 target.put(error)
                 return
             self._streams[request_id] = target
-            target.accepted.set_result(self.engine.block_ids(request_id))
+            request = self.engine.scheduler.requests[request_id]
+            target.accepted.set_result(Accepted(self.engine.block_ids(request_id), max(request.num_cached_tokens, 0)))
         elif kind == "abort":
             self.engine.abort_request(target)
         elif kind == "call":

@@ -197,9 +197,10 @@ class LLMEngine:
         self._pending_outputs.append(self._accept_token(SampledToken(request, int(first_token_id), None)))
 
     def recompute_remote_kv(self, request_id: str) -> None:
-        """Give up waiting for a request's remote KV: its prompt is computed here, in the blocks it holds."""
-        self._waiting_for_remote_kv(request_id)
-        self.scheduler.finish_remote_kv(request_id, 0)
+        """Give up waiting for a request's remote KV: its prompt is computed here, in the blocks it holds
+        (after the prefix this worker had cached, whose shared blocks are left as they are)."""
+        request = self._waiting_for_remote_kv(request_id)
+        self.scheduler.finish_remote_kv(request_id, max(request.num_cached_tokens, 0))
 
     def _waiting_for_remote_kv(self, request_id: str) -> Request:
         request = self.scheduler.requests.get(request_id)

@@ -88,11 +88,16 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
         if remote_kv:
-            if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens, cache_blocks=False):
+            # Blocks this worker already caches for the prompt's prefix are taken as they are: only the
+            # rest needs to come from outside (``request.num_cached_tokens`` says how much that is).
+            cached_block_ids, num_cached = self.kv_cache.find_cached_prefix(request)
+            num_new = request.num_prompt_tokens - num_cached
+            if not self.kv_cache.allocate_slots(request, num_new, cached_block_ids, cache_blocks=False):
                 raise KVCacheFullError(
-                    f"Cannot reserve {self.kv_cache.num_blocks_for(request.num_prompt_tokens)} KV blocks "
+                    f"Cannot reserve {self.kv_cache.num_blocks_for(num_new)} KV blocks "
                     f"for request {request.request_id!r}: {self.kv_cache.free_block_count} are free."
                 )
+            request.num_cached_tokens = num_cached
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             self.waiting_for_remote_kvs[request.request_id] = request
         else:
@@ -112,7 +117,6 @@ class Scheduler:
         if not 0 <= num_computed_tokens <= request.num_prompt_tokens:
             raise ValueError(f"num_computed_tokens must be within the prompt, got {num_computed_tokens}.")
         request.num_computed_tokens = num_computed_tokens
-        request.num_cached_tokens = 0
         self.kv_cache.cache_full_blocks(request, num_computed_tokens)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)

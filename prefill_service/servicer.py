@@ -57,6 +57,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             raise InvalidArgument("request_id and transfer_id are required.")
         if not request.HasField("destination") or not request.destination.address:
             raise InvalidArgument("destination (the decode worker's KV endpoint) is required.")
+        skip = request.num_destination_cached_tokens
+        if skip % self.block_size or skip >= len(request.prompt_token_ids):
+            raise InvalidArgument(
+                f"num_destination_cached_tokens ({skip}) must be a multiple of the block size "
+                f"({self.block_size}) and shorter than the prompt ({len(request.prompt_token_ids)} tokens)."
+            )
         params = sampling_params_from_pb(request.sampling_params)
         # The prefill computes the prompt and samples exactly one token.
         engine_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
@@ -76,6 +82,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             runtime.connector, runtime.engine.model_runner.kv_cache, request.transfer_id,
             KVEndpointInfo.from_pb(request.destination), runtime.model_fingerprint, runtime.kv_layout, len(prompt),
         )
+        # The decode worker caches this prefix already: its KV is not sent.
+        sender.num_queued_tokens = request.num_destination_cached_tokens
         with self._lock:
             if request_id in self._jobs:
                 sender.cancel()

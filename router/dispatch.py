@@ -155,13 +155,15 @@ class Dispatcher:
                 prefill_worker = self._choose_prefill(job, tried_prefill)
             transfer_id = uuid.uuid4().hex if prefill_worker is not None else ""
             attempt_id = f"{job.request_id}#{uuid.uuid4().hex[:8]}"
-            call = self._open_decode(job, attempt_id, decode_worker, prefill_worker, transfer_id, timeout)
-            if call is None:
+            opened = self._open_decode(job, attempt_id, decode_worker, prefill_worker, transfer_id, timeout)
+            if opened is None:
                 tried_decode.add(decode_worker.worker_id)
                 continue
+            call, ack = opened
             if prefill_worker is None:
                 return call, decode_worker
-            if self._prefill(job, attempt_id, prefill_worker, decode_worker, transfer_id, timeout):
+            if self._prefill(job, attempt_id, prefill_worker, decode_worker, transfer_id, timeout,
+                             ack.num_cached_prompt_tokens):
                 return call, decode_worker
             # The prefill failed: drop this decode attempt (its blocks are freed) and try again.
             call.cancel()
@@ -189,7 +191,7 @@ class Dispatcher:
         return self.prefill_policy.choose(workers, job.prompt.token_ids)
 
     def _open_decode(self, job, attempt_id, decode_worker, prefill_worker, transfer_id, timeout):
-        """Start Decode and read its acknowledgement; None if the worker is unreachable or full."""
+        """Start Decode and read its acknowledgement: (call, ack), or None if the worker is unreachable or full."""
         request = worker_pb2.DecodeRequest(
             request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
             sampling_params=job.sampling_params, prefill_locally=prefill_worker is None,
@@ -202,7 +204,7 @@ class Dispatcher:
         call = self.channels.decode(decode_worker.address).Decode(request, timeout=timeout())
         job.on_cancel(call.cancel)
         try:
-            next(call)
+            ack = next(call)
         except grpc.RpcError as error:
             self.registry.end_request(decode_worker.worker_id)
             if job.aborted:
@@ -214,13 +216,16 @@ class Dispatcher:
             logger.warning("Decode worker %s refused request %s: %s", decode_worker.worker_id, job.request_id,
                            error.details())
             return None
-        return call
+        return call, ack
 
-    def _prefill(self, job, attempt_id, prefill_worker, decode_worker, transfer_id, timeout) -> bool:
-        """Run the prefill; False if it failed in a way another worker may not."""
+    def _prefill(self, job, attempt_id, prefill_worker, decode_worker, transfer_id, timeout,
+                 num_destination_cached_tokens: int) -> bool:
+        """Run the prefill (sending only the KV the decode worker does not cache); False if it failed in a
+        way another worker may not."""
         request = worker_pb2.PrefillRequest(
             request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
             sampling_params=job.sampling_params, destination=decode_worker.kv_endpoint,
+            num_destination_cached_tokens=num_destination_cached_tokens,
         )
         self.registry.begin_request(prefill_worker.worker_id)
         future = self.channels.prefill(prefill_worker.address).Prefill.future(request, timeout=timeout())

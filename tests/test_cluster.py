@@ -72,6 +72,22 @@ def test_disaggregated_greedy_is_token_identical_to_transformers(cluster, client
     wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")
 
 
+def test_prefix_cached_on_the_decode_worker_is_not_sent_again(cluster, client):
+    """The same long prompt twice: the second time the decode worker holds its full blocks already, and only
+    the rest of the KV travels; the tokens are the same."""
+    decode = decode_worker(cluster)
+    prompt = [1000 + (index * 7919) % 30000 for index in range(343)]  # 21 full blocks and 7 tokens, seen nowhere else
+    sent, outputs = [], []
+    for _ in range(2):
+        before = worker_status(decode.address, "decode").counters.num_kv_bytes
+        outputs.append(stream_tokens(client, prompt, MAX_TOKENS)[0])
+        sent.append(worker_status(decode.address, "decode").counters.num_kv_bytes - before)
+    per_block = 30 * 2 * 3 * 16 * 64 * 4
+    assert sent == [22 * per_block, per_block]  # all of it, then only the last, partial block
+    assert outputs[0] == outputs[1] and len(outputs[0]) > 0
+    assert "336 more from the prefix cache" in decode.log()
+
+
 def test_32_concurrent_streams_match_the_offline_engine(client, model_dir):
     prompts = [f"Question {index}: name a color that starts with the letter {chr(65 + index % 26)}." for index in range(32)]
     offline = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048)

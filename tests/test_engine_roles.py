@@ -82,13 +82,17 @@ def test_seeded_sampling_continues_across_the_handover(engines):
 
 def test_recompute_after_giving_up_on_remote_kv(engines):
     _, decode = engines
-    prompt = prompt_ids(decode)
+    prompt = prompt_ids(decode, "The quick brown fox jumps over the lazy dog because it wants to see what lies "
+                                "beyond the old stone wall")
+    assert 16 < len(prompt) < 32
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     decode.add_request("local", None, greedy, prompt_token_ids=prompt)
     expected = run(decode)[-1].outputs[0].token_ids
     request = decode.add_request("late", None, greedy, prompt_token_ids=prompt, remote_kv=True)
-    # Garbage in the reserved blocks (a partial transfer) must not matter: the prompt is recomputed.
-    decode.model_runner.kv_cache[:, :, :, torch.tensor(decode.block_ids("late"))] = 7.0
+    # The first full block is in this engine's prefix cache from "local": taken as it is, not awaited.
+    assert request.num_cached_tokens == 16
+    # Garbage in the blocks awaiting KV (a partial transfer) must not matter: that part is recomputed.
+    decode.model_runner.kv_cache[:, :, :, torch.tensor(decode.block_ids("late")[1:])] = 7.0
     decode.recompute_remote_kv("late")
     assert request.status == RequestStatus.WAITING
     assert run(decode)[-1].outputs[0].token_ids == expected
