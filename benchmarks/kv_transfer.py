@@ -2,19 +2,25 @@
 
 For prompts of ``--tokens`` (default 512, 1024, 2048, 4096) of the default
 model's KV shape (30 layers, 3 KV heads, head size 64, float32, block 16:
-46,080 bytes a token), a sender process hands one payload per transfer to a
-connector and this process receives it. Measured from the start of ``send``
-(sender side) to the return of the receiver's ``on_payload`` (CLOCK_MONOTONIC
-is shared by both processes), so it includes gathering, the checksum on both
-sides, the wire and verification. Beside each connector, the raw ceiling on
-the same bytes between the same two processes:
+46,080 bytes a token), a sender process sends one transfer (one ``send``
+of a ``BlockSource``, as the prefill worker does) and this process receives
+it. Timed from the start of ``send`` in the sender to the return of the
+receiver's ``on_payload`` for the last payload (CLOCK_MONOTONIC is shared by
+both processes): gathering, both checksums, the wire and verification.
 
-* ``p2p``  vs a bare Gloo ``send``/``recv`` of the same tensor on a two-rank group;
-* ``redis`` vs redis-py ``SET`` of the same pieces (one per layer, pipelined) then ``GET`` of them.
+Beside each connector, the raw ceiling on the same bytes between the same two
+processes, with warm buffers on both sides (allocated once, as the connectors'
+are), nothing gathered and nothing checksummed:
 
-Connector and ceiling transfers alternate (so the machine's drifts hit both
-alike); medians over ``--repeats``; the target is each connector at >= 80% of its
-ceiling. A private redis-server on a free port is started and stopped here.
+* ``p2p``:   one Gloo ``send``/``recv`` of the payload tensor on a two-rank group
+             (the receive posted before the send starts);
+* ``redis``: redis-py ``SET`` of the payload's pieces (the same pieces, pipelined)
+             in the sender, then ``GET`` of them here.
+
+Connector and ceiling transfers alternate, so drifts of the (shared, 2-core)
+machine hit both alike; the first pair of each point is a warm-up. Medians
+over ``--repeats``. The target is each connector at >= 0.8 of its ceiling.
+A private redis-server on a free port is started and stopped here.
 
 Usage::
 
@@ -40,9 +46,11 @@ from tqdm import tqdm
 
 from splitserve.kvtransfer import create_connector
 from splitserve.kvtransfer.base import KVLayout
+from splitserve.kvtransfer.blocks import CRC32_IMPLEMENTATION
 from splitserve.launcher import LocalCluster
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_size=64, dtype=torch.float32, block_size=16)
+CACHE_BLOCKS = 300
 TARGET = 0.8
 
 SENDER = r"""
@@ -50,52 +58,61 @@ import json, sys, time
 from datetime import timedelta
 import redis, torch, torch.distributed as dist
 from splitserve.kvtransfer import create_connector
-from splitserve.kvtransfer.base import BlockSource, KVEndpointInfo, KVLayout, TransferHeader, payload_bytes
+from splitserve.kvtransfer.base import BlockSource, KVEndpointInfo, KVLayout, TransferHeader
+from splitserve.kvtransfer.blocks import payload_bytes
 layout = KVLayout(30, 3, 64, torch.float32, 16)
-connectors = {}
-cache = torch.randn(30, 2, 3, 260, 16, 64)
-raw_group = None
+cache = torch.randn(30, 2, 3, int(sys.argv[1]), 16, 64)
+connectors, raw_group, raw_tensors, redis_client = {}, None, {}, None
+
+def reply(**fields):
+    print(json.dumps(fields), flush=True)
+
 for line in sys.stdin:
     command = json.loads(line)
-    kind, num_blocks = command["kind"], command["num_blocks"]
-    if kind == "raw_gloo_setup":
-        host, port = command["address"].rsplit(":", 1)
+    kind = command["kind"]
+    if kind == "setup":
+        host, port = command["store"].rsplit(":", 1)
         store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=30))
         raw_group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, timedelta(seconds=60))
-        print(json.dumps({"ok": True}), flush=True); continue
-    blocks = list(range(num_blocks))
+        if command.get("redis_url"):
+            redis_client = redis.Redis.from_url(command["redis_url"])
+        reply(ok=True)
+        continue
+    num_blocks = command["num_blocks"]
+    # The blocks a prompt occupies: scattered over the cache, in no order.
+    blocks = [(7 * index) % cache.shape[3] for index in range(num_blocks)]
+    if kind in ("raw_gloo", "raw_redis") and num_blocks not in raw_tensors:
+        raw_tensors[num_blocks] = cache[:, :, :, blocks].contiguous()  # the payload, gathered once (warm)
     started = time.monotonic()
     if kind == "raw_gloo":
-        tensor = cache[:, :, :, :num_blocks].contiguous()
-        started = time.monotonic()
-        raw_group.send([tensor], 1, 0).wait()
-    elif kind == "raw_redis_set":
-        data = payload_bytes(cache[:, :, :, :num_blocks].contiguous())
-        client = redis.Redis.from_url(command["address"])
-        piece = len(data) // 30  # one piece per layer, as the connector writes them
-        started = time.monotonic()
-        pipe = client.pipeline(transaction=False)
+        raw_group.send([raw_tensors[num_blocks]], 1, 0).wait()
+    elif kind == "raw_redis":
+        data, piece = payload_bytes(raw_tensors[num_blocks]), command["piece_bytes"]
+        pipeline = redis_client.pipeline(transaction=False)
         for index, offset in enumerate(range(0, len(data), piece)):
-            pipe.set(f"raw:{index}", data[offset:offset + piece], px=60000)
-        pipe.execute()
+            pipeline.set(f"raw:{index}", data[offset:offset + piece], px=60000)
+        pipeline.execute()
     else:
-        connector = connectors.setdefault(kind, create_connector(kind, "bench-sender", "bench", layout,
-                                          **({"url": command["address"]} if kind == "redis" else {})))
-        payload = BlockSource(cache, blocks)  # as the prefill worker sends: the connector gathers and checksums
+        connector = connectors.get(kind)
+        if connector is None:
+            options = {"url": command["address"]} if kind == "redis" else {}
+            connector = connectors[kind] = create_connector(kind, "bench-sender", "bench", layout, **options)
         header = TransferHeader(command["transfer_id"], "bench", layout, 0, num_blocks * 16, num_blocks * 16,
-                                payload.num_bytes, None, True, 1)
+                                num_blocks * layout.block_num_bytes, None, True, 1)
         destination = KVEndpointInfo(kind, command["address"], "bench-receiver", command.get("options", {}))
-        connector.send(destination, header, payload)
-    print(json.dumps({"started": started, "ended": time.monotonic()}), flush=True)
+        connector.send(destination, header, BlockSource(cache, blocks))
+    reply(started=started, ended=time.monotonic())
+for connector in connectors.values():
+    connector.close()
 """
 
 
 class Sender:
-    """The sending process, driven by JSON lines."""
+    """The sending process, driven by JSON lines on its stdin."""
 
-    def __init__(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True)
+    def __init__(self, num_cache_blocks: int) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", SENDER, str(num_cache_blocks)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
 
     def ask(self, **command) -> dict:
         self.process.stdin.write(json.dumps(command) + "\n")
@@ -105,32 +122,41 @@ class Sender:
             raise RuntimeError("The sender process died.")
         return json.loads(line)
 
-    def ask_async(self, **command):
-        result: dict = {}
-        thread = threading.Thread(target=lambda: result.update(self.ask(**command)))
+    def ask_in_background(self, **command) -> tuple[threading.Thread, dict]:
+        reply: dict = {}
+        thread = threading.Thread(target=lambda: reply.update(self.ask(**command)))
         thread.start()
-        return thread, result
+        return thread, reply
 
     def close(self) -> None:
         self.process.stdin.close()
-        self.process.wait(30)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
 
 
 class ConnectorProbe:
-    """A receiving connector in this process; ``once`` times one transfer from the sender process through it,
-    from the sender's ``send`` start to the end of the receiver's callback."""
+    """A receiving connector in this process; ``once`` times one transfer from the sender process."""
 
     def __init__(self, kind: str, sender: Sender, options: dict) -> None:
         self.kind, self.sender = kind, sender
         self.receiver = create_connector(kind, "bench-receiver", "bench", LAYOUT, **options)
         self.done = threading.Event()
         self.finished = 0.0
+        self.errors: list[str] = []
         self.count = 0
-        self.receiver.start_receiving(self._on_payload, lambda transfer_id, error: print("error:", error, file=sys.stderr))
+        self.receiver.start_receiving(self._on_payload, self._on_error)
         self.endpoint = self.receiver.endpoint()
 
     def _on_payload(self, received) -> None:
-        self.finished = time.monotonic()
+        if received.header.is_last:
+            self.finished = time.monotonic()
+            self.done.set()
+
+    def _on_error(self, transfer_id, error) -> None:
+        self.errors.append(f"{transfer_id}: {error}")
         self.done.set()
 
     def once(self, num_blocks: int) -> float:
@@ -138,102 +164,115 @@ class ConnectorProbe:
         self.count += 1
         reply = self.sender.ask(kind=self.kind, num_blocks=num_blocks, transfer_id=f"t{self.count}",
                                 address=self.endpoint.address, options=self.endpoint.options)
-        if not self.done.wait(60):
-            raise RuntimeError(f"{self.kind}: the payload did not arrive")
+        if not self.done.wait(60) or self.errors:
+            raise RuntimeError(f"{self.kind}: the payload did not arrive: {self.errors}")
         return self.finished - reply["started"]
 
     def close(self) -> None:
         self.receiver.close()
 
 
-def raw_gloo_once(sender: Sender, num_blocks: int, group) -> float:
-    """One bare Gloo send/recv of the same bytes between the same processes."""
-    tensor = torch.empty(LAYOUT.payload_shape(num_blocks))
-    thread, reply = sender.ask_async(kind="raw_gloo", num_blocks=num_blocks)
-    group.recv([tensor], 0, 0).wait()
-    received = time.monotonic()
-    thread.join()
-    return received - reply["started"]
+class GlooCeiling:
+    """A bare Gloo send/recv of the payload tensor into a warm buffer here."""
+
+    def __init__(self, sender: Sender, redis_url: str | None) -> None:
+        self.sender = sender
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+        thread, _ = sender.ask_in_background(kind="setup", store=f"127.0.0.1:{store.port}", redis_url=redis_url)
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 1, 2, timedelta(seconds=60))
+        thread.join()
+        self.store = store
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def once(self, num_blocks: int) -> float:
+        buffer = self.buffers.setdefault(num_blocks, torch.zeros(LAYOUT.payload_shape(num_blocks)))
+        work = self.group.recv([buffer], 0, 0)  # posted before the send starts
+        thread, reply = self.sender.ask_in_background(kind="raw_gloo", num_blocks=num_blocks)
+        work.wait()
+        received = time.monotonic()
+        thread.join()
+        return received - reply["started"]
 
 
-def raw_redis_once(sender: Sender, num_blocks: int, client) -> float:
-    """redis-py SET of the same pieces (sender process, pipelined) plus GET of them here."""
-    num_pieces = LAYOUT.num_layers
-    reply = sender.ask(kind="raw_redis_set", num_blocks=num_blocks, address=client.url)
-    pipe = client.pipeline(transaction=False)
-    for index in range(num_pieces):
-        pipe.get(f"raw:{index}")
-    started = time.monotonic()
-    pieces = pipe.execute()  # the bytes as redis-py returns them: no joining, no checksum
-    got = time.monotonic() - started
-    assert sum(len(piece) for piece in pieces) == num_blocks * LAYOUT.block_num_bytes
-    client.delete(*[f"raw:{index}" for index in range(num_pieces)])
-    return reply["ended"] - reply["started"] + got
+class RedisCeiling:
+    """redis-py SET of the payload's pieces in the sender, then GET of them here."""
+
+    def __init__(self, sender: Sender, url: str, piece_bytes: int) -> None:
+        import redis
+
+        self.sender, self.piece_bytes = sender, piece_bytes
+        self.client = redis.Redis.from_url(url)
+
+    def once(self, num_blocks: int) -> float:
+        num_bytes = num_blocks * LAYOUT.block_num_bytes
+        num_pieces = -(-num_bytes // self.piece_bytes)
+        reply = self.sender.ask(kind="raw_redis", num_blocks=num_blocks, piece_bytes=self.piece_bytes)
+        pipeline = self.client.pipeline(transaction=False)
+        for index in range(num_pieces):
+            pipeline.get(f"raw:{index}")
+        started = time.monotonic()
+        pieces = pipeline.execute()
+        got = time.monotonic() - started
+        assert sum(len(piece) for piece in pieces) == num_bytes
+        self.client.delete(*[f"raw:{index}" for index in range(num_pieces)])
+        return reply["ended"] - reply["started"] + got
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 2048, 4096],
-                        help="prompt lengths (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed transfers per point (default: %(default)s)")
+                        help="prompt lengths to transfer, one transfer each (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed transfers per point, for connector and ceiling alike (default: %(default)s)")
     parser.add_argument("--connectors", nargs="+", default=["p2p", "redis"], choices=["p2p", "redis"],
-                        help="(default: %(default)s)")
-    parser.add_argument("--json", metavar="FILE", help="write the results here")
+                        help="connectors to measure (default: %(default)s)")
+    parser.add_argument("--json", metavar="FILE", help="also write the arguments and the rows to FILE as JSON")
     args = parser.parse_args(argv)
+    if max(args.tokens) > CACHE_BLOCKS * LAYOUT.block_size:
+        parser.error(f"--tokens at most {CACHE_BLOCKS * LAYOUT.block_size}")
 
     launcher = LocalCluster(log_dir=tempfile.mkdtemp(prefix="kv-bench-"))
     url = launcher.start_redis() if "redis" in args.connectors else None
-    sender = Sender()
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    setup = threading.Thread(target=sender.ask, kwargs=dict(kind="raw_gloo_setup", num_blocks=0,
-                                                            address=f"127.0.0.1:{store.port}"))
-    setup.start()
-    group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 1, 2, timedelta(seconds=60))
-    setup.join()
-    rows = []
-    points = [(kind, tokens) for tokens in args.tokens for kind in args.connectors]
-    probes = {}
-    redis_client = None
-    if url is not None:
-        import redis
-
-        redis_client = redis.Redis.from_url(url)
-        redis_client.url = url
+    sender = Sender(CACHE_BLOCKS)
+    probes, ceilings, rows = {}, {}, []
     try:
+        gloo = GlooCeiling(sender, url)
         for kind in args.connectors:
             probes[kind] = ConnectorProbe(kind, sender, {"url": url} if kind == "redis" else {})
-        for kind, tokens in tqdm(points, desc="kv transfer", unit="point", file=sys.stderr):
-            num_blocks = -(-tokens // LAYOUT.block_size)
-            megabytes = num_blocks * LAYOUT.block_num_bytes / 1e6
-            ceiling_once = ((lambda: raw_gloo_once(sender, num_blocks, group)) if kind == "p2p"
-                            else (lambda: raw_redis_once(sender, num_blocks, redis_client)))
-            connector_seconds, ceiling_seconds = [], []
-            for repeat in range(args.repeats + 1):  # interleaved, so drifts of the machine hit both alike
-                connector = probes[kind].once(num_blocks)
-                ceiling = ceiling_once()
-                if repeat:  # the first warms buffers and connections
-                    connector_seconds.append(connector)
-                    ceiling_seconds.append(ceiling)
-            connector, ceiling = statistics.median(connector_seconds), statistics.median(ceiling_seconds)
-            rows.append({"connector": kind, "tokens": tokens, "megabytes": round(megabytes, 1),
-                         "connector_mb_per_s": megabytes / connector, "ceiling_mb_per_s": megabytes / ceiling,
-                         "ratio": ceiling / connector})
+            ceilings[kind] = gloo if kind == "p2p" else RedisCeiling(sender, url, probes[kind].receiver.piece_bytes)
+        points = [(kind, tokens) for tokens in args.tokens for kind in args.connectors]
+        with tqdm(total=len(points) * (args.repeats + 1), desc="kv transfers", unit="pair", file=sys.stderr) as bar:
+            for kind, tokens in points:
+                num_blocks = -(-tokens // LAYOUT.block_size)
+                connector_seconds, ceiling_seconds = [], []
+                for repeat in range(args.repeats + 1):
+                    connector, ceiling = probes[kind].once(num_blocks), ceilings[kind].once(num_blocks)
+                    if repeat:  # the first warms buffers and connections
+                        connector_seconds.append(connector)
+                        ceiling_seconds.append(ceiling)
+                    bar.update()
+                megabytes = num_blocks * LAYOUT.block_num_bytes / 1e6
+                connector, ceiling = statistics.median(connector_seconds), statistics.median(ceiling_seconds)
+                rows.append({"connector": kind, "tokens": tokens, "megabytes": round(megabytes, 1),
+                             "connector_ms": connector * 1e3, "ceiling_ms": ceiling * 1e3,
+                             "connector_mb_per_s": megabytes / connector, "ceiling_mb_per_s": megabytes / ceiling,
+                             "ratio": ceiling / connector})
     finally:
         for probe in probes.values():
             probe.close()
         sender.close()
-        if redis_client is not None:
-            redis_client.close()
         if launcher.redis is not None:
             launcher.redis.stop(5)
-    print(f"{'connector':<9} {'tokens':>6} {'MB':>7} {'connector MB/s':>15} {'ceiling MB/s':>13} {'ratio':>6}  target >= {TARGET}")
+    print(f"checksum: {CRC32_IMPLEMENTATION}; medians of {args.repeats}")
+    print(f"{'connector':<9} {'tokens':>6} {'MB':>6} {'connector MB/s':>15} {'ceiling MB/s':>13} {'ratio':>6}"
+          f"  target >= {TARGET}")
     for row in rows:
         verdict = "ok" if row["ratio"] >= TARGET else "MISS"
-        print(f"{row['connector']:<9} {row['tokens']:>6} {row['megabytes']:>7.1f} {row['connector_mb_per_s']:>15.0f} "
-              f"{row['ceiling_mb_per_s']:>13.0f} {row['ratio']:>6.2f}  {verdict}")
+        print(f"{row['connector']:<9} {row['tokens']:>6} {row['megabytes']:>6.1f} {row['connector_mb_per_s']:>15,.0f} "
+              f"{row['ceiling_mb_per_s']:>13,.0f} {row['ratio']:>6.2f}  {verdict}")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"args": vars(args), "rows": rows}, handle, indent=2)
+            json.dump({"args": vars(args), "checksum": CRC32_IMPLEMENTATION, "rows": rows}, handle, indent=2)
     return 0
 
 

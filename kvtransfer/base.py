@@ -1,4 +1,4 @@
-"""The KV transfer contract: layout, payload header (format version 1), block gather/scatter, the connector interface.
+"""The KV transfer contract: layout, payload header (format version 1), verification, the connector interface.
 
 A transfer moves one prompt's KV from a prefill worker to a decode worker as
 one or more payloads. Each payload holds consecutive prompt tokens starting at
@@ -7,20 +7,32 @@ gathered into ``[num_layers, 2, num_kv_heads, num_blocks, block_size,
 head_size]`` (C order, little-endian): per layer the keys, then the values.
 A ``KVTransferHeader`` (worker.proto) travels in front of each payload with a
 4-byte little-endian length prefix; the receiver checks it (version, model
-fingerprint, layout, checksum) before any byte reaches its cache.
+fingerprint, layout, size, checksum) before any byte reaches its cache.
+Gathering and scattering blocks live in ``blocks.py``.
 """
 
 from __future__ import annotations
 
 import struct
-import zlib
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from splitserve.kvtransfer.blocks import BlockSource, crc32, gather_blocks, payload_bytes, scatter_blocks
+from splitserve.kvtransfer.errors import KVTransferError, KVVerificationError
 from splitserve.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from collections.abc import Buffer
+
+__all__ = [
+    "FORMAT_VERSION", "BlockSource", "KVConnector", "KVEndpointInfo", "KVLayout", "KVTransferError",
+    "KVVerificationError", "ReceivedPayload", "TransferHeader", "gather_blocks", "make_header", "payload_checksum",
+    "scatter_blocks", "verify",
+]
 
 FORMAT_VERSION = 1
 
@@ -30,14 +42,12 @@ _DTYPES = {
     torch.bfloat16: worker_pb2.KV_CACHE_DTYPE_BFLOAT16,
 }
 _DTYPES_BY_PB = {value: key for key, value in _DTYPES.items()}
-
-
-class KVTransferError(Exception):
-    """A transfer failed: unreachable peer, broken connection, or a refused payload."""
-
-
-class KVVerificationError(KVTransferError):
-    """A payload that does not fit this worker (fingerprint, layout, version, size or checksum)."""
+_CONNECTORS = {
+    "p2p": worker_pb2.KV_CONNECTOR_TYPE_P2P,
+    "redis": worker_pb2.KV_CONNECTOR_TYPE_REDIS,
+    "lmcache": worker_pb2.KV_CONNECTOR_TYPE_LMCACHE,
+}
+_CONNECTORS_BY_PB = {value: key for key, value in _CONNECTORS.items()}
 
 
 @dataclass(frozen=True)
@@ -59,10 +69,11 @@ class KVLayout:
     @property
     def block_num_bytes(self) -> int:
         """Bytes of one block across all layers, keys and values."""
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_size * element
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_size * element_size
 
     def payload_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_size]``."""
         return (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.head_size)
 
     def to_pb(self) -> worker_pb2.KVCacheLayout:
@@ -74,7 +85,7 @@ class KVLayout:
     @classmethod
     def from_pb(cls, message: worker_pb2.KVCacheLayout) -> "KVLayout":
         if message.dtype not in _DTYPES_BY_PB:
-            raise KVVerificationError(f"Unknown KV cache dtype {message.dtype} in the header.")
+            raise KVVerificationError(f"Unknown KV cache dtype {message.dtype} in the layout.")
         return cls(message.num_layers, message.num_kv_heads, message.head_size, _DTYPES_BY_PB[message.dtype],
                    message.block_size)
 
@@ -91,13 +102,16 @@ class TransferHeader:
     transfer_id: str
     model_fingerprint: str
     layout: KVLayout
+    # Position in the prompt of the payload's first token (a multiple of the block size).
     first_token_position: int
+    # Tokens whose KV the payload holds; the payload has ceil(num_tokens / block_size) blocks.
     num_tokens: int
     num_prompt_tokens: int
     payload_num_bytes: int
-    # CRC-32 of the payload; None until the connector computes it while sending.
+    # CRC-32 (zlib's) of the payload bytes; None lets the connector compute it while sending.
     checksum: int | None
     is_last: bool = False
+    # The first output token, on the last payload only.
     first_token_id: int | None = None
     format_version: int = FORMAT_VERSION
 
@@ -106,37 +120,37 @@ class TransferHeader:
         return -(-self.num_tokens // self.layout.block_size)
 
     def to_bytes(self) -> bytes:
+        """The 4-byte little-endian length, then the serialized ``KVTransferHeader``."""
         message = worker_pb2.KVTransferHeader(
             format_version=self.format_version, transfer_id=self.transfer_id,
             model_fingerprint=self.model_fingerprint, layout=self.layout.to_pb(),
             first_token_position=self.first_token_position, num_tokens=self.num_tokens,
             num_prompt_tokens=self.num_prompt_tokens, payload_num_bytes=self.payload_num_bytes,
-            checksum=self.checksum, is_last=self.is_last,
+            checksum=self.checksum or 0, is_last=self.is_last, first_token_id=self.first_token_id,
         )
-        if self.first_token_id is not None:
-            message.first_token_id = self.first_token_id
         body = message.SerializeToString()
         return struct.pack("<I", len(body)) + body
 
     @classmethod
-    def from_bytes(cls, data: bytes | memoryview) -> "TransferHeader":
-        """Parse a length-prefixed header. Raises KVTransferError on anything that is not one."""
+    def from_bytes(cls, data: "Buffer") -> "TransferHeader":
+        """Parse a length-prefixed header. Raises KVTransferError on anything that is not one, and
+        KVVerificationError on a format version this worker does not read."""
         data = bytes(data)
         if len(data) < 4:
             raise KVTransferError(f"A KV header needs at least 4 bytes, got {len(data)}.")
         (length,) = struct.unpack_from("<I", data)
         if length != len(data) - 4:
-            raise KVTransferError(f"The KV header says {length} bytes follow; {len(data) - 4} do.")
+            raise KVTransferError(f"The KV header's length prefix says {length} bytes follow; {len(data) - 4} do.")
         message = worker_pb2.KVTransferHeader()
         try:
             message.ParseFromString(data[4:])
         except Exception as error:  # protobuf's DecodeError
             raise KVTransferError(f"The KV header is not a valid KVTransferHeader: {error}") from None
-        if message.format_version != FORMAT_VERSION:
-            raise KVVerificationError(
-                f"KV payload format version {message.format_version} is not supported (this worker reads "
-                f"{FORMAT_VERSION})."
-            )
+        try:
+            _check_version(message.format_version)
+        except KVVerificationError as error:
+            error.transfer_id = message.transfer_id or None  # so the receiver can fail that transfer
+            raise
         return cls(
             transfer_id=message.transfer_id, model_fingerprint=message.model_fingerprint,
             layout=KVLayout.from_pb(message.layout), first_token_position=message.first_token_position,
@@ -147,77 +161,38 @@ class TransferHeader:
         )
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """The payload of ``block_ids``: a new contiguous ``[layers, 2, kv_heads, n, block_size, head_size]``."""
-    index = torch.tensor(block_ids, dtype=torch.long)
-    return kv_cache.index_select(3, index)
-
-
-def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.Tensor) -> None:
-    """Write a payload ``[layers, 2, kv_heads, n, block_size, head_size]`` into ``block_ids`` of the cache, in place."""
-    if payload.shape[3] != len(block_ids):
-        raise KVVerificationError(f"The payload holds {payload.shape[3]} blocks; {len(block_ids)} were reserved.")
-    index = torch.tensor(block_ids, dtype=torch.long)
-    kv_cache.index_copy_(3, index, payload)
-
-
-class BlockSource:
-    """A payload not gathered yet: ``block_ids`` of a KV cache, read layer by layer by the connector,
-    so gathering, checksumming and the wire overlap (and no whole-payload copy is made up front).
-
-    Until the connector's ``send`` returns, the blocks must not be freed or rewritten.
-    """
-
-    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int]) -> None:
-        self.kv_cache = kv_cache  # [layers, 2, kv_heads, blocks, block_size, head_size]
-        self.index = torch.tensor(block_ids, dtype=torch.long)
-        self.num_layers = kv_cache.shape[0]
-        self.layer_shape = (2, kv_cache.shape[2], len(block_ids), kv_cache.shape[4], kv_cache.shape[5])
-        self.layer_num_bytes = kv_cache.element_size() * 2 * kv_cache.shape[2] * len(block_ids) * \
-            kv_cache.shape[4] * kv_cache.shape[5]
-        self.num_bytes = self.layer_num_bytes * self.num_layers
-
-    def gather_layer(self, layer: int, out: torch.Tensor) -> torch.Tensor:
-        """Layer ``layer``'s part of the payload, ``[2, kv_heads, n, block_size, head_size]``, written into ``out``."""
-        return torch.index_select(self.kv_cache[layer], 2, self.index, out=out.view(self.layer_shape))
-
-
-def payload_layers(payload: "torch.Tensor | BlockSource", staging: torch.Tensor | None = None):
-    """The payload's bytes layer by layer, as uint8 tensors (views of ``payload``, or gathered into ``staging``,
-    a uint8 buffer of at least ``payload.num_bytes``)."""
-    if isinstance(payload, BlockSource):
-        for layer in range(payload.num_layers):
-            out = staging[layer * payload.layer_num_bytes : (layer + 1) * payload.layer_num_bytes]
-            payload.gather_layer(layer, out.view(payload.kv_cache.dtype))
-            yield out
-        return
-    flat = payload.contiguous()
-    for layer in range(flat.shape[0]):
-        yield flat[layer].reshape(-1).view(torch.uint8)
-
-
-def payload_num_bytes(payload: "torch.Tensor | BlockSource") -> int:
-    if isinstance(payload, BlockSource):
-        return payload.num_bytes
-    return payload.numel() * payload.element_size()
-
-
-def payload_bytes(payload: torch.Tensor) -> memoryview:
-    """The payload's bytes without a copy (the tensor must be contiguous)."""
-    return memoryview(payload.contiguous().view(-1).view(torch.uint8).numpy())
+def _check_version(format_version: int) -> None:
+    if format_version != FORMAT_VERSION:
+        raise KVVerificationError(f"KV payload format version {format_version} is not supported (this worker reads "
+                                  f"{FORMAT_VERSION}).")
 
 
 def payload_checksum(payload: torch.Tensor) -> int:
-    """CRC-32 (zlib's, IEEE) of the payload's bytes."""
-    return zlib.crc32(payload_bytes(payload)) & 0xFFFFFFFF
+    """CRC-32 (zlib's, IEEE) of a payload tensor's bytes."""
+    return crc32(payload_bytes(payload))
 
 
-def verify(header: TransferHeader, data: memoryview | bytes, model_fingerprint: str, layout: KVLayout,
+def make_header(transfer_id: str, model_fingerprint: str, payload: torch.Tensor, first_token_position: int,
+                num_tokens: int, num_prompt_tokens: int, is_last: bool = False,
+                first_token_id: int | None = None) -> TransferHeader:
+    """The header of a gathered payload ``[layers, 2, kv_heads, n, block_size, head_size]``: layout, size and
+    checksum taken from the tensor."""
+    layout = KVLayout.from_kv_cache(payload)
+    return TransferHeader(transfer_id, model_fingerprint, layout, first_token_position, num_tokens, num_prompt_tokens,
+                          payload.numel() * payload.element_size(), payload_checksum(payload), is_last, first_token_id)
+
+
+def verify(header: TransferHeader, payload: "torch.Tensor | Buffer", model_fingerprint: str, layout: KVLayout,
            checksum: int | None = None) -> None:
-    """Check a received payload against this worker. Raises KVVerificationError saying what differs.
+    """Check a received payload (its bytes, or a tensor) against this worker's fingerprint and layout.
 
-    ``checksum``: the payload's CRC-32 when the caller computed it on the way in (else computed here).
+    Args:
+        checksum: the payload's CRC-32 when the caller computed it on the way in (else computed here).
+
+    Raises:
+        KVVerificationError: saying what differs.
     """
+    _check_version(header.format_version)
     if header.model_fingerprint != model_fingerprint:
         raise KVVerificationError(
             f"The sender's model fingerprint {header.model_fingerprint} differs from this worker's "
@@ -227,19 +202,23 @@ def verify(header: TransferHeader, data: memoryview | bytes, model_fingerprint: 
         raise KVVerificationError(
             f"The sender's KV layout ({header.layout.describe()}) differs from this worker's ({layout.describe()})."
         )
+    if header.first_token_position % layout.block_size:
+        raise KVVerificationError(f"The payload starts at token {header.first_token_position}, not at a block "
+                                  f"boundary (block size {layout.block_size}).")
+    data = payload_bytes(payload) if isinstance(payload, torch.Tensor) else memoryview(payload).cast("B")
+    if len(data) != header.payload_num_bytes:
+        raise KVVerificationError(f"The payload has {len(data)} bytes, header says {header.payload_num_bytes}.")
     expected = header.num_blocks * layout.block_num_bytes
-    if len(data) != header.payload_num_bytes or header.payload_num_bytes != expected:
-        raise KVVerificationError(
-            f"The payload has {len(data)} bytes, its header says {header.payload_num_bytes}, and "
-            f"{header.num_tokens} tokens in {header.num_blocks} blocks need {expected}."
-        )
-    actual = (zlib.crc32(data) if checksum is None else checksum) & 0xFFFFFFFF
+    if header.payload_num_bytes != expected:
+        raise KVVerificationError(f"The header says {header.payload_num_bytes} payload bytes, but {header.num_tokens} "
+                                  f"tokens in {header.num_blocks} blocks need {expected}.")
+    actual = crc32(data) if checksum is None else checksum & 0xFFFFFFFF
     if actual != header.checksum:
         raise KVVerificationError(f"Checksum mismatch: the payload's CRC-32 is {actual:08x}, the header says "
-                                  f"{header.checksum:08x}.")
+                                  f"{(header.checksum or 0):08x}.")
 
 
-def payload_tensor(header: TransferHeader, data) -> torch.Tensor:
+def payload_tensor(header: TransferHeader, data: "Buffer") -> torch.Tensor:
     """A verified payload's bytes as ``[layers, 2, kv_heads, n, block_size, head_size]`` (no copy when writable)."""
     flat = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     return flat.view(header.layout.dtype).view(header.layout.payload_shape(header.num_blocks))
@@ -247,7 +226,7 @@ def payload_tensor(header: TransferHeader, data) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KVEndpointInfo:
-    """Where a worker sends or receives KV (mirror of worker_pb2.KVEndpoint)."""
+    """Where a worker receives KV (mirror of worker_pb2.KVEndpoint); ``connector`` is "p2p" or "redis"."""
 
     connector: str
     address: str
@@ -255,32 +234,23 @@ class KVEndpointInfo:
     options: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     def to_pb(self) -> worker_pb2.KVEndpoint:
-        return worker_pb2.KVEndpoint(
-            connector=_CONNECTORS[self.connector], address=self.address, worker_id=self.worker_id,
-            options=dict(self.options),
-        )
+        return worker_pb2.KVEndpoint(connector=_CONNECTORS[self.connector], address=self.address,
+                                     worker_id=self.worker_id, options=dict(self.options))
 
     @classmethod
     def from_pb(cls, message: worker_pb2.KVEndpoint) -> "KVEndpointInfo":
-        names = {value: key for key, value in _CONNECTORS.items()}
-        if message.connector not in names:
+        if message.connector not in _CONNECTORS_BY_PB:
             raise KVTransferError(f"Unknown KV connector type {message.connector} in the endpoint.")
-        return cls(names[message.connector], message.address, message.worker_id, dict(message.options))
-
-
-_CONNECTORS = {
-    "p2p": worker_pb2.KV_CONNECTOR_TYPE_P2P,
-    "redis": worker_pb2.KV_CONNECTOR_TYPE_REDIS,
-    "lmcache": worker_pb2.KV_CONNECTOR_TYPE_LMCACHE,
-}
+        return cls(_CONNECTORS_BY_PB[message.connector], message.address, message.worker_id, dict(message.options))
 
 
 @dataclass
 class ReceivedPayload:
-    """A payload that passed verification: its header and its tensor ``[layers, 2, kv_heads, n, block_size, head_size]``.
+    """A payload that passed verification against this worker: its header, and its tensor ``[layers, 2,
+    kv_heads, n, block_size, head_size]`` in the layout's dtype.
 
-    The tensor may live in the connector's receive buffer: it is valid only until the callback returns
-    (copy it into the cache there, or clone it).
+    The tensor lives in the connector's receive buffer: it is valid only until the callback returns
+    (copy it into the cache there with ``scatter_blocks``, or clone it).
     """
 
     header: TransferHeader
@@ -294,9 +264,9 @@ OnError = Callable[["str | None", Exception], None]
 class KVConnector(ABC):
     """One per worker process, for both sides of a transfer.
 
-    Decode side: :meth:`endpoint` (advertised to the router), :meth:`start_receiving`
-    (callbacks on the connector's threads), :meth:`expect` and :meth:`cancel`.
-    Prefill side: :meth:`send`. Both: :meth:`close`.
+    Decode side: :meth:`endpoint` (advertised to the router), :meth:`start_receiving` (callbacks on the
+    connector's threads), :meth:`expect` and :meth:`cancel`. Prefill side: :meth:`send`. Both: :meth:`close`.
+    No method touches a KV cache except through the payloads it is handed or hands out.
     """
 
     def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout) -> None:
@@ -306,12 +276,13 @@ class KVConnector(ABC):
 
     @abstractmethod
     def endpoint(self) -> KVEndpointInfo:
-        """Where prefill workers send this worker's KV."""
+        """Where prefill workers send this worker's KV (opens the listening side if needed)."""
 
     @abstractmethod
     def start_receiving(self, on_payload: OnPayload, on_error: OnError) -> None:
-        """Deliver verified payloads to ``on_payload`` (in order per transfer) and failures to
-        ``on_error(transfer_id or None, error)``, from the connector's own threads."""
+        """Start the receiving threads: each verified payload goes to ``on_payload`` (in order per transfer,
+        one call at a time per sender), each refused payload or broken peer to ``on_error(transfer_id or None,
+        error)``, once per transfer. Both are called from the connector's threads and should return quickly."""
 
     def expect(self, transfer_id: str, source: KVEndpointInfo | None) -> None:
         """The decode worker now waits for ``transfer_id`` from ``source`` (a hint; may be None)."""
@@ -322,15 +293,41 @@ class KVConnector(ABC):
 
     @abstractmethod
     def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: "torch.Tensor | BlockSource") -> None:
-        """Hand one payload to ``destination``; returns once it is safely there. Thread-safe.
+        """Hand one payload to ``destination``; blocks until it is safely there. Thread-safe.
 
-        ``payload`` is a gathered tensor ``[layers, 2, kv_heads, n, block_size, head_size]`` or a
-        :class:`BlockSource`; a ``header.checksum`` of None is computed here, on the way.
+        Args:
+            header: its fields describe the whole payload; a ``checksum`` of None is computed here. The
+                object is not modified. A connector may split the payload into several consecutive payloads
+                of whole blocks (each with its own header), which the receiver delivers one by one.
+            payload: a gathered tensor ``[layers, 2, kv_heads, n, block_size, head_size]``, or a
+                :class:`BlockSource` (gathered here; its blocks must not change until this returns).
 
         Raises:
-            KVTransferError: the destination cannot be reached or the connection broke.
+            KVTransferError: the destination cannot be reached in time or the connection broke.
         """
 
     @abstractmethod
     def close(self) -> None:
-        """Stop threads and close connections; idempotent, bounded in time."""
+        """Stop threads and close connections; idempotent and bounded in time."""
+
+
+class DroppedTransfers:
+    """Transfer ids whose later payloads are dropped (cancelled or refused); keeps the newest ``capacity``."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self._ids: dict[str, None] = {}  # insertion-ordered: the oldest first
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def add(self, transfer_id: str) -> None:
+        with self._lock:
+            self._ids[transfer_id] = None
+            while len(self._ids) > self._capacity:
+                del self._ids[next(iter(self._ids))]
+
+    def discard(self, transfer_id: str) -> None:
+        with self._lock:
+            self._ids.pop(transfer_id, None)
+
+    def __contains__(self, transfer_id: str) -> bool:
+        return transfer_id in self._ids

@@ -3,87 +3,108 @@
 No global process group and nothing external. The decode worker hosts a
 ``TCPStore`` (its KV endpoint address, ``host:port``). A prefill worker that
 first sends to it connects to that store, takes a pair number (``add`` on a
-counter), and both build a two-rank ``ProcessGroupGloo`` over the store under
-that pair's prefix (prefill rank 0, decode rank 1): the decode side learns of
-new pairs by watching the counter, so it needs no hint from the router. On
-GPUs the same shape works with ``ProcessGroupNCCL`` when both caches are on
-CUDA (chosen by the tensor's device); only Gloo runs on this CPU build.
+counter), writes its worker id under that number, and builds a two-rank
+``ProcessGroupGloo`` over the store under the pair's own prefix (prefill rank
+0, decode rank 1). A watcher thread on the decode side sees the counter grow,
+builds its end of the group and starts a receive thread for the pair, so it
+needs no hint from the router. With CUDA caches the same shape works with
+``ProcessGroupNCCL``; only Gloo is built here (see ``_new_pair_group``).
 
-One message per payload, on the pair in order: int64 [segments, segment
-bytes], the payload in segments (one per layer), the header's length, then
-the header (it follows the payload because its checksum is computed on the
-way). Gathering, checksumming and the wire overlap: the sender gathers
-layer i+1 (into a reused staging buffer) and checksums it while layer i is in
-flight; the receiver posts every segment's receive into a reused buffer and
-checksums segment i while later ones arrive. The receiver acknowledges once
-the payload is in its memory, which is when ``send`` returns; it verifies
-(fingerprint, layout, size, CRC-32) before the callback. A peer that dies
-mid-transfer breaks only its pair.
+One send on a pair, ``chunks`` payloads of whole blocks (``chunk_bytes``):
+
+    META     int64[5]  num_chunks, header_frame_bytes, chunk_bytes, last_chunk_bytes, flags
+    per chunk: HEADER  uint8[header_frame_bytes]  the length-prefixed KVTransferHeader, zero padded
+               PAYLOAD uint8[chunk bytes]         the chunk's payload (format version 1)
+    ACK      int64[1]  from the decode side once every chunk is in its memory: 0, or 1 if it is closing
+
+Gloo moves a message only once the receiver has posted a buffer for it, so
+the receiver posts a ring of chunks ahead (``receive_slots``) as soon as META
+tells their sizes; a handshake per chunk cost a quarter of the throughput.
+The sender gathers and checksums chunk i+1 on a helper thread while chunk i
+is on the wire; the receiver verifies and delivers chunk i while later ones
+land. A peer that dies or stalls mid-send breaks only its pair: the receiver
+reports the transfers that were open on it, the sender raises.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import socket
+import struct
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from splitserve.kvtransfer.base import (BlockSource, KVConnector, KVEndpointInfo, KVLayout, KVTransferError, OnError,
-                                        OnPayload, ReceivedPayload, TransferHeader, payload_layers, payload_num_bytes,
-                                        payload_tensor, verify)
+from splitserve.kvtransfer.base import (DroppedTransfers, KVConnector, KVEndpointInfo, KVLayout, KVTransferError,
+                                        OnError, OnPayload, ReceivedPayload, TransferHeader, payload_tensor, verify)
+from splitserve.kvtransfer.blocks import BlockSource, StagingBuffers, crc32
 
 logger = logging.getLogger(__name__)
 
 _PEERS_KEY = "splitserve/kv/peers"
-_TAG_META, _TAG_HEADER, _TAG_PAYLOAD, _TAG_ACK, _TAG_HEADER_LENGTH = 0, 1, 2, 3, 4
+_TAG_META, _TAG_HEADER, _TAG_PAYLOAD, _TAG_ACK = 0, 1, 2, 3
 _SENDER, _RECEIVER = 0, 1
-_MIN_SEGMENT_BYTES = 2 << 20
+_FLAG_GOODBYE = 1
+_ACK_OK, _ACK_CLOSING = 0, 1
+_IDLE_TIMEOUT = timedelta(days=7)  # a pair may stay idle as long as both workers live
 
 
-class _RunningChecksum:
-    """CRC-32 fed in order by one thread."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: memoryview) -> None:
-        self.value = zlib.crc32(data, self.value)
+def _new_pair_group(store: dist.Store, index: int, rank: int, timeout: timedelta, device: torch.device):
+    """The two-rank group of pair ``index``. Gloo for CPU caches; for CUDA caches the same call shape is
+    ``ProcessGroupNCCL(prefix_store, rank, 2, options)``, which this CPU build does not have."""
+    if device.type != "cpu":
+        raise KVTransferError(f"The p2p connector runs Gloo on CPU caches only in this build, not {device}.")
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"splitserve/kv/pair/{index}", store), rank, 2, timeout)
 
 
-class _Pair:
-    """One process group to one peer, used by one thread at a time."""
+class _PairBroken(Exception):
+    def __init__(self, error: Exception, data_sent: bool) -> None:
+        super().__init__(str(error))
+        self.data_sent = data_sent
 
-    def __init__(self, group, peer: str) -> None:
+
+class _SenderPair:
+    """The prefill end of one pair; one send at a time (``lock``)."""
+
+    def __init__(self, group, store: dist.TCPStore, address: str) -> None:
         self.group = group
-        self.peer = peer
+        self.store = store  # keeps the store connection alive with the group
+        self.address = address
         self.lock = threading.Lock()
-        self.broken = False
-        # Reused for gathering BlockSource payloads (no page faults after the first sends).
-        self.staging = torch.empty(0, dtype=torch.uint8)
-        self.checksummer = ThreadPoolExecutor(1, thread_name_prefix="p2p-crc")
+        self.staging = StagingBuffers()  # two chunk slots and two header frames, reused
+        self.preparer = ThreadPoolExecutor(1, thread_name_prefix="p2p-gather")
 
 
 class P2PConnector(KVConnector):
-    """Options: ``host`` the store binds (decode side), ``connect_timeout_seconds`` (default 10),
-    ``send_timeout_seconds`` (default 120)."""
+    """Options: ``host`` the store binds (decode side, default 127.0.0.1), ``connect_timeout_seconds``
+    (default 10), ``send_timeout_seconds`` (a send's operations and its acknowledgement, default 120),
+    ``receive_timeout_seconds`` (a sender silent mid-send, default 60), ``chunk_bytes`` (default 4 MiB),
+    ``receive_slots`` (chunks the receiver posts ahead, default 8)."""
 
     def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout, host: str = "127.0.0.1",
-                 connect_timeout_seconds: float = 10.0, send_timeout_seconds: float = 120.0) -> None:
+                 connect_timeout_seconds: float = 10.0, send_timeout_seconds: float = 120.0,
+                 receive_timeout_seconds: float = 60.0, chunk_bytes: int = 4 << 20, receive_slots: int = 8) -> None:
         super().__init__(worker_id, model_fingerprint, layout)
         self.host = host
         self.connect_timeout = timedelta(seconds=float(connect_timeout_seconds))
         self.send_timeout = timedelta(seconds=float(send_timeout_seconds))
+        self.receive_timeout = timedelta(seconds=float(receive_timeout_seconds))
+        self.blocks_per_chunk = max(1, int(chunk_bytes) // layout.block_num_bytes)
+        self.receive_slots = max(2, int(receive_slots))
         self._store: dist.TCPStore | None = None
         self._store_lock = threading.Lock()
-        self._pairs: dict[str, _Pair] = {}  # sender side, by destination address
-        self._pair_locks: dict[str, threading.Lock] = {}
+        self._pairs: dict[str, _SenderPair] = {}  # by destination address
+        self._pair_creation_locks: dict[str, threading.Lock] = {}
         self._pairs_lock = threading.Lock()
-        self._cancelled: set[str] = set()
+        self._dropped = DroppedTransfers()
+        # Receiving groups stay referenced here: a Gloo group destroyed on a daemon thread while the
+        # process exits can abort it ("terminate called without an active exception").
+        self._receive_groups: list = []
         self._closed = threading.Event()
         self._on_payload: OnPayload | None = None
         self._on_error: OnError | None = None
@@ -95,6 +116,8 @@ class P2PConnector(KVConnector):
 
     def _master_store(self) -> dist.TCPStore:
         with self._store_lock:
+            if self._closed.is_set():
+                raise KVTransferError("The p2p connector is closed.")
             if self._store is None:
                 self._store = dist.TCPStore(self.host, 0, None, True, timedelta(seconds=30), wait_for_workers=False)
                 self._store.add(_PEERS_KEY, 0)
@@ -106,79 +129,45 @@ class P2PConnector(KVConnector):
         threading.Thread(target=self._watch_peers, args=(store,), name="p2p-peers", daemon=True).start()
 
     def cancel(self, transfer_id: str) -> None:
-        with self._pairs_lock:
-            self._cancelled.add(transfer_id)
-            if len(self._cancelled) > 100_000:
-                self._cancelled.clear()
+        self._dropped.add(transfer_id)
 
     def _watch_peers(self, store: dist.TCPStore) -> None:
-        known = 0
+        """Start a receive thread for every pair a prefill worker announces."""
+        num_known = 0
         while not self._closed.wait(0.02):
             try:
-                count = store.add(_PEERS_KEY, 0)
+                num_peers = store.add(_PEERS_KEY, 0)
             except Exception:  # the store is gone: closing
                 return
-            for index in range(known, count):
-                threading.Thread(target=self._receive_from, args=(store, index), name=f"p2p-recv-{index}",
+            for index in range(num_known, num_peers):
+                threading.Thread(target=self._receive_pair, args=(store, index), name=f"p2p-recv-{index}",
                                  daemon=True).start()
-            known = count
+            num_known = num_peers
 
-    def _receive_from(self, store: dist.TCPStore, index: int) -> None:
+    def _receive_pair(self, store: dist.TCPStore, index: int) -> None:
         try:
+            store.wait([f"splitserve/kv/peer/{index}"], self.connect_timeout)
             peer = store.get(f"splitserve/kv/peer/{index}").decode()
-            # An idle pair must not time out: the receiver waits as long as the sender lives.
-            group = dist.ProcessGroupGloo(dist.PrefixStore(f"splitserve/kv/pair/{index}", store), _RECEIVER, 2,
-                                          timedelta(days=1))
+            group = _new_pair_group(store, index, _RECEIVER, self.connect_timeout, torch.device("cpu"))
+            group._set_default_timeout(_IDLE_TIMEOUT)
+            self._receive_groups.append(group)
         except Exception as error:
             logger.warning("KV pair %d could not be set up: %s", index, error)
             return
         logger.info("KV pair %d with %s ready", index, peer)
-        open_transfers: set[str] = set()  # transfers on this pair whose last payload has not come yet
-        buffer = torch.empty(0, dtype=torch.uint8)  # reused: after the first payloads no page faults
-        while not self._closed.is_set():
-            try:
-                meta = torch.empty(2, dtype=torch.int64)
-                group.recv([meta], _SENDER, _TAG_META).wait()
-                num_segments, segment_bytes = (int(value) for value in meta)
-                if buffer.numel() < num_segments * segment_bytes:
-                    buffer = torch.empty(num_segments * segment_bytes, dtype=torch.uint8)
-                segments = [buffer[i * segment_bytes : (i + 1) * segment_bytes] for i in range(num_segments)]
-                works = [group.recv([segment], _SENDER, _TAG_PAYLOAD) for segment in segments]
-                header_length = torch.empty(1, dtype=torch.int64)
-                length_work = group.recv([header_length], _SENDER, _TAG_HEADER_LENGTH)
-                checksum = 0
-                for work, segment in zip(works, segments):  # checksum segment i while later ones arrive
-                    work.wait()
-                    checksum = zlib.crc32(memoryview(segment.numpy()), checksum)
-                length_work.wait()
-                header_buffer = torch.empty(int(header_length), dtype=torch.uint8)
-                group.recv([header_buffer], _SENDER, _TAG_HEADER).wait()
-                header = TransferHeader.from_bytes(header_buffer.numpy().tobytes())
-                open_transfers.add(header.transfer_id)
-                group.send([torch.zeros(1, dtype=torch.int64)], _SENDER, _TAG_ACK).wait()
-            except Exception as error:
-                if self._closed.is_set():
-                    return
-                if not open_transfers:  # the sender went away between transfers: not an error
-                    logger.info("KV pair %d with %s closed by the peer", index, peer)
-                    return
-                logger.warning("KV pair %d with %s broke mid-transfer: %s", index, peer, error)
-                for transfer_id in open_transfers:
-                    self._on_error(transfer_id, KVTransferError(f"the connection to {peer} broke: {error}"))
-                return
-            if header.is_last:
-                open_transfers.discard(header.transfer_id)
-            self._deliver(header, buffer[: num_segments * segment_bytes], checksum)
+        _PairReceiver(self, group, f"{peer} (pair {index})").run()
 
-    def _deliver(self, header: TransferHeader, buffer: torch.Tensor, checksum: int) -> None:
-        with self._pairs_lock:
-            if header.transfer_id in self._cancelled:
-                return
+    def _deliver(self, header: TransferHeader, data: torch.Tensor) -> None:
+        """Verify one received payload (uint8 ``data``) and hand it to the callback; refusals go to on_error,
+        once per transfer."""
+        if header.transfer_id in self._dropped or self._closed.is_set():
+            return
         try:
-            data = memoryview(buffer.numpy())
-            verify(header, data, self.model_fingerprint, self.layout, checksum=checksum)
-            payload = payload_tensor(header, data)
+            view = memoryview(data.numpy())
+            verify(header, view, self.model_fingerprint, self.layout)
+            payload = payload_tensor(header, view)
         except KVTransferError as error:
+            self._dropped.add(header.transfer_id)
             self._on_error(header.transfer_id, error)
             return
         try:
@@ -186,109 +175,250 @@ class P2PConnector(KVConnector):
         except Exception:
             logger.exception("KV payload handler failed for transfer %s", header.transfer_id)
 
+    def _report_broken(self, peer: str, transfer_ids: set[str], error: Exception) -> None:
+        if not transfer_ids:
+            self._on_error(None, KVTransferError(f"The KV connection to {peer} broke: {error}"))
+        for transfer_id in transfer_ids:
+            if transfer_id not in self._dropped:
+                self._dropped.add(transfer_id)
+                self._on_error(transfer_id, KVTransferError(f"The KV connection to {peer} broke mid-transfer: "
+                                                            f"{error}"))
+
     # ---- prefill side ----------------------------------------------------------------------
 
-    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload) -> None:
-        for attempt in range(2):  # a pair the peer dropped (idle timeout, restart) is rebuilt once
-            pair = self._pair_to(destination)
-            try:
-                with pair.lock:
-                    if pair.broken:
-                        raise KVTransferError("pair broken")
-                    self._send_on(pair, header, payload)
-                return
-            except Exception as error:
-                pair.broken = True
-                self._drop_pair(destination.address, pair)
-                if attempt == 1 or self._closed.is_set():
-                    raise KVTransferError(f"Sending KV to {destination.address} failed: {error}") from None
+    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: "torch.Tensor | BlockSource") -> None:
+        source = BlockSource.of(payload)
+        if source.num_blocks != header.num_blocks:
+            raise KVTransferError(f"The header says {header.num_tokens} tokens ({header.num_blocks} blocks of "
+                                  f"{header.layout.block_size}); the payload holds {source.num_blocks} blocks.")
+        for attempt in range(2):  # a cached pair whose peer went away (restart) is rebuilt once
+            pair, reused = self._pair_to(destination)
+            with pair.lock:
+                try:
+                    _send_on(pair, header, source, self.blocks_per_chunk, self.send_timeout)
+                    return
+                except _PairBroken as error:
+                    self._drop_pair(pair)
+                    if not reused or error.data_sent or self._closed.is_set():
+                        raise KVTransferError(f"Sending KV to {destination.address} failed: {error}") from None
+                    logger.info("KV pair to %s broke while idle (%s); building a new one", destination.address, error)
 
-    @staticmethod
-    def _send_on(pair: _Pair, header: TransferHeader, payload) -> None:
-        """Segments (one per layer) go out as they are gathered and checksummed; the header follows."""
-        num_bytes = payload_num_bytes(payload)
-        num_segments = payload.num_layers if isinstance(payload, BlockSource) else payload.shape[0]
-        staging = None
-        if isinstance(payload, BlockSource):
-            if pair.staging.numel() < num_bytes:
-                pair.staging = torch.empty(num_bytes, dtype=torch.uint8)
-            staging = pair.staging
-        header.payload_num_bytes = num_bytes
-        layer_bytes = num_bytes // num_segments
-        # Small layers go out a few at a time: fewer messages, same overlap.
-        layers_per_segment = next(d for d in range(1, num_segments + 1)
-                                  if num_segments % d == 0 and (d * layer_bytes >= _MIN_SEGMENT_BYTES or d == num_segments))
-        num_segments //= layers_per_segment
-        checksum = 0
-        works = []
-        pair.group.send([torch.tensor([num_segments, layer_bytes * layers_per_segment])], _RECEIVER, _TAG_META).wait()
-        segment_start = None
-        # The checksum runs on another thread (zlib releases the GIL), segment by segment in order,
-        # while this one gathers and writes to the socket (Gloo writes a large send inline).
-        running = _RunningChecksum()
-        crc_future = None
-        for index, layer in enumerate(payload_layers(payload, staging)):
-            crc_future = pair.checksummer.submit(running.update, memoryview(layer.numpy()))
-            if index % layers_per_segment == 0:
-                segment_start = layer
-            if index % layers_per_segment == layers_per_segment - 1:
-                # Consecutive layers are adjacent in memory: the segment is one span from the first.
-                span = torch.as_strided(segment_start, (layer_bytes * layers_per_segment,), (1,))
-                works.append(pair.group.send([span], _RECEIVER, _TAG_PAYLOAD))
-        crc_future.result()  # the single checksum thread runs the updates in order
-        checksum = running.value
-        if header.checksum is None:
-            header.checksum = checksum & 0xFFFFFFFF
-        header_bytes = header.to_bytes()
-        works.append(pair.group.send([torch.tensor([len(header_bytes)])], _RECEIVER, _TAG_HEADER_LENGTH))
-        works.append(pair.group.send([torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8)], _RECEIVER,
-                                     _TAG_HEADER))
-        for work in works:
-            work.wait()
-        pair.group.recv([torch.empty(1, dtype=torch.int64)], _RECEIVER, _TAG_ACK).wait()
-
-    def _pair_to(self, destination: KVEndpointInfo) -> _Pair:
+    def _pair_to(self, destination: KVEndpointInfo) -> tuple[_SenderPair, bool]:
+        """The pair to ``destination``, and whether it existed already."""
         address = destination.address
         with self._pairs_lock:
-            pair = self._pairs.get(address)
-            if pair is not None:
-                return pair
-            creation_lock = self._pair_locks.setdefault(address, threading.Lock())
+            if self._closed.is_set():
+                raise KVTransferError("The p2p connector is closed.")
+            if address in self._pairs:
+                return self._pairs[address], True
+            creation_lock = self._pair_creation_locks.setdefault(address, threading.Lock())
         with creation_lock:
             with self._pairs_lock:
                 if address in self._pairs:
-                    return self._pairs[address]
+                    return self._pairs[address], True
             pair = self._connect(address)
             with self._pairs_lock:
                 self._pairs[address] = pair
-            return pair
+            return pair, False
 
-    def _connect(self, address: str) -> _Pair:
+    def _connect(self, address: str) -> _SenderPair:
         host, _, port = address.rpartition(":")
         started = time.monotonic()
+        timeout = self.connect_timeout.total_seconds()
         try:
+            # A plain probe first: TCPStore retries a refused connection for 2.5x its timeout, loudly.
+            socket.create_connection((host, int(port)), timeout).close()
             store = dist.TCPStore(host, int(port), None, False, self.connect_timeout)
             index = store.add(_PEERS_KEY, 1) - 1
             store.set(f"splitserve/kv/peer/{index}", self.worker_id)
-            group = dist.ProcessGroupGloo(dist.PrefixStore(f"splitserve/kv/pair/{index}", store), _SENDER, 2,
-                                          self.send_timeout)
+            group = _new_pair_group(store, index, _SENDER, self.connect_timeout, torch.device("cpu"))
+            group._set_default_timeout(self.send_timeout)
         except Exception as error:
-            raise KVTransferError(f"Cannot reach the KV endpoint {address}: {error}") from None
+            raise KVTransferError(f"Cannot reach the KV endpoint {address} within {timeout:g} s: {error}") from None
         logger.info("KV pair %d to %s ready in %.2f s", index, address, time.monotonic() - started)
-        pair = _Pair(group, address)
-        pair.store = store  # keep the client connection alive with the group
-        return pair
+        return _SenderPair(group, store, address)
 
-    def _drop_pair(self, address: str, pair: _Pair) -> None:
+    def _drop_pair(self, pair: _SenderPair) -> None:
         with self._pairs_lock:
-            if self._pairs.get(address) is pair:
-                del self._pairs[address]
+            if self._pairs.get(pair.address) is pair:
+                del self._pairs[pair.address]
+        pair.preparer.shutdown(wait=False)
 
     def close(self) -> None:
+        """Say goodbye on idle sender pairs (their receive threads end), stop the watcher; returns within about
+        a second. Receive threads that wait on a live peer end when it sends or goes away."""
         if self._closed.is_set():
             return
         self._closed.set()
         with self._pairs_lock:
-            self._pairs.clear()
+            pairs, self._pairs = list(self._pairs.values()), {}
+        for pair in pairs:
+            if pair.lock.acquire(timeout=0.5):
+                try:
+                    goodbye = torch.tensor([0, 0, 0, 0, _FLAG_GOODBYE], dtype=torch.int64)
+                    pair.group.send([goodbye], _RECEIVER, _TAG_META).wait(timedelta(seconds=0.5))
+                except Exception:
+                    pass
+                finally:
+                    pair.lock.release()
+            pair.preparer.shutdown(wait=False)
         with self._store_lock:
             self._store = None
+
+
+def _send_on(pair: _SenderPair, header: TransferHeader, source: BlockSource, blocks_per_chunk: int,
+             timeout: timedelta) -> None:
+    """One send on a pair (see the module docstring). Raises _PairBroken when the group fails."""
+    headers = _chunk_headers(header, source, blocks_per_chunk)
+    keep_checksum = len(headers) == 1 and header.checksum is not None
+    # The checksum is fixed32: its value does not change the header's length; 1 stands for any nonzero one.
+    frame_bytes = max(len(dataclasses.replace(chunk, checksum=1).to_bytes()) for chunk in headers)
+    chunk_bytes, last_bytes = headers[0].payload_num_bytes, headers[-1].payload_num_bytes
+    meta = torch.tensor([len(headers), frame_bytes, chunk_bytes, last_bytes, 0], dtype=torch.int64)
+    try:
+        pair.group.send([meta], _RECEIVER, _TAG_META).wait()
+    except Exception as error:
+        raise _PairBroken(error, data_sent=False) from None
+
+    def prepare(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather and checksum chunk ``index`` into staging slot ``index % 2``: (header frame, payload bytes)."""
+        chunk = headers[index]
+        out = pair.staging.get(index % 2, chunk_bytes)
+        data = source.gather(index * blocks_per_chunk, chunk.num_blocks, out).view(-1).view(torch.uint8)
+        if not keep_checksum:
+            chunk.checksum = crc32(memoryview(data.numpy()))
+        frame = pair.staging.get(2 + index % 2, frame_bytes)
+        frame.zero_()
+        encoded = chunk.to_bytes()
+        frame[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        return frame, data
+
+    try:
+        works: list[list] = []
+        prepared = pair.preparer.submit(prepare, 0)
+        for index in range(len(headers)):
+            frame, data = prepared.result()
+            works.append([pair.group.send([frame], _RECEIVER, _TAG_HEADER),
+                          pair.group.send([data], _RECEIVER, _TAG_PAYLOAD)])
+            if index + 1 < len(headers):
+                for work in works[index - 1] if index else ():  # slot (index + 1) % 2 must be on the wire
+                    work.wait()
+                prepared = pair.preparer.submit(prepare, index + 1)
+        for work in works[-1] + (works[-2] if len(works) > 1 else []):
+            work.wait()
+        status = torch.empty(1, dtype=torch.int64)
+        pair.group.recv([status], _RECEIVER, _TAG_ACK).wait(timeout)
+    except Exception as error:
+        raise _PairBroken(error, data_sent=True) from None
+    if int(status) == _ACK_CLOSING:
+        raise _PairBroken(RuntimeError("the receiver is closing"), data_sent=True)
+
+
+def _chunk_headers(header: TransferHeader, source: BlockSource, blocks_per_chunk: int) -> list[TransferHeader]:
+    """The headers of the payloads ``header``'s payload is sent as: runs of ``blocks_per_chunk`` whole blocks."""
+    block_size = header.layout.block_size
+    headers = []
+    for first_block in range(0, max(source.num_blocks, 1), blocks_per_chunk):
+        num_blocks = min(blocks_per_chunk, source.num_blocks - first_block)
+        first_token = first_block * block_size
+        is_last = first_block + num_blocks >= source.num_blocks
+        headers.append(dataclasses.replace(
+            header, first_token_position=header.first_token_position + first_token,
+            num_tokens=min(num_blocks * block_size, header.num_tokens - first_token),
+            payload_num_bytes=num_blocks * source.block_num_bytes, is_last=header.is_last and is_last,
+            first_token_id=header.first_token_id if is_last else None,
+        ))
+    return headers
+
+
+class _PairReceiver:
+    """The decode end of one pair: receives sends in order on its own thread until the pair ends."""
+
+    def __init__(self, connector: P2PConnector, group, peer: str) -> None:
+        self.connector = connector
+        self.group = group
+        self.peer = peer
+        self.ring = torch.empty(0, dtype=torch.uint8)  # receive_slots chunks, reused
+        self.frames = torch.empty(0, dtype=torch.uint8)
+        self.open_transfers: set[str] = set()  # seen on this pair, last payload not yet
+        self.in_send = False  # between a META and the last chunk of its send
+
+    def run(self) -> None:
+        connector = self.connector
+        meta = torch.empty(5, dtype=torch.int64)
+        meta_work = self.group.recv([meta], _SENDER, _TAG_META)
+        while True:
+            try:
+                meta_work.wait()  # idle: as long as the peer lives
+                num_chunks, frame_bytes, chunk_bytes, last_bytes, flags = (int(value) for value in meta)
+                if flags & _FLAG_GOODBYE:
+                    logger.info("KV pair with %s closed by the peer", self.peer)
+                    return
+                next_meta = torch.empty(5, dtype=torch.int64)
+                meta_work = self.group.recv([next_meta], _SENDER, _TAG_META)  # posted ahead: no bubble
+                self.in_send = True
+                self._receive_send(num_chunks, frame_bytes, chunk_bytes, last_bytes)
+                self.in_send = False
+                meta = next_meta
+            except Exception as error:
+                if not self.open_transfers and not self.in_send:
+                    logger.info("KV pair with %s closed by the peer", self.peer)
+                else:
+                    logger.warning("KV pair with %s broke: %s", self.peer, error)
+                    if not connector._closed.is_set():
+                        connector._report_broken(self.peer, self.open_transfers, error)
+                return
+            if connector._closed.is_set():
+                return
+
+    def _receive_send(self, num_chunks: int, frame_bytes: int, chunk_bytes: int, last_bytes: int) -> None:
+        """Receive one send's chunks through the ring, delivering each as it lands; acknowledge the last."""
+        num_slots = min(self.connector.receive_slots, num_chunks)
+        if self.ring.numel() < num_slots * chunk_bytes:
+            self.ring = torch.empty(num_slots * chunk_bytes, dtype=torch.uint8)
+        if self.frames.numel() < num_slots * frame_bytes:
+            self.frames = torch.empty(num_slots * frame_bytes, dtype=torch.uint8)
+
+        def post(index: int):
+            slot = index % num_slots
+            size = last_bytes if index == num_chunks - 1 else chunk_bytes
+            frame = self.frames[slot * frame_bytes : (slot + 1) * frame_bytes]
+            data = self.ring[slot * chunk_bytes : slot * chunk_bytes + size]
+            return (frame, self.group.recv([frame], _SENDER, _TAG_HEADER),
+                    data, self.group.recv([data], _SENDER, _TAG_PAYLOAD))
+
+        posted = [post(index) for index in range(num_slots)]
+        timeout = self.connector.receive_timeout
+        for index in range(num_chunks):
+            frame, frame_work, data, data_work = posted[index % num_slots]
+            frame_work.wait(timeout)
+            header = self._parse_frame(frame)
+            if header is not None:
+                self.open_transfers.add(header.transfer_id)
+            data_work.wait(timeout)
+            if index == num_chunks - 1:
+                closing = self.connector._closed.is_set()
+                status = torch.tensor([_ACK_CLOSING if closing else _ACK_OK], dtype=torch.int64)
+                self.group.send([status], _SENDER, _TAG_ACK).wait(timeout)
+            if header is not None:
+                if header.is_last:
+                    self.open_transfers.discard(header.transfer_id)
+                self.connector._deliver(header, data)
+            if index + num_slots < num_chunks:  # the slot is free again: post a later chunk into it
+                posted[index % num_slots] = post(index + num_slots)
+
+    def _parse_frame(self, frame: torch.Tensor) -> TransferHeader | None:
+        """The header in a frame, or None after reporting why it is unreadable (its payload is dropped)."""
+        data = frame.numpy().tobytes()
+        try:
+            (length,) = struct.unpack_from("<I", data)
+            if 4 + length > len(data):
+                raise KVTransferError(f"A KV header frame of {len(data)} bytes says {length} header bytes follow.")
+            return TransferHeader.from_bytes(data[: 4 + length])
+        except KVTransferError as error:
+            transfer_id = getattr(error, "transfer_id", None)
+            if transfer_id is None or transfer_id not in self.connector._dropped:
+                if transfer_id is not None:
+                    self.connector._dropped.add(transfer_id)
+                self.connector._on_error(transfer_id, error)
+            return None

@@ -50,6 +50,9 @@ class TransferSender:
         self.num_queued_tokens = 0
         self.num_sent_blocks = 0
         self.num_sent_bytes = 0
+        # Engine payloads handed to the connector (one per step that completed blocks; the connector
+        # may split each into smaller wire payloads).
+        self.num_sends = 0
         self.error: Exception | None = None
         self.finished = threading.Event()
         self.cancelled = False
@@ -91,6 +94,7 @@ class TransferSender:
                 self.connector.send(self.destination, header, payload)
                 self.num_sent_blocks += len(plan.block_ids)
                 self.num_sent_bytes += header.payload_num_bytes
+                self.num_sends += 1
                 if plan.is_last:
                     self.last_handed_over = time.monotonic()
                     return

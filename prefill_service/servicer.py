@@ -117,6 +117,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 raise Unavailable(f"Cannot send the prompt's KV to {request.destination.address}: {reason}")
             self._release(request_id)
             runtime.counters.add(num_kv_transfers_sent=1, num_kv_bytes=sender.num_sent_bytes)
+            logger.info("Request %s: KV of %d prompt tokens sent in %d sends as steps completed them (%.1f MB)",
+                        request_id, sender.num_queued_tokens, sender.num_sends, sender.num_sent_bytes / 1e6)
             completed = True
         finally:
             if not completed:  # any failure: no more KV goes out, and the blocks are freed

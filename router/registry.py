@@ -2,8 +2,12 @@
 
 Workers started with ``--router`` register and heartbeat (a lease); workers
 named on the router's command line are static (no lease; the router polls
-them). Thread-safe: gRPC threads call it concurrently. No gRPC or torch here:
-the servicer converts messages at its edge.
+them). Thread-safe: gRPC threads call it concurrently, under one lock. No gRPC
+or torch here: the servicer converts messages at its edge, and the enums'
+values equal the proto numbers, so ``WorkerRole(pb_value)`` converts.
+
+Readers get snapshot copies (``Worker`` with its own ``WorkerLoad``); the
+opaque ``kv_endpoint`` and ``capacity`` are shared, never mutated here.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, Callable
 
 
 class WorkerRole(enum.Enum):
-    """Values equal the proto's WorkerRole numbers."""
+    """What a worker does; values equal the proto's WorkerRole numbers."""
 
     PREFILL = 1
     DECODE = 2
@@ -27,12 +31,16 @@ class WorkerRole(enum.Enum):
 
 
 class WorkerState(enum.Enum):
-    """Values equal the proto's WorkerState numbers."""
+    """Where a worker is in its life; values equal the proto's WorkerState numbers."""
 
     STARTING = 1
     SERVING = 2
     DRAINING = 3
     UNREACHABLE = 4
+
+
+# Prefix of the ids the registry assigns: decode-1, prefill-2, worker-3.
+_ID_PREFIXES = {WorkerRole.PREFILL: "prefill", WorkerRole.DECODE: "decode", WorkerRole.BOTH: "worker"}
 
 
 class RegistryError(Exception):
@@ -41,6 +49,10 @@ class RegistryError(Exception):
 
 class InvalidRegistration(RegistryError, ValueError):
     """A registration with a missing or bad field (INVALID_ARGUMENT)."""
+
+
+class WorkerIdInUse(InvalidRegistration):
+    """The requested worker id belongs to a live worker at another address (ALREADY_EXISTS)."""
 
 
 class FingerprintMismatch(RegistryError):
@@ -57,6 +69,8 @@ class UnknownWorker(RegistryError):
 
 @dataclass
 class WorkerLoad:
+    """A worker's load at its last report (the proto's WorkerLoad)."""
+
     num_running_requests: int = 0
     num_waiting_requests: int = 0
     num_waiting_for_remote_kvs_requests: int = 0
@@ -74,26 +88,29 @@ class WorkerLoad:
 
 @dataclass
 class Worker:
-    """One worker as the router sees it (``pools()`` and ``routable()`` hand out copies)."""
+    """One worker as the router sees it (the proto's WorkerStatus plus what Register told)."""
 
     worker_id: str
     role: WorkerRole
-    address: str
-    kv_endpoint: Any = None
-    capacity: Any = None
+    address: str  # host:port of its gRPC server
+    kv_endpoint: Any = None  # opaque (a KVEndpoint message); None for colocated workers
+    capacity: Any = None  # opaque (a WorkerCapacity message)
     model_fingerprint: str = ""
     state: WorkerState = WorkerState.SERVING
     load: WorkerLoad = field(default_factory=WorkerLoad)
-    lease_id: str | None = None
-    registered_at: float = 0.0
-    last_heard: float = 0.0
+    lease_id: str | None = None  # None for static workers
+    registered_at: float = 0.0  # clock seconds
+    last_heard: float = 0.0  # clock seconds of the last heartbeat or successful poll
     is_static: bool = False
-    # Requests the router has outstanding on this worker right now.
-    num_in_flight: int = 0
+    num_in_flight: int = 0  # requests the router has outstanding on it right now
 
     @property
     def is_routable(self) -> bool:
         return self.state == WorkerState.SERVING
+
+
+def _snapshot(worker: Worker) -> Worker:
+    return dataclasses.replace(worker, load=dataclasses.replace(worker.load))
 
 
 class WorkerRegistry:
@@ -104,7 +121,8 @@ class WorkerRegistry:
         heartbeat_interval_seconds: how often workers are asked to heartbeat.
         unreachable_after_seconds: silence after which a worker is not routed to
             (default: two heartbeat intervals).
-        model_fingerprint: the weights every worker must serve (None: the first worker's).
+        model_fingerprint: the weights every worker must serve (None: those of the
+            workers already registered; an empty registry accepts any).
         clock: monotonic seconds (injectable for tests).
     """
 
@@ -116,63 +134,97 @@ class WorkerRegistry:
         model_fingerprint: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not lease_duration_seconds > 0 or not heartbeat_interval_seconds > 0:
+            raise ValueError("lease_duration_seconds and heartbeat_interval_seconds must be > 0.")
         self.lease_duration_seconds = lease_duration_seconds
         self.heartbeat_interval_seconds = heartbeat_interval_seconds
         self.unreachable_after_seconds = (
             unreachable_after_seconds if unreachable_after_seconds is not None else 2 * heartbeat_interval_seconds
         )
-        self.model_fingerprint = model_fingerprint
+        self._fixed_fingerprint = model_fingerprint
         self._clock = clock
         self._workers: dict[str, Worker] = {}  # insertion order = registration order
         self._leases: dict[str, str] = {}  # lease id -> worker id
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
+    @property
+    def model_fingerprint(self) -> str | None:
+        """The fingerprint workers must match now (None: any)."""
+        with self._lock:
+            return self._cluster_fingerprint(excluding=None)
+
     # ---- joining and leaving ----------------------------------------------------------
 
     def register(self, role: WorkerRole, address: str, kv_endpoint: Any = None, capacity: Any = None,
                  model_fingerprint: str = "", state: WorkerState = WorkerState.SERVING, worker_id: str = "") -> Worker:
-        """Add a worker with a new lease; one registered before from the same address is replaced.
+        """Add a worker with a new lease and return a copy of it.
+
+        A worker registered before from the same ``address`` is replaced (a
+        restarted worker; its old lease dies; its in-flight count carries over
+        when the id is the same). A ``worker_id`` held at another address by a
+        worker silent for ``unreachable_after_seconds`` is taken over. Empty
+        ``worker_id``: one is assigned (``decode-1``, ``prefill-2``, ``worker-3``).
+
+        Raises:
+            InvalidRegistration: no address, a bad role or state.
+            WorkerIdInUse: ``worker_id`` belongs to a live worker at another address.
+            FingerprintMismatch: it serves other weights than the cluster.
+        """
+        _validate(role, address)
+        if not isinstance(state, WorkerState) or state == WorkerState.UNREACHABLE:
+            raise InvalidRegistration(f"A worker registers as STARTING, SERVING or DRAINING, not {state!r}.")
+        with self._lock:
+            previous = self._by_address(address)
+            self._check_fingerprint(address, model_fingerprint, excluding=previous)
+            holder = self._workers.get(worker_id) if worker_id else None
+            if holder is not None and holder is not previous:
+                if not self._is_silent(holder):
+                    raise WorkerIdInUse(
+                        f"Worker id {worker_id!r} is in use by the live worker at {holder.address}: give this "
+                        "worker another --worker-id, or stop that one first."
+                    )
+                self._remove(holder)
+            num_in_flight = 0
+            if previous is not None:
+                self._remove(previous)
+                if previous.worker_id == worker_id:
+                    num_in_flight = previous.num_in_flight
+            now = self._clock()
+            worker = Worker(worker_id or self._new_id(role), role, address, kv_endpoint, capacity,
+                            model_fingerprint, state, lease_id=uuid.uuid4().hex, registered_at=now,
+                            last_heard=now, num_in_flight=num_in_flight)
+            self._workers[worker.worker_id] = worker
+            self._leases[worker.lease_id] = worker.worker_id
+            return _snapshot(worker)
+
+    def add_static(self, role: WorkerRole, address: str, worker_id: str | None = None, kv_endpoint: Any = None,
+                   capacity: Any = None, model_fingerprint: str = "") -> Worker:
+        """Add a worker named on the router's command line: no lease, never expires (polled instead).
+
+        Idempotent per address: if a worker (static or registered) is already at
+        ``address``, nothing changes and a copy of it is returned. A ``worker_id``
+        already taken gets a numeric suffix.
 
         Raises:
             InvalidRegistration: no address or a bad role.
             FingerprintMismatch: it serves other weights than the cluster.
         """
-        if not isinstance(role, WorkerRole):
-            raise InvalidRegistration(f"role must be a WorkerRole, got {role!r}.")
-        if not address:
-            raise InvalidRegistration("address is required: the host:port the router can reach the worker at.")
+        _validate(role, address)
         with self._lock:
-            self._check_fingerprint(model_fingerprint)
-            previous = self._by_address(address)
-            if previous is not None:
-                self._remove(previous)
-            worker_id = worker_id or f"{role.name.lower()}-{next(self._ids)}"
-            if worker_id in self._workers:
-                raise InvalidRegistration(f"Worker id {worker_id!r} is already registered from another address.")
-            now = self._clock()
-            worker = Worker(worker_id, role, address, kv_endpoint, capacity, model_fingerprint, state,
-                            lease_id=uuid.uuid4().hex, registered_at=now, last_heard=now)
-            self._workers[worker_id] = worker
-            self._leases[worker.lease_id] = worker_id
-            return dataclasses.replace(worker)
-
-    def add_static(self, role: WorkerRole, address: str, worker_id: str | None = None, kv_endpoint: Any = None,
-                   capacity: Any = None, model_fingerprint: str = "") -> Worker:
-        """Add a worker named on the router's command line: no lease, never expires (polled instead)."""
-        with self._lock:
-            self._check_fingerprint(model_fingerprint)
-            previous = self._by_address(address)
-            if previous is not None:
-                self._remove(previous)
-            worker_id = worker_id or f"{role.name.lower()}-{next(self._ids)}"
-            if worker_id in self._workers:
+            existing = self._by_address(address)
+            if existing is not None:
+                return _snapshot(existing)
+            self._check_fingerprint(address, model_fingerprint, excluding=None)
+            if not worker_id:
+                worker_id = self._new_id(role)
+            elif worker_id in self._workers:
                 worker_id = f"{worker_id}-{next(self._ids)}"
             now = self._clock()
             worker = Worker(worker_id, role, address, kv_endpoint, capacity, model_fingerprint,
                             registered_at=now, last_heard=now, is_static=True)
             self._workers[worker_id] = worker
-            return dataclasses.replace(worker)
+            return _snapshot(worker)
 
     def deregister(self, lease_id: str) -> None:
         """Remove the worker holding ``lease_id`` at once. Raises UnknownLease."""
@@ -180,7 +232,11 @@ class WorkerRegistry:
             self._remove(self._by_lease(lease_id))
 
     def drain(self, worker_id: str) -> int:
-        """Route no new requests to the worker (sticky); returns its requests in flight. Raises UnknownWorker."""
+        """Mark the worker DRAINING (sticky: no heartbeat undoes it); returns its requests in flight.
+
+        Raises:
+            UnknownWorker: no worker with this id.
+        """
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is None:
@@ -191,34 +247,47 @@ class WorkerRegistry:
     # ---- liveness -----------------------------------------------------------------------
 
     def heartbeat(self, lease_id: str, load: WorkerLoad, state: WorkerState) -> tuple[WorkerState, float]:
-        """Renew a lease and record the load. A DRAINING worker stays draining; an UNREACHABLE one serves again.
+        """Renew a lease: record the load, the time and the worker's own state.
+
+        DRAINING, once held, stays; an UNREACHABLE worker becomes SERVING (or the
+        state it reports).
 
         Returns:
             (the state the router holds for the worker, lease seconds from now).
         Raises:
-            UnknownLease: unknown or expired lease.
+            UnknownLease: unknown lease, or expired (the worker is removed then).
         """
         with self._lock:
             worker = self._by_lease(lease_id)
+            if self._clock() - worker.last_heard >= self.lease_duration_seconds:
+                self._remove(worker)
+                raise UnknownLease(f"Lease {lease_id!r} expired: register again.")
             self._heard(worker, load, state)
             return worker.state, self.lease_duration_seconds
 
     def update_static(self, worker_id: str, load: WorkerLoad, state: WorkerState) -> None:
-        """Record a static worker's polled status."""
+        """Record a worker's polled status as a heartbeat would (no-op for an unknown id)."""
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is not None:
                 self._heard(worker, load, state)
 
     def mark_unreachable(self, worker_id: str) -> None:
-        """A call to the worker failed with UNAVAILABLE: stop routing to it until it is heard from again."""
+        """A call or poll failed: route nothing to the worker until it is heard from again.
+
+        A DRAINING worker stays DRAINING; an unknown id is a no-op.
+        """
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is not None and worker.state != WorkerState.DRAINING:
                 worker.state = WorkerState.UNREACHABLE
 
     def expire(self) -> list[Worker]:
-        """Mark silent workers UNREACHABLE and remove those past their lease; returns the removed."""
+        """Apply silence to registered (not static) workers; returns copies of those removed.
+
+        Silent for ``unreachable_after_seconds`` or more: SERVING -> UNREACHABLE.
+        Silent for ``lease_duration_seconds`` or more: removed, lease dead.
+        """
         removed = []
         with self._lock:
             now = self._clock()
@@ -228,7 +297,7 @@ class WorkerRegistry:
                 silence = now - worker.last_heard
                 if silence >= self.lease_duration_seconds:
                     self._remove(worker)
-                    removed.append(dataclasses.replace(worker))
+                    removed.append(_snapshot(worker))
                 elif silence >= self.unreachable_after_seconds and worker.state == WorkerState.SERVING:
                     worker.state = WorkerState.UNREACHABLE
         return removed
@@ -236,29 +305,37 @@ class WorkerRegistry:
     # ---- reading ------------------------------------------------------------------------
 
     def routable(self, role: WorkerRole) -> list[Worker]:
-        """SERVING workers of ``role``, in registration order (copies)."""
+        """Runs ``expire()``, then returns copies of the SERVING workers of ``role``, in registration order."""
         self.expire()
         with self._lock:
-            return [dataclasses.replace(w) for w in self._workers.values() if w.role == role and w.is_routable]
+            return [_snapshot(w) for w in self._workers.values() if w.role == role and w.is_routable]
 
     def get(self, worker_id: str) -> Worker | None:
+        """A copy of the worker, None if unknown."""
         with self._lock:
             worker = self._workers.get(worker_id)
-            return dataclasses.replace(worker) if worker is not None else None
+            return _snapshot(worker) if worker is not None else None
+
+    def by_address(self, address: str) -> Worker | None:
+        """A copy of the worker at ``address``, None if none."""
+        with self._lock:
+            worker = self._by_address(address)
+            return _snapshot(worker) if worker is not None else None
 
     def pools(self) -> dict[WorkerRole, list[Worker]]:
-        """Every worker by role, in registration order (copies)."""
+        """Copies of every worker by role (every role a key), in registration order."""
         with self._lock:
-            return {role: [dataclasses.replace(w) for w in self._workers.values() if w.role == role]
-                    for role in WorkerRole}
+            return {role: [_snapshot(w) for w in self._workers.values() if w.role == role] for role in WorkerRole}
 
     def begin_request(self, worker_id: str) -> None:
+        """Count one more request in flight on the worker (no-op for an unknown id)."""
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is not None:
                 worker.num_in_flight += 1
 
     def end_request(self, worker_id: str) -> None:
+        """Count one request fewer in flight (no-op for a removed worker; never below 0)."""
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is not None and worker.num_in_flight > 0:
@@ -268,19 +345,36 @@ class WorkerRegistry:
 
     def _heard(self, worker: Worker, load: WorkerLoad, state: WorkerState) -> None:
         worker.last_heard = self._clock()
-        worker.load = load
+        worker.load = dataclasses.replace(load)
         if worker.state == WorkerState.DRAINING:
             return
         worker.state = WorkerState.SERVING if state == WorkerState.UNREACHABLE else state
 
-    def _check_fingerprint(self, fingerprint: str) -> None:
-        if self.model_fingerprint is None:
-            self.model_fingerprint = fingerprint
-        elif fingerprint and fingerprint != self.model_fingerprint:
+    def _is_silent(self, worker: Worker) -> bool:
+        if worker.state == WorkerState.UNREACHABLE:
+            return True
+        return not worker.is_static and self._clock() - worker.last_heard >= self.unreachable_after_seconds
+
+    def _cluster_fingerprint(self, excluding: Worker | None) -> str | None:
+        if self._fixed_fingerprint is not None:
+            return self._fixed_fingerprint
+        return next((w.model_fingerprint for w in self._workers.values()
+                     if w.model_fingerprint and w is not excluding), None)
+
+    def _check_fingerprint(self, address: str, fingerprint: str, excluding: Worker | None) -> None:
+        """An empty fingerprint is not checked (the worker did not say)."""
+        cluster = self._cluster_fingerprint(excluding)
+        if fingerprint and cluster and fingerprint != cluster:
             raise FingerprintMismatch(
-                f"The worker serves model {fingerprint}, but this cluster serves {self.model_fingerprint}: "
-                "start it with the same --model and --dtype as the router."
+                f"The worker at {address} serves model {fingerprint}, but this cluster serves {cluster}: "
+                "start it with the same --model and --dtype as the rest of the cluster."
             )
+
+    def _new_id(self, role: WorkerRole) -> str:
+        while True:
+            worker_id = f"{_ID_PREFIXES[role]}-{next(self._ids)}"
+            if worker_id not in self._workers:
+                return worker_id
 
     def _by_address(self, address: str) -> Worker | None:
         return next((w for w in self._workers.values() if w.address == address), None)
@@ -295,3 +389,10 @@ class WorkerRegistry:
         self._workers.pop(worker.worker_id, None)
         if worker.lease_id:
             self._leases.pop(worker.lease_id, None)
+
+
+def _validate(role: Any, address: Any) -> None:
+    if not isinstance(role, WorkerRole):
+        raise InvalidRegistration(f"role must be a WorkerRole (PREFILL, DECODE or BOTH), got {role!r}.")
+    if not address or not isinstance(address, str):
+        raise InvalidRegistration("address is required: the host:port the router can reach the worker at.")

@@ -67,8 +67,10 @@ def test_disaggregated_greedy_is_token_identical_to_transformers(cluster, client
     log = decode_worker(cluster).log()
     assert log.count("WAITING_FOR_REMOTE_KVS -> WAITING") >= len(prompt_token_ids)
     assert "received through the connector" in log
-    # The 1,111-token prompt was prefilled in 512-token chunks, each chunk's KV sent as it was computed.
-    assert "KV of 1111 tokens received through the connector (3 payloads" in log
+    # The 1,111-token prompt was prefilled in 512-token chunks, each chunk's KV sent as it was computed
+    # (the connector splits each send into wire payloads of a few MB).
+    assert "KV of 1111 prompt tokens sent in 3 sends" in prefill_worker(cluster).log()
+    assert "KV of 1111 tokens received through the connector (" in log
     wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")
 
 

@@ -1,19 +1,20 @@
-"""The router's worker registry and routing policies, with an injected clock (no sleeps)."""
+"""The router's worker registry, with an injected clock (no sleeps)."""
 
 from __future__ import annotations
 
-import collections
-import random
 import threading
 
 import pytest
 
-from splitserve.router.policies import LeastLoaded, NoWorkerAvailable, PrefixAware, RoundRobin, make_policy
 from splitserve.router.registry import (FingerprintMismatch, InvalidRegistration, UnknownLease, UnknownWorker,
-                                        WorkerLoad, WorkerRegistry, WorkerRole, WorkerState)
+                                        Worker, WorkerIdInUse, WorkerLoad, WorkerRegistry, WorkerRole, WorkerState)
+
+PREFILL, DECODE, BOTH = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.BOTH
+SERVING, DRAINING, STARTING, UNREACHABLE = (WorkerState.SERVING, WorkerState.DRAINING, WorkerState.STARTING,
+                                            WorkerState.UNREACHABLE)
 
 
-class Clock:
+class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0
 
@@ -23,120 +24,266 @@ class Clock:
 
 @pytest.fixture
 def clock():
-    return Clock()
+    return FakeClock()
 
 
 @pytest.fixture
 def registry(clock):
+    # Unreachable after 2 s of silence (two heartbeat intervals), removed after 10 s.
     return WorkerRegistry(lease_duration_seconds=10, heartbeat_interval_seconds=1, model_fingerprint="m", clock=clock)
 
 
-def ids(workers) -> list[str]:
+def ids(workers: list[Worker]) -> list[str]:
     return [worker.worker_id for worker in workers]
 
 
+def beat(registry: WorkerRegistry, worker: Worker, state: WorkerState = SERVING, **load) -> WorkerState:
+    return registry.heartbeat(worker.lease_id, WorkerLoad(**load), state)[0]
+
+
+def test_enums_carry_the_proto_numbers():
+    assert [(r.name, r.value) for r in WorkerRole] == [("PREFILL", 1), ("DECODE", 2), ("BOTH", 3)]
+    assert [(s.name, s.value) for s in WorkerState] == [("STARTING", 1), ("SERVING", 2), ("DRAINING", 3),
+                                                        ("UNREACHABLE", 4)]
+
+
+def test_kv_block_usage():
+    assert WorkerLoad().kv_block_usage == 0.0
+    assert WorkerLoad(num_total_kv_blocks=8, num_free_kv_blocks=2).kv_block_usage == 0.75
+
+
 def test_register_assigns_ids_and_routes_in_registration_order(registry):
-    a = registry.register(WorkerRole.DECODE, "h:1", model_fingerprint="m")
-    b = registry.register(WorkerRole.DECODE, "h:2", model_fingerprint="m", worker_id="mine")
-    p = registry.register(WorkerRole.PREFILL, "h:3", model_fingerprint="m")
-    assert (a.worker_id, b.worker_id, p.worker_id) == ("decode-1", "mine", "prefill-2")
-    assert ids(registry.routable(WorkerRole.DECODE)) == ["decode-1", "mine"]
-    assert ids(registry.routable(WorkerRole.PREFILL)) == ["prefill-2"]
-    assert a.lease_id and a.lease_id != b.lease_id
+    a = registry.register(DECODE, "h:1", model_fingerprint="m")
+    b = registry.register(DECODE, "h:2", worker_id="mine")
+    p = registry.register(PREFILL, "h:3")
+    c = registry.register(BOTH, "h:4")
+    assert ids([a, b, p, c]) == ["decode-1", "mine", "prefill-2", "worker-3"]
+    assert ids(registry.routable(DECODE)) == ["decode-1", "mine"]
+    assert ids(registry.routable(PREFILL)) == ["prefill-2"]
+    assert ids(registry.routable(BOTH)) == ["worker-3"]
+    assert len({a.lease_id, b.lease_id, p.lease_id, c.lease_id}) == 4
+    assert (a.registered_at, a.last_heard, a.is_static, a.num_in_flight) == (100.0, 100.0, False, 0)
+
+
+def test_assigned_ids_skip_ids_taken_by_name(registry):
+    registry.register(DECODE, "h:1", worker_id="decode-1")
+    assert registry.register(DECODE, "h:2").worker_id == "decode-2"
 
 
 def test_bad_registrations_are_refused_with_a_sentence(registry):
-    with pytest.raises(InvalidRegistration, match="address is required"):
-        registry.register(WorkerRole.DECODE, "")
-    with pytest.raises(InvalidRegistration, match="WorkerRole"):
+    with pytest.raises(InvalidRegistration, match="address is required: the host:port"):
+        registry.register(DECODE, "")
+    with pytest.raises(InvalidRegistration, match="role must be a WorkerRole"):
         registry.register(2, "h:1")
-    with pytest.raises(FingerprintMismatch, match="serves model other, but this cluster serves m"):
-        registry.register(WorkerRole.DECODE, "h:1", model_fingerprint="other")
+    with pytest.raises(InvalidRegistration, match="registers as STARTING, SERVING or DRAINING"):
+        registry.register(DECODE, "h:1", state=UNREACHABLE)
+    assert isinstance(InvalidRegistration("x"), ValueError)
+    assert registry.pools() == {PREFILL: [], DECODE: [], BOTH: []}
 
 
-def test_first_worker_fixes_the_fingerprint_when_none_is_given(clock):
+def test_fingerprint_mismatch_is_refused_with_the_sentence(registry):
+    with pytest.raises(FingerprintMismatch) as refused:
+        registry.register(DECODE, "h:1", model_fingerprint="other")
+    assert str(refused.value) == ("The worker at h:1 serves model other, but this cluster serves m: "
+                                  "start it with the same --model and --dtype as the rest of the cluster.")
+    assert registry.by_address("h:1") is None
+
+
+def test_without_a_fixed_fingerprint_the_registered_workers_set_it(clock):
     registry = WorkerRegistry(clock=clock)
-    registry.register(WorkerRole.DECODE, "h:1", model_fingerprint="x")
-    with pytest.raises(FingerprintMismatch):
-        registry.register(WorkerRole.PREFILL, "h:2", model_fingerprint="y")
+    assert registry.model_fingerprint is None
+    first = registry.register(DECODE, "h:1", model_fingerprint="x")
+    with pytest.raises(FingerprintMismatch, match="serves model y, but this cluster serves x"):
+        registry.register(PREFILL, "h:2", model_fingerprint="y")
+    # The only worker restarting with other weights is the cluster now.
+    registry.register(DECODE, "h:1", model_fingerprint="y")
+    assert registry.model_fingerprint == "y"
+    registry.deregister(registry.by_address("h:1").lease_id)
+    assert registry.model_fingerprint is None
+    assert registry.register(PREFILL, "h:2", model_fingerprint="z").model_fingerprint == "z"
+    assert first.lease_id != registry.by_address("h:2").lease_id
 
 
 def test_lease_expiry_removes_exactly_the_silent_worker(registry, clock):
-    quiet = registry.register(WorkerRole.DECODE, "h:1", model_fingerprint="m")
-    busy = registry.register(WorkerRole.DECODE, "h:2", model_fingerprint="m")
-    for _ in range(12):
-        clock.now += 1
-        registry.heartbeat(busy.lease_id, WorkerLoad(num_running_requests=1), WorkerState.SERVING)
-        removed = registry.expire()
-        if clock.now - 100 < 2:
-            assert registry.get(quiet.worker_id).state == WorkerState.SERVING
-        elif clock.now - 100 < 10:
-            # Silent for two heartbeat intervals: not routed to, but still listed.
-            assert registry.get(quiet.worker_id).state == WorkerState.UNREACHABLE
-            assert ids(registry.routable(WorkerRole.DECODE)) == [busy.worker_id]
-        if clock.now - 100 == 10:
-            assert ids(removed) == [quiet.worker_id]
-    assert registry.get(quiet.worker_id) is None
-    assert registry.get(busy.worker_id).load.num_running_requests == 1
-    with pytest.raises(UnknownLease, match="register again"):
-        registry.heartbeat(quiet.lease_id, WorkerLoad(), WorkerState.SERVING)
+    quiet = registry.register(DECODE, "h:1")
+    busy = registry.register(DECODE, "h:2")
+    states, removed_at = [], {}
+    for second in range(1, 13):
+        clock.now = 100 + second
+        beat(registry, busy, num_running_requests=second)
+        for worker in registry.expire():
+            removed_at[worker.worker_id] = second
+        current = registry.get(quiet.worker_id)
+        states.append(current.state if current else None)
+        assert ids(registry.routable(DECODE)) == ([busy.worker_id] if second >= 2 else ["decode-1", "decode-2"])
+    assert states == [SERVING] + [UNREACHABLE] * 8 + [None] * 3
+    assert removed_at == {quiet.worker_id: 10}
+    assert registry.get(busy.worker_id).load.num_running_requests == 12
+    with pytest.raises(UnknownLease, match="unknown or expired: register again"):
+        beat(registry, quiet)
 
 
-def test_unreachable_worker_serves_again_after_a_heartbeat(registry, clock):
-    worker = registry.register(WorkerRole.PREFILL, "h:1", model_fingerprint="m")
+def test_a_heartbeat_after_the_lease_ran_out_is_refused_even_before_expire(registry, clock):
+    worker = registry.register(PREFILL, "h:1")
+    clock.now += 9.99
+    beat(registry, worker)
+    clock.now += 10
+    with pytest.raises(UnknownLease, match="expired"):
+        beat(registry, worker)
+    assert registry.get(worker.worker_id) is None
+
+
+def test_an_unreachable_worker_serves_again_after_a_heartbeat(registry, clock):
+    worker = registry.register(PREFILL, "h:1")
+    clock.now += 3
+    assert registry.routable(PREFILL) == []
+    assert registry.get(worker.worker_id).state == UNREACHABLE
+    assert registry.heartbeat(worker.lease_id, WorkerLoad(), SERVING) == (SERVING, 10)
+    assert ids(registry.routable(PREFILL)) == [worker.worker_id]
+    # A failed call marks it too, until its next heartbeat.
     registry.mark_unreachable(worker.worker_id)
-    assert registry.routable(WorkerRole.PREFILL) == []
-    state, lease = registry.heartbeat(worker.lease_id, WorkerLoad(), WorkerState.SERVING)
-    assert (state, lease) == (WorkerState.SERVING, 10)
-    assert ids(registry.routable(WorkerRole.PREFILL)) == [worker.worker_id]
+    assert registry.routable(PREFILL) == []
+    assert beat(registry, worker, state=UNREACHABLE) == SERVING
+    assert ids(registry.routable(PREFILL)) == [worker.worker_id]
 
 
 def test_drain_sticks_and_stops_routing(registry):
-    worker = registry.register(WorkerRole.DECODE, "h:1", model_fingerprint="m")
+    worker = registry.register(DECODE, "h:1")
     registry.begin_request(worker.worker_id)
     registry.begin_request(worker.worker_id)
     assert registry.drain(worker.worker_id) == 2
-    state, _ = registry.heartbeat(worker.lease_id, WorkerLoad(), WorkerState.SERVING)
-    assert state == WorkerState.DRAINING
-    assert registry.routable(WorkerRole.DECODE) == []
-    registry.end_request(worker.worker_id)
-    assert registry.get(worker.worker_id).num_in_flight == 1
-    with pytest.raises(UnknownWorker):
+    assert beat(registry, worker, state=SERVING) == DRAINING
+    registry.mark_unreachable(worker.worker_id)
+    assert registry.get(worker.worker_id).state == DRAINING
+    assert registry.routable(DECODE) == []
+    with pytest.raises(UnknownWorker, match="No worker 'nobody'"):
         registry.drain("nobody")
 
 
+def test_a_worker_that_says_it_drains_stays_draining(registry):
+    worker = registry.register(DECODE, "h:1")
+    assert beat(registry, worker, state=DRAINING) == DRAINING
+    assert beat(registry, worker, state=SERVING) == DRAINING
+    assert registry.routable(DECODE) == []
+
+
+def test_a_starting_worker_is_routed_to_once_it_says_serving(registry):
+    worker = registry.register(PREFILL, "h:1", state=STARTING)
+    assert registry.routable(PREFILL) == []
+    assert beat(registry, worker, state=SERVING) == SERVING
+    assert ids(registry.routable(PREFILL)) == [worker.worker_id]
+
+
 def test_registering_again_from_the_same_address_replaces(registry):
-    old = registry.register(WorkerRole.DECODE, "h:1", model_fingerprint="m", worker_id="d")
-    new = registry.register(WorkerRole.DECODE, "h:1", model_fingerprint="m", worker_id="d")
-    assert ids(registry.pools()[WorkerRole.DECODE]) == ["d"]
+    old = registry.register(DECODE, "h:1", worker_id="d")
+    registry.begin_request("d")
+    new = registry.register(DECODE, "h:1", worker_id="d", kv_endpoint="kv-2")
+    assert ids(registry.pools()[DECODE]) == ["d"]
+    assert registry.get("d").kv_endpoint == "kv-2"
+    assert registry.get("d").num_in_flight == 1  # the old calls still end through end_request("d")
     with pytest.raises(UnknownLease):
-        registry.heartbeat(old.lease_id, WorkerLoad(), WorkerState.SERVING)
-    registry.heartbeat(new.lease_id, WorkerLoad(), WorkerState.SERVING)
-    registry.deregister(new.lease_id)
-    assert registry.pools()[WorkerRole.DECODE] == []
+        beat(registry, old)
+    beat(registry, new)
+    # Under an assigned id the old id is gone, and its calls' ends are no-ops.
+    renamed = registry.register(DECODE, "h:1")
+    assert ids(registry.pools()[DECODE]) == [renamed.worker_id] and renamed.num_in_flight == 0
+    registry.deregister(renamed.lease_id)
+    assert registry.pools()[DECODE] == []
+    with pytest.raises(UnknownLease):
+        registry.deregister(renamed.lease_id)
 
 
-def test_static_workers_never_expire(registry, clock):
-    static = registry.add_static(WorkerRole.BOTH, "h:9", model_fingerprint="m")
+def test_a_worker_id_held_by_a_live_worker_elsewhere_is_refused(registry, clock):
+    registry.register(PREFILL, "h:1", worker_id="p")
+    with pytest.raises(WorkerIdInUse, match="'p' is in use by the live worker at h:1"):
+        registry.register(PREFILL, "h:2", worker_id="p")
+    # Once the holder is silent (a restart on another port), the id moves.
+    clock.now += 2
+    moved = registry.register(PREFILL, "h:2", worker_id="p")
+    assert [(w.worker_id, w.address) for w in registry.pools()[PREFILL]] == [("p", "h:2")]
+    assert moved.lease_id == registry.get("p").lease_id
+
+
+def test_static_workers_never_expire_and_are_polled(registry, clock):
+    static = registry.add_static(BOTH, "h:9", model_fingerprint="m")
+    assert (static.worker_id, static.lease_id, static.is_static) == ("worker-1", None, True)
     clock.now += 1000
     assert registry.expire() == []
-    assert ids(registry.routable(WorkerRole.BOTH)) == [static.worker_id]
-    registry.mark_unreachable(static.worker_id)
-    assert registry.routable(WorkerRole.BOTH) == []
-    registry.update_static(static.worker_id, WorkerLoad(num_total_kv_blocks=4, num_free_kv_blocks=1), WorkerState.SERVING)
-    assert registry.get(static.worker_id).load.kv_block_usage == pytest.approx(0.75)
+    assert ids(registry.routable(BOTH)) == ["worker-1"]
+    registry.mark_unreachable("worker-1")
+    assert registry.routable(BOTH) == []
+    registry.update_static("worker-1", WorkerLoad(num_total_kv_blocks=4, num_free_kv_blocks=1), SERVING)
+    heard = registry.get("worker-1")
+    assert (heard.state, heard.last_heard, heard.load.kv_block_usage) == (SERVING, 1100.0, 0.75)
+    registry.update_static("gone", WorkerLoad(), SERVING)  # no-op
 
 
-def test_concurrent_use_keeps_the_registry_consistent(registry):
+def test_add_static_is_idempotent_per_address_and_yields_to_registrations(registry):
+    first = registry.add_static(DECODE, "h:1", worker_id="decode-h:1")
+    assert registry.add_static(DECODE, "h:1", worker_id="other").worker_id == first.worker_id
+    assert registry.add_static(DECODE, "h:2", worker_id="decode-h:1").worker_id == "decode-h:1-1"
+    # The worker at h:1 registers itself: its lease replaces the static entry, and polling keeps it.
+    leased = registry.register(DECODE, "h:1", worker_id="decode-h:1")
+    assert registry.add_static(DECODE, "h:1").lease_id == leased.lease_id
+    assert [(w.worker_id, w.is_static) for w in registry.pools()[DECODE]] == [("decode-h:1-1", True),
+                                                                              ("decode-h:1", False)]
+    with pytest.raises(InvalidRegistration, match="address is required"):
+        registry.add_static(DECODE, "")
+    with pytest.raises(FingerprintMismatch):
+        registry.add_static(DECODE, "h:3", model_fingerprint="other")
+
+
+def test_readers_get_copies(registry):
+    worker = registry.register(DECODE, "h:1")
+    beat(registry, worker, num_running_requests=3)
+    copy = registry.routable(DECODE)[0]
+    copy.state, copy.num_in_flight, copy.load.num_running_requests = DRAINING, 7, 99
+    registry.pools()[DECODE][0].load.num_free_kv_blocks = 5
+    registry.by_address("h:1").load.num_waiting_requests = 5
+    held = registry.get(worker.worker_id)
+    assert (held.state, held.num_in_flight, held.load) == (SERVING, 0, WorkerLoad(num_running_requests=3))
+
+
+def test_in_flight_counters(registry):
+    a = registry.register(DECODE, "h:1")
+    b = registry.register(DECODE, "h:2")
+    for _ in range(3):
+        registry.begin_request(a.worker_id)
+    registry.begin_request(b.worker_id)
+    registry.end_request(a.worker_id)
+    assert [w.num_in_flight for w in registry.routable(DECODE)] == [2, 1]
+    registry.end_request(b.worker_id)
+    registry.end_request(b.worker_id)  # never below zero
+    assert registry.get(b.worker_id).num_in_flight == 0
+    registry.deregister(a.lease_id)
+    registry.end_request(a.worker_id)  # removed: no-op
+    registry.begin_request(a.worker_id)
+    assert registry.get(a.worker_id) is None
+
+
+def test_pools_lists_every_role_in_registration_order(registry):
+    registry.register(PREFILL, "h:1")
+    registry.add_static(DECODE, "h:2")
+    registry.register(DECODE, "h:3", state=STARTING)
+    pools = registry.pools()
+    assert {role: ids(workers) for role, workers in pools.items()} == {
+        PREFILL: ["prefill-1"], DECODE: ["decode-2", "decode-3"], BOTH: []}
+    assert registry.by_address("h:3").state == STARTING and registry.by_address("h:4") is None
+
+
+def test_concurrent_use_keeps_the_registry_consistent(registry, clock):
     errors = []
+    start = threading.Barrier(6)
 
     def hammer(index: int) -> None:
         try:
+            start.wait(5)
             for round_index in range(50):
-                worker = registry.register(WorkerRole.DECODE, f"h:{index}", model_fingerprint="m")
-                registry.heartbeat(worker.lease_id, WorkerLoad(num_running_requests=round_index), WorkerState.SERVING)
+                worker = registry.register(DECODE, f"h:{index}", worker_id=f"d{index}")
                 registry.begin_request(worker.worker_id)
-                registry.routable(WorkerRole.DECODE)
+                assert beat(registry, worker, num_running_requests=round_index) == SERVING
+                assert worker.worker_id in ids(registry.routable(DECODE))
+                registry.pools()
                 registry.end_request(worker.worker_id)
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
@@ -147,72 +294,7 @@ def test_concurrent_use_keeps_the_registry_consistent(registry):
     for thread in threads:
         thread.join(30)
     assert errors == []
-    workers = registry.pools()[WorkerRole.DECODE]
-    assert sorted(w.address for w in workers) == [f"h:{index}" for index in range(6)]
-    assert all(w.num_in_flight == 0 for w in workers)
-
-
-# ---- policies ---------------------------------------------------------------------------------
-
-
-def make_workers(registry, role, count):
-    for index in range(count):
-        registry.register(role, f"h:{index}", model_fingerprint="m", worker_id=f"w{index}")
-    return registry.routable(role)
-
-
-def test_round_robin_rotates_exactly(registry):
-    workers = make_workers(registry, WorkerRole.DECODE, 3)
-    policy = RoundRobin()
-    assert [policy.choose(workers, [1]).worker_id for _ in range(7)] == ["w0", "w1", "w2", "w0", "w1", "w2", "w0"]
-    with pytest.raises(NoWorkerAvailable):
-        policy.choose([], [1])
-
-
-def test_least_loaded_prefill_and_decode(registry):
-    prefill = make_workers(registry, WorkerRole.PREFILL, 3)
-    prefill[0].num_in_flight, prefill[1].num_in_flight, prefill[2].num_in_flight = 2, 1, 1
-    prefill[1].load.num_queued_prefill_tokens, prefill[2].load.num_queued_prefill_tokens = 900, 100
-    assert LeastLoaded(WorkerRole.PREFILL).choose(prefill, [1]).worker_id == "w2"
-
-    decode = [w for w in prefill]
-    for worker, (usage_free, running) in zip(decode, ((10, 0), (90, 1), (50, 0))):
-        worker.role, worker.num_in_flight = WorkerRole.DECODE, 0
-        worker.load = WorkerLoad(num_running_requests=running, num_total_kv_blocks=100, num_free_kv_blocks=usage_free)
-    # Scores: w0 0.9 + 0, w1 0.1 + 1/64, w2 0.5 + 0.
-    assert LeastLoaded(WorkerRole.DECODE).choose(decode, [1]).worker_id == "w1"
-    for worker in decode:
-        worker.load = WorkerLoad()
-    policy = LeastLoaded(WorkerRole.DECODE)
-    choices = collections.Counter(policy.choose(decode, [1]).worker_id for _ in range(30))
-    assert choices == {"w0": 10, "w1": 10, "w2": 10}  # equal workers take turns
-
-
-def test_prefix_aware_keeps_prefixes_together_and_spreads_the_rest(registry):
-    workers = make_workers(registry, WorkerRole.PREFILL, 4)
-    policy = make_policy("prefix_aware", WorkerRole.PREFILL, block_size=4)
-    assert isinstance(policy, PrefixAware)
-    rng = random.Random(0)
-    system = [rng.randrange(1000) for _ in range(64)]
-    chosen = {policy.choose(workers, system + [rng.randrange(1000) for _ in range(20)]).worker_id for _ in range(20)}
-    assert len(chosen) == 1  # a shared 16-block system prompt: always the same worker
-    prompts = [[rng.randrange(1000) for _ in range(40)] for _ in range(200)]
-    spread = collections.Counter(policy.choose(workers, prompt).worker_id for prompt in prompts)
-    assert len(spread) == 4 and min(spread.values()) >= 25
-    # Removing one worker moves only the prompts it had.
-    before = {tuple(p): policy.choose(workers, p).worker_id for p in prompts}
-    after = {tuple(p): policy.choose(workers[:3], p).worker_id for p in prompts}
-    moved = [p for p in before if before[p] != after[p]]
-    assert moved and all(before[p] == "w3" for p in moved)
-    # An overloaded favourite gives way to the least loaded worker.
-    favourite = policy.choose(workers, system)
-    for worker in workers:
-        worker.num_in_flight = 10 if worker.worker_id == favourite.worker_id else 1
-    assert policy.choose(workers, system).worker_id != favourite.worker_id
-    # Under one block: least loaded.
-    assert policy.choose(workers, [1, 2]).num_in_flight == 1
-
-
-def test_unknown_policy_names_the_choices():
-    with pytest.raises(ValueError, match="round_robin, least_loaded or prefix_aware"):
-        make_policy("random", WorkerRole.DECODE)
+    workers = registry.pools()[DECODE]
+    assert sorted((w.worker_id, w.address) for w in workers) == [(f"d{i}", f"h:{i}") for i in range(6)]
+    assert [w.num_in_flight for w in workers] == [0] * 6
+    assert [w.load.num_running_requests for w in workers] == [49] * 6
