@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from splitserve.engine.models.llama import LlamaForCausalLM
+from splitserve.engine.models.llama import LlamaForCausalLM, can_pack_linear_weights
 from splitserve.engine.models.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 
 __all__ = ["ModelConfig", "SUPPORTED_MODEL_TYPES", "load_model", "iterate_safetensors"]
@@ -41,6 +41,8 @@ def load_model(model_dir: str | Path, dtype: str, max_positions: int) -> LlamaFo
     model.to(torch_dtype)
     model.model.rotary.float()
     model.load_weights(iterate_safetensors(model_dir))
+    if can_pack_linear_weights(torch_dtype):
+        model.pack_linear_weights()
     model.eval()
     model.requires_grad_(False)
     return model
