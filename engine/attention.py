@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from splitserve.kernels import cpu_paged_attention
+from splitserve.kernels import cpu_ops
 
 
 @dataclass
@@ -92,7 +92,7 @@ def paged_attention(
     for group in metadata.decode_groups:
         rows = slice(group.row_start, group.row_end)
         if group.mask is None:
-            output[rows] = cpu_paged_attention.paged_decode_attention(
+            output[rows] = cpu_ops.paged_decode_attention(
                 query[rows], key_cache, value_cache, group.block_tables, group.seq_lens, scale
             )
         else:

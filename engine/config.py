@@ -25,8 +25,9 @@ class EngineConfig:
         enable_chunked_prefill: split long prompts across steps, mixed with decodes.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         seed: seed of the random generator used by requests without their own seed.
-        attention_backend: decode attention in "cpu" (the C++ kernel, float32), "torch"
-            (the plain-torch reference), or "auto" (the kernel when it can be built).
+        attention_backend: decode attention and the fused element-wise layer operations (RMSNorm
+            with the residual add, rotary, SiLU-and-multiply) in "cpu" (the C++ kernels, float32),
+            "torch" (the plain-torch reference), or "auto" (the kernels when they can be built).
     """
 
     model: str | None = None

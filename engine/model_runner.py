@@ -19,7 +19,7 @@ from splitserve.engine.model_store import cache_dir
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
-from splitserve.kernels import cpu_paged_attention
+from splitserve.kernels import cpu_ops
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
@@ -53,10 +53,11 @@ def _allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
 
 
 def _use_cpu_kernel(backend: str, dtype: torch.dtype) -> bool:
-    """Whether decode attention runs in the C++ kernel (compiled on first use) or in plain torch."""
+    """Whether decode attention and the fused layer operations run in the C++ kernels (compiled on first
+    use) or in plain torch."""
     if backend == "torch":
         return False
-    usable = dtype == torch.float32 and cpu_paged_attention.available(str(cache_dir()))
+    usable = dtype == torch.float32 and cpu_ops.available(str(cache_dir()))
     if backend == "cpu" and not usable:
         raise ValueError("attention_backend='cpu' needs float32 and a C++ compiler to build the kernel.")
     return usable
@@ -101,6 +102,7 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.use_cpu_kernel = _use_cpu_kernel(config.attention_backend, self.dtype)
+        self.model.use_cpu_kernels(self.use_cpu_kernel)
         self.sampler = Sampler(config.seed)
 
     @torch.inference_mode()

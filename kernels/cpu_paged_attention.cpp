@@ -23,48 +23,16 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SPLITSERVE_AVX2 1
-#endif
+#include "cpu_vector_math.h"
+
+namespace splitserve {
 
 namespace {
 
 constexpr int64_t kMaxBlockSize = 256;
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kMaxHeadDim = 256;
-
-#ifdef SPLITSERVE_AVX2
-// e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial
-// (Cephes' expf coefficients), 2^n through the exponent bits. Relative error ~2e-7;
-// inputs below -87 give 0 (scores minus their running max are never above 0).
-inline __m256 exp8(__m256 x) {
-  const __m256 lower = _mm256_set1_ps(-87.3f), upper = _mm256_set1_ps(88.3f);
-  x = _mm256_min_ps(_mm256_max_ps(x, lower), upper);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
-}
-
-inline float horizontal_sum(__m256 v) {
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-  return _mm_cvtss_f32(sum);
-}
-#endif
 
 // scores[t] = exp(scores[t] - shift) for t < count; returns their sum.
 inline float exp_shifted_sum(float* scores, int64_t count, float shift) {
@@ -170,6 +138,8 @@ void attend_one_head(const float* q_group, const float* k_head, const float* v_h
   }
 }
 
+}  // namespace
+
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && key_cache.scalar_type() == torch::kFloat32 &&
@@ -219,8 +189,4 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, float32)");
-}
+}  // namespace splitserve

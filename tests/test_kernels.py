@@ -1,13 +1,14 @@
-"""The C++ paged decode attention kernel against its plain-torch reference."""
+"""The C++ CPU kernels (paged decode attention, fused layer operations) against their plain-torch references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from splitserve.engine.attention import DecodeGroup, decode_attention
 from splitserve.engine.model_store import cache_dir
-from splitserve.kernels import cpu_paged_attention
+from splitserve.kernels import cpu_ops
 
 
 def reference(query, key_cache, value_cache, block_tables, seq_lens, scale):
@@ -28,7 +29,7 @@ def reference(query, key_cache, value_cache, block_tables, seq_lens, scale):
     ],
 )
 def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, block_size, lengths):
-    assert cpu_paged_attention.available(str(cache_dir())), "the C++ kernel must build on this machine"
+    assert cpu_ops.available(str(cache_dir())), "the C++ kernel must build on this machine"
     generator = torch.Generator().manual_seed(0)
     num_blocks = 200
     key_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator)
@@ -47,16 +48,73 @@ def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, blo
     scale = head_dim**-0.5
 
     expected = reference(query, key_cache, value_cache, tables, seq_lens, scale)
-    actual = cpu_paged_attention.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
+    actual = cpu_ops.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
     assert actual.shape == expected.shape
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_refuses_bad_block_ids():
-    assert cpu_paged_attention.available(str(cache_dir()))
+    assert cpu_ops.available(str(cache_dir()))
     key_cache = torch.zeros(1, 4, 4, 8)
     query = torch.zeros(1, 1, 8)
     with pytest.raises(RuntimeError, match="block id out of range"):
-        cpu_paged_attention.paged_decode_attention(
+        cpu_ops.paged_decode_attention(
             query, key_cache, key_cache, torch.tensor([[7]]), torch.tensor([3]), 1.0
         )
+
+
+# ---- fused element-wise operations of the Llama layer --------------------------------------------
+
+
+def _kernels():
+    assert cpu_ops.available(str(cache_dir())), "the C++ kernels must build on this machine"
+    return cpu_ops
+
+
+def test_rms_norm_and_residual_add_match_the_torch_layer():
+    from splitserve.engine.models.llama import RMSNorm
+
+    kernels = _kernels()
+    generator = torch.Generator().manual_seed(1)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.copy_(torch.randn(576, generator=generator))
+    x = torch.randn(37, 576, generator=generator) * 3
+    residual = torch.randn(37, 576, generator=generator)
+    expected = norm(x)
+    expected_with_residual, expected_residual = norm(x, residual.clone())
+    torch.testing.assert_close(kernels.rms_norm(x, norm.weight, 1e-5), expected, rtol=2e-6, atol=2e-6)
+    stream = residual.clone()
+    out = kernels.add_rms_norm(x, stream, norm.weight, 1e-5)
+    assert torch.equal(stream, expected_residual)  # the residual add is exact, in place
+    torch.testing.assert_close(out, expected_with_residual, rtol=2e-6, atol=2e-6)
+    # Rows taken out of a wider tensor (a strided view) read correctly.
+    wide = torch.randn(5, 1000, generator=generator)
+    torch.testing.assert_close(kernels.rms_norm(wide[:, :576], norm.weight, 1e-5), norm(wide[:, :576].contiguous()),
+                               rtol=2e-6, atol=2e-6)
+
+
+def test_silu_and_mul_matches_torch():
+    kernels = _kernels()
+    gate_up = torch.randn(9, 2 * 1539, generator=torch.Generator().manual_seed(2)) * 6  # odd width: scalar tail
+    gate, up = gate_up.split(1539, dim=-1)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_matches_torch_bit_for_bit():
+    from splitserve.engine.models.llama import RotaryEmbedding, apply_rotary
+    from splitserve.engine.models.model_config import ModelConfig
+
+    kernels = _kernels()
+    config = ModelConfig("llama", "LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         rms_norm_eps=1e-5, max_position_embeddings=512, rope_theta=100000.0)
+    rotary = RotaryEmbedding(config, 512)
+    positions = torch.tensor([0, 1, 7, 300, 511])
+    cos, sin = rotary.tables(positions, torch.float32)
+    qkv = torch.randn(5, (9 + 3 + 3) * 64, generator=torch.Generator().manual_seed(3))
+    query_key = qkv[:, : 12 * 64].view(5, 12, 64)  # a strided view, rotated in place as the model does
+    expected = apply_rotary(query_key.clone(), cos, sin)
+    untouched = qkv[:, 12 * 64 :].clone()
+    kernels.rotary_(query_key, cos.squeeze(1), sin.squeeze(1))
+    assert torch.equal(query_key, expected)
+    assert torch.equal(qkv[:, 12 * 64 :], untouched)

@@ -15,6 +15,7 @@ from torch import nn
 
 from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.models.model_config import ModelConfig
+from splitserve.kernels import cpu_ops
 
 
 # Up to this many rows, logits use the transposed copy of the head (decode of small batches).
@@ -50,12 +51,27 @@ class PackedLinear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm, optionally after adding ``x`` into the residual stream (one pass in the C++ kernel)."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.use_cpu_kernel = False  # set by LlamaForCausalLM.use_cpu_kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [tokens, hidden]. Without ``residual``: returns norm(x). With it: ``residual + x`` becomes the
+        new residual (the C++ kernel adds in place) and returns (norm(residual + x), residual + x)."""
+        if self.use_cpu_kernel:
+            if residual is None:
+                return cpu_ops.rms_norm(x, self.weight, self.eps)
+            return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps), residual
+        if residual is None:
+            return self._normalize(x)
+        residual = residual + x
+        return self._normalize(residual), residual
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in float32 whatever the dtype, as transformers does.
         if x.dtype != torch.float32:
             return self.weight * _rms_normalize(x.float(), self.eps).to(x.dtype)
@@ -131,6 +147,7 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
+        self.use_cpu_kernel = False  # set by LlamaForCausalLM.use_cpu_kernels
 
     def forward(
         self,
@@ -144,7 +161,10 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # Queries and keys are rotated together: [tokens, q_heads + kv_heads, head_dim].
         query_key = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        query_key = apply_rotary(query_key, *rotary_tables)
+        if self.use_cpu_kernel:
+            cpu_ops.rotary_(query_key, rotary_tables[0].squeeze(1), rotary_tables[1].squeeze(1))
+        else:
+            query_key = apply_rotary(query_key, *rotary_tables)
         query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
         value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(query, key, value, kv_cache[0], kv_cache[1], metadata, self.scale)
@@ -157,9 +177,13 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.use_cpu_kernel = False  # set by LlamaForCausalLM.use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [tokens, 2 * intermediate]
+        if self.use_cpu_kernel:
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -171,9 +195,20 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, kv_cache, metadata, rotary_tables) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, metadata, rotary_tables)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, kv_cache, metadata, rotary_tables):
+        """The residual stream is carried separately so each residual add fuses with the norm after it.
+
+        hidden: [tokens, hidden_size], the previous layer's MLP output (the embeddings for the first
+        layer, with ``residual`` None). Returns (this layer's MLP output, residual stream before adding it).
+        """
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
+        attention_out = self.self_attn(normed, kv_cache, metadata, rotary_tables)
+        normed, residual = self.post_attention_layernorm(attention_out, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -187,9 +222,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rotary_tables = self.rotary.tables(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, kv_cache, metadata, rotary_tables)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, kv_cache, metadata, rotary_tables)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -221,6 +257,14 @@ class LlamaForCausalLM(nn.Module):
         if self._packed_head is not None:
             return torch.ops.mkldnn._linear_pointwise(hidden, self._packed_head, None, "none", [], "")
         return F.linear(hidden, self._head_weight()).float()
+
+    def use_cpu_kernels(self, enabled: bool) -> None:
+        """Run RMSNorm (fused with the residual add), rotary and SiLU-and-multiply through the C++
+        kernels of ``splitserve.kernels.cpu_ops`` (float32; call ``cpu_ops.available`` first), or
+        through the plain-torch code here, their reference."""
+        for module in self.modules():
+            if hasattr(module, "use_cpu_kernel"):
+                module.use_cpu_kernel = enabled
 
     def pack_linear_weights(self) -> None:
         """Replace every projection of every layer by a :class:`PackedLinear` (frees the dense weights)

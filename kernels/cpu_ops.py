@@ -1,0 +1,92 @@
+"""Loads splitserve's C++ CPU kernels: paged decode attention (``cpu_paged_attention.cpp``) and the
+fused element-wise operations of the Llama layer (``cpu_fused_ops.cpp``), one extension.
+
+The sources are compiled on first use with the machine's C++ compiler into the
+cache folder the caller names (the engine passes splitserve's cache folder),
+once per torch version and source change; later processes load the built
+library in milliseconds. When no compiler is available the engine keeps the
+plain-torch paths. Each kernel's plain-torch reference is named in its source
+and compared with it in ``tests/test_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+_FOLDER = Path(__file__).parent
+_SOURCES = ("cpu_kernels.cpp", "cpu_paged_attention.cpp", "cpu_fused_ops.cpp")
+
+
+@functools.lru_cache(maxsize=None)
+def load(cache_folder: str):
+    """The compiled extension, built under ``cache_folder``/kernels, or None when it cannot be built here."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    build_dir = Path(cache_folder) / "kernels" / f"torch-{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return load_extension(
+            name="splitserve_cpu_kernels",
+            sources=[str(_FOLDER / name) for name in _SOURCES],
+            extra_include_paths=[str(_FOLDER)],
+            # No contraction of a * b + c into one rounding: the fused operations round as torch does.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as error:  # no compiler, no headers: the torch paths still work
+        logger.warning("C++ CPU kernels unavailable (%s); using the torch implementations.", error)
+        return None
+
+
+def available(cache_folder: str) -> bool:
+    """Whether the kernels are built (building them now if needed) under ``cache_folder``."""
+    global _module
+    _module = load(str(cache_folder))
+    return _module is not None
+
+
+_module = None
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query: [requests, q_heads, head_dim]; caches: [kv_heads, num_blocks, block_size, head_dim];
+    block_tables: [requests, max_blocks] int64; seq_lens: [requests] int64.
+
+    Returns: [requests, q_heads, head_dim]. float32 only. Call :func:`available` first.
+    """
+    return _module.paged_decode_attention(query.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [rows, hidden] -> ``weight * (x * rsqrt(mean(x^2) + eps))``, a new [rows, hidden]."""
+    return _module.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += x`` in place (both [rows, hidden], residual contiguous), then returns
+    ``rms_norm(residual, weight, eps)``."""
+    return _module.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [rows, 2 * intermediate] -> ``silu(gate) * up``: [rows, intermediate]."""
+    return _module.silu_and_mul(gate_up)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x: [tokens, heads, head_dim] in place; cos, sin: [tokens, head_dim]."""
+    _module.rotary_(x, cos, sin)
