@@ -57,6 +57,8 @@ class AttentionMetadata:
     # Decode tokens come first in the batch, grouped by context length.
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Whether the C++ kernels store K/V and attend decodes (float32), or plain torch.
+    use_cpu_kernels: bool = False
 
 
 def write_kv(
@@ -87,7 +89,10 @@ def paged_attention(
     query: [num_tokens, q_heads, head_dim]; key, value: [num_tokens, kv_heads, head_dim].
     Returns: [num_tokens, q_heads, head_dim].
     """
-    write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+    if metadata.use_cpu_kernels:
+        cpu_ops.write_kv_(key_cache, value_cache, key, value, metadata.slot_mapping)
+    else:
+        write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
     output = torch.empty_like(query)
     for group in metadata.decode_groups:
         rows = slice(group.row_start, group.row_end)

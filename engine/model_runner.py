@@ -162,7 +162,8 @@ class ModelRunner:
                 sample_rows.append(row + item.num_new_tokens - 1)
                 sample_requests.append(request)
 
-        metadata = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), decode_groups=decode_groups, prefills=spans)
+        metadata = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), decode_groups=decode_groups, prefills=spans,
+                                     use_cpu_kernels=self.use_cpu_kernel)
         return _BatchInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),

@@ -4,6 +4,8 @@
 namespace splitserve {
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+void write_kv_(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
+               torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
@@ -12,6 +14,7 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &splitserve::paged_decode_attention, "Paged decode attention (float32)");
+  m.def("write_kv_", &splitserve::write_kv_, "store keys and values into their cache slots (float32)");
   m.def("rms_norm", &splitserve::rms_norm, "RMSNorm of rows (float32)");
   m.def("add_rms_norm", &splitserve::add_rms_norm, "residual += x, then RMSNorm of residual (float32)");
   m.def("silu_and_mul", &splitserve::silu_and_mul, "silu(gate) * up (float32)");

@@ -71,6 +71,13 @@ def paged_decode_attention(
     return _module.paged_decode_attention(query.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale)
 
 
+def write_kv_(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    """Store key, value: [tokens, kv_heads, head_dim] into slots ``slot_mapping`` ([tokens] int64) of the
+    caches [kv_heads, num_blocks, block_size, head_dim], in place."""
+    _module.write_kv_(key_cache, value_cache, key, value, slot_mapping)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [rows, hidden] -> ``weight * (x * rsqrt(mean(x^2) + eps))``, a new [rows, hidden]."""
     return _module.rms_norm(x, weight, eps)

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "cpu_vector_math.h"
@@ -187,6 +188,40 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
     }
   }
   return out;
+}
+
+// Store a step's keys and values into their slots of one layer's cache (in place).
+//   key_cache/value_cache [kv_heads, num_blocks, block_size, head_dim] contiguous (modified)
+//   key/value             [num_tokens, kv_heads, head_dim], rows of head_dim contiguous
+//   slot_mapping          [num_tokens] int64: block * block_size + offset
+// The reference is splitserve.engine.attention.write_kv (an index_copy_ per cache).
+void write_kv_(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
+               torch::Tensor slot_mapping) {
+  TORCH_CHECK(key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32 &&
+                  key.scalar_type() == torch::kFloat32 && value.scalar_type() == torch::kFloat32,
+              "write_kv_: float32 only");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes(),
+              "write_kv_: caches must be contiguous and alike");
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.dim() == 3 && value.stride(2) == 1 &&
+                  key.sizes() == value.sizes(), "write_kv_: key and value must be [tokens, kv_heads, head_dim]");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == key.size(0), "write_kv_: one int64 slot per token");
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_dim = key.size(2);
+  TORCH_CHECK(key_cache.size(0) == num_kv_heads && key_cache.size(3) == head_dim, "write_kv_: shapes differ");
+  const int64_t num_slots = key_cache.size(1) * key_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  float *k_cache = key_cache.data_ptr<float>(), *v_cache = value_cache.data_ptr<float>();
+  const float *k_ptr = key.data_ptr<float>(), *v_ptr = value.data_ptr<float>();
+  const int64_t k_token = key.stride(0), k_head = key.stride(1), v_token = value.stride(0), v_head = value.stride(1);
+  const size_t row_bytes = head_dim * sizeof(float);
+#pragma omp parallel for schedule(static) if (num_tokens > 16)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      std::memcpy(k_cache + (h * num_slots + slots[t]) * head_dim, k_ptr + t * k_token + h * k_head, row_bytes);
+      std::memcpy(v_cache + (h * num_slots + slots[t]) * head_dim, v_ptr + t * v_token + h * v_head, row_bytes);
+    }
+  }
 }
 
 }  // namespace splitserve

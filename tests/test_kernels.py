@@ -118,3 +118,21 @@ def test_rotary_matches_torch_bit_for_bit():
     kernels.rotary_(query_key, cos.squeeze(1), sin.squeeze(1))
     assert torch.equal(query_key, expected)
     assert torch.equal(qkv[:, 12 * 64 :], untouched)
+
+
+def test_write_kv_matches_index_copy():
+    from splitserve.engine.attention import write_kv
+
+    kernels = _kernels()
+    generator = torch.Generator().manual_seed(4)
+    qkv = torch.randn(40, (9 + 3 + 3) * 8, generator=generator)
+    key = qkv[:, 9 * 8 : 12 * 8].view(40, 3, 8)  # strided views, as the model passes them
+    value = qkv[:, 12 * 8 :].view(40, 3, 8)
+    slots = torch.randperm(10 * 4, generator=generator)
+    expected_keys, expected_values = torch.randn(2, 3, 10, 4, 8, generator=generator)
+    keys, values = expected_keys.clone(), expected_values.clone()
+    write_kv(expected_keys, expected_values, key, value, slots)
+    kernels.write_kv_(keys, values, key, value, slots)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.write_kv_(keys, values, key[:1], value[:1], torch.tensor([40]))
