@@ -90,8 +90,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--engine-seed", type=int, default=0, help="seed for requests without their own --seed (default: %(default)s)")
     group.add_argument(
         "--attention-backend", choices=("auto", "cpu", "torch"), default="auto",
-        help="decode attention: the C++ CPU kernel (compiled on first use, float32), plain torch, "
-        "or auto (the kernel when it can be built) (default: %(default)s)",
+        help="decode attention, KV writes and the fused layer operations (RMSNorm with the residual add, "
+        "rotary, SiLU-and-multiply): the C++ CPU kernels (compiled on first use, float32), plain torch, "
+        "or auto (the kernels when they can be built) (default: %(default)s)",
     )
 
 
