@@ -49,21 +49,27 @@ def test_round_robin_stays_fair_when_the_list_changes():
     assert picks(policy, workers, times=4) == ["w3", "w1", "w0", "w2"]
 
 
-def test_round_robin_is_exact_under_threads():
-    policy, workers = RoundRobin(), pool(4)
+def picks_from_threads(num_threads: int, pick) -> collections.Counter:
+    """Run ``pick()`` (a list of worker names) on ``num_threads`` threads at once; count all names."""
     chosen = collections.Counter()
     lock = threading.Lock()
 
     def run() -> None:
-        local = collections.Counter(picks(policy, workers, times=250))
+        names = pick()
         with lock:
-            chosen.update(local)
+            chosen.update(names)
 
-    threads = [threading.Thread(target=run) for _ in range(4)]
+    threads = [threading.Thread(target=run) for _ in range(num_threads)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(30)
+    return chosen
+
+
+def test_round_robin_is_exact_under_threads():
+    policy, workers = RoundRobin(), pool(4)
+    chosen = picks_from_threads(4, lambda: picks(policy, workers, times=250))
     assert chosen == {"w0": 250, "w1": 250, "w2": 250, "w3": 250}
 
 
@@ -105,20 +111,13 @@ def test_least_loaded_prefill_resets_on_heartbeats_through_the_registry():
 def test_least_loaded_prefill_spreads_a_concurrent_burst():
     workers = pool(4)  # one snapshot, shared by every thread, as between two heartbeats
     policy = LeastLoaded(PREFILL)
-    chosen = collections.Counter()
-    start, lock = threading.Barrier(8), threading.Lock()
+    start = threading.Barrier(8)
 
-    def run() -> None:
+    def pick() -> list[str]:
         start.wait(5)
-        names = picks(policy, workers, prompt=[1] * 100, times=25)
-        with lock:
-            chosen.update(names)
+        return picks(policy, workers, prompt=[1] * 100, times=25)
 
-    threads = [threading.Thread(target=run) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    chosen = picks_from_threads(8, pick)
     assert chosen == {"w0": 50, "w1": 50, "w2": 50, "w3": 50}
     assert [policy.load(w) for w in workers] == [5000] * 4
 
