@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import time
 
@@ -160,7 +162,15 @@ def _run_worker(args: argparse.Namespace) -> int:
         kv_load_failure=args.kv_load_failure, max_queued_requests=args.max_queued_requests,
         num_threads=args.threads, drain_timeout_seconds=args.drain_timeout, engine=EngineConfig(args.model, **_engine_options(args)),
     )
-    return run_worker(config)
+    status = run_worker(config)
+    # The worker has drained and closed everything it serves. Leave now, without interpreter teardown:
+    # torch.distributed's Gloo groups own C++ threads that can abort the process (std::terminate,
+    # "terminate called without an active exception") when destroyed during it while a peer's
+    # connection is still open, which would turn a clean shutdown into SIGABRT.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _run_up(args: argparse.Namespace) -> int:
