@@ -213,6 +213,11 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="PNG", help="write the latency CDFs here")
     parser.add_argument("--json", metavar="FILE", help="write the summaries here")
     args = parser.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked before a run of many minutes, not after it)
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
 
     from transformers import AutoConfig
 
@@ -232,12 +237,12 @@ def main(argv=None) -> int:
         finally:
             cluster.stop()
     print_table(results)
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot: {args.plot}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "results": [r.summary() for r in results]}, handle, indent=2)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0
 
 
