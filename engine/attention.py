@@ -46,7 +46,7 @@ class DecodeGroup:
     # [requests] int64: context length of each request, the new token included.
     seq_lens: torch.Tensor
     # [kv_heads * requests, 1, max_blocks * block_size] bool: True where a key position is PAST the
-    # request's end (torch path only; None when the C++ kernel attends).
+    # request's end (torch path only; None when the C++ kernels attend).
     mask: torch.Tensor | None
 
 
@@ -96,7 +96,7 @@ def paged_attention(
     output = torch.empty_like(query)
     for group in metadata.decode_groups:
         rows = slice(group.row_start, group.row_end)
-        if group.mask is None:
+        if metadata.use_cpu_kernels:
             output[rows] = cpu_ops.paged_decode_attention(
                 query[rows], key_cache, value_cache, group.block_tables, group.seq_lens, scale
             )
