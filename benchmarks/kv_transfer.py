@@ -61,7 +61,7 @@ from splitserve.kvtransfer import create_connector
 from splitserve.kvtransfer.base import BlockSource, KVEndpointInfo, KVLayout, TransferHeader
 from splitserve.kvtransfer.blocks import payload_bytes
 layout = KVLayout(30, 3, 64, torch.float32, 16)
-cache = torch.randn(30, 2, 3, int(sys.argv[1]), 16, 64)
+cache = torch.randn(int(sys.argv[1]), 30, 2, 3, 16, 64)  # block-major, as the engine allocates it
 connectors, raw_group, raw_tensors, redis_client = {}, None, {}, None
 
 def reply(**fields):
@@ -80,9 +80,9 @@ for line in sys.stdin:
         continue
     num_blocks = command["num_blocks"]
     # The blocks a prompt occupies: scattered over the cache, in no order.
-    blocks = [(7 * index) % cache.shape[3] for index in range(num_blocks)]
+    blocks = [(7 * index) % cache.shape[0] for index in range(num_blocks)]
     if kind in ("raw_gloo", "raw_redis") and num_blocks not in raw_tensors:
-        raw_tensors[num_blocks] = cache[:, :, :, blocks].contiguous()  # the payload, gathered once (warm)
+        raw_tensors[num_blocks] = cache[blocks].contiguous()  # the payload, gathered once (warm)
     started = time.monotonic()
     if kind == "raw_gloo":
         raw_group.send([raw_tensors[num_blocks]], 1, 0).wait()

@@ -2,9 +2,11 @@
 
 The KV cache of one layer is two tensors ``[num_kv_heads, num_blocks, block_size,
 head_dim]``; token ``t`` of a request lives in slot ``block_table[t // B] * B + t % B``
-of every head. Head-major: gathering a request's blocks gives each head's keys
-as one contiguous ``[tokens, head_dim]`` matrix, ready for attention without a
-transposing copy.
+of every head. They are strided views of the engine's block-major cache (see
+``model_runner``): a block's rows of one head are contiguous, blocks and heads
+are not, so nothing here flattens blocks and slots into one dimension.
+Gathering a request's blocks gives each head's keys as one contiguous
+``[tokens, head_dim]`` matrix, ready for attention without a transposing copy.
 
 A step's batch is flattened: decode tokens first (one per request), then the
 prefill chunks. :class:`AttentionMetadata` is built once per step by the model
@@ -66,11 +68,13 @@ def write_kv(
 ) -> None:
     """Store the step's keys and values into their slots.
 
-    key_cache, value_cache: [kv_heads, num_blocks, block_size, head_dim]; key, value: [num_tokens, kv_heads, head_dim].
+    key_cache, value_cache: [kv_heads, num_blocks, block_size, head_dim] (any strides);
+    key, value: [num_tokens, kv_heads, head_dim].
     """
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
-    value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
+    block_size = key_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[:, blocks, offsets] = key.transpose(0, 1)
+    value_cache[:, blocks, offsets] = value.transpose(0, 1)
 
 
 def paged_attention(

@@ -1,8 +1,9 @@
 """Turns a scheduled step into one forward pass and samples its next tokens.
 
 Owns the model weights and the KV cache tensor, allocated once from the memory
-budget: ``kv_caches[layer]`` is ``[2, kv_heads, num_blocks, block_size, head_dim]``
-(keys, then values).
+budget: ``kv_cache`` is ``[num_blocks, layers, 2, kv_heads, block_size, head_dim]``
+(block-major: a block is one contiguous piece), and ``kv_caches[layer]`` a view
+of it, ``[2, kv_heads, num_blocks, block_size, head_dim]`` (keys, then values).
 """
 
 from __future__ import annotations
@@ -95,12 +96,16 @@ class ModelRunner:
         self.model = load_model(model_dir, config.dtype, max_model_len)
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.num_blocks = num_kv_blocks_for_budget(config, model_config)
+        # Block-major: [num_blocks, layers, 2, kv_heads, block_size, head_dim]. One block holds its tokens'
+        # KV for every layer in one contiguous piece, so KV connectors send and receive whole blocks
+        # straight from and into the cache, without gathering (as SGLang's "page_first" host layout).
         self.kv_cache = _allocate_kv_cache(
-            (model_config.num_hidden_layers, 2, model_config.num_key_value_heads,
-             self.num_blocks, self.block_size, model_config.head_dim),
+            (self.num_blocks, model_config.num_hidden_layers, 2, model_config.num_key_value_heads,
+             self.block_size, model_config.head_dim),
             self.dtype,
         )
-        self.kv_caches = list(self.kv_cache.unbind(0))
+        # Per layer, a view [2, kv_heads, num_blocks, block_size, head_dim] (strided: blocks far apart).
+        self.kv_caches = [self.kv_cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(self.kv_cache.shape[1])]
         self.use_cpu_kernel = _use_cpu_kernel(config.attention_backend, self.dtype)
         self.model.use_cpu_kernels(self.use_cpu_kernel)
         self.sampler = Sampler(config.seed)

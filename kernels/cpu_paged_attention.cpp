@@ -2,9 +2,10 @@
 // read straight from the paged KV cache (no gathered copy), softmax computed
 // online block by block. Parallel over (request, KV head) with OpenMP.
 //
-// Layouts (float32, contiguous):
-//   query        [num_requests, q_heads, head_dim]
-//   key/value    [kv_heads, num_blocks, block_size, head_dim]   (one layer)
+// Layouts (float32):
+//   query        [num_requests, q_heads, head_dim] contiguous
+//   key/value    [kv_heads, num_blocks, block_size, head_dim]   (one layer; a view of the block-major
+//                cache: rows of a block contiguous, heads and blocks at any strides)
 //   block_tables [num_requests, max_blocks] int64 (entries past a request's end unused)
 //   seq_lens     [num_requests] int64 (context length including the new token)
 // Returns [num_requests, q_heads, head_dim].
@@ -78,8 +79,8 @@ inline void prefetch_row(const char* row, int64_t num_bytes) {
 
 // One (request, KV head): the group's query rows over the request's blocks.
 void attend_one_head(const float* q_group, const float* k_head, const float* v_head, const int64_t* table,
-                     int64_t length, int64_t group, int64_t block_size, int64_t head_dim, float scale,
-                     float* out_group) {
+                     int64_t length, int64_t group, int64_t block_size, int64_t head_dim, int64_t block_stride,
+                     float scale, float* out_group) {
   float running_max[kMaxGroup], denominator[kMaxGroup];
   alignas(32) float accumulator[kMaxGroup * kMaxHeadDim];
   alignas(32) float scores[kMaxGroup * kMaxBlockSize];
@@ -88,7 +89,7 @@ void attend_one_head(const float* q_group, const float* k_head, const float* v_h
     denominator[g] = 0.0f;
   }
   std::fill(accumulator, accumulator + group * head_dim, 0.0f);
-  const int64_t block_elements = block_size * head_dim;
+  const int64_t block_elements = block_stride;  // from one block's first row to the next block's
   for (int64_t start = 0; start < length; start += block_size) {
     const int64_t count = std::min(block_size, length - start);
     const float* k_block = k_head + table[start / block_size] * block_elements;
@@ -148,9 +149,11 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
               "paged_decode_attention: float32 only");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
               "paged_decode_attention: block_tables and seq_lens must be int64");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
-              "paged_decode_attention: inputs must be contiguous");
+  TORCH_CHECK(query.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode_attention: query, block_tables and seq_lens must be contiguous");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides() &&
+                  key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3),
+              "paged_decode_attention: each cache block's rows must be contiguous, keys and values alike");
   const int64_t num_requests = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(0), num_blocks = key_cache.size(1), block_size = key_cache.size(2);
   const int64_t max_blocks = block_tables.size(1);
@@ -176,14 +179,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
     }
   }
-  const int64_t head_elements = num_blocks * block_size * head_dim;
+  const int64_t head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
 
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
   for (int64_t r = 0; r < num_requests; ++r) {
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const int64_t first_row = r * num_q_heads + h * group;
-      attend_one_head(q_ptr + first_row * head_dim, k_ptr + h * head_elements, v_ptr + h * head_elements,
-                      table_ptr + r * max_blocks, len_ptr[r], group, block_size, head_dim, scale_f,
+      attend_one_head(q_ptr + first_row * head_dim, k_ptr + h * head_stride, v_ptr + h * head_stride,
+                      table_ptr + r * max_blocks, len_ptr[r], group, block_size, head_dim, block_stride, scale_f,
                       out_ptr + first_row * head_dim);
     }
   }
@@ -191,7 +194,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 }
 
 // Store a step's keys and values into their slots of one layer's cache (in place).
-//   key_cache/value_cache [kv_heads, num_blocks, block_size, head_dim] contiguous (modified)
+//   key_cache/value_cache [kv_heads, num_blocks, block_size, head_dim], rows contiguous (modified)
 //   key/value             [num_tokens, kv_heads, head_dim], rows of head_dim contiguous
 //   slot_mapping          [num_tokens] int64: block * block_size + offset
 // The reference is splitserve.engine.attention.write_kv (an index_copy_ per cache).
@@ -200,15 +203,17 @@ void write_kv_(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor
   TORCH_CHECK(key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32 &&
                   key.scalar_type() == torch::kFloat32 && value.scalar_type() == torch::kFloat32,
               "write_kv_: float32 only");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes(),
-              "write_kv_: caches must be contiguous and alike");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides() &&
+                  key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3),
+              "write_kv_: each cache block's rows must be contiguous, keys and values alike");
   TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.dim() == 3 && value.stride(2) == 1 &&
                   key.sizes() == value.sizes(), "write_kv_: key and value must be [tokens, kv_heads, head_dim]");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == key.size(0), "write_kv_: one int64 slot per token");
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_dim = key.size(2);
   TORCH_CHECK(key_cache.size(0) == num_kv_heads && key_cache.size(3) == head_dim, "write_kv_: shapes differ");
-  const int64_t num_slots = key_cache.size(1) * key_cache.size(2);
+  const int64_t block_size = key_cache.size(2), num_slots = key_cache.size(1) * block_size;
+  const int64_t head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
   float *k_cache = key_cache.data_ptr<float>(), *v_cache = value_cache.data_ptr<float>();
@@ -217,9 +222,10 @@ void write_kv_(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor
   const size_t row_bytes = head_dim * sizeof(float);
 #pragma omp parallel for schedule(static) if (num_tokens > 16)
   for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = (slots[t] / block_size) * block_stride + (slots[t] % block_size) * head_dim;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      std::memcpy(k_cache + (h * num_slots + slots[t]) * head_dim, k_ptr + t * k_token + h * k_head, row_bytes);
-      std::memcpy(v_cache + (h * num_slots + slots[t]) * head_dim, v_ptr + t * v_token + h * v_head, row_bytes);
+      std::memcpy(k_cache + h * head_stride + slot, k_ptr + t * k_token + h * k_head, row_bytes);
+      std::memcpy(v_cache + h * head_stride + slot, v_ptr + t * v_token + h * v_head, row_bytes);
     }
   }
 }

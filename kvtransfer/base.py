@@ -2,9 +2,11 @@
 
 A transfer moves one prompt's KV from a prefill worker to a decode worker as
 one or more payloads. Each payload holds consecutive prompt tokens starting at
-a multiple of the block size: the blocks ``kv_cache[:, :, :, block_ids]``
-gathered into ``[num_layers, 2, num_kv_heads, num_blocks, block_size,
-head_size]`` (C order, little-endian): per layer the keys, then the values.
+a multiple of the block size: the blocks ``kv_cache[block_ids]`` one after the
+other, ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_size]`` (C
+order, little-endian): per block, per layer the keys, then the values. That is
+the engine's block-major cache layout, so a block travels as one contiguous
+piece of the cache (format version 2; version 1 was head-major).
 A ``KVTransferHeader`` (worker.proto) travels in front of each payload with a
 4-byte little-endian length prefix; the receiver checks it (version, model
 fingerprint, layout, size, checksum) before any byte reaches its cache.
@@ -34,7 +36,7 @@ __all__ = [
     "scatter_blocks", "verify",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 _DTYPES = {
     torch.float32: worker_pb2.KV_CACHE_DTYPE_FLOAT32,
@@ -62,8 +64,8 @@ class KVLayout:
 
     @classmethod
     def from_kv_cache(cls, kv_cache: torch.Tensor) -> "KVLayout":
-        # kv_cache: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_size]
-        num_layers, _, num_kv_heads, _, block_size, head_size = kv_cache.shape
+        # kv_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_size]
+        _, num_layers, _, num_kv_heads, block_size, head_size = kv_cache.shape
         return cls(num_layers, num_kv_heads, head_size, kv_cache.dtype, block_size)
 
     @property
@@ -73,8 +75,8 @@ class KVLayout:
         return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_size * element_size
 
     def payload_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_size]``."""
-        return (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.head_size)
+        """``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_size]``."""
+        return (num_blocks, self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_size)
 
     def to_pb(self) -> worker_pb2.KVCacheLayout:
         return worker_pb2.KVCacheLayout(
@@ -175,7 +177,7 @@ def payload_checksum(payload: torch.Tensor) -> int:
 def make_header(transfer_id: str, model_fingerprint: str, payload: torch.Tensor, first_token_position: int,
                 num_tokens: int, num_prompt_tokens: int, is_last: bool = False,
                 first_token_id: int | None = None) -> TransferHeader:
-    """The header of a gathered payload ``[layers, 2, kv_heads, n, block_size, head_size]``: layout, size and
+    """The header of a gathered payload ``[n, layers, 2, kv_heads, block_size, head_size]``: layout, size and
     checksum taken from the tensor."""
     layout = KVLayout.from_kv_cache(payload)
     return TransferHeader(transfer_id, model_fingerprint, layout, first_token_position, num_tokens, num_prompt_tokens,
@@ -219,7 +221,7 @@ def verify(header: TransferHeader, payload: "torch.Tensor | Buffer", model_finge
 
 
 def payload_tensor(header: TransferHeader, data: "Buffer") -> torch.Tensor:
-    """A verified payload's bytes as ``[layers, 2, kv_heads, n, block_size, head_size]`` (no copy when writable)."""
+    """A verified payload's bytes as ``[n, layers, 2, kv_heads, block_size, head_size]`` (no copy when writable)."""
     flat = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     return flat.view(header.layout.dtype).view(header.layout.payload_shape(header.num_blocks))
 
@@ -246,8 +248,8 @@ class KVEndpointInfo:
 
 @dataclass
 class ReceivedPayload:
-    """A payload that passed verification against this worker: its header, and its tensor ``[layers, 2,
-    kv_heads, n, block_size, head_size]`` in the layout's dtype.
+    """A payload that passed verification against this worker: its header, and its tensor ``[n, layers, 2,
+    kv_heads, block_size, head_size]`` in the layout's dtype.
 
     The tensor lives in the connector's receive buffer: it is valid only until the callback returns
     (copy it into the cache there with ``scatter_blocks``, or clone it).
@@ -299,7 +301,7 @@ class KVConnector(ABC):
             header: its fields describe the whole payload; a ``checksum`` of None is computed here. The
                 object is not modified. A connector may split the payload into several consecutive payloads
                 of whole blocks (each with its own header), which the receiver delivers one by one.
-            payload: a gathered tensor ``[layers, 2, kv_heads, n, block_size, head_size]``, or a
+            payload: a gathered tensor ``[n, layers, 2, kv_heads, block_size, head_size]``, or a
                 :class:`BlockSource` (gathered here; its blocks must not change until this returns).
 
         Raises:

@@ -41,37 +41,37 @@ def payload_bytes(payload: torch.Tensor) -> memoryview:
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """The payload of ``block_ids``, a new contiguous tensor.
+    """The payload of ``block_ids``, a new contiguous tensor (one whole-block copy each).
 
-    kv_cache: [layers, 2, kv_heads, num_blocks, block_size, head_size]
-    returns:  [layers, 2, kv_heads, len(block_ids), block_size, head_size]
+    kv_cache: [num_blocks, layers, 2, kv_heads, block_size, head_size]
+    returns:  [len(block_ids), layers, 2, kv_heads, block_size, head_size]
     """
-    return kv_cache.index_select(3, torch.tensor(block_ids, dtype=torch.long))
+    return kv_cache.index_select(0, torch.tensor(block_ids, dtype=torch.long))
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.Tensor) -> None:
-    """Write a payload into ``block_ids`` of the cache, in place (one ``index_copy_``, no loop over layers).
+    """Write a payload into ``block_ids`` of the cache, in place (one ``index_copy_`` of whole blocks).
 
-    kv_cache: [layers, 2, kv_heads, num_blocks, block_size, head_size]   (modified)
-    payload:  [layers, 2, kv_heads, len(block_ids), block_size, head_size]
+    kv_cache: [num_blocks, layers, 2, kv_heads, block_size, head_size]   (modified)
+    payload:  [len(block_ids), layers, 2, kv_heads, block_size, head_size]
     """
-    if payload.shape[3] != len(block_ids):
-        raise KVVerificationError(f"The payload holds {payload.shape[3]} blocks; {len(block_ids)} were reserved.")
-    kv_cache.index_copy_(3, torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device), payload)
+    if payload.shape[0] != len(block_ids):
+        raise KVVerificationError(f"The payload holds {payload.shape[0]} blocks; {len(block_ids)} were reserved.")
+    kv_cache.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device), payload)
 
 
 class BlockSource:
-    """A payload not gathered yet: ``block_ids`` of a KV cache, gathered by the connector in pieces of
-    whole blocks, so that gathering, checksumming and the wire overlap and no whole copy is made up front.
+    """A payload not gathered: ``block_ids`` of a KV cache. Each block is one contiguous piece of the
+    cache, so a connector sends the blocks themselves (no copy) or gathers runs of them as it needs.
 
     Until the connector's ``send`` returns, the blocks must not be freed or rewritten.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int]) -> None:
-        self.kv_cache = kv_cache  # [layers, 2, kv_heads, num_blocks, block_size, head_size]
-        self.index = torch.tensor(list(block_ids), dtype=torch.long)
-        self.num_blocks = len(block_ids)
-        self.block_num_bytes = kv_cache[:, :, :, :1].numel() * kv_cache.element_size()
+    def __init__(self, kv_cache: torch.Tensor, block_ids: "list[int] | range") -> None:
+        self.kv_cache = kv_cache  # [num_blocks, layers, 2, kv_heads, block_size, head_size]
+        self.block_ids = list(block_ids)
+        self.num_blocks = len(self.block_ids)
+        self.block_num_bytes = kv_cache[:1].numel() * kv_cache.element_size()
         self.num_bytes = self.block_num_bytes * self.num_blocks
 
     @classmethod
@@ -79,20 +79,25 @@ class BlockSource:
         """``payload`` itself, or a gathered payload tensor seen as all of its own blocks."""
         if isinstance(payload, BlockSource):
             return payload
-        return cls(payload, range(payload.shape[3]))
+        return cls(payload, range(payload.shape[0]))
 
-    def shape(self, num_blocks: int) -> tuple[int, ...]:
-        """``[layers, 2, kv_heads, num_blocks, block_size, head_size]``."""
-        layers, two, kv_heads, _, block_size, head_size = self.kv_cache.shape
-        return (layers, two, kv_heads, num_blocks, block_size, head_size)
+    def block(self, index: int) -> torch.Tensor:
+        """Block ``index`` of the payload: a view of the cache ``[layers, 2, kv_heads, block_size, head_size]``
+        (contiguous when the cache is)."""
+        return self.kv_cache[self.block_ids[index]]
+
+    def block_bytes(self, index: int) -> memoryview:
+        """The bytes of block ``index``, without a copy (the cache must be contiguous, as the engine's is)."""
+        return memoryview(self.block(index).view(-1).view(torch.uint8).numpy())
 
     def gather(self, first_block: int, num_blocks: int, out: torch.Tensor) -> torch.Tensor:
         """Blocks ``[first_block, first_block + num_blocks)`` of the payload, written into ``out`` (a buffer of
-        at least that many bytes, any dtype) and returned as ``[layers, 2, kv_heads, num_blocks, block_size,
+        at least that many bytes, any dtype) and returned as ``[num_blocks, layers, 2, kv_heads, block_size,
         head_size]``."""
         target = out.view(-1).view(torch.uint8)[: num_blocks * self.block_num_bytes]
-        target = target.view(self.kv_cache.dtype).view(self.shape(num_blocks))
-        return torch.index_select(self.kv_cache, 3, self.index[first_block : first_block + num_blocks], out=target)
+        target = target.view(self.kv_cache.dtype).view((num_blocks, *self.kv_cache.shape[1:]))
+        index = torch.tensor(self.block_ids[first_block : first_block + num_blocks], dtype=torch.long)
+        return torch.index_select(self.kv_cache, 0, index, out=target)
 
 
 class StagingBuffers:

@@ -10,20 +10,27 @@ builds its end of the group and starts a receive thread for the pair, so it
 needs no hint from the router. With CUDA caches the same shape works with
 ``ProcessGroupNCCL``; only Gloo is built here (see ``_new_pair_group``).
 
-One send on a pair, ``chunks`` payloads of whole blocks (``chunk_bytes``):
+One send on a pair: the payload's blocks, grouped in chunks of whole blocks
+(``chunk_bytes``), each chunk a payload of its own with its own header:
 
-    META     int64[5]  num_chunks, header_frame_bytes, chunk_bytes, last_chunk_bytes, flags
+    META     int64[5]  num_blocks, blocks_per_chunk, block_bytes, header_frame_bytes,
+                       flags (bit 0: goodbye; bits 8-15: this wire protocol's version, 2)
     per chunk: HEADER  uint8[header_frame_bytes]  the length-prefixed KVTransferHeader, zero padded
-               PAYLOAD uint8[chunk bytes]         the chunk's payload (format version 1)
+               BLOCK   uint8[block_bytes]         one message per block, straight from the cache
     ACK      int64[1]  from the decode side once every chunk is in its memory: 0, or 1 if it is closing
 
-Gloo moves a message only once the receiver has posted a buffer for it, so
-the receiver posts a ring of chunks ahead (``receive_slots``) as soon as META
-tells their sizes; a handshake per chunk cost a quarter of the throughput.
-The sender gathers and checksums chunk i+1 on a helper thread while chunk i
-is on the wire; the receiver verifies and delivers chunk i while later ones
-land. A peer that dies or stalls mid-send breaks only its pair: the receiver
-reports the transfers that were open on it, the sender raises.
+A block of the block-major cache is one contiguous piece, so the sender hands
+Gloo the cache's own memory: nothing is gathered or copied on the prefill
+side. Gloo moves a message only once the receiver has posted a buffer for it,
+so the receiver posts a ring of chunks ahead (``receive_slots``) as soon as
+META tells their sizes (its own layout never sizes a receive: a mismatched
+size would abort the process inside Gloo; the header check refuses the
+payload instead). The sender checksums chunk i+1 while chunk i is on the
+wire; the receiver verifies and delivers chunk i while later ones land. A
+peer that dies or stalls mid-send breaks only its pair: the receiver reports
+the transfers that were open on it, the sender raises. A META of another
+protocol version breaks the pair at once (the two workers run different
+splitserve versions).
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ import socket
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
@@ -42,7 +48,7 @@ import torch.distributed as dist
 
 from splitserve.kvtransfer.base import (DroppedTransfers, KVConnector, KVEndpointInfo, KVLayout, KVTransferError,
                                         OnError, OnPayload, ReceivedPayload, TransferHeader, payload_tensor, verify)
-from splitserve.kvtransfer.blocks import BlockSource, StagingBuffers, crc32
+from splitserve.kvtransfer.blocks import BlockSource, crc32
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,7 @@ _PEERS_KEY = "splitserve/kv/peers"
 _TAG_META, _TAG_HEADER, _TAG_PAYLOAD, _TAG_ACK = 0, 1, 2, 3
 _SENDER, _RECEIVER = 0, 1
 _FLAG_GOODBYE = 1
+_PROTOCOL_VERSION = 2  # of the messages above; in META's flags, bits 8-15
 _ACK_OK, _ACK_CLOSING = 0, 1
 _IDLE_TIMEOUT = timedelta(days=7)  # a pair may stay idle as long as both workers live
 
@@ -76,8 +83,6 @@ class _SenderPair:
         self.store = store  # keeps the store connection alive with the group
         self.address = address
         self.lock = threading.Lock()
-        self.staging = StagingBuffers()  # two chunk slots and two header frames, reused
-        self.preparer = ThreadPoolExecutor(1, thread_name_prefix="p2p-gather")
 
 
 class P2PConnector(KVConnector):
@@ -242,7 +247,6 @@ class P2PConnector(KVConnector):
         with self._pairs_lock:
             if self._pairs.get(pair.address) is pair:
                 del self._pairs[pair.address]
-        pair.preparer.shutdown(wait=False)
 
     def close(self) -> None:
         """Say goodbye on idle sender pairs (their receive threads end), stop the watcher; returns within about
@@ -261,7 +265,6 @@ class P2PConnector(KVConnector):
                     pass
                 finally:
                     pair.lock.release()
-            pair.preparer.shutdown(wait=False)
         with self._store_lock:
             self._store = None
 
@@ -273,38 +276,28 @@ def _send_on(pair: _SenderPair, header: TransferHeader, source: BlockSource, blo
     keep_checksum = len(headers) == 1 and header.checksum is not None
     # The checksum is fixed32: its value does not change the header's length; 1 stands for any nonzero one.
     frame_bytes = max(len(dataclasses.replace(chunk, checksum=1).to_bytes()) for chunk in headers)
-    chunk_bytes, last_bytes = headers[0].payload_num_bytes, headers[-1].payload_num_bytes
-    meta = torch.tensor([len(headers), frame_bytes, chunk_bytes, last_bytes, 0], dtype=torch.int64)
+    flags = _PROTOCOL_VERSION << 8
+    meta = torch.tensor([source.num_blocks, blocks_per_chunk, source.block_num_bytes, frame_bytes, flags],
+                        dtype=torch.int64)
     try:
         pair.group.send([meta], _RECEIVER, _TAG_META).wait()
     except Exception as error:
         raise _PairBroken(error, data_sent=False) from None
-
-    def prepare(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather and checksum chunk ``index`` into staging slot ``index % 2``: (header frame, payload bytes)."""
-        chunk = headers[index]
-        out = pair.staging.get(index % 2, chunk_bytes)
-        data = source.gather(index * blocks_per_chunk, chunk.num_blocks, out).view(-1).view(torch.uint8)
-        if not keep_checksum:
-            chunk.checksum = crc32(memoryview(data.numpy()))
-        frame = pair.staging.get(2 + index % 2, frame_bytes)
-        frame.zero_()
-        encoded = chunk.to_bytes()
-        frame[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-        return frame, data
-
     try:
-        works: list[list] = []
-        prepared = pair.preparer.submit(prepare, 0)
-        for index in range(len(headers)):
-            frame, data = prepared.result()
-            works.append([pair.group.send([frame], _RECEIVER, _TAG_HEADER),
-                          pair.group.send([data], _RECEIVER, _TAG_PAYLOAD)])
-            if index + 1 < len(headers):
-                for work in works[index - 1] if index else ():  # slot (index + 1) % 2 must be on the wire
-                    work.wait()
-                prepared = pair.preparer.submit(prepare, index + 1)
-        for work in works[-1] + (works[-2] if len(works) > 1 else []):
+        works, keep = [], []  # frames and blocks stay referenced until their sends complete
+        for index, chunk in enumerate(headers):
+            first_block = index * blocks_per_chunk
+            blocks = [source.block(first_block + offset).contiguous() for offset in range(chunk.num_blocks)]
+            if not keep_checksum:  # while the previous chunk is on the wire
+                checksum = 0
+                for block in blocks:
+                    checksum = crc32(memoryview(block.view(-1).view(torch.uint8).numpy()), checksum)
+                chunk.checksum = checksum
+            keep.append((_frame(chunk, frame_bytes), blocks))
+            works.append(pair.group.send([keep[-1][0]], _RECEIVER, _TAG_HEADER))
+            works.extend(pair.group.send([block.view(-1).view(torch.uint8)], _RECEIVER, _TAG_PAYLOAD)
+                         for block in blocks)
+        for work in works:
             work.wait()
         status = torch.empty(1, dtype=torch.int64)
         pair.group.recv([status], _RECEIVER, _TAG_ACK).wait(timeout)
@@ -312,6 +305,14 @@ def _send_on(pair: _SenderPair, header: TransferHeader, source: BlockSource, blo
         raise _PairBroken(error, data_sent=True) from None
     if int(status) == _ACK_CLOSING:
         raise _PairBroken(RuntimeError("the receiver is closing"), data_sent=True)
+
+
+def _frame(header: TransferHeader, frame_bytes: int) -> torch.Tensor:
+    """The length-prefixed header, zero padded to ``frame_bytes``."""
+    encoded = header.to_bytes()
+    frame = torch.zeros(frame_bytes, dtype=torch.uint8)
+    frame[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    return frame
 
 
 def _chunk_headers(header: TransferHeader, source: BlockSource, blocks_per_chunk: int) -> list[TransferHeader]:
@@ -350,18 +351,21 @@ class _PairReceiver:
         while True:
             try:
                 meta_work.wait()  # idle: as long as the peer lives
-                num_chunks, frame_bytes, chunk_bytes, last_bytes, flags = (int(value) for value in meta)
+                num_blocks, blocks_per_chunk, block_bytes, frame_bytes, flags = (int(value) for value in meta)
                 if flags & _FLAG_GOODBYE:
                     logger.info("KV pair with %s closed by the peer", self.peer)
                     return
+                if (flags >> 8) & 0xFF != _PROTOCOL_VERSION:
+                    raise KVTransferError(f"The peer speaks p2p wire protocol {(flags >> 8) & 0xFF}, this worker "
+                                          f"{_PROTOCOL_VERSION}: run the same splitserve version on both.")
                 next_meta = torch.empty(5, dtype=torch.int64)
                 meta_work = self.group.recv([next_meta], _SENDER, _TAG_META)  # posted ahead: no bubble
                 self.in_send = True
-                self._receive_send(num_chunks, frame_bytes, chunk_bytes, last_bytes)
+                self._receive_send(num_blocks, blocks_per_chunk, block_bytes, frame_bytes)
                 self.in_send = False
                 meta = next_meta
             except Exception as error:
-                if not self.open_transfers and not self.in_send:
+                if not self.open_transfers and not self.in_send and not isinstance(error, KVTransferError):
                     logger.info("KV pair with %s closed by the peer", self.peer)
                 else:
                     logger.warning("KV pair with %s broke: %s", self.peer, error)
@@ -371,8 +375,10 @@ class _PairReceiver:
             if connector._closed.is_set():
                 return
 
-    def _receive_send(self, num_chunks: int, frame_bytes: int, chunk_bytes: int, last_bytes: int) -> None:
+    def _receive_send(self, num_blocks: int, blocks_per_chunk: int, block_bytes: int, frame_bytes: int) -> None:
         """Receive one send's chunks through the ring, delivering each as it lands; acknowledge the last."""
+        num_chunks = max(1, -(-num_blocks // blocks_per_chunk))
+        chunk_bytes = blocks_per_chunk * block_bytes
         num_slots = min(self.connector.receive_slots, num_chunks)
         if self.ring.numel() < num_slots * chunk_bytes:
             self.ring = torch.empty(num_slots * chunk_bytes, dtype=torch.uint8)
@@ -380,22 +386,27 @@ class _PairReceiver:
             self.frames = torch.empty(num_slots * frame_bytes, dtype=torch.uint8)
 
         def post(index: int):
+            """Post chunk ``index``'s receives into ring slot ``index % num_slots``: (frame, its work, payload
+            bytes, the works of its blocks)."""
             slot = index % num_slots
-            size = last_bytes if index == num_chunks - 1 else chunk_bytes
+            chunk_blocks = min(blocks_per_chunk, num_blocks - index * blocks_per_chunk)
             frame = self.frames[slot * frame_bytes : (slot + 1) * frame_bytes]
-            data = self.ring[slot * chunk_bytes : slot * chunk_bytes + size]
-            return (frame, self.group.recv([frame], _SENDER, _TAG_HEADER),
-                    data, self.group.recv([data], _SENDER, _TAG_PAYLOAD))
+            data = self.ring[slot * chunk_bytes : slot * chunk_bytes + chunk_blocks * block_bytes]
+            frame_work = self.group.recv([frame], _SENDER, _TAG_HEADER)
+            block_works = [self.group.recv([data[block * block_bytes : (block + 1) * block_bytes]], _SENDER,
+                                           _TAG_PAYLOAD) for block in range(chunk_blocks)]
+            return frame, frame_work, data, block_works
 
         posted = [post(index) for index in range(num_slots)]
         timeout = self.connector.receive_timeout
         for index in range(num_chunks):
-            frame, frame_work, data, data_work = posted[index % num_slots]
+            frame, frame_work, data, block_works = posted[index % num_slots]
             frame_work.wait(timeout)
             header = self._parse_frame(frame)
             if header is not None:
                 self.open_transfers.add(header.transfer_id)
-            data_work.wait(timeout)
+            for work in block_works:
+                work.wait(timeout)
             if index == num_chunks - 1:
                 closing = self.connector._closed.is_set()
                 status = torch.tensor([_ACK_CLOSING if closing else _ACK_OK], dtype=torch.int64)

@@ -33,7 +33,7 @@ class TransferSender:
 
     Args:
         connector: the worker's KV connector.
-        kv_cache: the engine's KV cache tensor ``[layers, 2, kv_heads, blocks, block_size, head_size]``.
+        kv_cache: the engine's KV cache tensor ``[blocks, layers, 2, kv_heads, block_size, head_size]``.
         transfer_id, destination, model_fingerprint, layout, num_prompt_tokens: header fields.
     """
 

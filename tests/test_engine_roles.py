@@ -56,7 +56,7 @@ def test_aborted_request_with_hold_frees_at_once(engines):
 def _copy_kv(source, source_id, target, target_id):
     source_blocks = torch.tensor(source.block_ids(source_id))
     target_blocks = torch.tensor(target.block_ids(target_id))
-    target.model_runner.kv_cache[:, :, :, target_blocks] = source.model_runner.kv_cache[:, :, :, source_blocks]
+    target.model_runner.kv_cache[target_blocks] = source.model_runner.kv_cache[source_blocks]
 
 
 def test_seeded_sampling_continues_across_the_handover(engines):
@@ -92,7 +92,7 @@ def test_recompute_after_giving_up_on_remote_kv(engines):
     # The first full block is in this engine's prefix cache from "local": taken as it is, not awaited.
     assert request.num_cached_tokens == 16
     # Garbage in the blocks awaiting KV (a partial transfer) must not matter: that part is recomputed.
-    decode.model_runner.kv_cache[:, :, :, torch.tensor(decode.block_ids("late")[1:])] = 7.0
+    decode.model_runner.kv_cache[torch.tensor(decode.block_ids("late")[1:])] = 7.0
     decode.recompute_remote_kv("late")
     assert request.status == RequestStatus.WAITING
     assert run(decode)[-1].outputs[0].token_ids == expected

@@ -11,6 +11,14 @@ from splitserve.engine.model_store import cache_dir
 from splitserve.kernels import cpu_ops
 
 
+def block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, generator=None):
+    """One layer's key and value caches [kv_heads, num_blocks, block_size, head_dim], strided views of a
+    block-major cache [num_blocks, layers, 2, kv_heads, block_size, head_dim] (as the engine allocates it)."""
+    cache = torch.randn(num_blocks, 3, 2, num_kv_heads, block_size, head_dim, generator=generator)
+    layer = cache[:, 1].permute(1, 2, 0, 3, 4)  # [2, kv_heads, num_blocks, block_size, head_dim]
+    return layer[0], layer[1]
+
+
 def reference(query, key_cache, value_cache, block_tables, seq_lens, scale):
     num_requests = query.shape[0]
     num_kv_heads, _, block_size, _ = key_cache.shape
@@ -32,8 +40,8 @@ def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, blo
     assert cpu_ops.available(str(cache_dir())), "the C++ kernel must build on this machine"
     generator = torch.Generator().manual_seed(0)
     num_blocks = 200
-    key_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator)
-    value_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator)
+    key_cache, value_cache = block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, generator)
+    assert not key_cache.is_contiguous()
     seq_lens = torch.tensor(lengths, dtype=torch.int64)
     max_blocks = -(-max(lengths) // block_size)
     # Every request gets distinct, shuffled blocks; unused table entries point at block 0.
@@ -129,10 +137,15 @@ def test_write_kv_matches_index_copy():
     key = qkv[:, 9 * 8 : 12 * 8].view(40, 3, 8)  # strided views, as the model passes them
     value = qkv[:, 12 * 8 :].view(40, 3, 8)
     slots = torch.randperm(10 * 4, generator=generator)
-    expected_keys, expected_values = torch.randn(2, 3, 10, 4, 8, generator=generator)
-    keys, values = expected_keys.clone(), expected_values.clone()
+    expected_keys, expected_values = block_major_caches(3, 10, 4, 8, generator)
+    keys, values = block_major_caches(3, 10, 4, 8, generator)
+    keys.copy_(expected_keys)
+    values.copy_(expected_values)
     write_kv(expected_keys, expected_values, key, value, slots)
     kernels.write_kv_(keys, values, key, value, slots)
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    # Every slot was written from its token's row (the reference itself is checked, not only the kernel).
+    blocks, offsets = slots // 4, slots % 4
+    assert torch.equal(expected_keys[:, blocks, offsets], key.transpose(0, 1))
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernels.write_kv_(keys, values, key[:1], value[:1], torch.tensor([40]))

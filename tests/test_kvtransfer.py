@@ -19,8 +19,8 @@ from splitserve.launcher import LocalCluster
 
 pytestmark = pytest.mark.timeout(120)
 
-# A small cache: 4 layers, 2 KV heads, 16 blocks of 4 tokens, head size 8.
-SHAPE = (4, 2, 2, 16, 4, 8)
+# A small block-major cache: 16 blocks, 4 layers, 2 KV heads, blocks of 4 tokens, head size 8.
+SHAPE = (16, 4, 2, 2, 4, 8)
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=8, dtype=torch.float32, block_size=4)
 FINGERPRINT = "model-a"
 
@@ -75,20 +75,21 @@ def test_header_round_trip_and_garbage():
         TransferHeader.from_bytes(b"\x01")
     with pytest.raises(KVTransferError, match="follow"):
         TransferHeader.from_bytes(b"\xff\x00\x00\x00abc")
-    future = header_for(payload, "t1", 0, 8, 15, False)
-    future.format_version = 2
-    with pytest.raises(KVVerificationError, match="format version 2 is not supported"):
-        TransferHeader.from_bytes(future.to_bytes())
+    for other_version in (1, 3):  # the head-major payload of version 1, and a future one
+        other = header_for(payload, "t1", 0, 8, 15, False)
+        other.format_version = other_version
+        with pytest.raises(KVVerificationError, match=f"format version {other_version} is not supported"):
+            TransferHeader.from_bytes(other.to_bytes())
 
 
 def test_gather_scatter_round_trip_into_other_blocks():
     source, target = seeded_cache(1), torch.zeros(SHAPE)
     payload = gather_blocks(source, [3, 7, 1])
-    assert payload.shape == (4, 2, 2, 3, 4, 8) and payload.is_contiguous()
+    assert payload.shape == (3, 4, 2, 2, 4, 8) and payload.is_contiguous()
     scatter_blocks(target, [10, 2, 5], payload)
-    assert torch.equal(target[:, :, :, [10, 2, 5]], source[:, :, :, [3, 7, 1]])
+    assert torch.equal(target[[10, 2, 5]], source[[3, 7, 1]])
     untouched = [b for b in range(16) if b not in (10, 2, 5)]
-    assert not target[:, :, :, untouched].any()
+    assert not target[untouched].any()
 
 
 def test_verify_names_what_differs():
@@ -118,7 +119,7 @@ from splitserve.kvtransfer import create_connector
 from splitserve.kvtransfer.base import BlockSource, KVEndpointInfo, KVLayout, TransferHeader, gather_blocks, payload_checksum
 address, worker_id, seed, transfer_id, fingerprint = sys.argv[1:6]
 layout = KVLayout(4, 2, 8, torch.float32, 4)
-cache = torch.randn((4, 2, 2, 16, 4, 8), generator=torch.Generator().manual_seed(int(seed)))
+cache = torch.randn((16, 4, 2, 2, 4, 8), generator=torch.Generator().manual_seed(int(seed)))
 connector = create_connector("p2p", worker_id, fingerprint, layout, connect_timeout_seconds=10)
 destination = KVEndpointInfo("p2p", address, "receiver")
 # Prompt of 11 tokens in blocks [3, 7, 1]: two payloads, the last with the first token.
@@ -169,7 +170,7 @@ def test_p2p_across_processes_is_bit_exact(p2p_receiver):
         target = torch.zeros(SHAPE)
         scatter_blocks(target, [10, 2], received[0].payload)
         scatter_blocks(target, [5], received[1].payload)
-        assert torch.equal(target[:, :, :, [10, 2, 5]], seeded_cache(seed)[:, :, :, [3, 7, 1]])
+        assert torch.equal(target[[10, 2, 5]], seeded_cache(seed)[[3, 7, 1]])
 
 
 def test_p2p_refuses_another_model_and_drops_cancelled_transfers(p2p_receiver):
@@ -230,7 +231,7 @@ def test_redis_transfer_is_bit_exact_and_leaves_nothing(redis_url):
     target = torch.zeros(SHAPE)
     scatter_blocks(target, [10, 2], inbox.payloads[0].payload)
     scatter_blocks(target, [5], inbox.payloads[1].payload)
-    assert torch.equal(target[:, :, :, [10, 2, 5]], source[:, :, :, [3, 7, 1]])
+    assert torch.equal(target[[10, 2, 5]], source[[3, 7, 1]])
     assert inbox.payloads[1].header.first_token_id == 7
 
     # A corrupted piece is refused with the reason; a cancelled transfer is dropped; keys never linger.

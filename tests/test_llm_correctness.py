@@ -108,7 +108,7 @@ def test_remote_kv_written_into_reserved_blocks_gives_the_same_tokens(llm, model
     # "Transfer": copy every layer's K and V block by block into the reserved blocks.
     source_index = torch.tensor(source_blocks)
     target_index = torch.tensor(target_blocks)
-    target.model_runner.kv_cache[:, :, :, target_index] = source.model_runner.kv_cache[:, :, :, source_index]
+    target.model_runner.kv_cache[target_index] = source.model_runner.kv_cache[source_index]
     target.finish_remote_kv("d", first_token_id=first_token)
     assert request.status == RequestStatus.WAITING
 
@@ -137,7 +137,7 @@ def test_remote_kv_without_first_token_recomputes_only_the_last_prompt_token(mod
     source = torch.tensor(prefill.engine.block_ids("p"))
     decode.engine.add_request("d", None, GREEDY, prompt_token_ids=prompt, remote_kv=True)
     target = torch.tensor(decode.engine.block_ids("d"))
-    decode.engine.model_runner.kv_cache[:, :, :, target] = prefill.engine.model_runner.kv_cache[:, :, :, source]
+    decode.engine.model_runner.kv_cache[target] = prefill.engine.model_runner.kv_cache[source]
     decode.engine.finish_remote_kv("d")
     outputs = []
     while decode.engine.has_unfinished_requests():
