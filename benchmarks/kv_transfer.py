@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from splitserve.kvtransfer import create_connector
 from splitserve.kvtransfer.base import KVLayout
-from splitserve.kvtransfer.blocks import CRC32_IMPLEMENTATION
+from splitserve.kvtransfer.blocks import CHECKSUM_NAME
 from splitserve.launcher import LocalCluster
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_size=64, dtype=torch.float32, block_size=16)
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
         sender.close()
         if launcher.redis is not None:
             launcher.redis.stop(5)
-    print(f"checksum: {CRC32_IMPLEMENTATION}; medians of {args.repeats}")
+    print(f"checksum: {CHECKSUM_NAME}; medians of {args.repeats}")
     print(f"{'connector':<9} {'tokens':>6} {'MB':>6} {'connector MB/s':>15} {'ceiling MB/s':>13} {'ratio':>6}"
           f"  target >= {TARGET}")
     for row in rows:
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
               f"{row['ceiling_mb_per_s']:>13,.0f} {row['ratio']:>6.2f}  {verdict}")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"args": vars(args), "checksum": CRC32_IMPLEMENTATION, "rows": rows}, handle, indent=2)
+            json.dump({"args": vars(args), "checksum": CHECKSUM_NAME, "rows": rows}, handle, indent=2)
     return 0
 
 

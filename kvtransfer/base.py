@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from splitserve.kvtransfer.blocks import BlockSource, crc32, gather_blocks, payload_bytes, scatter_blocks
+from splitserve.kvtransfer.blocks import BlockSource, checksum, gather_blocks, payload_bytes, scatter_blocks
 from splitserve.kvtransfer.errors import KVTransferError, KVVerificationError
 from splitserve.v1 import worker_pb2
 
@@ -110,7 +110,7 @@ class TransferHeader:
     num_tokens: int
     num_prompt_tokens: int
     payload_num_bytes: int
-    # CRC-32 (zlib's) of the payload bytes; None lets the connector compute it while sending.
+    # XXH3-64 of the payload bytes; None lets the connector compute it while sending.
     checksum: int | None
     is_last: bool = False
     # The first output token, on the last payload only.
@@ -170,8 +170,8 @@ def _check_version(format_version: int) -> None:
 
 
 def payload_checksum(payload: torch.Tensor) -> int:
-    """CRC-32 (zlib's, IEEE) of a payload tensor's bytes."""
-    return crc32(payload_bytes(payload))
+    """XXH3-64 of a payload tensor's bytes."""
+    return checksum(payload_bytes(payload))
 
 
 def make_header(transfer_id: str, model_fingerprint: str, payload: torch.Tensor, first_token_position: int,
@@ -185,11 +185,11 @@ def make_header(transfer_id: str, model_fingerprint: str, payload: torch.Tensor,
 
 
 def verify(header: TransferHeader, payload: "torch.Tensor | Buffer", model_fingerprint: str, layout: KVLayout,
-           checksum: int | None = None) -> None:
+           computed_checksum: int | None = None) -> None:
     """Check a received payload (its bytes, or a tensor) against this worker's fingerprint and layout.
 
     Args:
-        checksum: the payload's CRC-32 when the caller computed it on the way in (else computed here).
+        computed_checksum: the payload's XXH3-64 when the caller computed it on the way in (else computed here).
 
     Raises:
         KVVerificationError: saying what differs.
@@ -214,10 +214,10 @@ def verify(header: TransferHeader, payload: "torch.Tensor | Buffer", model_finge
     if header.payload_num_bytes != expected:
         raise KVVerificationError(f"The header says {header.payload_num_bytes} payload bytes, but {header.num_tokens} "
                                   f"tokens in {header.num_blocks} blocks need {expected}.")
-    actual = crc32(data) if checksum is None else checksum & 0xFFFFFFFF
+    actual = checksum(data) if computed_checksum is None else computed_checksum
     if actual != header.checksum:
-        raise KVVerificationError(f"Checksum mismatch: the payload's CRC-32 is {actual:08x}, the header says "
-                                  f"{(header.checksum or 0):08x}.")
+        raise KVVerificationError(f"Checksum mismatch: the payload's XXH3-64 is {actual:016x}, the header says "
+                                  f"{(header.checksum or 0):016x}.")
 
 
 def payload_tensor(header: TransferHeader, data: "Buffer") -> torch.Tensor:

@@ -1,38 +1,42 @@
-"""Payload bytes from and into a KV cache: gather, scatter, a lazily gathered block source, the checksum.
+"""Payload bytes from and into a KV cache: gather, scatter, a block source, the checksum.
 
-The checksum is zlib's CRC-32 (IEEE). zlib itself computes it at about 6 GB/s
-on this machine, which is as slow as the loopback wire; zlib-ng's and ISA-L's
-PCLMUL versions give the same values at about 38 GB/s, so the first of them
-that is installed is used (``CRC32_IMPLEMENTATION`` says which). All three
-release the GIL on large buffers.
+The checksum is XXH3-64 (seed 0) of the payload bytes, through the ``xxhash``
+package: a standard non-cryptographic hash (zstd's frame checksums are from the
+same family) that runs at memory speed, about 40 GB/s here on data in cache,
+where CRC-32 (zlib-ng's, PCLMUL) ran at 15 and zlib's at 6. On a small machine
+the sender and the receiver share the cores with the loopback wire, so every
+pass over the bytes is paid in throughput.
 """
 
 from __future__ import annotations
 
 import threading
-import zlib
 
 import torch
+import xxhash
 
 from splitserve.kvtransfer.errors import KVVerificationError
 
-try:
-    from zlib_ng.zlib_ng import crc32 as _crc32
-
-    CRC32_IMPLEMENTATION = "zlib-ng"
-except ImportError:
-    try:
-        from isal.isal_zlib import crc32 as _crc32
-
-        CRC32_IMPLEMENTATION = "isal"
-    except ImportError:
-        _crc32 = zlib.crc32
-        CRC32_IMPLEMENTATION = "zlib"
+CHECKSUM_NAME = "XXH3-64"
 
 
-def crc32(data, value: int = 0) -> int:
-    """CRC-32 of ``data`` (a bytes-like object), continuing from ``value``; equal to ``zlib.crc32``."""
-    return _crc32(data, value) & 0xFFFFFFFF
+class Checksum:
+    """XXH3-64 over pieces fed in order: equal to :func:`checksum` of their concatenation."""
+
+    def __init__(self) -> None:
+        self._state = xxhash.xxh3_64()
+
+    def update(self, data) -> "Checksum":
+        self._state.update(data)
+        return self
+
+    def value(self) -> int:
+        return self._state.intdigest()
+
+
+def checksum(data) -> int:
+    """XXH3-64 of ``data`` (a bytes-like object), an unsigned 64-bit integer."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 def payload_bytes(payload: torch.Tensor) -> memoryview:

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from splitserve.kvtransfer.base import (DroppedTransfers, KVConnector, KVEndpointInfo, KVLayout, KVTransferError,
                                         OnError, OnPayload, ReceivedPayload, TransferHeader, payload_tensor, verify)
-from splitserve.kvtransfer.blocks import BlockSource, crc32
+from splitserve.kvtransfer.blocks import BlockSource, Checksum
 
 logger = logging.getLogger(__name__)
 
@@ -289,10 +289,10 @@ def _send_on(pair: _SenderPair, header: TransferHeader, source: BlockSource, blo
             first_block = index * blocks_per_chunk
             blocks = [source.block(first_block + offset).contiguous() for offset in range(chunk.num_blocks)]
             if not keep_checksum:  # while the previous chunk is on the wire
-                checksum = 0
+                digest = Checksum()
                 for block in blocks:
-                    checksum = crc32(memoryview(block.view(-1).view(torch.uint8).numpy()), checksum)
-                chunk.checksum = checksum
+                    digest.update(memoryview(block.view(-1).view(torch.uint8).numpy()))
+                chunk.checksum = digest.value()
             keep.append((_frame(chunk, frame_bytes), blocks))
             works.append(pair.group.send([keep[-1][0]], _RECEIVER, _TAG_HEADER))
             works.extend(pair.group.send([block.view(-1).view(torch.uint8)], _RECEIVER, _TAG_PAYLOAD)

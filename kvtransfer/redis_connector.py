@@ -26,7 +26,7 @@ import torch
 
 from splitserve.kvtransfer.base import (DroppedTransfers, KVConnector, KVEndpointInfo, KVLayout, KVTransferError,
                                         OnError, OnPayload, ReceivedPayload, TransferHeader, payload_tensor, verify)
-from splitserve.kvtransfer.blocks import BlockSource, StagingBuffers, crc32
+from splitserve.kvtransfer.blocks import BlockSource, StagingBuffers, checksum
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +153,8 @@ class RedisConnector(KVConnector):
         else:  # gathered once into this thread's reused staging buffer
             data = source.gather(0, source.num_blocks, self._staging.get(0, source.num_bytes)).view(-1).view(torch.uint8)
         data = memoryview(data.numpy())
-        checksum = crc32(data) if header.checksum is None else header.checksum
-        envelope_header = dataclasses.replace(header, payload_num_bytes=len(data), checksum=checksum)
+        payload_checksum = checksum(data) if header.checksum is None else header.checksum
+        envelope_header = dataclasses.replace(header, payload_num_bytes=len(data), checksum=payload_checksum)
         base = f"{self.key_prefix}{header.transfer_id}:{header.first_token_position}:"
         keys = []
         try:

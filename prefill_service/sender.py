@@ -82,7 +82,7 @@ class TransferSender:
                 plan = self._plans.get()
                 if plan is None or self.cancelled:
                     return
-                # Gathered layer by layer by the connector, overlapping the wire; it fills in the checksum.
+                # The blocks themselves: the connector reads them from the cache and fills in the checksum.
                 payload = BlockSource(self.kv_cache, list(plan.block_ids))
                 header = TransferHeader(
                     transfer_id=self.transfer_id, model_fingerprint=self.model_fingerprint, layout=self.layout,
