@@ -117,10 +117,12 @@ SENDER = r"""
 import sys, torch
 from splitserve.kvtransfer import create_connector
 from splitserve.kvtransfer.base import BlockSource, KVEndpointInfo, KVLayout, TransferHeader, gather_blocks, payload_checksum
-address, worker_id, seed, transfer_id, fingerprint = sys.argv[1:6]
-layout = KVLayout(4, 2, 8, torch.float32, 4)
-cache = torch.randn((16, 4, 2, 2, 4, 8), generator=torch.Generator().manual_seed(int(seed)))
-connector = create_connector("p2p", worker_id, fingerprint, layout, connect_timeout_seconds=10)
+address, worker_id, seed, transfer_id, fingerprint, chunk_bytes, head_size = sys.argv[1:8]
+head_size = int(head_size)
+layout = KVLayout(4, 2, head_size, torch.float32, 4)
+cache = torch.randn((16, 4, 2, 2, 4, head_size), generator=torch.Generator().manual_seed(int(seed)))
+connector = create_connector("p2p", worker_id, fingerprint, layout, connect_timeout_seconds=10,
+                             chunk_bytes=int(chunk_bytes))
 destination = KVEndpointInfo("p2p", address, "receiver")
 # Prompt of 11 tokens in blocks [3, 7, 1]: two payloads, the last with the first token.
 # The first as the prefill worker sends (blocks gathered by the connector, which fills in the checksum).
@@ -131,16 +133,17 @@ for blocks, position, num_tokens, last in (([3, 7], 0, 8, False), ([1], 8, 3, Tr
     else:
         payload, checksum = BlockSource(cache, blocks), None
     header = TransferHeader(transfer_id, fingerprint, layout, position, num_tokens, 11,
-                            len(blocks) * 4 * 2 * 2 * 4 * 8 * 4, checksum, last, 99 if last else None)
+                            len(blocks) * layout.block_num_bytes, checksum, last, 99 if last else None)
     connector.send(destination, header, payload)
 print("SENT", flush=True)
 connector.close()
 """
 
 
-def run_sender(address: str, worker_id: str, seed: int, transfer_id: str, fingerprint: str = FINGERPRINT):
-    return subprocess.Popen([sys.executable, "-c", SENDER, address, worker_id, str(seed), transfer_id, fingerprint],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def run_sender(address: str, worker_id: str, seed: int, transfer_id: str, fingerprint: str = FINGERPRINT,
+               chunk_bytes: int = 4 << 20, head_size: int = 8):
+    return subprocess.Popen([sys.executable, "-c", SENDER, address, worker_id, str(seed), transfer_id, fingerprint,
+                             str(chunk_bytes), str(head_size)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture
@@ -171,6 +174,30 @@ def test_p2p_across_processes_is_bit_exact(p2p_receiver):
         scatter_blocks(target, [10, 2], received[0].payload)
         scatter_blocks(target, [5], received[1].payload)
         assert torch.equal(target[[10, 2, 5]], seeded_cache(seed)[[3, 7, 1]])
+
+
+def test_p2p_splits_sends_into_chunks_and_refuses_another_layout(p2p_receiver):
+    connector, inbox = p2p_receiver
+    address = connector.endpoint().address
+    # Chunks of one block: the first send (2 blocks) arrives as two payloads, each with its own header.
+    out, err = run_sender(address, "prefill-c", 15, "chunked", chunk_bytes=LAYOUT.block_num_bytes).communicate(timeout=90)
+    assert "SENT" in out, err
+    inbox.wait(num_payloads=3)
+    assert [(p.header.first_token_position, p.header.num_tokens) for p in inbox.payloads] == [(0, 4), (4, 4), (8, 3)]
+    target = torch.zeros(SHAPE)
+    for payload, block in zip(inbox.payloads, [10, 2, 5]):
+        scatter_blocks(target, [block], payload.payload)
+    assert torch.equal(target[[10, 2, 5]], seeded_cache(15)[[3, 7, 1]])
+    # A sender whose blocks are twice as large (head size 16): refused by the header check, and the
+    # receiver, which sized its receives from the sender's announcement, goes on.
+    out, err = run_sender(address, "prefill-w", 16, "wide", head_size=16).communicate(timeout=90)
+    assert "SENT" in out, err
+    inbox.wait(num_payloads=3, num_errors=1)
+    assert inbox.errors[0][0] == "wide" and "layout" in str(inbox.errors[0][1])
+    out, err = run_sender(address, "prefill-c", 17, "after").communicate(timeout=90)
+    assert "SENT" in out, err
+    inbox.wait(num_payloads=5)
+    assert [p.header.transfer_id for p in inbox.payloads[3:]] == ["after", "after"] and len(inbox.errors) == 1
 
 
 def test_p2p_refuses_another_model_and_drops_cancelled_transfers(p2p_receiver):
