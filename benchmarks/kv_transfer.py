@@ -2,11 +2,14 @@
 
 For prompts of ``--tokens`` (default 512, 1024, 2048, 4096) of the default
 model's KV shape (30 layers, 3 KV heads, head size 64, float32, block 16:
-46,080 bytes a token), a sender process sends one transfer (one ``send``
-of a ``BlockSource``, as the prefill worker does) and this process receives
-it. Timed from the start of ``send`` in the sender to the return of the
-receiver's ``on_payload`` for the last payload (CLOCK_MONOTONIC is shared by
-both processes): gathering, both checksums, the wire and verification.
+46,080 bytes a token, blocks scattered over a block-major cache), a sender
+process sends one transfer (one ``send`` of a ``BlockSource``, as the prefill
+worker does) and this process receives it. Timed from the start of ``send``
+in the sender to the return of the receiver's ``on_payload`` for the last
+payload (CLOCK_MONOTONIC is shared by both processes): reading the blocks,
+the checksum on each side (``--checksums xxh3``, the default; ``none`` skips
+both, to show what the wire protocol alone reaches), the wire and
+verification.
 
 Beside each connector, the raw ceiling on the same bytes between the same two
 processes, with warm buffers on both sides (allocated once, as the connectors'
@@ -26,6 +29,7 @@ Usage::
 
     python benchmarks/kv_transfer.py
     python benchmarks/kv_transfer.py --tokens 1024 4096 --repeats 7 --json kv.json
+    python benchmarks/kv_transfer.py --connectors p2p --checksums xxh3 none
 """
 
 from __future__ import annotations
@@ -93,10 +97,11 @@ for line in sys.stdin:
             pipeline.set(f"raw:{index}", data[offset:offset + piece], px=60000)
         pipeline.execute()
     else:
-        connector = connectors.get(kind)
+        connector = connectors.get((kind, command["checksum"]))
         if connector is None:
             options = {"url": command["address"]} if kind == "redis" else {}
-            connector = connectors[kind] = create_connector(kind, "bench-sender", "bench", layout, **options)
+            connector = connectors[kind, command["checksum"]] = create_connector(
+                kind, "bench-sender", "bench", layout, checksum=command["checksum"], **options)
         header = TransferHeader(command["transfer_id"], "bench", layout, 0, num_blocks * 16, num_blocks * 16,
                                 num_blocks * layout.block_num_bytes, None, True, 1)
         destination = KVEndpointInfo(kind, command["address"], "bench-receiver", command.get("options", {}))
@@ -140,9 +145,9 @@ class Sender:
 class ConnectorProbe:
     """A receiving connector in this process; ``once`` times one transfer from the sender process."""
 
-    def __init__(self, kind: str, sender: Sender, options: dict) -> None:
-        self.kind, self.sender = kind, sender
-        self.receiver = create_connector(kind, "bench-receiver", "bench", LAYOUT, **options)
+    def __init__(self, kind: str, checksum: str, sender: Sender, options: dict) -> None:
+        self.kind, self.checksum, self.sender = kind, checksum, sender
+        self.receiver = create_connector(kind, "bench-receiver", "bench", LAYOUT, checksum=checksum, **options)
         self.done = threading.Event()
         self.finished = 0.0
         self.errors: list[str] = []
@@ -162,7 +167,7 @@ class ConnectorProbe:
     def once(self, num_blocks: int) -> float:
         self.done.clear()
         self.count += 1
-        reply = self.sender.ask(kind=self.kind, num_blocks=num_blocks, transfer_id=f"t{self.count}",
+        reply = self.sender.ask(kind=self.kind, checksum=self.checksum, num_blocks=num_blocks, transfer_id=f"t{self.count}",
                                 address=self.endpoint.address, options=self.endpoint.options)
         if not self.done.wait(60) or self.errors:
             raise RuntimeError(f"{self.kind}: the payload did not arrive: {self.errors}")
@@ -226,6 +231,9 @@ def main(argv=None) -> int:
                         help="timed transfers per point, for connector and ceiling alike (default: %(default)s)")
     parser.add_argument("--connectors", nargs="+", default=["p2p", "redis"], choices=["p2p", "redis"],
                         help="connectors to measure (default: %(default)s)")
+    parser.add_argument("--checksums", nargs="+", default=["xxh3"], choices=["xxh3", "none"],
+                        help="the connectors' --kv-checksum settings to measure; none shows what the wire protocol "
+                        "alone reaches (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the arguments and the rows to FILE as JSON")
     args = parser.parse_args(argv)
     if max(args.tokens) > CACHE_BLOCKS * LAYOUT.block_size:
@@ -238,22 +246,24 @@ def main(argv=None) -> int:
     try:
         gloo = GlooCeiling(sender, url)
         for kind in args.connectors:
-            probes[kind] = ConnectorProbe(kind, sender, {"url": url} if kind == "redis" else {})
-            ceilings[kind] = gloo if kind == "p2p" else RedisCeiling(sender, url, probes[kind].receiver.piece_bytes)
-        points = [(kind, tokens) for tokens in args.tokens for kind in args.connectors]
+            for checksum in args.checksums:
+                probes[kind, checksum] = ConnectorProbe(kind, checksum, sender, {"url": url} if kind == "redis" else {})
+            ceilings[kind] = gloo if kind == "p2p" else RedisCeiling(sender, url, probes[kind, checksum].receiver.piece_bytes)
+        points = [(kind, checksum, tokens) for tokens in args.tokens for kind in args.connectors
+                  for checksum in args.checksums]
         with tqdm(total=len(points) * (args.repeats + 1), desc="kv transfers", unit="pair", file=sys.stderr) as bar:
-            for kind, tokens in points:
+            for kind, checksum, tokens in points:
                 num_blocks = -(-tokens // LAYOUT.block_size)
                 connector_seconds, ceiling_seconds = [], []
                 for repeat in range(args.repeats + 1):
-                    connector, ceiling = probes[kind].once(num_blocks), ceilings[kind].once(num_blocks)
+                    connector, ceiling = probes[kind, checksum].once(num_blocks), ceilings[kind].once(num_blocks)
                     if repeat:  # the first warms buffers and connections
                         connector_seconds.append(connector)
                         ceiling_seconds.append(ceiling)
                     bar.update()
                 megabytes = num_blocks * LAYOUT.block_num_bytes / 1e6
                 connector, ceiling = statistics.median(connector_seconds), statistics.median(ceiling_seconds)
-                rows.append({"connector": kind, "tokens": tokens, "megabytes": round(megabytes, 1),
+                rows.append({"connector": kind, "checksum": checksum, "tokens": tokens, "megabytes": round(megabytes, 1),
                              "connector_ms": connector * 1e3, "ceiling_ms": ceiling * 1e3,
                              "connector_mb_per_s": megabytes / connector, "ceiling_mb_per_s": megabytes / ceiling,
                              "ratio": ceiling / connector})
@@ -263,12 +273,13 @@ def main(argv=None) -> int:
         sender.close()
         if launcher.redis is not None:
             launcher.redis.stop(5)
-    print(f"checksum: {CHECKSUM_NAME}; medians of {args.repeats}")
-    print(f"{'connector':<9} {'tokens':>6} {'MB':>6} {'connector MB/s':>15} {'ceiling MB/s':>13} {'ratio':>6}"
-          f"  target >= {TARGET}")
+    print(f"checksum xxh3: {CHECKSUM_NAME} of every payload, by the sender and the receiver; medians of {args.repeats}")
+    print(f"{'connector':<9} {'checksum':<8} {'tokens':>6} {'MB':>6} {'connector MB/s':>15} {'ceiling MB/s':>13} "
+          f"{'ratio':>6}  target >= {TARGET}")
     for row in rows:
         verdict = "ok" if row["ratio"] >= TARGET else "MISS"
-        print(f"{row['connector']:<9} {row['tokens']:>6} {row['megabytes']:>6.1f} {row['connector_mb_per_s']:>15,.0f} "
+        print(f"{row['connector']:<9} {row['checksum']:<8} {row['tokens']:>6} {row['megabytes']:>6.1f} "
+              f"{row['connector_mb_per_s']:>15,.0f} "
               f"{row['ceiling_mb_per_s']:>13,.0f} {row['ratio']:>6.2f}  {verdict}")
     if args.json:
         with open(args.json, "w") as handle:

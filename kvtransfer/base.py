@@ -50,6 +50,10 @@ _CONNECTORS = {
     "lmcache": worker_pb2.KV_CONNECTOR_TYPE_LMCACHE,
 }
 _CONNECTORS_BY_PB = {value: key for key, value in _CONNECTORS.items()}
+# --kv-checksum: "xxh3" (XXH3-64 of every payload, computed by the sender and verified by the receiver)
+# or "none" (neither; the transport's own integrity is trusted, as vLLM's and SGLang's KV connectors do).
+CHECKSUM_TYPES = {"xxh3": worker_pb2.KV_CHECKSUM_TYPE_XXH3_64, "none": worker_pb2.KV_CHECKSUM_TYPE_NONE}
+_CHECKSUM_TYPES_BY_PB = {value: key for key, value in CHECKSUM_TYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,8 @@ class TransferHeader:
     # The first output token, on the last payload only.
     first_token_id: int | None = None
     format_version: int = FORMAT_VERSION
+    # "xxh3", or "none" when the sender computes no checksum (``checksum`` is then 0).
+    checksum_type: str = "xxh3"
 
     @property
     def num_blocks(self) -> int:
@@ -129,6 +135,7 @@ class TransferHeader:
             first_token_position=self.first_token_position, num_tokens=self.num_tokens,
             num_prompt_tokens=self.num_prompt_tokens, payload_num_bytes=self.payload_num_bytes,
             checksum=self.checksum or 0, is_last=self.is_last, first_token_id=self.first_token_id,
+            checksum_type=CHECKSUM_TYPES[self.checksum_type],
         )
         body = message.SerializeToString()
         return struct.pack("<I", len(body)) + body
@@ -160,6 +167,7 @@ class TransferHeader:
             payload_num_bytes=message.payload_num_bytes, checksum=message.checksum, is_last=message.is_last,
             first_token_id=message.first_token_id if message.HasField("first_token_id") else None,
             format_version=message.format_version,
+            checksum_type=_CHECKSUM_TYPES_BY_PB.get(message.checksum_type, "unknown"),
         )
 
 
@@ -185,11 +193,13 @@ def make_header(transfer_id: str, model_fingerprint: str, payload: torch.Tensor,
 
 
 def verify(header: TransferHeader, payload: "torch.Tensor | Buffer", model_fingerprint: str, layout: KVLayout,
-           computed_checksum: int | None = None) -> None:
+           computed_checksum: int | None = None, checksum_type: str = "xxh3") -> None:
     """Check a received payload (its bytes, or a tensor) against this worker's fingerprint and layout.
 
     Args:
         computed_checksum: the payload's XXH3-64 when the caller computed it on the way in (else computed here).
+        checksum_type: this worker's --kv-checksum: "xxh3" verifies the checksum and refuses payloads
+            without one; "none" verifies everything but the bytes' checksum.
 
     Raises:
         KVVerificationError: saying what differs.
@@ -214,6 +224,11 @@ def verify(header: TransferHeader, payload: "torch.Tensor | Buffer", model_finge
     if header.payload_num_bytes != expected:
         raise KVVerificationError(f"The header says {header.payload_num_bytes} payload bytes, but {header.num_tokens} "
                                   f"tokens in {header.num_blocks} blocks need {expected}.")
+    if checksum_type == "none":
+        return
+    if header.checksum_type != "xxh3":
+        raise KVVerificationError("The sender sent this KV without a checksum (--kv-checksum none) and this worker "
+                                  "requires one (--kv-checksum xxh3): start both with the same --kv-checksum.")
     actual = checksum(data) if computed_checksum is None else computed_checksum
     if actual != header.checksum:
         raise KVVerificationError(f"Checksum mismatch: the payload's XXH3-64 is {actual:016x}, the header says "
@@ -271,10 +286,13 @@ class KVConnector(ABC):
     No method touches a KV cache except through the payloads it is handed or hands out.
     """
 
-    def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout) -> None:
+    def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout, checksum: str = "xxh3") -> None:
+        if checksum not in CHECKSUM_TYPES:
+            raise ValueError(f"checksum must be one of {', '.join(CHECKSUM_TYPES)}, got {checksum!r}.")
         self.worker_id = worker_id
         self.model_fingerprint = model_fingerprint
         self.layout = layout
+        self.checksum_type = checksum  # --kv-checksum: what this worker sends and requires
 
     @abstractmethod
     def endpoint(self) -> KVEndpointInfo:

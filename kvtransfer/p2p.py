@@ -90,12 +90,14 @@ class P2PConnector(KVConnector):
     """Options: ``host`` the store binds (decode side, default 127.0.0.1), ``connect_timeout_seconds``
     (default 10), ``send_timeout_seconds`` (a send's operations and its acknowledgement, default 120),
     ``receive_timeout_seconds`` (a sender silent mid-send, default 60), ``chunk_bytes`` (default 4 MiB),
-    ``receive_slots`` (chunks the receiver posts ahead, default 8)."""
+    ``receive_slots`` (chunks the receiver posts ahead, default 8), ``checksum`` ("xxh3" or "none",
+    see ``base.CHECKSUM_TYPES``)."""
 
     def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout, host: str = "127.0.0.1",
                  connect_timeout_seconds: float = 10.0, send_timeout_seconds: float = 120.0,
-                 receive_timeout_seconds: float = 60.0, chunk_bytes: int = 4 << 20, receive_slots: int = 8) -> None:
-        super().__init__(worker_id, model_fingerprint, layout)
+                 receive_timeout_seconds: float = 60.0, chunk_bytes: int = 4 << 20, receive_slots: int = 8,
+                 checksum: str = "xxh3") -> None:
+        super().__init__(worker_id, model_fingerprint, layout, checksum)
         self.host = host
         self.connect_timeout = timedelta(seconds=float(connect_timeout_seconds))
         self.send_timeout = timedelta(seconds=float(send_timeout_seconds))
@@ -170,7 +172,7 @@ class P2PConnector(KVConnector):
             return
         try:
             view = memoryview(data.numpy())
-            verify(header, view, self.model_fingerprint, self.layout)
+            verify(header, view, self.model_fingerprint, self.layout, checksum_type=self.checksum_type)
             payload = payload_tensor(header, view)
         except KVTransferError as error:
             self._dropped.add(header.transfer_id)
@@ -201,7 +203,7 @@ class P2PConnector(KVConnector):
             pair, reused = self._pair_to(destination)
             with pair.lock:
                 try:
-                    _send_on(pair, header, source, self.blocks_per_chunk, self.send_timeout)
+                    _send_on(pair, header, source, self.blocks_per_chunk, self.send_timeout, self.checksum_type)
                     return
                 except _PairBroken as error:
                     self._drop_pair(pair)
@@ -271,11 +273,13 @@ class P2PConnector(KVConnector):
 
 
 def _send_on(pair: _SenderPair, header: TransferHeader, source: BlockSource, blocks_per_chunk: int,
-             timeout: timedelta) -> None:
+             timeout: timedelta, checksum_type: str) -> None:
     """One send on a pair (see the module docstring). Raises _PairBroken when the group fails."""
+    if checksum_type == "none":
+        header = dataclasses.replace(header, checksum=0, checksum_type="none")
     headers = _chunk_headers(header, source, blocks_per_chunk)
-    keep_checksum = len(headers) == 1 and header.checksum is not None
-    # The checksum is fixed32: its value does not change the header's length; 1 stands for any nonzero one.
+    compute_checksums = checksum_type != "none" and (len(headers) > 1 or header.checksum is None)
+    # The checksum is fixed64: a nonzero value always takes the same bytes; 1 stands for any nonzero one.
     frame_bytes = max(len(dataclasses.replace(chunk, checksum=1).to_bytes()) for chunk in headers)
     flags = _PROTOCOL_VERSION << 8
     meta = torch.tensor([source.num_blocks, blocks_per_chunk, source.block_num_bytes, frame_bytes, flags],
@@ -291,7 +295,7 @@ def _send_on(pair: _SenderPair, header: TransferHeader, source: BlockSource, blo
             blocks = [source.block(first_block + offset).contiguous() for offset in range(chunk.num_blocks)]
             works.extend(pair.group.send([block.view(-1).view(torch.uint8)], _RECEIVER, _TAG_PAYLOAD)
                          for block in blocks)
-            if not keep_checksum:  # while the blocks are on the wire
+            if compute_checksums:  # while the blocks are on the wire
                 digest = Checksum()
                 for block in blocks:
                     digest.update(memoryview(block.view(-1).view(torch.uint8).numpy()))

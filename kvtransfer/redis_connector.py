@@ -33,11 +33,13 @@ logger = logging.getLogger(__name__)
 
 class RedisConnector(KVConnector):
     """Options: ``url`` (redis://host:port/db, the Redis this worker receives through), ``key_prefix``
-    (default "splitserve:kv:"), ``ttl_seconds`` (default 60), ``piece_bytes`` (default 4 MiB)."""
+    (default "splitserve:kv:"), ``ttl_seconds`` (default 60), ``piece_bytes`` (default 4 MiB), ``checksum``
+    ("xxh3" or "none", see ``base.CHECKSUM_TYPES``)."""
 
     def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout, url: str = "redis://127.0.0.1:6379/0",
-                 key_prefix: str = "splitserve:kv:", ttl_seconds: float = 60.0, piece_bytes: int = 4 << 20) -> None:
-        super().__init__(worker_id, model_fingerprint, layout)
+                 key_prefix: str = "splitserve:kv:", ttl_seconds: float = 60.0, piece_bytes: int = 4 << 20,
+                 checksum: str = "xxh3") -> None:
+        super().__init__(worker_id, model_fingerprint, layout, checksum)
         self.url = url
         self.key_prefix = key_prefix
         self.ttl_ms = int(float(ttl_seconds) * 1000)
@@ -109,7 +111,7 @@ class RedisConnector(KVConnector):
                 raise KVTransferError(f"Some of the payload's pieces are gone from Redis (older than the "
                                       f"{self.ttl_ms / 1000:g} s TTL?).")
             data = self._join(pieces)
-            verify(header, data, self.model_fingerprint, self.layout)
+            verify(header, data, self.model_fingerprint, self.layout, checksum_type=self.checksum_type)
             payload = payload_tensor(header, data)
         except redis.RedisError:
             raise  # the inbox loop reports it and retries
@@ -153,8 +155,11 @@ class RedisConnector(KVConnector):
         else:  # gathered once into this thread's reused staging buffer
             data = source.gather(0, source.num_blocks, self._staging.get(0, source.num_bytes)).view(-1).view(torch.uint8)
         data = memoryview(data.numpy())
-        payload_checksum = checksum(data) if header.checksum is None else header.checksum
-        envelope_header = dataclasses.replace(header, payload_num_bytes=len(data), checksum=payload_checksum)
+        if self.checksum_type == "none":
+            envelope_header = dataclasses.replace(header, payload_num_bytes=len(data), checksum=0, checksum_type="none")
+        else:
+            payload_checksum = checksum(data) if header.checksum is None else header.checksum
+            envelope_header = dataclasses.replace(header, payload_num_bytes=len(data), checksum=payload_checksum)
         base = f"{self.key_prefix}{header.transfer_id}:{header.first_token_position}:"
         keys = []
         try:

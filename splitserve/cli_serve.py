@@ -49,6 +49,8 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
     up.add_argument("--kv-transfer", choices=("p2p", "redis"), default="p2p",
                     help="KV connector between the pools (default: %(default)s)")
     up.add_argument("--redis-url", help="Redis for --kv-transfer redis (default: start a private redis-server)")
+    up.add_argument("--kv-checksum", choices=("xxh3", "none"), default="xxh3",
+                    help="checksum every KV payload (xxh3) or none; see `splitserve decode --help` (default: %(default)s)")
     up.add_argument("--threads-per-worker", type=int, help="torch threads of each worker (default: torch's)")
     up.add_argument("--log-dir", help="folder for each process's log (default: a new temporary folder)")
     up.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
@@ -121,8 +123,12 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         group.add_argument("--kv-transfer", choices=("p2p", "redis"), default="p2p", help="KV connector (default: %(default)s)")
         group.add_argument("--kv-address", default="",
                            help="p2p: host the KV rendezvous binds (default: --host); redis: a redis:// URL")
+        group.add_argument("--kv-checksum", choices=("xxh3", "none"), default="xxh3",
+                           help="xxh3: checksum every KV payload sent, and require and verify one on every payload "
+                           "received; none: neither (trust the transport, as vLLM's and SGLang's connectors do). "
+                           "Both pools must agree (default: %(default)s)")
     else:
-        parser.set_defaults(kv_transfer="p2p", kv_address="")
+        parser.set_defaults(kv_transfer="p2p", kv_address="", kv_checksum="xxh3")
     if role == "decode":
         group.add_argument("--kv-timeout", type=float, default=30.0, metavar="SECONDS",
                            help="longest wait for a prompt's KV (default: %(default)s)")
@@ -158,7 +164,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     config = WorkerConfig(
         role=args.role, host=args.host, port=args.port, worker_id=args.worker_id, router=args.router,
-        kv_transfer=args.kv_transfer, kv_address=args.kv_address, kv_timeout_seconds=args.kv_timeout,
+        kv_transfer=args.kv_transfer, kv_address=args.kv_address, kv_checksum=args.kv_checksum,
+        kv_timeout_seconds=args.kv_timeout,
         kv_load_failure=args.kv_load_failure, max_queued_requests=args.max_queued_requests,
         num_threads=args.threads, drain_timeout_seconds=args.drain_timeout, engine=EngineConfig(args.model, **_engine_options(args)),
     )
@@ -191,7 +198,8 @@ def _run_up(args: argparse.Namespace) -> int:
                    "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
     if args.max_model_len:
         router_args += ["--max-model-len", str(args.max_model_len)]
-    cluster = LocalCluster(kv_transfer=args.kv_transfer, redis_url=args.redis_url, worker_args=worker_args,
+    cluster = LocalCluster(kv_transfer=args.kv_transfer, kv_checksum=args.kv_checksum, redis_url=args.redis_url,
+                           worker_args=worker_args,
                            router_args=router_args, log_dir=args.log_dir, host=args.host, router_port=args.port)
     started = time.monotonic()
     try:

@@ -99,6 +99,7 @@ class LocalCluster:
 
     Args:
         kv_transfer: "p2p" or "redis".
+        kv_checksum: "xxh3" or "none" (the workers' --kv-checksum).
         redis_url: Redis for the redis connector (None: start a private redis-server).
         worker_args: extra flags for every worker (engine options).
         router_args: extra flags for the router.
@@ -107,6 +108,7 @@ class LocalCluster:
     """
 
     kv_transfer: str = "p2p"
+    kv_checksum: str = "xxh3"
     redis_url: str | None = None
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
@@ -180,7 +182,7 @@ class LocalCluster:
             args = [_COMMANDS[role], "--host", self.host, "--port", "0", "--router", self.router.address,
                     *self.worker_args, *(extra_args or [])]
             if role != "both":
-                args += ["--kv-transfer", self.kv_transfer]
+                args += ["--kv-transfer", self.kv_transfer, "--kv-checksum", self.kv_checksum]
             if self.kv_transfer == "redis" and role != "both":
                 args += ["--kv-address", self.redis_url]
             started.append(self._spawn(f"{role}{len(self.workers) + len(started)}", args))

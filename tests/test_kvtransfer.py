@@ -111,18 +111,33 @@ def test_verify_names_what_differs():
     assert header.checksum == xxhash.xxh3_64_intdigest(bytes(data))
 
 
+def test_a_payload_without_checksum_is_refused_unless_this_worker_takes_none():
+    payload = gather_blocks(seeded_cache(0), [3, 7])
+    header = header_for(payload, "t1", 0, 8, 11, False)
+    header.checksum, header.checksum_type = 0, "none"
+    header = TransferHeader.from_bytes(header.to_bytes())
+    assert header.checksum_type == "none"
+    data = bytearray(payload.numpy().tobytes())
+    with pytest.raises(KVVerificationError, match="without a checksum .* same --kv-checksum"):
+        verify(header, data, FINGERPRINT, LAYOUT)
+    verify(header, data, FINGERPRINT, LAYOUT, checksum_type="none")
+    # A worker that takes no checksums still checks everything else.
+    with pytest.raises(KVVerificationError, match="layout .* differs"):
+        verify(header, data, FINGERPRINT, KVLayout(4, 2, 8, torch.bfloat16, 4), checksum_type="none")
+
+
 # ---- p2p across processes -----------------------------------------------------------------
 
 SENDER = r"""
 import sys, torch
 from splitserve.kvtransfer import create_connector
 from splitserve.kvtransfer.base import BlockSource, KVEndpointInfo, KVLayout, TransferHeader, gather_blocks, payload_checksum
-address, worker_id, seed, transfer_id, fingerprint, chunk_bytes, head_size = sys.argv[1:8]
+address, worker_id, seed, transfer_id, fingerprint, chunk_bytes, head_size, checksum = sys.argv[1:9]
 head_size = int(head_size)
 layout = KVLayout(4, 2, head_size, torch.float32, 4)
 cache = torch.randn((16, 4, 2, 2, 4, head_size), generator=torch.Generator().manual_seed(int(seed)))
 connector = create_connector("p2p", worker_id, fingerprint, layout, connect_timeout_seconds=10,
-                             chunk_bytes=int(chunk_bytes))
+                             chunk_bytes=int(chunk_bytes), checksum=checksum)
 destination = KVEndpointInfo("p2p", address, "receiver")
 # Prompt of 11 tokens in blocks [3, 7, 1]: two payloads, the last with the first token.
 # The first as the prefill worker sends (blocks gathered by the connector, which fills in the checksum).
@@ -141,9 +156,10 @@ connector.close()
 
 
 def run_sender(address: str, worker_id: str, seed: int, transfer_id: str, fingerprint: str = FINGERPRINT,
-               chunk_bytes: int = 4 << 20, head_size: int = 8):
+               chunk_bytes: int = 4 << 20, head_size: int = 8, checksum: str = "xxh3"):
     return subprocess.Popen([sys.executable, "-c", SENDER, address, worker_id, str(seed), transfer_id, fingerprint,
-                             str(chunk_bytes), str(head_size)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(chunk_bytes), str(head_size), checksum], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture
@@ -198,6 +214,28 @@ def test_p2p_splits_sends_into_chunks_and_refuses_another_layout(p2p_receiver):
     assert "SENT" in out, err
     inbox.wait(num_payloads=5)
     assert [p.header.transfer_id for p in inbox.payloads[3:]] == ["after", "after"] and len(inbox.errors) == 1
+
+
+def test_p2p_without_checksums_needs_both_sides_to_agree(p2p_receiver):
+    connector, inbox = p2p_receiver
+    out, err = run_sender(connector.endpoint().address, "prefill-n", 18, "unchecked", checksum="none").communicate(timeout=90)
+    assert "SENT" in out, err
+    inbox.wait(num_errors=1)
+    assert inbox.errors[0][0] == "unchecked" and "without a checksum" in str(inbox.errors[0][1])
+    relaxed = create_connector("p2p", "relaxed", FINGERPRINT, LAYOUT, checksum="none")
+    relaxed_inbox = Inbox()
+    relaxed.start_receiving(relaxed_inbox.on_payload, relaxed_inbox.on_error)
+    try:
+        out, err = run_sender(relaxed.endpoint().address, "prefill-n", 19, "unchecked", checksum="none").communicate(timeout=90)
+        assert "SENT" in out, err
+        relaxed_inbox.wait(num_payloads=2)
+        assert not relaxed_inbox.errors
+        target = torch.zeros(SHAPE)
+        scatter_blocks(target, [10, 2], relaxed_inbox.payloads[0].payload)
+        scatter_blocks(target, [5], relaxed_inbox.payloads[1].payload)
+        assert torch.equal(target[[10, 2, 5]], seeded_cache(19)[[3, 7, 1]])
+    finally:
+        relaxed.close()
 
 
 def test_p2p_refuses_another_model_and_drops_cancelled_transfers(p2p_receiver):

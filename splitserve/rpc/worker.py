@@ -13,6 +13,7 @@ from splitserve import __version__
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.kvtransfer.base import CHECKSUM_TYPES
 from splitserve.rpc.errors import ResourceExhausted, Unavailable
 from splitserve.v1 import inference_pb2, worker_pb2
 
@@ -39,6 +40,8 @@ class WorkerConfig:
         router: router address to register with (None: static, named on the router's command line).
         kv_transfer: KV connector, "p2p" or "redis" (unused with role "both").
         kv_address: p2p: host the rendezvous store binds (default: ``host``); redis: a redis:// URL.
+        kv_checksum: "xxh3" (checksum every KV payload sent, require and verify one on every payload
+            received) or "none" (neither); both pools must agree.
         kv_timeout_seconds: decode: longest wait for a prompt's KV before kv_load_failure applies.
         kv_load_failure: decode: "recompute" the prompt locally, or "fail" the request.
         max_queued_requests: requests in flight on this worker beyond which new ones get RESOURCE_EXHAUSTED.
@@ -54,6 +57,7 @@ class WorkerConfig:
     router: str | None = None
     kv_transfer: str = "p2p"
     kv_address: str = ""
+    kv_checksum: str = "xxh3"
     kv_timeout_seconds: float = 30.0
     kv_load_failure: str = "recompute"
     max_queued_requests: int = 256
@@ -68,6 +72,8 @@ class WorkerConfig:
             raise ValueError(f"kv_transfer must be one of {', '.join(KV_CONNECTORS)}, got {self.kv_transfer!r}.")
         if self.kv_transfer == "redis" and self.role != "both" and not self.kv_address.startswith("redis://"):
             raise ValueError("With kv_transfer redis, kv_address must be a redis:// URL (e.g. redis://127.0.0.1:6379/0).")
+        if self.kv_checksum not in CHECKSUM_TYPES:
+            raise ValueError(f"kv_checksum must be one of {', '.join(CHECKSUM_TYPES)}, got {self.kv_checksum!r}.")
         if self.kv_load_failure not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}.")
         if not self.kv_timeout_seconds > 0:
@@ -188,6 +194,7 @@ class WorkerRuntime:
         options = {"host": self.config.kv_address or self.config.host}
         if self.config.kv_transfer == "redis":
             options = {"url": self.config.kv_address}
+        options["checksum"] = self.config.kv_checksum
         layout = KVLayout.from_kv_cache(self.engine.model_runner.kv_cache)
         self.kv_layout = layout
         return create_connector(self.config.kv_transfer, self.worker_id, self.model_fingerprint, layout, **options)
