@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 SMALL_ENGINE = ["--kv-cache-gb", "0.1", "--max-model-len", "512"]
 
 
@@ -58,3 +60,15 @@ def test_help_lists_every_command():
     result = run_cli("--help")
     assert result.returncode == 0
     assert "generate" in result.stdout and "prepare-model" in result.stdout
+
+
+def test_workers_take_a_kv_checksum_setting():
+    from splitserve.rpc.worker import WorkerConfig
+
+    for command in ("prefill", "decode"):
+        result = run_cli(command, "--help")
+        assert result.returncode == 0 and "--kv-checksum {xxh3,none}" in result.stdout
+    assert "--kv-checksum" in run_cli("up", "--help").stdout
+    assert WorkerConfig(kv_checksum="none").kv_checksum == "none"
+    with pytest.raises(ValueError, match="kv_checksum must be one of xxh3, none, got 'md5'"):
+        WorkerConfig(kv_checksum="md5")
