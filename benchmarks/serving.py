@@ -176,6 +176,7 @@ def plot(results: list[RunResult], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     workloads = sorted({r.workload for r in results}, key=lambda w: w != "short")
     figure, axes = plt.subplots(len(workloads), 2, figsize=(11, 4 * len(workloads)), squeeze=False)
@@ -188,6 +189,10 @@ def plot(results: list[RunResult], path: str) -> None:
                     fractions = [(i + 1) / len(values) for i in range(len(values))]
                     axis.plot([v * 1000 for v in values], fractions, label=result.setup)
             axis.set_xscale("log")
+            # Labels at 1, 2 and 5 of each decade, as plain numbers; no crowded minor labels.
+            axis.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+            axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             axis.set_xlabel(f"{title} (ms, log scale)")
             axis.set_ylabel("fraction of samples")
             axis.set_title(f"{workload}: {title} (CDF)")
