@@ -15,8 +15,8 @@ One send on a pair: the payload's blocks, grouped in chunks of whole blocks
 
     META     int64[5]  num_blocks, blocks_per_chunk, block_bytes, header_frame_bytes,
                        flags (bit 0: goodbye; bits 8-15: this wire protocol's version, 2)
-    per chunk: BLOCK   uint8[block_bytes]         one message per block, straight from the cache
-               HEADER  uint8[header_frame_bytes]  the chunk's length-prefixed KVTransferHeader, zero padded
+    per chunk: HEADER  uint8[header_frame_bytes]  the chunk's length-prefixed KVTransferHeader, zero padded
+               BLOCK   uint8[block_bytes]         one message per block, straight from the cache
     ACK      int64[1]  from the decode side once every chunk is in its memory: 0, or 1 if it is closing
 
 A block of the block-major cache is one contiguous piece, so the sender hands
@@ -25,9 +25,10 @@ side. Gloo moves a message only once the receiver has posted a buffer for it,
 so the receiver posts a ring of chunks ahead (``receive_slots``) as soon as
 META tells their sizes (its own layout never sizes a receive: a mismatched
 size would abort the process inside Gloo; the header check refuses the
-payload instead). Each chunk's header follows its blocks, so the sender
-checksums a chunk while its blocks are already on the wire; the receiver
-verifies and delivers chunk i while later ones land. A
+payload instead). The sender checksums chunk i+1 while chunk i's blocks are
+on the wire; the receiver verifies and delivers chunk i while later ones
+land. (A header after its blocks measured no faster, and would leave a
+receiver that loses its peer mid-chunk not knowing which transfer broke.) A
 peer that dies or stalls mid-send breaks only its pair: the receiver reports
 the transfers that were open on it, the sender raises. A META of another
 protocol version breaks the pair at once (the two workers run different
@@ -293,15 +294,15 @@ def _send_on(pair: _SenderPair, header: TransferHeader, source: BlockSource, blo
         for index, chunk in enumerate(headers):
             first_block = index * blocks_per_chunk
             blocks = [source.block(first_block + offset).contiguous() for offset in range(chunk.num_blocks)]
-            works.extend(pair.group.send([block.view(-1).view(torch.uint8)], _RECEIVER, _TAG_PAYLOAD)
-                         for block in blocks)
-            if compute_checksums:  # while the blocks are on the wire
+            if compute_checksums:  # while the previous chunk's blocks are on the wire
                 digest = Checksum()
                 for block in blocks:
                     digest.update(memoryview(block.view(-1).view(torch.uint8).numpy()))
                 chunk.checksum = digest.value()
             keep.append((_frame(chunk, frame_bytes), blocks))
             works.append(pair.group.send([keep[-1][0]], _RECEIVER, _TAG_HEADER))
+            works.extend(pair.group.send([block.view(-1).view(torch.uint8)], _RECEIVER, _TAG_PAYLOAD)
+                         for block in blocks)
         for work in works:
             work.wait()
         status = torch.empty(1, dtype=torch.int64)
@@ -391,27 +392,27 @@ class _PairReceiver:
             self.frames = torch.empty(num_slots * frame_bytes, dtype=torch.uint8)
 
         def post(index: int):
-            """Post chunk ``index``'s receives into ring slot ``index % num_slots``, blocks then header: (frame,
+            """Post chunk ``index``'s receives into ring slot ``index % num_slots``, header then blocks: (frame,
             its work, payload bytes, the works of its blocks)."""
             slot = index % num_slots
             chunk_blocks = min(blocks_per_chunk, num_blocks - index * blocks_per_chunk)
             frame = self.frames[slot * frame_bytes : (slot + 1) * frame_bytes]
             data = self.ring[slot * chunk_bytes : slot * chunk_bytes + chunk_blocks * block_bytes]
+            frame_work = self.group.recv([frame], _SENDER, _TAG_HEADER)
             block_works = [self.group.recv([data[block * block_bytes : (block + 1) * block_bytes]], _SENDER,
                                            _TAG_PAYLOAD) for block in range(chunk_blocks)]
-            frame_work = self.group.recv([frame], _SENDER, _TAG_HEADER)
             return frame, frame_work, data, block_works
 
         posted = [post(index) for index in range(num_slots)]
         timeout = self.connector.receive_timeout
         for index in range(num_chunks):
             frame, frame_work, data, block_works = posted[index % num_slots]
-            for work in block_works:
-                work.wait(timeout)
             frame_work.wait(timeout)
             header = self._parse_frame(frame)
-            if header is not None:
+            if header is not None:  # known before its blocks land: a peer lost mid-chunk fails this transfer
                 self.open_transfers.add(header.transfer_id)
+            for work in block_works:
+                work.wait(timeout)
             if index == num_chunks - 1:
                 closing = self.connector._closed.is_set()
                 status = torch.tensor([_ACK_CLOSING if closing else _ACK_OK], dtype=torch.int64)

@@ -238,6 +238,53 @@ def test_p2p_without_checksums_needs_both_sides_to_agree(p2p_receiver):
         relaxed.close()
 
 
+LONG_SENDER = r"""
+import sys, torch
+from splitserve.kvtransfer import create_connector
+from splitserve.kvtransfer.base import BlockSource, KVEndpointInfo, KVLayout, TransferHeader
+layout = KVLayout(4, 2, 8, torch.float32, 4)
+cache = torch.randn((16, 4, 2, 2, 4, 8))
+connector = create_connector("p2p", "prefill-long", "model-a", layout, chunk_bytes=layout.block_num_bytes)
+header = TransferHeader("long", "model-a", layout, 0, 48, 48, 12 * layout.block_num_bytes, None, True, 5)
+print("SENDING", flush=True)
+connector.send(KVEndpointInfo("p2p", sys.argv[1], "receiver"), header, BlockSource(cache, range(12)))
+print("SENT", flush=True)
+"""
+
+
+def test_p2p_sender_lost_mid_transfer_fails_that_transfer_and_the_receiver_goes_on():
+    receiver = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT, receive_slots=2)
+    inbox, first_arrived, release = Inbox(), threading.Event(), threading.Event()
+
+    def on_payload(received) -> None:  # holds the receive thread on the first payload
+        first_arrived.set()
+        release.wait(30)
+        inbox.on_payload(received)
+
+    receiver.start_receiving(on_payload, inbox.on_error)
+    sender = subprocess.Popen([sys.executable, "-c", LONG_SENDER, receiver.endpoint().address],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first_arrived.wait(60), sender.stderr.read() if sender.poll() is not None else "no payload"
+        sender.kill()  # 12 one-block chunks, 2 posted at a time: the send is far from done
+        sender.wait(10)
+        release.set()
+        inbox.wait(num_errors=1)
+        assert inbox.errors[0][0] == "long" and "broke mid-transfer" in str(inbox.errors[0][1])
+        assert len(inbox.payloads) < 12
+        # Another sender reaches the same receiver on a new pair.
+        num_before = len(inbox.payloads)
+        out, err = run_sender(receiver.endpoint().address, "prefill-b", 20, "next").communicate(timeout=90)
+        assert "SENT" in out, err
+        inbox.wait(num_payloads=num_before + 2)
+        assert [p.header.transfer_id for p in inbox.payloads[-2:]] == ["next", "next"]
+    finally:
+        release.set()
+        if sender.poll() is None:
+            sender.kill()
+        receiver.close()
+
+
 def test_p2p_refuses_another_model_and_drops_cancelled_transfers(p2p_receiver):
     connector, inbox = p2p_receiver
     address = connector.endpoint().address
