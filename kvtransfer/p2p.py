@@ -59,6 +59,9 @@ _TAG_META, _TAG_HEADER, _TAG_PAYLOAD, _TAG_ACK = 0, 1, 2, 3
 _SENDER, _RECEIVER = 0, 1
 _FLAG_GOODBYE = 1
 _PROTOCOL_VERSION = 2  # of the messages above; in META's flags, bits 8-15
+# Bounds on what a META may ask the receiver to buffer (a ring holds receive_slots chunks).
+_MAX_CHUNK_BYTES = 1 << 30
+_MAX_FRAME_BYTES = 1 << 16
 _ACK_OK, _ACK_CLOSING = 0, 1
 _IDLE_TIMEOUT = timedelta(days=7)  # a pair may stay idle as long as both workers live
 
@@ -364,6 +367,11 @@ class _PairReceiver:
                 if (flags >> 8) & 0xFF != _PROTOCOL_VERSION:
                     raise KVTransferError(f"The peer speaks p2p wire protocol {(flags >> 8) & 0xFF}, this worker "
                                           f"{_PROTOCOL_VERSION}: run the same splitserve version on both.")
+                if not (num_blocks >= 0 and blocks_per_chunk >= 1 and 0 < block_bytes
+                        and blocks_per_chunk * block_bytes <= _MAX_CHUNK_BYTES and 4 <= frame_bytes <= _MAX_FRAME_BYTES):
+                    raise KVTransferError(f"The peer announced a send this worker will not buffer: {num_blocks} blocks "
+                                          f"of {block_bytes} bytes, {blocks_per_chunk} a chunk, headers of "
+                                          f"{frame_bytes} bytes.")
                 next_meta = torch.empty(5, dtype=torch.int64)
                 meta_work = self.group.recv([next_meta], _SENDER, _TAG_META)  # posted ahead: no bubble
                 self.in_send = True

@@ -285,6 +285,41 @@ def test_p2p_sender_lost_mid_transfer_fails_that_transfer_and_the_receiver_goes_
         receiver.close()
 
 
+RAW_PEER = r"""
+import sys, time, torch, torch.distributed as dist
+from datetime import timedelta
+from splitserve.kvtransfer import p2p
+host, port = sys.argv[1].rsplit(":", 1)
+store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=10))
+index = store.add(p2p._PEERS_KEY, 1) - 1
+store.set(f"splitserve/kv/peer/{index}", "raw-peer")
+group = p2p._new_pair_group(store, index, 0, timedelta(seconds=10), torch.device("cpu"))
+meta = torch.tensor([int(value) for value in sys.argv[2:7]], dtype=torch.int64)
+group.send([meta], 1, p2p._TAG_META).wait()
+print("SENT", flush=True)
+time.sleep(3)  # the receiver refuses while this end is still up
+"""
+
+
+@pytest.mark.parametrize("meta, message", [
+    ([1, 1, 2048, 64, 1 << 8], "wire protocol 1"),  # an older splitserve
+    ([1, 1, 1 << 40, 64, 2 << 8], "will not buffer"),  # sizes no receiver should allocate
+])
+def test_p2p_refuses_a_peer_of_another_protocol_or_absurd_sizes(p2p_receiver, meta, message):
+    connector, inbox = p2p_receiver
+    peer = subprocess.Popen([sys.executable, "-c", RAW_PEER, connector.endpoint().address, *map(str, meta)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = peer.communicate(timeout=60)
+    assert "SENT" in out, err
+    inbox.wait(num_errors=1)
+    transfer_id, error = inbox.errors[0]
+    assert transfer_id is None and message in str(error)
+    # The receiver still takes a regular sender.
+    out, err = run_sender(connector.endpoint().address, "prefill-ok", 21, "fine").communicate(timeout=90)
+    assert "SENT" in out, err
+    inbox.wait(num_payloads=2)
+
+
 def test_p2p_refuses_another_model_and_drops_cancelled_transfers(p2p_receiver):
     connector, inbox = p2p_receiver
     address = connector.endpoint().address
