@@ -320,7 +320,7 @@ class KVConnector(ABC):
                 object is not modified. A connector may split the payload into several consecutive payloads
                 of whole blocks (each with its own header), which the receiver delivers one by one.
             payload: a gathered tensor ``[n, layers, 2, kv_heads, block_size, head_size]``, or a
-                :class:`BlockSource` (gathered here; its blocks must not change until this returns).
+                :class:`BlockSource` (read from the cache here; its blocks must not change until this returns).
 
         Raises:
             KVTransferError: the destination cannot be reached in time or the connection broke.
