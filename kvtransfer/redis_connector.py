@@ -86,9 +86,11 @@ class RedisConnector(KVConnector):
                 item = client.blpop([self.inbox], timeout=1)
                 if item is not None:
                     self._handle(client, item[1])
-            except redis.RedisError as error:
-                if self._closed.is_set():
+            except (redis.RedisError, OSError, ValueError) as error:
+                if self._closed.is_set():  # close() cut the connection under the blocking read
                     return
+                if not isinstance(error, redis.RedisError):
+                    raise
                 logger.warning("Reading the KV inbox %s failed: %s", self.inbox, error)
                 self._closed.wait(0.5)
 
