@@ -17,8 +17,9 @@ are), nothing gathered and nothing checksummed:
 
 * ``p2p``:   one Gloo ``send``/``recv`` of the payload tensor on a two-rank group
              (the receive posted before the send starts);
-* ``redis``: redis-py ``SET`` of the payload's pieces (the same pieces, pipelined)
-             in the sender, then ``GET`` of them here.
+* ``redis``: redis-py ``SET`` of the payload in pieces of the connector's size (one
+             block each here, the blocks being scattered), pipelined, in the sender,
+             then ``GET`` of them here.
 
 Connector and ceiling transfers alternate, so drifts of the (shared, 2-core)
 machine hit both alike; the first pair of each point is a warm-up. Medians
@@ -248,7 +249,9 @@ def main(argv=None) -> int:
         for kind in args.connectors:
             for checksum in args.checksums:
                 probes[kind, checksum] = ConnectorProbe(kind, checksum, sender, {"url": url} if kind == "redis" else {})
-            ceilings[kind] = gloo if kind == "p2p" else RedisCeiling(sender, url, probes[kind, checksum].receiver.piece_bytes)
+            # The redis connector sets one piece per run of consecutive blocks; these blocks are scattered, so
+            # one piece per block, and the ceiling sets pieces of that size.
+            ceilings[kind] = gloo if kind == "p2p" else RedisCeiling(sender, url, LAYOUT.block_num_bytes)
         points = [(kind, checksum, tokens) for tokens in args.tokens for kind in args.connectors
                   for checksum in args.checksums]
         with tqdm(total=len(points) * (args.repeats + 1), desc="kv transfers", unit="pair", file=sys.stderr) as bar:

@@ -10,7 +10,6 @@ pass over the bytes is paid in throughput.
 
 from __future__ import annotations
 
-import threading
 
 import torch
 import xxhash
@@ -90,29 +89,18 @@ class BlockSource:
         (contiguous when the cache is)."""
         return self.kv_cache[self.block_ids[index]]
 
-    def block_bytes(self, index: int) -> memoryview:
-        """The bytes of block ``index``, without a copy (the cache must be contiguous, as the engine's is)."""
-        return memoryview(self.block(index).view(-1).view(torch.uint8).numpy())
-
-    def gather(self, first_block: int, num_blocks: int, out: torch.Tensor) -> torch.Tensor:
-        """Blocks ``[first_block, first_block + num_blocks)`` of the payload, written into ``out`` (a buffer of
-        at least that many bytes, any dtype) and returned as ``[num_blocks, layers, 2, kv_heads, block_size,
-        head_size]``."""
-        target = out.view(-1).view(torch.uint8)[: num_blocks * self.block_num_bytes]
-        target = target.view(self.kv_cache.dtype).view((num_blocks, *self.kv_cache.shape[1:]))
-        index = torch.tensor(self.block_ids[first_block : first_block + num_blocks], dtype=torch.long)
-        return torch.index_select(self.kv_cache, 0, index, out=target)
-
-
-class StagingBuffers:
-    """Reused uint8 buffers, one per (thread, slot): after the first payloads no page faults."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def get(self, slot: int, num_bytes: int) -> torch.Tensor:
-        buffers = self._local.__dict__.setdefault("buffers", {})
-        buffer = buffers.get(slot)
-        if buffer is None or buffer.numel() < num_bytes:
-            buffer = buffers[slot] = torch.empty(num_bytes, dtype=torch.uint8)
-        return buffer[:num_bytes]
+    def pieces(self, max_bytes: int) -> list[memoryview]:
+        """The payload's bytes as views of the cache, in order, without a copy: runs of blocks consecutive in
+        the cache (one contiguous piece each), split to at most ``max_bytes`` (but at least one block)."""
+        blocks_per_piece = max(1, max_bytes // self.block_num_bytes)
+        pieces: list[memoryview] = []
+        start = 0
+        while start < self.num_blocks:
+            end = start + 1
+            while (end < self.num_blocks and end - start < blocks_per_piece
+                   and self.block_ids[end] == self.block_ids[end - 1] + 1):
+                end += 1
+            run = self.kv_cache[self.block_ids[start] : self.block_ids[start] + end - start]
+            pieces.append(memoryview(run.contiguous().view(-1).view(torch.uint8).numpy()))
+            start = end
+        return pieces

@@ -26,7 +26,7 @@ import torch
 
 from splitserve.kvtransfer.base import (DroppedTransfers, KVConnector, KVEndpointInfo, KVLayout, KVTransferError,
                                         OnError, OnPayload, ReceivedPayload, TransferHeader, payload_tensor, verify)
-from splitserve.kvtransfer.blocks import BlockSource, StagingBuffers, checksum
+from splitserve.kvtransfer.blocks import BlockSource, Checksum
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,6 @@ class RedisConnector(KVConnector):
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._inbox_client: redis.Redis | None = None
-        self._staging = StagingBuffers()  # per sending thread
         self._buffer = torch.empty(0, dtype=torch.uint8)  # the receiving thread's, reused
 
     def _client(self, url: str) -> redis.Redis:
@@ -152,23 +151,30 @@ class RedisConnector(KVConnector):
         if source.num_blocks != header.num_blocks:
             raise KVTransferError(f"The header says {header.num_tokens} tokens ({header.num_blocks} blocks of "
                                   f"{header.layout.block_size}); the payload holds {source.num_blocks} blocks.")
-        if isinstance(payload, torch.Tensor) and payload.is_contiguous():
-            data = payload.view(-1).view(torch.uint8)
-        else:  # gathered once into this thread's reused staging buffer
-            data = source.gather(0, source.num_blocks, self._staging.get(0, source.num_bytes)).view(-1).view(torch.uint8)
-        data = memoryview(data.numpy())
+        if isinstance(payload, torch.Tensor) and payload.is_contiguous():  # already one piece of memory
+            data = memoryview(payload.view(-1).view(torch.uint8).numpy())
+            pieces = [data[offset : offset + self.piece_bytes] for offset in range(0, len(data), self.piece_bytes)]
+        else:  # the blocks themselves, no gathered copy: redis-py writes large values straight to the socket
+            pieces = source.pieces(self.piece_bytes)
         if self.checksum_type == "none":
-            envelope_header = dataclasses.replace(header, payload_num_bytes=len(data), checksum=0, checksum_type="none")
+            envelope_header = dataclasses.replace(header, payload_num_bytes=source.num_bytes, checksum=0,
+                                                  checksum_type="none")
         else:
-            payload_checksum = checksum(data) if header.checksum is None else header.checksum
-            envelope_header = dataclasses.replace(header, payload_num_bytes=len(data), checksum=payload_checksum)
+            if header.checksum is None:
+                digest = Checksum()
+                for piece in pieces:
+                    digest.update(piece)
+                payload_checksum = digest.value()
+            else:
+                payload_checksum = header.checksum
+            envelope_header = dataclasses.replace(header, payload_num_bytes=source.num_bytes, checksum=payload_checksum)
         base = f"{self.key_prefix}{header.transfer_id}:{header.first_token_position}:"
         keys = []
         try:
             pipeline = self._client(destination.address).pipeline(transaction=False)
-            for index, offset in enumerate(range(0, len(data), self.piece_bytes)):
+            for index, piece in enumerate(pieces):
                 keys.append(f"{base}{index}")
-                pipeline.set(keys[-1], data[offset : offset + self.piece_bytes], px=self.ttl_ms)
+                pipeline.set(keys[-1], piece, px=self.ttl_ms)
             pipeline.rpush(inbox, envelope_header.to_bytes() + json.dumps(keys).encode())
             pipeline.pexpire(inbox, self.ttl_ms)
             pipeline.execute()

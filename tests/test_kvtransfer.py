@@ -92,6 +92,16 @@ def test_gather_scatter_round_trip_into_other_blocks():
     assert not target[untouched].any()
 
 
+def test_block_source_pieces_are_the_payload_without_copies():
+    cache = seeded_cache(2)
+    source = BlockSource(cache, [3, 4, 5, 9, 10, 2])
+    pieces = source.pieces(2 * LAYOUT.block_num_bytes)  # runs of consecutive blocks, two at most
+    assert [len(piece) // LAYOUT.block_num_bytes for piece in pieces] == [2, 1, 2, 1]
+    assert b"".join(bytes(piece) for piece in pieces) == gather_blocks(cache, [3, 4, 5, 9, 10, 2]).numpy().tobytes()
+    cache[4] = 0.0  # views of the cache, not copies
+    assert bytes(pieces[0][LAYOUT.block_num_bytes :]) == bytes(LAYOUT.block_num_bytes)
+
+
 def test_verify_names_what_differs():
     payload = gather_blocks(seeded_cache(2), [0, 1])
     data = memoryview(payload.view(-1).view(torch.uint8).numpy())
