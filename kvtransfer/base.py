@@ -1,4 +1,4 @@
-"""The KV transfer contract: layout, payload header (format version 1), verification, the connector interface.
+"""The KV transfer contract: layout, payload header (format version 2), verification, the connector interface.
 
 A transfer moves one prompt's KV from a prefill worker to a decode worker as
 one or more payloads. Each payload holds consecutive prompt tokens starting at
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION", "BlockSource", "KVConnector", "KVEndpointInfo", "KVLayout", "KVTransferError",
-    "KVVerificationError", "ReceivedPayload", "TransferHeader", "gather_blocks", "make_header", "payload_checksum",
+    "KVVerificationError", "ReceivedPayload", "TransferHeader", "gather_blocks", "payload_checksum",
     "scatter_blocks", "verify",
 ]
 
@@ -182,22 +182,11 @@ def payload_checksum(payload: torch.Tensor) -> int:
     return checksum(payload_bytes(payload))
 
 
-def make_header(transfer_id: str, model_fingerprint: str, payload: torch.Tensor, first_token_position: int,
-                num_tokens: int, num_prompt_tokens: int, is_last: bool = False,
-                first_token_id: int | None = None) -> TransferHeader:
-    """The header of a gathered payload ``[n, layers, 2, kv_heads, block_size, head_size]``: layout, size and
-    checksum taken from the tensor."""
-    layout = KVLayout.from_kv_cache(payload)
-    return TransferHeader(transfer_id, model_fingerprint, layout, first_token_position, num_tokens, num_prompt_tokens,
-                          payload.numel() * payload.element_size(), payload_checksum(payload), is_last, first_token_id)
-
-
 def verify(header: TransferHeader, payload: "torch.Tensor | Buffer", model_fingerprint: str, layout: KVLayout,
-           computed_checksum: int | None = None, checksum_type: str = "xxh3") -> None:
+           checksum_type: str = "xxh3") -> None:
     """Check a received payload (its bytes, or a tensor) against this worker's fingerprint and layout.
 
     Args:
-        computed_checksum: the payload's XXH3-64 when the caller computed it on the way in (else computed here).
         checksum_type: this worker's --kv-checksum: "xxh3" verifies the checksum and refuses payloads
             without one; "none" verifies everything but the bytes' checksum.
 
@@ -229,7 +218,7 @@ def verify(header: TransferHeader, payload: "torch.Tensor | Buffer", model_finge
     if header.checksum_type != "xxh3":
         raise KVVerificationError("The sender sent this KV without a checksum (--kv-checksum none) and this worker "
                                   "requires one (--kv-checksum xxh3): start both with the same --kv-checksum.")
-    actual = checksum(data) if computed_checksum is None else computed_checksum
+    actual = checksum(data)
     if actual != header.checksum:
         raise KVVerificationError(f"Checksum mismatch: the payload's XXH3-64 is {actual:016x}, the header says "
                                   f"{(header.checksum or 0):016x}.")

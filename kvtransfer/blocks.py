@@ -10,7 +10,6 @@ pass over the bytes is paid in throughput.
 
 from __future__ import annotations
 
-
 import torch
 import xxhash
 
@@ -19,23 +18,17 @@ from splitserve.kvtransfer.errors import KVVerificationError
 CHECKSUM_NAME = "XXH3-64"
 
 
-class Checksum:
-    """XXH3-64 over pieces fed in order: equal to :func:`checksum` of their concatenation."""
-
-    def __init__(self) -> None:
-        self._state = xxhash.xxh3_64()
-
-    def update(self, data) -> "Checksum":
-        self._state.update(data)
-        return self
-
-    def value(self) -> int:
-        return self._state.intdigest()
-
-
 def checksum(data) -> int:
     """XXH3-64 of ``data`` (a bytes-like object), an unsigned 64-bit integer."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def checksum_of_pieces(pieces) -> int:
+    """XXH3-64 of the concatenation of ``pieces`` (bytes-like objects, in order), without joining them."""
+    state = xxhash.xxh3_64()
+    for piece in pieces:
+        state.update(piece)
+    return state.intdigest()
 
 
 def payload_bytes(payload: torch.Tensor) -> memoryview:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from splitserve.kvtransfer.base import (DroppedTransfers, KVConnector, KVEndpointInfo, KVLayout, KVTransferError,
                                         OnError, OnPayload, ReceivedPayload, TransferHeader, payload_tensor, verify)
-from splitserve.kvtransfer.blocks import BlockSource, Checksum
+from splitserve.kvtransfer.blocks import BlockSource, checksum_of_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -296,16 +296,13 @@ def _send_on(pair: _SenderPair, header: TransferHeader, source: BlockSource, blo
         works, keep = [], []  # frames and blocks stay referenced until their sends complete
         for index, chunk in enumerate(headers):
             first_block = index * blocks_per_chunk
-            blocks = [source.block(first_block + offset).contiguous() for offset in range(chunk.num_blocks)]
+            blocks = [source.block(first_block + offset).contiguous().view(-1).view(torch.uint8)
+                      for offset in range(chunk.num_blocks)]
             if compute_checksums:  # while the previous chunk's blocks are on the wire
-                digest = Checksum()
-                for block in blocks:
-                    digest.update(memoryview(block.view(-1).view(torch.uint8).numpy()))
-                chunk.checksum = digest.value()
+                chunk.checksum = checksum_of_pieces(memoryview(block.numpy()) for block in blocks)
             keep.append((_frame(chunk, frame_bytes), blocks))
             works.append(pair.group.send([keep[-1][0]], _RECEIVER, _TAG_HEADER))
-            works.extend(pair.group.send([block.view(-1).view(torch.uint8)], _RECEIVER, _TAG_PAYLOAD)
-                         for block in blocks)
+            works.extend(pair.group.send([block], _RECEIVER, _TAG_PAYLOAD) for block in blocks)
         for work in works:
             work.wait()
         status = torch.empty(1, dtype=torch.int64)

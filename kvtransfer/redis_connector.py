@@ -26,7 +26,7 @@ import torch
 
 from splitserve.kvtransfer.base import (DroppedTransfers, KVConnector, KVEndpointInfo, KVLayout, KVTransferError,
                                         OnError, OnPayload, ReceivedPayload, TransferHeader, payload_tensor, verify)
-from splitserve.kvtransfer.blocks import BlockSource, Checksum
+from splitserve.kvtransfer.blocks import BlockSource, checksum_of_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -151,22 +151,13 @@ class RedisConnector(KVConnector):
         if source.num_blocks != header.num_blocks:
             raise KVTransferError(f"The header says {header.num_tokens} tokens ({header.num_blocks} blocks of "
                                   f"{header.layout.block_size}); the payload holds {source.num_blocks} blocks.")
-        if isinstance(payload, torch.Tensor) and payload.is_contiguous():  # already one piece of memory
-            data = memoryview(payload.view(-1).view(torch.uint8).numpy())
-            pieces = [data[offset : offset + self.piece_bytes] for offset in range(0, len(data), self.piece_bytes)]
-        else:  # the blocks themselves, no gathered copy: redis-py writes large values straight to the socket
-            pieces = source.pieces(self.piece_bytes)
+        # The blocks themselves, no gathered copy: redis-py writes large values straight to the socket.
+        pieces = source.pieces(self.piece_bytes)
         if self.checksum_type == "none":
             envelope_header = dataclasses.replace(header, payload_num_bytes=source.num_bytes, checksum=0,
                                                   checksum_type="none")
         else:
-            if header.checksum is None:
-                digest = Checksum()
-                for piece in pieces:
-                    digest.update(piece)
-                payload_checksum = digest.value()
-            else:
-                payload_checksum = header.checksum
+            payload_checksum = checksum_of_pieces(pieces) if header.checksum is None else header.checksum
             envelope_header = dataclasses.replace(header, payload_num_bytes=source.num_bytes, checksum=payload_checksum)
         base = f"{self.key_prefix}{header.transfer_id}:{header.first_token_position}:"
         keys = []
