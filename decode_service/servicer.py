@@ -19,7 +19,7 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.rpc.convert import FINISH_REASONS, position_logprobs_to_pb, sampling_params_from_pb, set_stop_reason
 from splitserve.rpc.errors import InvalidArgument, stream_errors, unary_errors
 from splitserve.rpc.worker import WorkerRuntime
-from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

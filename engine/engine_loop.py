@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
@@ -43,7 +44,7 @@ class RequestStream:
         # exception that refused it (duplicate id, no room for remote KV).
         self.accepted: Future = Future()
 
-    def wait_accepted(self, timeout: float | None = None) -> "Accepted":
+    def wait_accepted(self, timeout: float | None = None) -> Accepted:
         """Block until the engine took the request; returns its blocks (reserved ones for
         remote KV, else none yet). Raises what refused it."""
         return self.accepted.result(timeout)
@@ -102,7 +103,7 @@ class EngineLoop:
         # The engine's load after the latest step (or command), readable from any thread without waiting.
         self.last_load = engine.load()
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 

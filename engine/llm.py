@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine

@@ -226,7 +226,7 @@ class LLMEngine:
         """The KV blocks the request holds, in token order."""
         return list(self.kv_cache.block_ids(request_id))
 
-    def load(self) -> "EngineLoad":
+    def load(self) -> EngineLoad:
         """A snapshot of the queues and KV usage (for load reports)."""
         scheduler = self.scheduler
         queued = scheduler.waiting

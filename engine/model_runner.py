@@ -20,8 +20,8 @@ from splitserve.engine.model_store import cache_dir
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
-from splitserve.kernels import cpu_ops
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from splitserve.kernels import cpu_ops
 
 _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
 

@@ -32,11 +32,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = enum.auto()
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def finish_reason(status: "RequestStatus") -> str | None:
+    def finish_reason(status: RequestStatus) -> str | None:
         return _FINISH_REASONS.get(status)
 
 

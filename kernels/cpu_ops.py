@@ -22,7 +22,7 @@ _FOLDER = Path(__file__).parent
 _SOURCES = ("cpu_kernels.cpp", "cpu_paged_attention.cpp", "cpu_fused_ops.cpp")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load(cache_folder: str):
     """The compiled extension, built under ``cache_folder``/kernels, or None when it cannot be built here."""
     from torch.utils.cpp_extension import load as load_extension

@@ -18,8 +18,9 @@ from __future__ import annotations
 import struct
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -67,7 +68,7 @@ class KVLayout:
     block_size: int
 
     @classmethod
-    def from_kv_cache(cls, kv_cache: torch.Tensor) -> "KVLayout":
+    def from_kv_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
         # kv_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_size]
         _, num_layers, _, num_kv_heads, block_size, head_size = kv_cache.shape
         return cls(num_layers, num_kv_heads, head_size, kv_cache.dtype, block_size)
@@ -89,7 +90,7 @@ class KVLayout:
         )
 
     @classmethod
-    def from_pb(cls, message: worker_pb2.KVCacheLayout) -> "KVLayout":
+    def from_pb(cls, message: worker_pb2.KVCacheLayout) -> KVLayout:
         if message.dtype not in _DTYPES_BY_PB:
             raise KVVerificationError(f"Unknown KV cache dtype {message.dtype} in the layout.")
         return cls(message.num_layers, message.num_kv_heads, message.head_size, _DTYPES_BY_PB[message.dtype],
@@ -141,7 +142,7 @@ class TransferHeader:
         return struct.pack("<I", len(body)) + body
 
     @classmethod
-    def from_bytes(cls, data: "Buffer") -> "TransferHeader":
+    def from_bytes(cls, data: Buffer) -> TransferHeader:
         """Parse a length-prefixed header. Raises KVTransferError on anything that is not one, and
         KVVerificationError on a format version this worker does not read."""
         data = bytes(data)
@@ -182,7 +183,7 @@ def payload_checksum(payload: torch.Tensor) -> int:
     return checksum(payload_bytes(payload))
 
 
-def verify(header: TransferHeader, payload: "torch.Tensor | Buffer", model_fingerprint: str, layout: KVLayout,
+def verify(header: TransferHeader, payload: torch.Tensor | Buffer, model_fingerprint: str, layout: KVLayout,
            checksum_type: str = "xxh3") -> None:
     """Check a received payload (its bytes, or a tensor) against this worker's fingerprint and layout.
 
@@ -224,7 +225,7 @@ def verify(header: TransferHeader, payload: "torch.Tensor | Buffer", model_finge
                                   f"{(header.checksum or 0):016x}.")
 
 
-def payload_tensor(header: TransferHeader, data: "Buffer") -> torch.Tensor:
+def payload_tensor(header: TransferHeader, data: Buffer) -> torch.Tensor:
     """A verified payload's bytes as ``[n, layers, 2, kv_heads, block_size, head_size]`` (no copy when writable)."""
     flat = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     return flat.view(header.layout.dtype).view(header.layout.payload_shape(header.num_blocks))
@@ -244,7 +245,7 @@ class KVEndpointInfo:
                                      worker_id=self.worker_id, options=dict(self.options))
 
     @classmethod
-    def from_pb(cls, message: worker_pb2.KVEndpoint) -> "KVEndpointInfo":
+    def from_pb(cls, message: worker_pb2.KVEndpoint) -> KVEndpointInfo:
         if message.connector not in _CONNECTORS_BY_PB:
             raise KVTransferError(f"Unknown KV connector type {message.connector} in the endpoint.")
         return cls(_CONNECTORS_BY_PB[message.connector], message.address, message.worker_id, dict(message.options))
@@ -293,7 +294,7 @@ class KVConnector(ABC):
         one call at a time per sender), each refused payload or broken peer to ``on_error(transfer_id or None,
         error)``, once per transfer. Both are called from the connector's threads and should return quickly."""
 
-    def expect(self, transfer_id: str, source: KVEndpointInfo | None) -> None:
+    def expect(self, transfer_id: str, source: KVEndpointInfo | None) -> None:  # noqa: B027 (optional hook)
         """The decode worker now waits for ``transfer_id`` from ``source`` (a hint; may be None)."""
 
     @abstractmethod
@@ -301,7 +302,7 @@ class KVConnector(ABC):
         """The transfer is no longer wanted: its later payloads are dropped and their storage freed."""
 
     @abstractmethod
-    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: "torch.Tensor | BlockSource") -> None:
+    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: torch.Tensor | BlockSource) -> None:
         """Hand one payload to ``destination``; blocks until it is safely there. Thread-safe.
 
         Args:

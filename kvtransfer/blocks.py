@@ -63,7 +63,7 @@ class BlockSource:
     Until the connector's ``send`` returns, the blocks must not be freed or rewritten.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, block_ids: "list[int] | range") -> None:
+    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int] | range) -> None:
         self.kv_cache = kv_cache  # [num_blocks, layers, 2, kv_heads, block_size, head_size]
         self.block_ids = list(block_ids)
         self.num_blocks = len(self.block_ids)
@@ -71,7 +71,7 @@ class BlockSource:
         self.num_bytes = self.block_num_bytes * self.num_blocks
 
     @classmethod
-    def of(cls, payload: "torch.Tensor | BlockSource") -> "BlockSource":
+    def of(cls, payload: torch.Tensor | BlockSource) -> BlockSource:
         """``payload`` itself, or a gathered payload tensor seen as all of its own blocks."""
         if isinstance(payload, BlockSource):
             return payload

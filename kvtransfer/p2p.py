@@ -48,8 +48,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from splitserve.kvtransfer.base import (DroppedTransfers, KVConnector, KVEndpointInfo, KVLayout, KVTransferError,
-                                        OnError, OnPayload, ReceivedPayload, TransferHeader, payload_tensor, verify)
+from splitserve.kvtransfer.base import (
+    DroppedTransfers,
+    KVConnector,
+    KVEndpointInfo,
+    KVLayout,
+    KVTransferError,
+    OnError,
+    OnPayload,
+    ReceivedPayload,
+    TransferHeader,
+    payload_tensor,
+    verify,
+)
 from splitserve.kvtransfer.blocks import BlockSource, checksum_of_pieces
 
 logger = logging.getLogger(__name__)
@@ -198,12 +209,12 @@ class P2PConnector(KVConnector):
 
     # ---- prefill side ----------------------------------------------------------------------
 
-    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: "torch.Tensor | BlockSource") -> None:
+    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: torch.Tensor | BlockSource) -> None:
         source = BlockSource.of(payload)
         if source.num_blocks != header.num_blocks:
             raise KVTransferError(f"The header says {header.num_tokens} tokens ({header.num_blocks} blocks of "
                                   f"{header.layout.block_size}); the payload holds {source.num_blocks} blocks.")
-        for attempt in range(2):  # a cached pair whose peer went away (restart) is rebuilt once
+        for _attempt in range(2):  # a cached pair whose peer went away (restart) is rebuilt once
             pair, reused = self._pair_to(destination)
             with pair.lock:
                 try:

@@ -24,8 +24,19 @@ import uuid
 import redis
 import torch
 
-from splitserve.kvtransfer.base import (DroppedTransfers, KVConnector, KVEndpointInfo, KVLayout, KVTransferError,
-                                        OnError, OnPayload, ReceivedPayload, TransferHeader, payload_tensor, verify)
+from splitserve.kvtransfer.base import (
+    DroppedTransfers,
+    KVConnector,
+    KVEndpointInfo,
+    KVLayout,
+    KVTransferError,
+    OnError,
+    OnPayload,
+    ReceivedPayload,
+    TransferHeader,
+    payload_tensor,
+    verify,
+)
 from splitserve.kvtransfer.blocks import BlockSource, checksum_of_pieces
 
 logger = logging.getLogger(__name__)
@@ -143,7 +154,7 @@ class RedisConnector(KVConnector):
 
     # ---- prefill side ------------------------------------------------------------------------
 
-    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: "torch.Tensor | BlockSource") -> None:
+    def send(self, destination: KVEndpointInfo, header: TransferHeader, payload: torch.Tensor | BlockSource) -> None:
         inbox = destination.options.get("inbox")
         if not inbox:
             raise KVTransferError(f"The KV endpoint of {destination.worker_id} has no inbox option.")

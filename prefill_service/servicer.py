@@ -19,7 +19,7 @@ import grpc
 
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.prefill_service.sender import PayloadPlan, TransferSender
-from splitserve.rpc.convert import FINISH_REASONS, position_logprobs_to_pb, sampling_params_from_pb, set_stop_reason
+from splitserve.rpc.convert import position_logprobs_to_pb, sampling_params_from_pb, set_stop_reason
 from splitserve.rpc.errors import InvalidArgument, ServiceError, Unavailable, unary_errors
 from splitserve.rpc.worker import WorkerRuntime
 from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc

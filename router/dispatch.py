@@ -17,8 +17,8 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import grpc
 
@@ -127,8 +127,7 @@ class Dispatcher:
         """
         call, decode_worker = self._start(job, timeout)
         try:
-            for message in call:
-                yield message
+            yield from call
         except grpc.RpcError as error:
             if job.aborted:
                 raise RequestCancelled() from None

@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from abc import ABC, abstractmethod
-from typing import Callable
+from collections.abc import Callable
 
 from splitserve.engine.kv_cache_manager import hash_block_tokens
 from splitserve.router.registry import Worker, WorkerRole

@@ -18,8 +18,9 @@ import itertools
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 class WorkerRole(enum.Enum):

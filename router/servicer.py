@@ -13,8 +13,14 @@ from splitserve.router.dispatch import Dispatcher, RequestCancelled, RouterReque
 from splitserve.router.frontend import Frontend
 from splitserve.router.registry import WorkerLoad, WorkerRegistry, WorkerRole, WorkerState
 from splitserve.rpc.convert import sampling_params_from_pb
-from splitserve.rpc.errors import (FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
-                                   stream_errors, unary_errors)
+from splitserve.rpc.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    stream_errors,
+    unary_errors,
+)
 from splitserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -90,7 +96,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def _generate(self, job: RouterRequest, context):
         first_token_time = None
-        usage = timing = None
         try:
             for message in self.dispatcher.run(job, lambda: _seconds_left(context)):
                 chunk = inference_pb2.GenerateStreamResponse(

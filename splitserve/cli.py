@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from splitserve import __version__
 from splitserve.engine.config import DEFAULT_KV_CACHE_BYTES

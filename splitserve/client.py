@@ -10,7 +10,7 @@ Clients in other languages are generated from ``protos/splitserve/v1/inference.p
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 
@@ -87,7 +87,7 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

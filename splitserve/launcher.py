@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 # Worker role -> its subcommand.
 _COMMANDS = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
 
@@ -204,7 +203,7 @@ class LocalCluster:
         if self.redis is not None:
             self.redis.stop(5)
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,8 +1,29 @@
-"""Shared fixtures: the real default model, converted once per cache folder."""
+"""Shared fixtures (the real default model, converted once per cache folder) and the test tiers.
+
+Tiers are folders, and each folder's tests carry its marker:
+
+- ``tests/unit``: no processes, no model weights (tiny random tensors at most); under a minute.
+- ``tests/integration``: real processes, sockets and a real redis-server; compiled kernels; the tokenizer.
+- ``tests/e2e``: the real model, offline and through whole clusters, token-identical to transformers.
+
+``pytest -m unit`` (``make test-unit``) runs one tier; ``make test`` runs them all.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = Path(str(item.fspath)).parent.name
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: every test lives in one of tests/{{{','.join(TIERS)}}}.")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.models.model_config import ModelConfig
 from splitserve.kernels import cpu_ops
 
-
 # Up to this many rows, logits use the transposed copy of the head (decode of small batches).
 _SMALL_BATCH_ROWS = 4
 

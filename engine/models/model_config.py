@@ -38,7 +38,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Read ``config.json`` (and ``generation_config.json`` for EOS ids).
 
         Raises:
@@ -52,7 +52,7 @@ class ModelConfig:
         return cls.from_dict(raw, generation)
 
     @classmethod
-    def from_dict(cls, raw: dict, generation: dict | None = None) -> "ModelConfig":
+    def from_dict(cls, raw: dict, generation: dict | None = None) -> ModelConfig:
         model_type = raw.get("model_type", "")
         architectures = raw.get("architectures") or []
         supported = set(SUPPORTED_MODEL_TYPES.values())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.v1 import inference_pb2

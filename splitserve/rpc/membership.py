@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -49,7 +49,7 @@ class Membership:
         self.lease_id = ""
         self.heartbeat_interval_seconds = 1.0
 
-    def start(self, timeout: float = 30.0) -> "Membership":
+    def start(self, timeout: float = 30.0) -> Membership:
         """Register (retrying until the router answers or ``timeout``), then heartbeat in the background.
 
         Raises:

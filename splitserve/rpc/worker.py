@@ -6,8 +6,8 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from splitserve import __version__
 from splitserve.engine.config import EngineConfig

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitserve.router.policies import (LeastLoaded, NoWorkerAvailable, PrefixAware, RoundRobin, make_policy)
+from splitserve.router.policies import LeastLoaded, NoWorkerAvailable, PrefixAware, RoundRobin, make_policy
 from splitserve.router.registry import Worker, WorkerLoad, WorkerRegistry, WorkerRole, WorkerState
 
 PREFILL, DECODE, BOTH = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.BOTH

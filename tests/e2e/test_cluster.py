@@ -18,8 +18,15 @@ from splitserve import LLM, SamplingParams
 from splitserve.client import Client, sampling_params_to_pb
 from splitserve.launcher import LocalCluster
 from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
-from tests.cluster_helpers import (ROUTER_ARGS, WORKER_ARGS, all_blocks_free, start_cluster, stream_tokens,
-                                   wait_until, worker_status)
+from tests.cluster_helpers import (
+    ROUTER_ARGS,
+    WORKER_ARGS,
+    all_blocks_free,
+    start_cluster,
+    stream_tokens,
+    wait_until,
+    worker_status,
+)
 from tests.reference import MAX_TOKENS
 
 pytestmark = pytest.mark.timeout(900)
@@ -50,7 +57,7 @@ def test_disaggregated_greedy_is_token_identical_to_transformers(cluster, client
     before = worker_status(decode_worker(cluster).address, "decode").counters
     with ThreadPoolExecutor(len(prompt_token_ids)) as pool:
         results = list(pool.map(lambda ids: stream_tokens(client, ids, MAX_TOKENS), prompt_token_ids))
-    for (token_ids, text, last), expected in zip(results, hf_reference):
+    for (token_ids, _text, last), expected in zip(results, hf_reference):
         assert token_ids == expected
         expected_reason = inference_pb2.FINISH_REASON_LENGTH if len(expected) == MAX_TOKENS else inference_pb2.FINISH_REASON_STOP
         assert last.finish_reason == expected_reason

@@ -24,7 +24,7 @@ from google.protobuf import descriptor_pb2
 from splitserve.engine.sampling_params import SamplingParams as EngineSamplingParams
 from splitserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO / "protos"
 PROTO_FILES = ["splitserve/v1/inference.proto", "splitserve/v1/worker.proto"]
 STUB_MODULES = [inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc]

@@ -6,8 +6,18 @@ import threading
 
 import pytest
 
-from splitserve.router.registry import (FingerprintMismatch, InvalidRegistration, UnknownLease, UnknownWorker,
-                                        Worker, WorkerIdInUse, WorkerLoad, WorkerRegistry, WorkerRole, WorkerState)
+from splitserve.router.registry import (
+    FingerprintMismatch,
+    InvalidRegistration,
+    UnknownLease,
+    UnknownWorker,
+    Worker,
+    WorkerIdInUse,
+    WorkerLoad,
+    WorkerRegistry,
+    WorkerRole,
+    WorkerState,
+)
 
 PREFILL, DECODE, BOTH = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.BOTH
 SERVING, DRAINING, STARTING, UNREACHABLE = (WorkerState.SERVING, WorkerState.DRAINING, WorkerState.STARTING,

@@ -1,0 +1,106 @@
+"""The KV payload contract: header, gather/scatter, block sources, verification (no processes, no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import xxhash
+
+from splitserve.kvtransfer.base import (
+    BlockSource,
+    KVLayout,
+    KVTransferError,
+    KVVerificationError,
+    TransferHeader,
+    gather_blocks,
+    payload_checksum,
+    scatter_blocks,
+    verify,
+)
+
+# A small block-major cache: 16 blocks, 4 layers, 2 KV heads, blocks of 4 tokens, head size 8.
+SHAPE = (16, 4, 2, 2, 4, 8)
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=8, dtype=torch.float32, block_size=4)
+FINGERPRINT = "model-a"
+
+
+def seeded_cache(seed: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def header_for(payload: torch.Tensor, transfer_id: str, position: int, num_tokens: int, num_prompt_tokens: int,
+               is_last: bool, first_token_id=None, fingerprint=FINGERPRINT, layout=LAYOUT) -> TransferHeader:
+    return TransferHeader(transfer_id, fingerprint, layout, position, num_tokens, num_prompt_tokens,
+                          payload.numel() * payload.element_size(), payload_checksum(payload), is_last, first_token_id)
+
+
+def test_header_round_trip_and_garbage():
+    payload = gather_blocks(seeded_cache(0), [3, 7])
+    header = header_for(payload, "t1", 8, 7, 15, True, first_token_id=42)
+    parsed = TransferHeader.from_bytes(header.to_bytes())
+    assert parsed == header and parsed.num_blocks == 2
+    without_first = header_for(payload, "t1", 0, 8, 15, False)
+    assert TransferHeader.from_bytes(without_first.to_bytes()).first_token_id is None
+    with pytest.raises(KVTransferError, match="4 bytes"):
+        TransferHeader.from_bytes(b"\x01")
+    with pytest.raises(KVTransferError, match="follow"):
+        TransferHeader.from_bytes(b"\xff\x00\x00\x00abc")
+    for other_version in (1, 3):  # the head-major payload of version 1, and a future one
+        other = header_for(payload, "t1", 0, 8, 15, False)
+        other.format_version = other_version
+        with pytest.raises(KVVerificationError, match=f"format version {other_version} is not supported"):
+            TransferHeader.from_bytes(other.to_bytes())
+
+
+def test_gather_scatter_round_trip_into_other_blocks():
+    source, target = seeded_cache(1), torch.zeros(SHAPE)
+    payload = gather_blocks(source, [3, 7, 1])
+    assert payload.shape == (3, 4, 2, 2, 4, 8) and payload.is_contiguous()
+    scatter_blocks(target, [10, 2, 5], payload)
+    assert torch.equal(target[[10, 2, 5]], source[[3, 7, 1]])
+    untouched = [b for b in range(16) if b not in (10, 2, 5)]
+    assert not target[untouched].any()
+
+
+def test_block_source_pieces_are_the_payload_without_copies():
+    cache = seeded_cache(2)
+    source = BlockSource(cache, [3, 4, 5, 9, 10, 2])
+    pieces = source.pieces(2 * LAYOUT.block_num_bytes)  # runs of consecutive blocks, two at most
+    assert [len(piece) // LAYOUT.block_num_bytes for piece in pieces] == [2, 1, 2, 1]
+    assert b"".join(bytes(piece) for piece in pieces) == gather_blocks(cache, [3, 4, 5, 9, 10, 2]).numpy().tobytes()
+    cache[4] = 0.0  # views of the cache, not copies
+    assert bytes(pieces[0][LAYOUT.block_num_bytes :]) == bytes(LAYOUT.block_num_bytes)
+
+
+def test_verify_names_what_differs():
+    payload = gather_blocks(seeded_cache(2), [0, 1])
+    data = memoryview(payload.view(-1).view(torch.uint8).numpy())
+    header = header_for(payload, "t", 0, 8, 8, True)
+    verify(header, data, FINGERPRINT, LAYOUT)
+    with pytest.raises(KVVerificationError, match="fingerprint model-a differs from this worker's model-b"):
+        verify(header, data, "model-b", LAYOUT)
+    other = KVLayout(4, 2, 8, torch.bfloat16, 4)
+    with pytest.raises(KVVerificationError, match="layout .* differs"):
+        verify(header, data, FINGERPRINT, other)
+    corrupted = bytearray(data)
+    corrupted[5] ^= 0xFF
+    with pytest.raises(KVVerificationError, match="Checksum mismatch"):
+        verify(header, corrupted, FINGERPRINT, LAYOUT)
+    with pytest.raises(KVVerificationError, match="bytes"):
+        verify(header, bytes(data)[:-4], FINGERPRINT, LAYOUT)
+    assert header.checksum == xxhash.xxh3_64_intdigest(bytes(data))
+
+
+def test_a_payload_without_checksum_is_refused_unless_this_worker_takes_none():
+    payload = gather_blocks(seeded_cache(0), [3, 7])
+    header = header_for(payload, "t1", 0, 8, 11, False)
+    header.checksum, header.checksum_type = 0, "none"
+    header = TransferHeader.from_bytes(header.to_bytes())
+    assert header.checksum_type == "none"
+    data = bytearray(payload.numpy().tobytes())
+    with pytest.raises(KVVerificationError, match="without a checksum .* same --kv-checksum"):
+        verify(header, data, FINGERPRINT, LAYOUT)
+    verify(header, data, FINGERPRINT, LAYOUT, checksum_type="none")
+    # A worker that takes no checksums still checks everything else.
+    with pytest.raises(KVVerificationError, match="layout .* differs"):
+        verify(header, data, FINGERPRINT, KVLayout(4, 2, 8, torch.bfloat16, 4), checksum_type="none")
