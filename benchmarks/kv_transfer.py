@@ -50,8 +50,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from splitserve.kvtransfer import create_connector
-from splitserve.kvtransfer.base import KVLayout
 from splitserve.kvtransfer.blocks import CHECKSUM_NAME
+from splitserve.kvtransfer.layout import KVLayout
 from splitserve.launcher import LocalCluster
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_size=64, dtype=torch.float32, block_size=16)
@@ -63,8 +63,10 @@ import json, sys, time
 from datetime import timedelta
 import redis, torch, torch.distributed as dist
 from splitserve.kvtransfer import create_connector
-from splitserve.kvtransfer.base import BlockSource, KVEndpointInfo, KVLayout, TransferHeader
-from splitserve.kvtransfer.blocks import payload_bytes
+from splitserve.kvtransfer.blocks import BlockSource, payload_bytes
+from splitserve.kvtransfer.connector import KVEndpointInfo
+from splitserve.kvtransfer.header import TransferHeader
+from splitserve.kvtransfer.layout import KVLayout
 layout = KVLayout(30, 3, 64, torch.float32, 16)
 cache = torch.randn(int(sys.argv[1]), 30, 2, 3, 16, 64)  # block-major, as the engine allocates it
 connectors, raw_group, raw_tensors, redis_client = {}, None, {}, None

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from splitserve.client import Client
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.launcher import LocalCluster
 
 SPECIAL_ID_MARGIN = 100

@@ -1,27 +1,43 @@
-"""The decode worker's KV receiver: arriving payloads -> the blocks reserved for their request.
+"""The decode worker's KV receiver: the engine's KV connector on the loading side.
 
-A request waiting for remote KV is registered here with its transfer id and
-reserved block ids. The connector's threads call :meth:`KVReceiver.on_payload`;
-each verified payload is range-checked against the request and copied into its
-blocks. After the last one the engine is told (on its own thread) that the KV
-is in place. A watchdog applies the failure policy to transfers that are late;
-refused payloads and broken peers apply it at once.
+The servicer announces each request whose prompt KV will arrive
+(:meth:`KVReceiver.expect`: its transfer id, the sender, its deadline). The
+engine reserves the request's blocks and calls :meth:`KVReceiver.start_load`
+with their ids. The transport connector's threads (p2p, redis) deliver
+verified payloads to :meth:`KVReceiver.on_payload`; each is range-checked
+against the request and copied into its blocks of the cache the engine
+registered. After the last one the load is reported finished (with the first
+token it carried); a late transfer (the watchdog), a refused payload or a
+broken peer is reported failed with a sentence, and the engine applies the
+request's failure policy. Both wake the engine loop.
 
-Blocks are written only while the transfer is live: cancelling (abort,
-timeout, failure) happens under the transfer's lock before the engine may free
-or reuse the blocks, so a late payload can never land in someone else's blocks.
+Blocks are written only while the transfer is open: the engine calls
+:meth:`KVReceiver.request_finished` before it frees or reuses a request's
+blocks, and that closes the transfer under the lock every write holds, so a
+late payload can never land in someone else's blocks.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
-from splitserve.engine.engine_loop import EngineLoop
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.log_fields import request_log
+from splitserve.engine.kv_connector import KVConnectorBase, KVConnectorEvents, KVLoad, KVSave
 
 logger = logging.getLogger(__name__)
+
+
+class TransferState(enum.Enum):
+    EXPECTED = "expected"  # announced by the servicer; the engine has not reserved its blocks yet
+    LOADING = "loading"  # blocks reserved: payloads are written into them
+    RECEIVED = "received"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 @dataclass
@@ -31,129 +47,175 @@ class Transfer:
     transfer_id: str
     request_id: str
     num_prompt_tokens: int
-    deadline: float
-    fail_on_kv_failure: bool
-    block_ids: list[int] = field(default_factory=list)
+    timeout_seconds: float
+    source: object = None  # the sender's KVEndpointInfo, a pairing hint for the transport
+    state: TransferState = TransferState.EXPECTED
+    block_ids: tuple[int, ...] = ()
     # Prompt tokens whose KV is in place: the cached prefix, then what arrived.
     num_received_tokens: int = 0
     num_transferred_tokens: int = 0
     num_received_bytes: int = 0
     num_payloads: int = 0
-    started: float = field(default_factory=time.monotonic)
-    # Set when the KV is complete, or the transfer was given up; no more writes.
-    closed: bool = False
-    # How it ended: "received", "recomputed", "failed" or "cancelled".
-    outcome: str = ""
-    first_token_id: int | None = None
-    wait_seconds: float = 0.0
+    started: float = 0.0
+    deadline: float = float("inf")
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def is_open(self) -> bool:
+        return self.state in (TransferState.EXPECTED, TransferState.LOADING)
 
 
-class KVReceiver:
-    """Routes incoming payloads of one decode worker to their requests.
+class KVReceiver(KVConnectorBase):
+    """Routes incoming payloads of one decode worker into the blocks the engine reserved.
 
     Args:
-        loop: the worker's engine loop (the engine is only touched through it).
-        connector: the worker's KV connector; ``start`` makes it deliver here.
+        transport: the worker's transport connector (``splitserve.kvtransfer``); ``start`` makes it deliver here.
         counters: the worker's Counters.
     """
 
-    def __init__(self, loop: EngineLoop, connector, counters) -> None:
-        self.loop = loop
-        self.connector = connector
+    def __init__(self, transport, counters) -> None:
+        self.transport = transport
         self.counters = counters
-        self.block_size = loop.engine.config.block_size
-        self._kv_cache = loop.engine.model_runner.kv_cache
-        self._transfers: dict[str, Transfer] = {}
+        self._kv_cache = None
+        self.block_size = transport.layout.block_size
+        self._by_transfer: dict[str, Transfer] = {}
+        self._by_request: dict[str, Transfer] = {}
+        self._events = KVConnectorEvents()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="kv-watchdog", daemon=True)
 
     def start(self) -> None:
-        self.connector.start_receiving(self.on_payload, self.on_error)
+        self.transport.start_receiving(self.on_payload, self.on_error)
         self._watchdog.start()
 
     def stop(self) -> None:
         self._stop.set()
 
-    # ---- requests --------------------------------------------------------------
+    # ---- the servicer's side ---------------------------------------------------------------
 
-    def expect(self, transfer: Transfer, source) -> None:
-        """Wait for ``transfer`` (its block ids set); the connector pairs with ``source`` if it needs to."""
+    def expect(self, request_id: str, transfer_id: str, num_prompt_tokens: int, timeout_seconds: float,
+               source=None) -> None:
+        """A request's prompt KV will arrive as ``transfer_id`` (from ``source``, a hint; may be None).
+
+        Raises:
+            InvalidRequest: the transfer id or the request id is in use on this worker.
+        """
+        transfer = Transfer(transfer_id, request_id, num_prompt_tokens, timeout_seconds, source)
         with self._lock:
-            if transfer.transfer_id in self._transfers:
-                raise ValueError(f"Transfer id {transfer.transfer_id!r} is already in use on this worker.")
-            self._transfers[transfer.transfer_id] = transfer
-        self.connector.expect(transfer.transfer_id, source)
+            if transfer_id in self._by_transfer:
+                raise InvalidRequest(f"Transfer id {transfer_id!r} is already in use on this worker.")
+            if request_id in self._by_request:
+                raise InvalidRequest(f"Request id {request_id!r} already waits for KV on this worker.")
+            self._by_transfer[transfer_id] = transfer
+            self._by_request[request_id] = transfer
 
-    def cancel(self, transfer_id: str) -> bool:
-        """Give up a transfer (its request is being aborted); True if it was still open."""
-        transfer = self._pop(transfer_id)
+    def discard(self, request_id: str) -> None:
+        """The engine refused the request: forget its transfer."""
+        transfer = self._pop(request_id)
+        if transfer is not None:
+            self._close(transfer, TransferState.CANCELLED)
+            self.transport.cancel(transfer.transfer_id)
+
+    # ---- the engine's side (engine thread) ----------------------------------------------------
+
+    def register_kv_cache(self, kv_cache) -> None:
+        self._kv_cache = kv_cache  # [num_blocks, layers, 2, kv_heads, block_size, head_size]
+
+    def start_load(self, load: KVLoad) -> None:
+        with self._lock:
+            transfer = self._by_request.get(load.request_id)
         if transfer is None:
-            return False
-        opened = self._close(transfer, "cancelled")
-        self.connector.cancel(transfer_id)
-        return opened
+            self._report_failed_load(load.request_id, "no transfer was announced for it on this worker")
+            return
+        with transfer.lock:
+            transfer.block_ids = load.block_ids
+            transfer.num_received_tokens = load.num_computed_tokens
+            transfer.started = time.monotonic()
+            transfer.deadline = transfer.started + transfer.timeout_seconds
+            transfer.state = TransferState.LOADING
+        request_log(logger, load.request_id, transfer.transfer_id).debug(
+            "Waiting for the prompt's KV (%d prompt tokens, %d cached here)", load.num_prompt_tokens,
+            load.num_computed_tokens)
+        self.transport.expect(transfer.transfer_id, transfer.source)
 
-    # ---- connector callbacks (connector threads) --------------------------------
+    def save(self, save: KVSave) -> None:
+        raise NotImplementedError("A decode worker's receiver loads KV; it saves none.")
+
+    def request_finished(self, request_id: str) -> bool:
+        transfer = self._pop(request_id)
+        if transfer is not None and self._close(transfer, TransferState.CANCELLED):
+            self.transport.cancel(transfer.transfer_id)  # its later payloads are dropped
+        return False
+
+    def get_finished(self) -> KVConnectorEvents:
+        with self._lock:
+            events, self._events = self._events, KVConnectorEvents()
+        return events
+
+    # ---- the transport's callbacks (its threads) --------------------------------------------------
 
     def on_payload(self, received) -> None:
         header, payload = received.header, received.payload
         with self._lock:
-            transfer = self._transfers.get(header.transfer_id)
+            transfer = self._by_transfer.get(header.transfer_id)
         if transfer is None:
-            logger.warning("Dropping a KV payload of unknown or finished transfer %s", header.transfer_id)
-            self.connector.cancel(header.transfer_id)
+            request_log(logger, "-", header.transfer_id).warning("Dropping a KV payload of an unknown or ended transfer")
+            self.transport.cancel(header.transfer_id)
             return
         with transfer.lock:
-            if transfer.closed:
+            if not transfer.is_open:
                 return
             problem = self._check_range(transfer, header)
             if problem is None:
-                first_block = header.first_token_position // self.block_size
-                block_ids = transfer.block_ids[first_block : first_block + header.num_blocks]
-                from splitserve.kvtransfer.base import scatter_blocks
-
-                scatter_blocks(self._kv_cache, block_ids, payload)
-                transfer.num_received_tokens += header.num_tokens
-                transfer.num_transferred_tokens += header.num_tokens
-                transfer.num_received_bytes += header.payload_num_bytes
-                transfer.num_payloads += 1
-                self.counters.add(num_kv_bytes=header.payload_num_bytes)
+                self._write(transfer, header, payload)
                 if not header.is_last:
                     return
-                transfer.first_token_id = header.first_token_id
-                transfer.closed = True
-                transfer.outcome = "received"
-                transfer.wait_seconds = time.monotonic() - transfer.started
+                transfer.state = TransferState.RECEIVED
         if problem is not None:
             self.counters.add(num_kv_payloads_refused=1)
-            self._give_up(header.transfer_id, f"KV payload refused: {problem}")
+            self._give_up(transfer, f"KV payload refused: {problem}")
             return
-        self._pop(transfer.transfer_id)
+        self._pop(transfer.request_id)
         self.counters.add(num_kv_transfers_received=1)
-        logger.info(
-            "Request %s: KV of %d tokens received through the connector (%d payloads, %.1f MB, %.3f s; "
-            "%d more from the prefix cache); WAITING_FOR_REMOTE_KVS -> WAITING",
-            transfer.request_id, transfer.num_transferred_tokens, transfer.num_payloads,
-            transfer.num_received_bytes / 1e6, transfer.wait_seconds,
+        request_log(logger, transfer.request_id, transfer.transfer_id).info(
+            "KV of %d tokens received (%d payloads, %.1f MB, %.3f s; %d more from the prefix cache)",
+            transfer.num_transferred_tokens, transfer.num_payloads,
+            transfer.num_received_bytes / 1e6, time.monotonic() - transfer.started,
             transfer.num_received_tokens - transfer.num_transferred_tokens,
         )
-        request_id, first_token_id = transfer.request_id, transfer.first_token_id
-        self.loop.post(lambda engine: _finish_remote_kv(engine, request_id, first_token_id))
-        transfer.done.set()
+        with self._lock:
+            self._events.finished_loads[transfer.request_id] = header.first_token_id
+        self.wake_engine()
 
     def on_error(self, transfer_id: str | None, error: Exception) -> None:
         if transfer_id is None:
             logger.warning("KV connector error: %s", error)
             return
-        self.counters.add(num_kv_payloads_refused=1)
-        self._give_up(transfer_id, str(error))
+        with self._lock:
+            transfer = self._by_transfer.get(transfer_id)
+        if transfer is not None:
+            self.counters.add(num_kv_payloads_refused=1)
+            self._give_up(transfer, str(error))
 
-    # ---- failures -----------------------------------------------------------------
+    # ---- internals ---------------------------------------------------------------------
+
+    def _write(self, transfer: Transfer, header, payload) -> None:
+        """Copy a verified payload into its blocks (under the transfer's lock)."""
+        from splitserve.kvtransfer.blocks import scatter_blocks
+
+        first_block = header.first_token_position // self.block_size
+        scatter_blocks(self._kv_cache, list(transfer.block_ids[first_block : first_block + header.num_blocks]),
+                       payload)
+        transfer.num_received_tokens += header.num_tokens
+        transfer.num_transferred_tokens += header.num_tokens
+        transfer.num_received_bytes += header.payload_num_bytes
+        transfer.num_payloads += 1
+        self.counters.add(num_kv_bytes=header.payload_num_bytes)
 
     def _check_range(self, transfer: Transfer, header) -> str | None:
+        if transfer.state != TransferState.LOADING:
+            return "it arrived before the request's blocks were reserved."
         if header.num_prompt_tokens != transfer.num_prompt_tokens:
             return (f"it is for a prompt of {header.num_prompt_tokens} tokens; request "
                     f"{transfer.request_id} has {transfer.num_prompt_tokens}.")
@@ -167,56 +229,38 @@ class KVReceiver:
             return f"the last payload ends at token {end}, before the prompt's end ({transfer.num_prompt_tokens})."
         return None
 
-    def _give_up(self, transfer_id: str, reason: str) -> None:
-        """Apply the failure policy: recompute the prompt here, or fail the request."""
-        transfer = self._pop(transfer_id)
-        if transfer is None or not self._close(transfer, "failed" if transfer.fail_on_kv_failure else "recomputed"):
+    def _give_up(self, transfer: Transfer, reason: str) -> None:
+        """Report the load failed (the engine applies the request's policy); no more writes."""
+        if not self._close(transfer, TransferState.FAILED):
             return
-        self.connector.cancel(transfer_id)
-        request_id = transfer.request_id
-        if transfer.fail_on_kv_failure:
-            message = f"The prompt's KV could not be loaded ({reason}); --kv-load-failure is fail."
-            logger.warning("Request %s: %s", request_id, message)
-            self.loop.post(lambda engine: engine.fail_request(request_id, message))
-        else:
-            logger.warning("Request %s: %s; recomputing the prompt locally", request_id, reason)
-            self.counters.add(num_kv_recomputes=1)
-            self.loop.post(lambda engine: _recompute(engine, request_id))
-        transfer.done.set()
+        self._pop(transfer.request_id)
+        self.transport.cancel(transfer.transfer_id)
+        self._report_failed_load(transfer.request_id, reason)
+
+    def _report_failed_load(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            self._events.failed_loads[request_id] = reason
+        self.wake_engine()
 
     def _watch(self) -> None:
         while not self._stop.wait(0.05):
             now = time.monotonic()
             with self._lock:
-                late = [t for t in self._transfers.values() if t.deadline <= now]
+                late = [t for t in self._by_transfer.values() if t.deadline <= now]
             for transfer in late:
-                waited = now - transfer.started
-                self._give_up(transfer.transfer_id, f"it did not arrive within {waited:.1f} s")
+                self._give_up(transfer, f"it did not arrive within {now - transfer.started:.1f} s")
 
-    def _pop(self, transfer_id: str) -> Transfer | None:
+    def _pop(self, request_id: str) -> Transfer | None:
         with self._lock:
-            return self._transfers.pop(transfer_id, None)
+            transfer = self._by_request.pop(request_id, None)
+            if transfer is not None:
+                self._by_transfer.pop(transfer.transfer_id, None)
+            return transfer
 
     @staticmethod
-    def _close(transfer: Transfer, outcome: str) -> bool:
+    def _close(transfer: Transfer, state: TransferState) -> bool:
         with transfer.lock:
-            if transfer.closed:
+            if not transfer.is_open:
                 return False
-            transfer.closed = True
-            transfer.outcome = outcome
-            transfer.wait_seconds = time.monotonic() - transfer.started
+            transfer.state = state
             return True
-
-
-def _finish_remote_kv(engine, request_id: str, first_token_id: int | None) -> None:
-    try:
-        engine.finish_remote_kv(request_id, first_token_id)
-    except KeyError:  # aborted meanwhile
-        pass
-
-
-def _recompute(engine, request_id: str) -> None:
-    try:
-        engine.recompute_remote_kv(request_id)
-    except KeyError:
-        pass

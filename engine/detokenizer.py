@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams
 
 # Prompt tokens that seed the first decode window.
 NUM_PROMPT_CONTEXT_TOKENS = 5

@@ -16,9 +16,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
-from splitserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _STOP = object()
@@ -80,23 +81,18 @@ class RequestStream:
 class EngineLoop:
     """Runs ``engine.step()`` on a background thread while requests are unfinished.
 
+    A KV connector attached to the engine wakes the loop when it has news (a
+    prompt's KV arrived, a save finished), so requests waiting for remote KV
+    move on at once while the loop otherwise sleeps.
+
     Args:
         engine: the engine; after ``start()`` only the loop thread touches it.
         idle_wait_seconds: how long the idle loop sleeps between checks for commands.
-        after_step: called on the loop thread after every step with the engine
-            and the step's outputs (a prefill worker ships completed KV blocks
-            from here); must be quick and must not raise.
     """
 
-    def __init__(
-        self,
-        engine: LLMEngine,
-        idle_wait_seconds: float = 0.05,
-        after_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
-    ) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_seconds: float = 0.05) -> None:
         self.engine = engine
         self.idle_wait_seconds = idle_wait_seconds
-        self.after_step = after_step
         self._commands: queue.Queue[Any] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._thread = threading.Thread(target=self._run, name="splitserve-engine", daemon=True)
@@ -119,12 +115,11 @@ class EngineLoop:
         prompt: str | None,
         sampling_params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
-        remote_kv: bool = False,
-        hold_kv_on_finish: bool = False,
+        kv_transfer: KVTransferParams | None = None,
     ) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream.
 
-        ``remote_kv`` and ``hold_kv_on_finish`` are passed to ``LLMEngine.add_request``;
+        ``kv_transfer`` is passed to ``LLMEngine.add_request``;
         ``stream.wait_accepted()`` says when the engine has taken it.
 
         Raises:
@@ -136,7 +131,7 @@ class EngineLoop:
             raise ValueError("sampling_params must be a SamplingParams.")
         stream = RequestStream(request_id)
         self._commands.put(
-            ("add", stream, (request_id, prompt, sampling_params, token_ids, remote_kv, hold_kv_on_finish))
+            ("add", stream, (request_id, prompt, sampling_params, token_ids, kv_transfer))
         )
         return stream
 
@@ -187,11 +182,9 @@ class EngineLoop:
     def _apply(self, command) -> None:
         kind, target, payload = command
         if kind == "add":
-            request_id, prompt, params, token_ids, remote_kv, hold_kv = payload
+            request_id, prompt, params, token_ids, kv_transfer = payload
             try:
-                self.engine.add_request(
-                    request_id, prompt, params, prompt_token_ids=token_ids, remote_kv=remote_kv, hold_kv_on_finish=hold_kv
-                )
+                self.engine.add_request(request_id, prompt, params, prompt_token_ids=token_ids, kv_transfer=kv_transfer)
             except Exception as error:  # duplicate id, no room for remote KV: the caller hears of it
                 target.accepted.set_exception(error)
                 target.put(error)
@@ -201,6 +194,11 @@ class EngineLoop:
             target.accepted.set_result(Accepted(self.engine.block_ids(request_id), max(request.num_cached_tokens, 0)))
         elif kind == "abort":
             self.engine.abort_request(target)
+        elif kind == "kv":
+            try:
+                self.engine.update_from_kv_connector()
+            except Exception:  # a bug; the loop goes on, and the next step polls again
+                logger.exception("Applying the KV connector's reports failed")
         elif kind == "call":
             try:
                 target.set_result(payload(self.engine))
@@ -216,11 +214,6 @@ class EngineLoop:
                 stream.put(error)
             self._streams.clear()
             return
-        if self.after_step is not None:
-            try:
-                self.after_step(self.engine, outputs)
-            except Exception:  # a broken hook must not stop the engine
-                logger.exception("after_step hook failed")
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -4,27 +4,16 @@ Sits between the scheduler and the :class:`BlockPool`: it turns "this request
 needs N more token slots" into block allocations, and finds the longest run of
 already-computed full blocks for a new prompt by its chained block hashes.
 
-Block hashes chain: ``hash(block i) = H(hash(block i-1) || token ids of block i)``,
-computed with SHA-256 over fixed-width integers, so that two processes (a
-prefill and a decode worker) agree on them.
+Block hashes chain: ``hash(block i) = H(hash(block i-1) || token ids of block i)``
+(``splitserve.common.block_hash``), so that two processes (a prefill and a
+decode worker, and the router's prefix-aware policy) agree on them.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-
+from splitserve.common.block_hash import hash_block_tokens
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.request import Request
-
-_ROOT_HASH = b"splitserve-kv-v1"
-
-
-def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
-    """The chained hash of one full block."""
-    digest = hashlib.sha256(parent_hash if parent_hash is not None else _ROOT_HASH)
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
 
 
 class KVCacheManager:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
-from splitserve.engine.sampling_params import SamplingParams
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
 PromptType = str | dict[str, Any]

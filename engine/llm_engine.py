@@ -1,8 +1,17 @@
 """LLMEngine: the step API that the offline LLM and both worker kinds drive.
 
 ``add_request`` -> ``step`` (repeatedly) -> ``RequestOutput`` deltas, plus
-``abort_request`` and, for disaggregated decode, ``add_request(remote_kv=True)``
-and ``finish_remote_kv``. One engine is driven by one thread.
+``abort_request``. KV crosses the engine's edge through a KV connector
+(:mod:`splitserve.engine.kv_connector`, attached with ``attach_kv_connector``):
+requests added with ``KVTransferParams(load=True)`` wait for theirs, those
+with ``KVTransferParams(save=True)`` hand theirs out step by step. Without a
+connector, ``finish_remote_kv`` and ``release_kv`` drive the same requests by
+hand. One engine is driven by one thread.
+
+This module is the engine's whole public surface (requests in, steps,
+outputs, the KV hooks), about 360 lines; what each step does lives in the
+scheduler, the model runner, :mod:`~splitserve.engine.kv_transfers` and
+:mod:`~splitserve.engine.output_processor`.
 """
 
 from __future__ import annotations
@@ -13,15 +22,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.common.load import WorkerLoad
+from splitserve.common.log_fields import request_log
+from splitserve.common.model_info import ModelConfig
+from splitserve.common.prompt import validate_prompt_token_ids
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv_connector import KVConnectorBase, KVLoadFailurePolicy, KVLoadOutcome, KVTransferParams
+from splitserve.engine.kv_transfers import KVTransfers
 from splitserve.engine.model_runner import ModelRunner, SampledToken
 from splitserve.engine.model_store import resolve_model
-from splitserve.engine.models import ModelConfig
-from splitserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from splitserve.engine.output_processor import OutputProcessor
+from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -36,20 +50,6 @@ class EngineStats:
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0
     num_finished_requests: int = 0
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """What a worker reports to the router: queues and KV blocks right now."""
-
-    num_running_requests: int
-    num_waiting_requests: int
-    num_waiting_for_remote_kvs_requests: int
-    # Prompt tokens scheduled but not computed yet (the prefill backlog).
-    num_queued_prefill_tokens: int
-    num_total_kv_blocks: int
-    # Evictable prefix-cache blocks count as free.
-    num_free_kv_blocks: int
 
 
 class LLMEngine:
@@ -73,13 +73,18 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
         )
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._prompts: dict[str, str | None] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         # Outputs of requests finished outside step() (aborts), reported by the next step.
         self._pending_outputs: list[RequestOutput] = []
         self._request_counter = itertools.count()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.stats = EngineStats()
+        self.kv_transfers = KVTransfers(config.block_size)
+
+    def attach_kv_connector(self, connector: KVConnectorBase) -> None:
+        """KV of requests with ``KVTransferParams`` now moves through ``connector`` (before serving starts)."""
+        connector.register_kv_cache(self.model_runner.kv_cache)
+        self.kv_transfers.connector = connector
 
     # ---- requests ------------------------------------------------------------
 
@@ -95,19 +100,20 @@ class LLMEngine:
         prompt: str | None = None,
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
-        remote_kv: bool = False,
-        hold_kv_on_finish: bool = False,
+        kv_transfer: KVTransferParams | None = None,
     ) -> Request:
         """Validate and queue a request (text ``prompt`` or ``prompt_token_ids``).
 
-        With ``remote_kv`` its prompt blocks are reserved and it waits in
-        ``WAITING_FOR_REMOTE_KVS`` until :meth:`finish_remote_kv` (or
-        :meth:`recompute_remote_kv`). With ``hold_kv_on_finish`` (prefill role) its
-        blocks outlive it until :meth:`release_kv`.
+        With ``kv_transfer.load`` its prompt blocks are reserved and it waits in
+        ``WAITING_FOR_REMOTE_KVS`` until the connector reports the KV in place
+        (or :meth:`finish_remote_kv` / :meth:`recompute_remote_kv` by hand). With
+        ``kv_transfer.save`` (prefill role) the connector gets its blocks as steps
+        complete them, and they outlive the request until the last save is done
+        (or :meth:`release_kv` by hand).
 
         Raises:
             ValueError: empty or too long prompt, token ids out of range, bad params.
-            KVCacheFullError: (remote_kv only) no room to reserve the prompt's blocks.
+            KVCacheFullError: no room to reserve the blocks of KV that comes from outside.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -120,11 +126,13 @@ class LLMEngine:
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             max_output_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
-            hold_kv_on_finish=hold_kv_on_finish,
         )
-        self.scheduler.add_request(request, remote_kv=remote_kv)
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
-        self._prompts[request_id] = prompt
+        if kv_transfer is not None:
+            self.kv_transfers.check(kv_transfer, len(token_ids))
+        num_external_tokens = self.kv_transfers.num_external_tokens(request, kv_transfer)
+        self.scheduler.add_request(request, num_external_tokens)
+        self.kv_transfers.start(request, kv_transfer, num_external_tokens, self.block_ids(request_id))
+        self.output_processor.add(request, prompt)
         return request
 
     def prompt_token_ids_of(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
@@ -133,19 +141,7 @@ class LLMEngine:
             if not isinstance(prompt, str):
                 raise ValueError("A prompt must be a string or a list of token ids.")
             prompt_token_ids = self.tokenize(prompt)
-        token_ids = [int(token_id) for token_id in prompt_token_ids]
-        if not token_ids:
-            raise ValueError("The prompt is empty: give at least one token.")
-        vocab_size = self.model_config.vocab_size
-        bad = next((token_id for token_id in token_ids if not 0 <= token_id < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"Prompt token id {bad} is outside the vocabulary [0, {vocab_size}).")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"The prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
-                "which must leave room for at least one generated token."
-            )
-        return token_ids
+        return validate_prompt_token_ids(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request now, in whatever state it is; its blocks return to the pool.
@@ -154,10 +150,22 @@ class LLMEngine:
         """
         request = self.scheduler.requests.get(request_id)
         if request is None:
-            return False
+            return self._cancel_held(request_id)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         self._pending_outputs.append(self._make_output(request))
         self._forget(request_id)
+        return True
+
+    def _cancel_held(self, request_id: str) -> bool:
+        """A finished request whose blocks wait for its last save: stop the save; the blocks go now, or when
+        the connector reports the read in flight over. False if it holds no blocks."""
+        request = self.scheduler.held.get(request_id)
+        if request is None:
+            return False
+        self.kv_transfers.end_save(request_id)
+        connector = self.kv_transfers.connector
+        if connector is None or not connector.request_finished(request_id):
+            self.release_kv(request_id)
         return True
 
     def fail_request(self, request_id: str, message: str) -> bool:
@@ -176,7 +184,8 @@ class LLMEngine:
         return True
 
     def release_kv(self, request_id: str) -> bool:
-        """Free the blocks a finished ``hold_kv_on_finish`` request kept; False if it holds none."""
+        """Free the blocks a finished saving request kept; False if it holds none."""
+        self.kv_transfers.end_save(request_id)
         return self.scheduler.release_held(request_id)
 
     def finish_remote_kv(self, request_id: str, first_token_id: int | None = None) -> None:
@@ -187,8 +196,12 @@ class LLMEngine:
                 it; otherwise the last prompt token is recomputed here for its logits.
         """
         request = self._waiting_for_remote_kv(request_id)
-        if first_token_id is None:
-            self.scheduler.finish_remote_kv(request_id, request.num_prompt_tokens - 1)
+        load = self.kv_transfers.end_load(request_id, KVLoadOutcome.RECEIVED)
+        num_external = load.num_external_tokens if load is not None else request.num_prompt_tokens
+        request_log(logger, request_id).debug("WAITING_FOR_REMOTE_KVS -> WAITING (KV of %d prompt tokens in place)",
+                                              num_external)
+        if first_token_id is None or num_external < request.num_prompt_tokens:
+            self.scheduler.finish_remote_kv(request_id, min(num_external, request.num_prompt_tokens - 1))
             return
         self.scheduler.finish_remote_kv(request_id, request.num_prompt_tokens)
         # A seeded request continues its random stream where the prefill side left it.
@@ -200,7 +213,38 @@ class LLMEngine:
         """Give up waiting for a request's remote KV: its prompt is computed here, in the blocks it holds
         (after the prefix this worker had cached, whose shared blocks are left as they are)."""
         request = self._waiting_for_remote_kv(request_id)
+        self.kv_transfers.end_load(request_id, KVLoadOutcome.RECOMPUTED)
+        request_log(logger, request_id).debug("WAITING_FOR_REMOTE_KVS -> WAITING (recomputing its prompt)")
         self.scheduler.finish_remote_kv(request_id, max(request.num_cached_tokens, 0))
+
+    def update_from_kv_connector(self) -> None:
+        """Act on the connector's reports: loaded requests join the queue, failed loads apply their policy,
+        saved requests free their blocks. Called by :meth:`step` and by the loop when the connector wakes it."""
+        events = self.kv_transfers.poll()
+        for request_id, first_token_id in events.finished_loads.items():
+            if self._is_waiting_for_remote_kv(request_id):
+                self.finish_remote_kv(request_id, first_token_id)
+        for request_id, reason in events.failed_loads.items():
+            load = self.kv_transfers.loads.get(request_id)
+            if load is None or not self._is_waiting_for_remote_kv(request_id):
+                continue  # ended meanwhile (aborted): nothing to apply
+            if load.on_failure == KVLoadFailurePolicy.FAIL:
+                self.kv_transfers.end_load(request_id, KVLoadOutcome.FAILED)
+                message = f"The prompt's KV could not be loaded ({reason}); --kv-load-failure is fail."
+                request_log(logger, request_id).warning("%s", message)
+                self.fail_request(request_id, message)
+            else:
+                request_log(logger, request_id).warning("%s; recomputing the prompt locally", reason)
+                self.recompute_remote_kv(request_id)
+        for request_id in events.finished_saves:
+            self.release_kv(request_id)
+        for request_id, reason in events.failed_saves.items():
+            request_log(logger, request_id).warning("Its KV could not be saved: %s", reason)
+            self.release_kv(request_id)
+
+    def _is_waiting_for_remote_kv(self, request_id: str) -> bool:
+        request = self.scheduler.requests.get(request_id)
+        return request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
     def _waiting_for_remote_kv(self, request_id: str) -> Request:
         request = self.scheduler.requests.get(request_id)
@@ -226,11 +270,11 @@ class LLMEngine:
         """The KV blocks the request holds, in token order."""
         return list(self.kv_cache.block_ids(request_id))
 
-    def load(self) -> EngineLoad:
+    def load(self) -> WorkerLoad:
         """A snapshot of the queues and KV usage (for load reports)."""
         scheduler = self.scheduler
         queued = scheduler.waiting
-        return EngineLoad(
+        return WorkerLoad(
             num_running_requests=len(scheduler.running),
             num_waiting_requests=len(queued),
             num_waiting_for_remote_kvs_requests=len(scheduler.waiting_for_remote_kvs),
@@ -257,6 +301,7 @@ class LLMEngine:
             An output for every request that got a token or finished in this step
             (and for requests aborted since the previous step).
         """
+        self.update_from_kv_connector()
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
@@ -280,6 +325,8 @@ class LLMEngine:
         self.stats.num_computed_tokens += scheduled.num_batched_tokens
         for token in sampled:
             outputs.append(self._accept_token(token))
+        scheduler = self.scheduler
+        self.kv_transfers.save_completed(scheduler.requests, scheduler.held, self.kv_cache.block_ids)
         return outputs
 
     def _accept_token(self, token: SampledToken) -> RequestOutput:
@@ -293,7 +340,7 @@ class LLMEngine:
             # A first token sampled elsewhere (remote prefill): its logprobs travel with it there.
             request.logprobs.append({})
         status = request.check_stop_token()
-        stop_string = self._detokenizers[request.request_id].update([token.token_id])
+        stop_string = self.output_processor.update_text(request, token.token_id)
         if stop_string is not None:
             status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = stop_string
@@ -305,43 +352,17 @@ class LLMEngine:
         return output
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        self.scheduler.finish_request(request, status)
+        normal = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        hold = self.kv_transfers.keeps_blocks(request, normal)
+        request_log(logger, request.request_id).debug("%s -> %s", request.status.name, status.name)
+        self.scheduler.finish_request(request, status, hold_blocks=hold)
         self.stats.num_finished_requests += 1
         request.finished_time = time.monotonic()
 
     def _forget(self, request_id: str) -> None:
-        self._detokenizers.pop(request_id, None)
-        self._prompts.pop(request_id, None)
+        self.kv_transfers.forget_load(request_id)
+        self.output_processor.forget(request_id)
 
     def _make_output(self, request: Request, delta_token_ids: list[int] | None = None) -> RequestOutput:
-        detokenizer = self._detokenizers[request.request_id]
-        finished = request.is_finished
-        logprobs = request.logprobs if request.sampling_params.logprobs is not None else None
-        cumulative = request.cumulative_logprob if logprobs else None
-        completion = CompletionOutput(
-            index=0,
-            text=detokenizer.output_text,
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=cumulative,
-            logprobs=list(logprobs) if logprobs is not None else None,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            delta_text=detokenizer.get_next_output_text(finished, delta=True),
-            delta_token_ids=delta_token_ids or [],
-        )
-        metrics = RequestMetrics(
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            finished_time=request.finished_time,
-            num_preemptions=request.num_preemptions,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=self._prompts.get(request.request_id),
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            metrics=metrics,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
+        load = self.kv_transfers.loads.get(request.request_id)
+        return self.output_processor.make_output(request, delta_token_ids, load)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.common.model_info import cache_dir
 from splitserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.model_store import cache_dir
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler

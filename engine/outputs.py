@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -34,6 +35,10 @@ class RequestMetrics:
     first_token_time: float | None
     finished_time: float | None
     num_preemptions: int = 0
+    # Requests whose prompt KV came from outside: how its load ended (a KVLoadOutcome), and the seconds
+    # from reserving its blocks to that end.
+    kv_load_outcome: Any = None
+    kv_load_seconds: float = 0.0
 
 
 @dataclass

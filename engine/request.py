@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.types import FinishReason
 
 
 class RequestStatus(enum.IntEnum):
@@ -36,15 +37,16 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def finish_reason(status: RequestStatus) -> str | None:
+    def finish_reason(status: RequestStatus) -> FinishReason | None:
+        """The finish reason of a finished status; None while the request runs."""
         return _FINISH_REASONS.get(status)
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -82,9 +84,6 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # Sum of the generated tokens' logprobs, kept as they arrive.
     cumulative_logprob: float = 0.0
-    # Prefill role: when it finishes, its blocks stay allocated (the scheduler
-    # holds them) until the engine's ``release_kv``, so their KV can be sent.
-    hold_kv_on_finish: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -110,7 +109,7 @@ class Request:
         return RequestStatus.is_finished(self.status)
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return RequestStatus.finish_reason(self.status)
 
     def append_output_token(self, token_id: int) -> None:

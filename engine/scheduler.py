@@ -13,14 +13,19 @@ prompt and are skipped until :meth:`Scheduler.finish_remote_kv`.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from splitserve.common.errors import InvalidRequest, Overloaded
+from splitserve.common.log_fields import request_log
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
 
+logger = logging.getLogger(__name__)
 
-class KVCacheFullError(RuntimeError):
+
+class KVCacheFullError(Overloaded):
     """The KV cache has too few free blocks to reserve a remote request's prompt."""
 
 
@@ -78,20 +83,22 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------
 
-    def add_request(self, request: Request, remote_kv: bool = False) -> None:
+    def add_request(self, request: Request, num_external_tokens: int = 0) -> None:
         """Queue a request.
 
-        With ``remote_kv``, blocks for the whole prompt are reserved now and the
-        request waits in ``WAITING_FOR_REMOTE_KVS``; raises :class:`KVCacheFullError`
-        (changing nothing) when they cannot be reserved.
+        With ``num_external_tokens`` (its first tokens' KV comes from outside: a prefill worker, a shared
+        cache), blocks for them are reserved now and the request waits in ``WAITING_FOR_REMOTE_KVS``;
+        raises :class:`KVCacheFullError` (changing nothing) when they cannot be reserved. Blocks this
+        engine already caches for the prompt's prefix are taken as they are: only the rest needs to come
+        from outside (``request.num_cached_tokens`` says how much that is).
         """
         if request.request_id in self.requests:
-            raise ValueError(f"Request id {request.request_id!r} is already in use.")
-        if remote_kv:
-            # Blocks this worker already caches for the prompt's prefix are taken as they are: only the
-            # rest needs to come from outside (``request.num_cached_tokens`` says how much that is).
+            raise InvalidRequest(f"Request id {request.request_id!r} is already in use.")
+        cached_block_ids, num_cached = [], 0
+        if num_external_tokens:
             cached_block_ids, num_cached = self.kv_cache.find_cached_prefix(request)
-            num_new = request.num_prompt_tokens - num_cached
+        num_new = num_external_tokens - num_cached
+        if num_new > 0:
             if not self.kv_cache.allocate_slots(request, num_new, cached_block_ids, cache_blocks=False):
                 raise KVCacheFullError(
                     f"Cannot reserve {self.kv_cache.num_blocks_for(num_new)} KV blocks "
@@ -122,12 +129,9 @@ class Scheduler:
         self.waiting.append(request)
         return request
 
-    def finish_request(self, request: Request, status: RequestStatus) -> None:
-        """End a request in any state with a finished ``status``; its blocks return to the pool.
-
-        A request with ``hold_kv_on_finish`` that stops or reaches its length keeps
-        its blocks in :attr:`held` until :meth:`release_held`.
-        """
+    def finish_request(self, request: Request, status: RequestStatus, hold_blocks: bool = False) -> None:
+        """End a request in any state with a finished ``status``; its blocks return to the pool, or with
+        ``hold_blocks`` stay in :attr:`held` (their KV is still being saved) until :meth:`release_held`."""
         assert RequestStatus.is_finished(status), status
         if request.is_finished:
             return
@@ -139,7 +143,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         del self.requests[request.request_id]
-        if request.hold_kv_on_finish and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+        if hold_blocks:
             self.held[request.request_id] = request
         else:
             self.kv_cache.free(request)
@@ -205,6 +209,9 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
+            if logger.isEnabledFor(logging.DEBUG):
+                request_log(logger, request.request_id).debug("%s -> RUNNING (%d tokens to compute, %d cached)",
+                                                              request.status.name, num_new, num_computed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(self._scheduled(request, num_new))
@@ -222,6 +229,7 @@ class Scheduler:
         return ScheduledRequest(request, num_new, sample)
 
     def _preempt(self, request: Request) -> None:
+        request_log(logger, request.request_id).debug("RUNNING -> PREEMPTED (out of KV blocks; to be recomputed)")
         self.running.remove(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED

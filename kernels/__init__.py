@@ -4,5 +4,5 @@
 attention (reference: ``splitserve.engine.attention.decode_attention``), the KV
 write (``attention.write_kv``), and the Llama layer's fused element-wise
 operations: RMSNorm with the residual add, rotary, SiLU-and-multiply (references:
-``splitserve.engine.models.llama``).
+``splitserve.engine.models.rms_norm``, ``.rotary_embedding`` and ``.llama``).
 """

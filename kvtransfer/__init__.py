@@ -1,4 +1,10 @@
-"""KV transfer between prefill and decode workers: the contract (``base``) and its connectors."""
+"""KV transfer between prefill and decode workers: the contract and its connectors.
+
+The contract: ``layout`` (``KVLayout``), ``header`` (``TransferHeader``, checksums, verification),
+``blocks`` (gathering and scattering cache blocks), ``connector`` (the ``KVConnector`` interface),
+``errors``. The connectors: ``p2p`` (with ``p2p_pairs``, ``p2p_wire``, ``p2p_receiver``) and
+``redis_connector``.
+"""
 
 from __future__ import annotations
 

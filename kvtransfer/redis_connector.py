@@ -24,20 +24,18 @@ import uuid
 import redis
 import torch
 
-from splitserve.kvtransfer.base import (
+from splitserve.kvtransfer.blocks import BlockSource, checksum_of_pieces
+from splitserve.kvtransfer.connector import (
     DroppedTransfers,
     KVConnector,
     KVEndpointInfo,
-    KVLayout,
-    KVTransferError,
     OnError,
     OnPayload,
     ReceivedPayload,
-    TransferHeader,
-    payload_tensor,
-    verify,
 )
-from splitserve.kvtransfer.blocks import BlockSource, checksum_of_pieces
+from splitserve.kvtransfer.errors import KVTransferError
+from splitserve.kvtransfer.header import TransferHeader, payload_tensor, verify
+from splitserve.kvtransfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +43,7 @@ logger = logging.getLogger(__name__)
 class RedisConnector(KVConnector):
     """Options: ``url`` (redis://host:port/db, the Redis this worker receives through), ``key_prefix``
     (default "splitserve:kv:"), ``ttl_seconds`` (default 60), ``piece_bytes`` (default 4 MiB), ``checksum``
-    ("xxh3" or "none", see ``base.CHECKSUM_TYPES``)."""
+    ("xxh3" or "none", see ``header.CHECKSUM_TYPES``)."""
 
     def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout, url: str = "redis://127.0.0.1:6379/0",
                  key_prefix: str = "splitserve:kv:", ttl_seconds: float = 60.0, piece_bytes: int = 4 << 20,

@@ -1,65 +1,58 @@
 """gRPC PrefillWorker: the engine in the prefill role.
 
-``Prefill`` queues the prompt (batched with other prefills, chunked when long)
-with its blocks held past the end of the request. After every engine step the
-blocks that step completed are queued for sending, so a long prompt's KV
-travels while its later chunks are computed; the first token's step queues
-the rest with the token in the last header. The blocks are freed once the
-connector has confirmed the last payload.
+``Prefill`` announces the request's transfer to the worker's :class:`KVSender`
+(the engine's KV connector) and queues the prompt with
+``KVTransferParams(save=True)`` (batched with other prefills, chunked when
+long). The engine hands the sender the blocks each step completed, so a long
+prompt's KV travels while its later chunks are computed; the step that
+samples the first token sends the rest with the token in the last header.
+The engine frees the blocks once the sender reports the last payload handed
+over; the call answers then.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 
 import grpc
 
-from splitserve.engine.llm_engine import LLMEngine
-from splitserve.prefill_service.sender import PayloadPlan, TransferSender
+from splitserve.common.errors import Cancelled, InvalidRequest, Unavailable
+from splitserve.common.log_fields import request_log
+from splitserve.engine.kv_connector import KVTransferParams
+from splitserve.prefill_service.sender import KVSender, TransferSender
 from splitserve.rpc.convert import position_logprobs_to_pb, sampling_params_from_pb, set_stop_reason
-from splitserve.rpc.errors import InvalidArgument, ServiceError, Unavailable, unary_errors
-from splitserve.rpc.worker import WorkerRuntime
+from splitserve.rpc.worker import WorkerRuntime, wait_accepted
 from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-_ACCEPT_TIMEOUT_SECONDS = 60.0
 _SEND_TIMEOUT_SECONDS = 120.0
 
 
-@dataclasses.dataclass
-class _Job:
-    request_id: str
-    sender: TransferSender
-    num_prompt_tokens: int
-
-
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    """Serves one prefill worker's engine. Build the runtime with ``after_step=servicer.after_step``."""
+    """Serves one prefill worker's engine."""
 
-    def __init__(self) -> None:
-        self.runtime: WorkerRuntime | None = None
-        self._jobs: dict[str, _Job] = {}
-        self._lock = threading.Lock()
-
-    def attach(self, runtime: WorkerRuntime) -> None:
+    def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
         self.block_size = runtime.config.engine.block_size
 
+    @property
+    def sender(self) -> KVSender:
+        """The engine's KV connector (built when the runtime starts)."""
+        return self.runtime.kv_connector
+
     # ---- RPCs ----------------------------------------------------------------------
 
-    @unary_errors
     def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext) -> worker_pb2.PrefillResponse:
         if not request.request_id or not request.transfer_id:
-            raise InvalidArgument("request_id and transfer_id are required.")
+            raise InvalidRequest("request_id and transfer_id are required.")
         if not request.HasField("destination") or not request.destination.address:
-            raise InvalidArgument("destination (the decode worker's KV endpoint) is required.")
+            raise InvalidRequest("destination (the decode worker's KV endpoint) is required.")
         skip = request.num_destination_cached_tokens
         if skip % self.block_size or skip >= len(request.prompt_token_ids):
-            raise InvalidArgument(
+            raise InvalidRequest(
                 f"num_destination_cached_tokens ({skip}) must be a multiple of the block size "
                 f"({self.block_size}) and shorter than the prompt ({len(request.prompt_token_ids)} tokens)."
             )
@@ -73,58 +66,45 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.runtime.release()
 
     def _prefill(self, request, params, engine_params, context) -> worker_pb2.PrefillResponse:
-        from splitserve.kvtransfer.base import KVEndpointInfo
+        from splitserve.kvtransfer.connector import KVEndpointInfo
 
         runtime, request_id = self.runtime, request.request_id
         prompt = list(request.prompt_token_ids)
         received = time.monotonic()
-        sender = TransferSender(
-            runtime.connector, runtime.engine.model_runner.kv_cache, request.transfer_id,
-            KVEndpointInfo.from_pb(request.destination), runtime.model_fingerprint, runtime.kv_layout, len(prompt),
-        )
-        # The decode worker caches this prefix already: its KV is not sent.
-        sender.num_queued_tokens = request.num_destination_cached_tokens
-        with self._lock:
-            if request_id in self._jobs:
-                sender.cancel()
-                raise InvalidArgument(f"Request id {request_id!r} is already being prefilled here.")
-            self._jobs[request_id] = _Job(request_id, sender, len(prompt))
+        sender = self.sender.expect(request_id, request.transfer_id, KVEndpointInfo.from_pb(request.destination),
+                                    len(prompt))
         completed = False
         try:
+            # The decode worker caches num_destination_cached_tokens already: their KV is not sent.
+            kv_transfer = KVTransferParams(save=True, num_skip_tokens=request.num_destination_cached_tokens)
             try:
-                stream = runtime.loop.submit(request_id, None, engine_params, prompt, hold_kv_on_finish=True)
-            except ValueError:
-                sender.cancel()
+                stream = runtime.loop.submit(request_id, None, engine_params, prompt, kv_transfer=kv_transfer)
+                wait_accepted(stream)
+            except BaseException:
+                self.sender.discard(request_id)
                 raise
-            if not context.add_callback(lambda: self._abort(request_id)):
-                raise ServiceError("The prefill was cancelled.", grpc.StatusCode.CANCELLED)
-            stream.wait_accepted(_ACCEPT_TIMEOUT_SECONDS)
+            if not context.add_callback(lambda: runtime.loop.abort(request_id)):
+                raise Cancelled("The prefill was cancelled.")
             final = None
             for output in stream:
                 final = output
             completion = final.outputs[0]
             if completion.finish_reason in ("abort", "error"):
-                sender.cancel()
-                self._release(request_id)
                 if completion.finish_reason == "abort":
-                    raise ServiceError("The prefill was aborted.", grpc.StatusCode.CANCELLED)
-                raise ServiceError(f"The prefill failed: {completion.stop_reason}", grpc.StatusCode.INTERNAL)
+                    raise Cancelled("The prefill was aborted.")
+                raise RuntimeError(f"The prefill failed: {completion.stop_reason}")
             sampled = time.monotonic()
-            if not sender.wait(_SEND_TIMEOUT_SECONDS) or sender.error is not None:
-                sender.cancel()
-                self._release(request_id)
+            if not sender.wait(_SEND_TIMEOUT_SECONDS) or not sender.succeeded:
                 reason = sender.error or "timed out"
                 raise Unavailable(f"Cannot send the prompt's KV to {request.destination.address}: {reason}")
-            self._release(request_id)
             runtime.counters.add(num_kv_transfers_sent=1, num_kv_bytes=sender.num_sent_bytes)
-            logger.info("Request %s: KV of %d prompt tokens sent in %d sends as steps completed them (%.1f MB)",
-                        request_id, sender.num_queued_tokens, sender.num_sends, sender.num_sent_bytes / 1e6)
+            request_log(logger, request_id, request.transfer_id).info(
+                "KV of %d prompt tokens sent in %d sends as steps completed them (%.1f MB)",
+                sender.num_sent_tokens, sender.num_sends, sender.num_sent_bytes / 1e6)
             completed = True
         finally:
-            if not completed:  # any failure: no more KV goes out, and the blocks are freed
-                self._abort(request_id)
-            with self._lock:
-                self._jobs.pop(request_id, None)
+            if not completed:  # any failure: the engine stops the transfer and frees the blocks
+                runtime.loop.abort(request_id)
         return self._response(request, params, final, sender, received, sampled)
 
     def _response(self, request, params, final, sender: TransferSender, received: float, sampled: float):
@@ -153,58 +133,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         response.kv_send_seconds = max((sender.last_handed_over or sampled) - sampled, 0.0)
         return response
 
-    @unary_errors
     def Abort(self, request: worker_pb2.AbortPrefillRequest, context) -> worker_pb2.AbortPrefillResponse:
-        return worker_pb2.AbortPrefillResponse(found=self._abort(request.request_id))
+        found = self.sender.is_sending(request.request_id)
+        self.runtime.loop.abort(request.request_id)
+        return worker_pb2.AbortPrefillResponse(found=found)
 
-    @unary_errors
     def GetStatus(self, request, context) -> worker_pb2.GetWorkerStatusResponse:
         return self.runtime.status_pb()
-
-    # ---- the engine thread's hook -------------------------------------------------------
-
-    def after_step(self, engine: LLMEngine, outputs) -> None:
-        """Queue the KV blocks this step completed; the request's first token queues the rest."""
-        finished = {output.request_id: output for output in outputs if output.finished}
-        with self._lock:
-            jobs = list(self._jobs.values())
-        for job in jobs:
-            sender = job.sender
-            if sender.cancelled or sender.num_queued_tokens >= job.num_prompt_tokens:
-                continue
-            output = finished.get(job.request_id)
-            if output is not None:
-                if output.outputs[0].finish_reason in ("stop", "length"):
-                    first_token = output.outputs[0].token_ids[0]
-                    self._queue(engine, job, job.num_prompt_tokens, is_last=True, first_token_id=first_token)
-                continue
-            request = engine.scheduler.requests.get(job.request_id)
-            if request is None:
-                continue
-            # Full blocks only; a prompt computed whole in this step is sent with its first token.
-            num_full_tokens = min(request.num_computed_tokens, job.num_prompt_tokens) // self.block_size * self.block_size
-            if num_full_tokens < job.num_prompt_tokens and num_full_tokens > sender.num_queued_tokens:
-                self._queue(engine, job, num_full_tokens)
-
-    def _queue(self, engine: LLMEngine, job: _Job, end: int, is_last: bool = False,
-               first_token_id: int | None = None) -> None:
-        sender = job.sender
-        start = sender.num_queued_tokens
-        first_block, end_block = start // self.block_size, -(-end // self.block_size)
-        block_ids = engine.block_ids(job.request_id)[first_block:end_block]
-        sender.queue_payload(PayloadPlan(tuple(block_ids), start, end - start, is_last, first_token_id))
-
-    # ---- ending ----------------------------------------------------------------------
-
-    def _abort(self, request_id: str) -> bool:
-        with self._lock:
-            job = self._jobs.get(request_id)
-        if job is None:
-            return False
-        job.sender.cancel()
-        self._release(request_id)
-        return True
-
-    def _release(self, request_id: str) -> None:
-        """Abort the request if unfinished, or free the blocks it holds for the transfer."""
-        self.runtime.loop.post(lambda engine: engine.abort_request(request_id) or engine.release_kv(request_id))

@@ -13,7 +13,8 @@ class RouterConfig:
 
     Attributes:
         host, port: where the router listens (port 0: a free one).
-        model: model directory for the tokenizer and limits (None: the default model).
+        model: model directory the router reads tokenizer files and config.json from, never weights
+            (None: the default model's converted directory, which ``splitserve prepare-model`` writes).
         dtype: the workers' dtype (part of the model fingerprint they must share).
         max_model_len: context limit enforced at the door (None: the model's).
         prefill_workers, decode_workers, colocated_workers: static worker addresses

@@ -22,11 +22,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve.common.errors import Cancelled, NoWorkerAvailable, Unavailable
+from splitserve.common.types import WorkerRole
 from splitserve.router.config import RouterConfig
 from splitserve.router.frontend import Prompt
 from splitserve.router.policies import RoutingPolicy
-from splitserve.router.registry import Worker, WorkerRegistry, WorkerRole
-from splitserve.rpc.errors import ServiceError, Unavailable
+from splitserve.router.registry import WorkerRegistry
+from splitserve.router.worker import Worker
+from splitserve.rpc.errors import ServiceError
 from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -37,8 +40,8 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, g
 _MAX_DECODE_ATTEMPTS = 3
 
 
-class RequestCancelled(Exception):
-    """The request was aborted through the router's Abort RPC."""
+class RequestCancelled(Cancelled):
+    """The request was cancelled: the client went away, its deadline passed, or the Abort RPC."""
 
 
 @dataclass
@@ -122,7 +125,8 @@ class Dispatcher:
             timeout: seconds left before the client's deadline (None: no deadline), asked before each call.
 
         Raises:
-            ServiceError: no worker could take the request (UNAVAILABLE, RESOURCE_EXHAUSTED, ...).
+            Unavailable: no worker could take the request (NoWorkerAvailable: none is serving).
+            ServiceError: a worker refused it for a reason another worker would share (its status, relayed).
             RequestCancelled: the request was aborted.
         """
         call, decode_worker = self._start(job, timeout)
@@ -178,8 +182,8 @@ class Dispatcher:
                 return self.decode_policy.choose(workers, job.prompt.token_ids), colocated
         if tried:
             raise Unavailable(f"No decode worker could take the request (tried {', '.join(sorted(tried))}).")
-        raise Unavailable("No decode worker is serving: the decode pool is empty or every worker is draining "
-                          "or unreachable.")
+        raise NoWorkerAvailable("No decode worker is serving: the decode pool is empty or every worker is "
+                                "draining or unreachable.")
 
     def _choose_prefill(self, job: RouterRequest, tried: set[str]) -> Worker | None:
         if len(job.prompt.token_ids) < self.config.local_prefill_threshold:

@@ -1,17 +1,31 @@
 """The router's front door: prompts (text, token ids, chat) -> validated token ids, and model facts.
 
-The router tokenizes once, so workers receive token ids; it loads the model's
-tokenizer and config only, never its weights.
+The router tokenizes once, so workers receive token ids. It reads the model's
+tokenizer files and config.json from a model directory, and nothing else: no
+weights are loaded, no model code (nor torch) is imported, and the default model
+is never converted here. The directory is ``--model DIR``, or without it the
+default model's converted directory (``splitserve prepare-model`` writes it;
+``splitserve up`` runs that first). A directory with only tokenizer files and
+config.json is enough: then the first worker to register sets the cluster's model
+fingerprint; with safetensors files beside them, the router fingerprints them
+itself (headers and a few samples) and refuses workers serving other weights.
+
+Why not let the router load the model's code or convert it: the router is the
+process that must start fast, stay small and keep serving while workers come
+and go; the GPU/CPU-heavy stack belongs to the workers only
+(``tests/unit/test_architecture.py`` checks that the router never imports torch).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from splitserve.engine.model_store import model_fingerprint, resolve_model
-from splitserve.engine.models.model_config import ModelConfig
-from splitserve.engine.sampling_params import MAX_LOGPROBS
-from splitserve.rpc.errors import InvalidArgument
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.model_info import ModelConfig, find_model_dir, has_weights, model_fingerprint
+from splitserve.common.prompt import validate_prompt_token_ids
+from splitserve.common.sampling_params import MAX_LOGPROBS
 from splitserve.v1 import inference_pb2
 
 
@@ -27,31 +41,33 @@ class Frontend:
     """Tokenizer, chat template and limits of the served model.
 
     Args:
-        model: model directory (None: the default model).
+        model: model directory (None: the default model's converted directory).
         dtype: the workers' dtype, part of the model fingerprint.
         max_model_len: the cluster's context limit (None: the model's).
+
+    Raises:
+        FileNotFoundError: no such directory, or the default model is not prepared yet.
     """
 
     def __init__(self, model: str | None, dtype: str = "float32", max_model_len: int | None = None) -> None:
-        from transformers import AutoTokenizer
-
-        self.model_dir = resolve_model(model)
+        self.model_dir = find_model_dir(model)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.max_model_len = min(max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
-        self.model_fingerprint = model_fingerprint(self.model_dir, dtype)
+        # None for a directory without weights: the registered workers then say which weights the cluster serves.
+        self.model_fingerprint = model_fingerprint(self.model_dir, dtype) if has_weights(self.model_dir) else None
         self.model_name = self.model_dir.name
 
     def prompt_of(self, request) -> Prompt:
         """The token ids of a GenerateRequest's (or TokenizeRequest's) prompt.
 
         Raises:
-            InvalidArgument: no prompt, an empty one, ids outside the vocabulary,
+            InvalidRequest: no prompt, an empty one, ids outside the vocabulary,
                 or one that leaves no room to generate within max_model_len.
         """
         kind = request.WhichOneof("prompt")
         if kind is None:
-            raise InvalidArgument("The request has no prompt: set text, token_ids or chat.")
+            raise InvalidRequest("The request has no prompt: set text, token_ids or chat.")
         if kind == "text":
             text = request.text
             token_ids = self.tokenizer.encode(text, add_special_tokens=True) if text else []
@@ -60,41 +76,46 @@ class Frontend:
         else:
             text = self.render_chat(request.chat)
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        self.check(token_ids)
+        token_ids = validate_prompt_token_ids(token_ids, self.model_config.vocab_size, self.max_model_len)
         return Prompt(token_ids, text)
 
     def render_chat(self, chat: inference_pb2.ChatPrompt) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidArgument("This model has no chat template; send the prompt as text or token ids.")
+            raise InvalidRequest("This model has no chat template; send the prompt as text or token ids.")
         if not chat.messages:
-            raise InvalidArgument("The chat prompt has no messages.")
+            raise InvalidRequest("The chat prompt has no messages.")
         messages = [{"role": message.role, "content": message.content} for message in chat.messages]
         for index, message in enumerate(messages):
             if not message["role"]:
-                raise InvalidArgument(f"Chat message {index} has no role.")
+                raise InvalidRequest(f"Chat message {index} has no role.")
         add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    def check(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidArgument("The prompt is empty: give at least one token.")
-        vocab_size = self.model_config.vocab_size
-        bad = next((token for token in token_ids if not 0 <= token < vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(f"Prompt token id {bad} is outside the vocabulary [0, {vocab_size}).")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidArgument(
-                f"The prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
-                "which must leave room for at least one generated token."
-            )
-
     def model_info(self) -> inference_pb2.GetModelInfoResponse:
+        """The model's facts (the servicer adds the cluster's fingerprint and block size)."""
         from splitserve import __version__
 
         return inference_pb2.GetModelInfoResponse(
-            model_name=self.model_name, model_fingerprint=self.model_fingerprint,
-            max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
+            model_name=self.model_name, max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
             has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
             max_logprobs=MAX_LOGPROBS, server_version=__version__,
         )
+
+
+def load_tokenizer(model_dir: Path):
+    """The model's tokenizer, the class ``AutoTokenizer`` would pick, without importing torch.
+
+    ``AutoTokenizer`` finds the class through ``AutoConfig``, whose module imports
+    torch; here the class named in ``tokenizer_config.json`` is taken from
+    transformers directly (every tokenizer of the Llama family is backed by the
+    ``tokenizers`` library), and ``PreTrainedTokenizerFast`` (tokenizer.json)
+    when none is named or transformers has no such class.
+    """
+    import transformers
+
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    name = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
+    tokenizer_class = getattr(transformers, name, None) or transformers.PreTrainedTokenizerFast
+    return tokenizer_class.from_pretrained(str(model_dir))

@@ -40,17 +40,15 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from splitserve.engine.kv_cache_manager import hash_block_tokens
-from splitserve.router.registry import Worker, WorkerRole
+from splitserve.common.block_hash import hash_block_tokens
+from splitserve.common.errors import NoWorkerAvailable
+from splitserve.common.types import WorkerRole
+from splitserve.router.worker import Worker
 
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
 # A worker whose capacity does not say: the engine's default max_num_seqs.
 DEFAULT_MAX_NUM_SEQS = 64
 _PREFIX_AWARE_OPTIONS = {"prefix_blocks", "max_imbalance"}
-
-
-class NoWorkerAvailable(Exception):
-    """The pool has no worker to choose from (UNAVAILABLE)."""
 
 
 class RoutingPolicy(ABC):
@@ -176,7 +174,7 @@ class LeastLoaded(RoutingPolicy):
 class PrefixAware(RoutingPolicy):
     """Prompts that start with the same blocks go to the same worker, unless it is overloaded.
 
-    The key is the engine's chained block hash (``hash_block_tokens``) of the
+    The key is the workers' chained block hash (``hash_block_tokens``) of the
     prompt's first ``min(full blocks, prefix_blocks)`` blocks; workers are
     ranked for a key by rendezvous (highest random weight) hashing,
     ``sha256(key + worker_id)``, so adding or removing a worker moves only the

@@ -1,117 +1,41 @@
-"""The router's worker registry: who is in each pool, their state, load and lease.
+"""WorkerRegistry: who is in each pool, their state, load and lease.
 
 Workers started with ``--router`` register and heartbeat (a lease); workers
 named on the router's command line are static (no lease; the router polls
 them). Thread-safe: gRPC threads call it concurrently, under one lock. No gRPC
-or torch here: the servicer converts messages at its edge, and the enums'
-values equal the proto numbers, so ``WorkerRole(pb_value)`` converts.
+or torch here: the servicer converts messages at its edge
+(``splitserve.rpc.convert``: ``worker_role_from_pb``, ``worker_load_from_pb``).
+Readers get copies (:func:`splitserve.router.worker.snapshot`).
 
-Readers get snapshot copies (``Worker`` with its own ``WorkerLoad``); the
-opaque ``kv_endpoint`` and ``capacity`` are shared, never mutated here.
+Its errors (``splitserve.router.worker``) are domain errors: the gRPC
+interceptor gives each its status code.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-
-class WorkerRole(enum.Enum):
-    """What a worker does; values equal the proto's WorkerRole numbers."""
-
-    PREFILL = 1
-    DECODE = 2
-    BOTH = 3
-
-
-class WorkerState(enum.Enum):
-    """Where a worker is in its life; values equal the proto's WorkerState numbers."""
-
-    STARTING = 1
-    SERVING = 2
-    DRAINING = 3
-    UNREACHABLE = 4
-
+from splitserve.common.load import WorkerLoad
+from splitserve.common.types import WorkerRole, WorkerState
+from splitserve.router.worker import (
+    FingerprintMismatch,
+    InvalidRegistration,
+    UnknownLease,
+    UnknownWorker,
+    Worker,
+    WorkerIdInUse,
+    check_registration,
+    snapshot,
+)
 
 # Prefix of the ids the registry assigns: decode-1, prefill-2, worker-3.
 _ID_PREFIXES = {WorkerRole.PREFILL: "prefill", WorkerRole.DECODE: "decode", WorkerRole.BOTH: "worker"}
-
-
-class RegistryError(Exception):
-    """Base of the registry's errors."""
-
-
-class InvalidRegistration(RegistryError, ValueError):
-    """A registration with a missing or bad field (INVALID_ARGUMENT)."""
-
-
-class WorkerIdInUse(InvalidRegistration):
-    """The requested worker id belongs to a live worker at another address (ALREADY_EXISTS)."""
-
-
-class FingerprintMismatch(RegistryError):
-    """A worker serving other weights than the cluster (FAILED_PRECONDITION)."""
-
-
-class UnknownLease(RegistryError):
-    """No live lease with this id: register again (NOT_FOUND)."""
-
-
-class UnknownWorker(RegistryError):
-    """No worker with this id (NOT_FOUND)."""
-
-
-@dataclass
-class WorkerLoad:
-    """A worker's load at its last report (the proto's WorkerLoad)."""
-
-    num_running_requests: int = 0
-    num_waiting_requests: int = 0
-    num_waiting_for_remote_kvs_requests: int = 0
-    num_queued_prefill_tokens: int = 0
-    num_total_kv_blocks: int = 0
-    num_free_kv_blocks: int = 0
-
-    @property
-    def kv_block_usage(self) -> float:
-        """Fraction of KV blocks in use, in [0, 1]; 0 before the first report."""
-        if self.num_total_kv_blocks <= 0:
-            return 0.0
-        return 1.0 - self.num_free_kv_blocks / self.num_total_kv_blocks
-
-
-@dataclass
-class Worker:
-    """One worker as the router sees it (the proto's WorkerStatus plus what Register told)."""
-
-    worker_id: str
-    role: WorkerRole
-    address: str  # host:port of its gRPC server
-    kv_endpoint: Any = None  # opaque (a KVEndpoint message); None for colocated workers
-    capacity: Any = None  # opaque (a WorkerCapacity message)
-    model_fingerprint: str = ""
-    state: WorkerState = WorkerState.SERVING
-    load: WorkerLoad = field(default_factory=WorkerLoad)
-    lease_id: str | None = None  # None for static workers
-    registered_at: float = 0.0  # clock seconds
-    last_heard: float = 0.0  # clock seconds of the last heartbeat or successful poll
-    is_static: bool = False
-    num_in_flight: int = 0  # requests the router has outstanding on it right now
-
-    @property
-    def is_routable(self) -> bool:
-        return self.state == WorkerState.SERVING
-
-
-def _snapshot(worker: Worker) -> Worker:
-    return dataclasses.replace(worker, load=dataclasses.replace(worker.load))
 
 
 class WorkerRegistry:
@@ -172,7 +96,7 @@ class WorkerRegistry:
             WorkerIdInUse: ``worker_id`` belongs to a live worker at another address.
             FingerprintMismatch: it serves other weights than the cluster.
         """
-        _validate(role, address)
+        check_registration(role, address)
         if not isinstance(state, WorkerState) or state == WorkerState.UNREACHABLE:
             raise InvalidRegistration(f"A worker registers as STARTING, SERVING or DRAINING, not {state!r}.")
         with self._lock:
@@ -197,7 +121,7 @@ class WorkerRegistry:
                             last_heard=now, num_in_flight=num_in_flight)
             self._workers[worker.worker_id] = worker
             self._leases[worker.lease_id] = worker.worker_id
-            return _snapshot(worker)
+            return snapshot(worker)
 
     def add_static(self, role: WorkerRole, address: str, worker_id: str | None = None, kv_endpoint: Any = None,
                    capacity: Any = None, model_fingerprint: str = "") -> Worker:
@@ -211,11 +135,11 @@ class WorkerRegistry:
             InvalidRegistration: no address or a bad role.
             FingerprintMismatch: it serves other weights than the cluster.
         """
-        _validate(role, address)
+        check_registration(role, address)
         with self._lock:
             existing = self._by_address(address)
             if existing is not None:
-                return _snapshot(existing)
+                return snapshot(existing)
             self._check_fingerprint(address, model_fingerprint, excluding=None)
             if not worker_id:
                 worker_id = self._new_id(role)
@@ -225,7 +149,7 @@ class WorkerRegistry:
             worker = Worker(worker_id, role, address, kv_endpoint, capacity, model_fingerprint,
                             registered_at=now, last_heard=now, is_static=True)
             self._workers[worker_id] = worker
-            return _snapshot(worker)
+            return snapshot(worker)
 
     def deregister(self, lease_id: str) -> None:
         """Remove the worker holding ``lease_id`` at once. Raises UnknownLease."""
@@ -298,7 +222,7 @@ class WorkerRegistry:
                 silence = now - worker.last_heard
                 if silence >= self.lease_duration_seconds:
                     self._remove(worker)
-                    removed.append(_snapshot(worker))
+                    removed.append(snapshot(worker))
                 elif silence >= self.unreachable_after_seconds and worker.state == WorkerState.SERVING:
                     worker.state = WorkerState.UNREACHABLE
         return removed
@@ -309,24 +233,24 @@ class WorkerRegistry:
         """Runs ``expire()``, then returns copies of the SERVING workers of ``role``, in registration order."""
         self.expire()
         with self._lock:
-            return [_snapshot(w) for w in self._workers.values() if w.role == role and w.is_routable]
+            return [snapshot(w) for w in self._workers.values() if w.role == role and w.is_routable]
 
     def get(self, worker_id: str) -> Worker | None:
         """A copy of the worker, None if unknown."""
         with self._lock:
             worker = self._workers.get(worker_id)
-            return _snapshot(worker) if worker is not None else None
+            return snapshot(worker) if worker is not None else None
 
     def by_address(self, address: str) -> Worker | None:
         """A copy of the worker at ``address``, None if none."""
         with self._lock:
             worker = self._by_address(address)
-            return _snapshot(worker) if worker is not None else None
+            return snapshot(worker) if worker is not None else None
 
     def pools(self) -> dict[WorkerRole, list[Worker]]:
         """Copies of every worker by role (every role a key), in registration order."""
         with self._lock:
-            return {role: [_snapshot(w) for w in self._workers.values() if w.role == role] for role in WorkerRole}
+            return {role: [snapshot(w) for w in self._workers.values() if w.role == role] for role in WorkerRole}
 
     def begin_request(self, worker_id: str) -> None:
         """Count one more request in flight on the worker (no-op for an unknown id)."""
@@ -390,10 +314,3 @@ class WorkerRegistry:
         self._workers.pop(worker.worker_id, None)
         if worker.lease_id:
             self._leases.pop(worker.lease_id, None)
-
-
-def _validate(role: Any, address: Any) -> None:
-    if not isinstance(role, WorkerRole):
-        raise InvalidRegistration(f"role must be a WorkerRole (PREFILL, DECODE or BOTH), got {role!r}.")
-    if not address or not isinstance(address, str):
-        raise InvalidRegistration("address is required: the host:port the router can reach the worker at.")

@@ -7,12 +7,14 @@ import threading
 
 import grpc
 
+from splitserve.common.types import WorkerRole
 from splitserve.router.config import RouterConfig
 from splitserve.router.dispatch import Channels, Dispatcher
 from splitserve.router.frontend import Frontend
 from splitserve.router.policies import make_policy
-from splitserve.router.registry import WorkerRegistry, WorkerRole, WorkerState
-from splitserve.router.servicer import InferenceServicer, RegistryServicer, load_from_pb
+from splitserve.router.registry import WorkerRegistry
+from splitserve.router.servicer import InferenceServicer, RegistryServicer
+from splitserve.rpc.convert import worker_load_from_pb, worker_state_from_pb
 from splitserve.rpc.server import start_server
 from splitserve.v1 import inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -23,6 +25,7 @@ class Router:
     """A started router: its server, registry and background threads."""
 
     def __init__(self, config: RouterConfig) -> None:
+        """Raises FileNotFoundError when the model directory (tokenizer and config.json) is missing."""
         self.config = config
         self.frontend = Frontend(config.model, config.dtype, config.max_model_len)
         self.registry = WorkerRegistry(
@@ -92,8 +95,8 @@ class Router:
                 self._static_ids[address] = worker.worker_id
                 logger.info("Static %s worker %s at %s is serving", role.name.lower(), worker.worker_id, address)
             else:
-                self.registry.update_static(worker_id, load_from_pb(status.status.load),
-                                            WorkerState(status.status.state or WorkerState.SERVING.value))
+                self.registry.update_static(worker_id, worker_load_from_pb(status.status.load),
+                                            worker_state_from_pb(status.status.state))
 
 
 def run_router(config: RouterConfig) -> int:

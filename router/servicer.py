@@ -1,4 +1,8 @@
-"""The router's gRPC services: Inference (the public API) and WorkerRegistry (membership)."""
+"""The router's gRPC services: Inference (the public API) and WorkerRegistry (membership).
+
+Methods raise domain errors (``splitserve.common.errors``); the interceptor that
+``start_server`` installs turns each into its gRPC status.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +13,17 @@ import uuid
 
 import grpc
 
+from splitserve.common.errors import InvalidRequest, Overloaded
+from splitserve.common.types import WorkerRole
 from splitserve.router.dispatch import Dispatcher, RequestCancelled, RouterRequest
 from splitserve.router.frontend import Frontend
-from splitserve.router.registry import WorkerLoad, WorkerRegistry, WorkerRole, WorkerState
-from splitserve.rpc.convert import sampling_params_from_pb
-from splitserve.rpc.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    stream_errors,
-    unary_errors,
+from splitserve.router.registry import WorkerRegistry
+from splitserve.rpc.convert import (
+    sampling_params_from_pb,
+    worker_load_from_pb,
+    worker_load_to_pb,
+    worker_role_from_pb,
+    worker_state_from_pb,
 )
 from splitserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -41,7 +45,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     # ---- generation ------------------------------------------------------------------
 
-    @stream_errors
     def GenerateStream(self, request: inference_pb2.GenerateRequest, context: grpc.ServicerContext):
         job = self._admit(request, context)
         try:
@@ -49,7 +52,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         finally:
             self._release(job)
 
-    @unary_errors
     def Generate(self, request: inference_pb2.GenerateRequest, context) -> inference_pb2.GenerateResponse:
         job = self._admit(request, context)
         try:
@@ -76,13 +78,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         del params
         request_id = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         if not request_id:
-            raise InvalidArgument("request_id, when set, must not be empty.")
+            raise InvalidRequest("request_id, when set, must not be empty.")
         job = RouterRequest(request_id, prompt, request.sampling_params)
         with self._lock:
             if request_id in self._in_flight:
-                raise InvalidArgument(f"Request id {request_id!r} is already in flight.")
+                raise InvalidRequest(f"Request id {request_id!r} is already in flight.")
             if len(self._in_flight) >= self.max_in_flight_requests:
-                raise ResourceExhausted(
+                raise Overloaded(
                     f"The router has {len(self._in_flight)} requests in flight, its limit; retry later."
                 )
             self._in_flight[request_id] = job
@@ -138,7 +140,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     # ---- the rest of the API ----------------------------------------------------------------
 
-    @unary_errors
     def Abort(self, request: inference_pb2.AbortRequest, context) -> inference_pb2.AbortResponse:
         with self._lock:
             job = self._in_flight.get(request.request_id)
@@ -147,20 +148,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         job.cancel()
         return inference_pb2.AbortResponse(found=True)
 
-    @unary_errors
     def Tokenize(self, request: inference_pb2.TokenizeRequest, context) -> inference_pb2.TokenizeResponse:
         prompt = self.frontend.prompt_of(request)
         return inference_pb2.TokenizeResponse(
             token_ids=prompt.token_ids, prompt_text=prompt.text or "", max_model_len=self.frontend.max_model_len
         )
 
-    @unary_errors
     def GetModelInfo(self, request, context) -> inference_pb2.GetModelInfoResponse:
         info = self.frontend.model_info()
         info.kv_block_size = self.block_size
+        info.model_fingerprint = self.registry.model_fingerprint or ""
         return info
 
-    @unary_errors
     def GetClusterStatus(self, request, context) -> inference_pb2.GetClusterStatusResponse:
         response = inference_pb2.GetClusterStatusResponse()
         now = time.monotonic()
@@ -171,7 +170,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             for worker in workers:
                 pool.workers.add(
                     worker_id=worker.worker_id, role=role.value, address=worker.address, state=worker.state.value,
-                    load=load_to_pb(worker.load), seconds_since_heartbeat=max(now - worker.last_heard, 0.0),
+                    load=worker_load_to_pb(worker.load), seconds_since_heartbeat=max(now - worker.last_heard, 0.0),
                 )
         return response
 
@@ -182,63 +181,35 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
     def __init__(self, registry: WorkerRegistry) -> None:
         self.registry = registry
 
-    @unary_errors
     def Register(self, request: worker_pb2.RegisterRequest, context) -> worker_pb2.RegisterResponse:
-        from splitserve.router import registry as registry_module
-
-        if request.role == inference_pb2.WORKER_ROLE_UNSPECIFIED:
-            raise InvalidArgument("role is required.")
-        if request.role != inference_pb2.WORKER_ROLE_BOTH and not request.HasField("kv_endpoint"):
-            raise InvalidArgument("A prefill or decode worker must give its kv_endpoint.")
-        try:
-            worker = self.registry.register(
-                role=WorkerRole(request.role), address=request.address,
-                kv_endpoint=request.kv_endpoint if request.HasField("kv_endpoint") else None,
-                capacity=request.capacity, model_fingerprint=request.model_fingerprint,
-                state=WorkerState(request.state) if request.state else WorkerState.SERVING,
-                worker_id=request.worker_id,
-            )
-        except registry_module.FingerprintMismatch as error:
-            raise FailedPrecondition(str(error)) from None
-        logger.info("Worker %s (%s) registered from %s", worker.worker_id, WorkerRole(request.role).name.lower(),
-                    request.address)
+        role = worker_role_from_pb(request.role)
+        if role != WorkerRole.BOTH and not request.HasField("kv_endpoint"):
+            raise InvalidRequest("A prefill or decode worker must give its kv_endpoint.")
+        worker = self.registry.register(
+            role=role, address=request.address,
+            kv_endpoint=request.kv_endpoint if request.HasField("kv_endpoint") else None,
+            capacity=request.capacity, model_fingerprint=request.model_fingerprint,
+            state=worker_state_from_pb(request.state), worker_id=request.worker_id,
+        )
+        logger.info("Worker %s (%s) registered from %s", worker.worker_id, role.name.lower(), request.address)
         return worker_pb2.RegisterResponse(
             worker_id=worker.worker_id, lease_id=worker.lease_id,
             lease_duration_seconds=self.registry.lease_duration_seconds,
             heartbeat_interval_seconds=self.registry.heartbeat_interval_seconds,
         )
 
-    @unary_errors
     def Heartbeat(self, request: worker_pb2.HeartbeatRequest, context) -> worker_pb2.HeartbeatResponse:
-        from splitserve.router import registry as registry_module
-
-        try:
-            state, lease = self.registry.heartbeat(
-                request.lease_id, load_from_pb(request.load),
-                WorkerState(request.state) if request.state else WorkerState.SERVING,
-            )
-        except registry_module.UnknownLease as error:
-            raise NotFound(str(error)) from None
+        state, lease = self.registry.heartbeat(
+            request.lease_id, worker_load_from_pb(request.load), worker_state_from_pb(request.state)
+        )
         return worker_pb2.HeartbeatResponse(state=state.value, lease_duration_seconds=lease)
 
-    @unary_errors
     def Deregister(self, request: worker_pb2.DeregisterRequest, context) -> worker_pb2.DeregisterResponse:
-        from splitserve.router import registry as registry_module
-
-        try:
-            self.registry.deregister(request.lease_id)
-        except registry_module.UnknownLease as error:
-            raise NotFound(str(error)) from None
+        self.registry.deregister(request.lease_id)
         return worker_pb2.DeregisterResponse()
 
-    @unary_errors
     def Drain(self, request: worker_pb2.DrainRequest, context) -> worker_pb2.DrainResponse:
-        from splitserve.router import registry as registry_module
-
-        try:
-            in_flight = self.registry.drain(request.worker_id)
-        except registry_module.UnknownWorker as error:
-            raise NotFound(str(error)) from None
+        in_flight = self.registry.drain(request.worker_id)
         logger.info("Worker %s is draining", request.worker_id)
         return worker_pb2.DrainResponse(num_in_flight_requests=in_flight)
 
@@ -249,21 +220,3 @@ def _seconds_left(context: grpc.ServicerContext) -> float | None:
     if remaining is None or remaining > 10**7:
         return None
     return max(remaining, 0.001)
-
-
-def load_from_pb(load: inference_pb2.WorkerLoad) -> WorkerLoad:
-    return WorkerLoad(
-        num_running_requests=load.num_running_requests, num_waiting_requests=load.num_waiting_requests,
-        num_waiting_for_remote_kvs_requests=load.num_waiting_for_remote_kvs_requests,
-        num_queued_prefill_tokens=load.num_queued_prefill_tokens, num_total_kv_blocks=load.num_total_kv_blocks,
-        num_free_kv_blocks=load.num_free_kv_blocks,
-    )
-
-
-def load_to_pb(load: WorkerLoad) -> inference_pb2.WorkerLoad:
-    return inference_pb2.WorkerLoad(
-        num_running_requests=load.num_running_requests, num_waiting_requests=load.num_waiting_requests,
-        num_waiting_for_remote_kvs_requests=load.num_waiting_for_remote_kvs_requests,
-        num_queued_prefill_tokens=load.num_queued_prefill_tokens, num_total_kv_blocks=load.num_total_kv_blocks,
-        num_free_kv_blocks=load.num_free_kv_blocks, kv_block_usage=load.kv_block_usage,
-    )

@@ -7,7 +7,7 @@ The offline API mirrors vLLM's::
     outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0))
 """
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "Client", "__version__"]

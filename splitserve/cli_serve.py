@@ -19,7 +19,9 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
     router = commands.add_parser(
         "router", help="run the router: the public Inference API in front of the worker pools",
         description="Serve splitserve.v1.Inference (and WorkerRegistry, for workers started with --router). "
-        "Tokenizes, validates, routes each request to a decode worker and (for long enough prompts) a prefill worker.",
+        "Tokenizes, validates, routes each request to a decode worker and (for long enough prompts) a prefill worker. "
+        "The router loads no model: it reads the tokenizer files and config.json of --model DIR (a directory "
+        "with just those is enough), or of the default model once `splitserve prepare-model` has converted it.",
     )
     _add_router_arguments(router)
     router.set_defaults(handler=_run_router)
@@ -76,7 +78,10 @@ _engine_options = None
 def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT, help="port; 0 picks a free one (default: %(default)s)")
-    parser.add_argument("--model", help="model directory for the tokenizer and limits (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", metavar="DIR",
+                        help="model directory to read the tokenizer files and config.json from; no weights are "
+                        "loaded, and a directory without them is enough (default: SmolLM2-135M-Instruct, converted "
+                        "beforehand by `splitserve prepare-model`)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the workers' dtype, part of the model fingerprint (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output accepted (default: the model's)")
@@ -105,6 +110,9 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-timeout", type=float, metavar="SECONDS",
                         help="decode workers' wait for KV before recomputing (default: each worker's own)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="text lines, or one JSON object a line; both carry the request id and the KV transfer id "
+                             "of every line about a request (default: %(default)s)")
 
 
 def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
@@ -119,6 +127,9 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     group.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long in-flight requests may finish before they are aborted (default: %(default)s)")
     group.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
+    group.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="text lines, or one JSON object a line; both carry the request id and the KV transfer id "
+                             "of every line about a request (default: %(default)s)")
     if role != "both":
         group.add_argument("--kv-transfer", choices=("p2p", "redis"), default="p2p", help="KV connector (default: %(default)s)")
         group.add_argument("--kv-address", default="",
@@ -143,7 +154,7 @@ def _run_router(args: argparse.Namespace) -> int:
     from splitserve.router.server import run_router
     from splitserve.serve import configure_logging
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     config = RouterConfig(
         host=args.host, port=args.port, model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         prefill_workers=args.prefill_worker, decode_workers=args.decode_worker,
@@ -158,10 +169,10 @@ def _run_router(args: argparse.Namespace) -> int:
 
 def _run_worker(args: argparse.Namespace) -> int:
     from splitserve.engine.config import EngineConfig
-    from splitserve.rpc.worker import WorkerConfig
+    from splitserve.rpc.worker_config import WorkerConfig
     from splitserve.serve import configure_logging, run_worker
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     config = WorkerConfig(
         role=args.role, host=args.host, port=args.port, worker_id=args.worker_id, router=args.router,
         kv_transfer=args.kv_transfer, kv_address=args.kv_address, kv_checksum=args.kv_checksum,
@@ -189,7 +200,8 @@ def _run_up(args: argparse.Namespace) -> int:
         raise ValueError("Worker counts must be >= 0.")
     if args.colocated == 0 and args.decode == 0:
         raise ValueError("A cluster needs at least one decode worker (--decode) or colocated worker (--colocated).")
-    model_dir = str(resolve_model(args.model))  # convert the default model once, before any process starts
+    # Convert the default model once, before any process starts: the router reads it but never converts it.
+    model_dir = str(resolve_model(args.model))
     worker_args = _engine_flags(args, model_dir)
     if args.threads_per_worker:
         worker_args += ["--threads", str(args.threads_per_worker)]
@@ -229,7 +241,7 @@ def _run_up(args: argparse.Namespace) -> int:
 def _answer(address: str, prompts: list[str], max_tokens: int) -> int:
     """Stream a greedy reply to each prompt through the router; report where the prompt was prefilled."""
     from splitserve.client import Client
-    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.common.sampling_params import SamplingParams
 
     with Client(address) as client:
         for prompt in prompts:

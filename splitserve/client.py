@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.v1 import inference_pb2, inference_pb2_grpc
 
 

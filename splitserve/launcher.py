@@ -164,6 +164,15 @@ class LocalCluster:
         raise RuntimeError(f"redis-server did not start on port {port}; see {log_path}.")
 
     def start_router(self) -> str:
+        """Start the router; returns its address once it serves.
+
+        The router reads the model's tokenizer and config.json but never converts a model: without
+        ``--model`` in ``router_args`` the default model is converted here first (once; a no-op after).
+        """
+        if "--model" not in self.router_args:
+            from splitserve.engine.model_store import prepare_default_model
+
+            prepare_default_model(self.env.get("SPLITSERVE_CACHE"))
         port = self.router_port or free_port(self.host)
         self.router = self._spawn("router", ["router", "--host", self.host, "--port", str(port), *self.router_args])
         line = _wait_ready(self.router, self.ready_timeout)

@@ -8,7 +8,6 @@ blocks until SIGINT/SIGTERM, then shuts down in order.
 from __future__ import annotations
 
 import logging
-import sys
 
 logger = logging.getLogger(__name__)
 
@@ -21,24 +20,23 @@ def build_worker(config):
 
     address = f"{config.host}:{config.port}"
     if config.role == "prefill":
+        from splitserve.prefill_service.sender import KVSender
         from splitserve.prefill_service.servicer import PrefillServicer
 
-        servicer = PrefillServicer()
-        runtime = WorkerRuntime(config, after_step=servicer.after_step)
-        servicer.attach(runtime)
+        runtime = WorkerRuntime(config, make_kv_connector=lambda transport, counters: KVSender(transport))
+        servicer = PrefillServicer(runtime)
         services = [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, "splitserve.v1.PrefillWorker")]
     else:
+        from splitserve.decode_service.receiver import KVReceiver
         from splitserve.decode_service.servicer import DecodeServicer
 
-        runtime = WorkerRuntime(config)
+        runtime = WorkerRuntime(config, make_kv_connector=KVReceiver)
         servicer = DecodeServicer(runtime)
         services = [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "splitserve.v1.DecodeWorker")]
     server = start_server(address, services)
     bound = f"{config.host}:{server.port}"
     try:
         runtime.start(bound)
-        if hasattr(servicer, "start"):
-            servicer.start()
     except BaseException:
         server.stop(0)
         runtime.stop()
@@ -64,14 +62,12 @@ def run_worker(config) -> int:
             logger.warning("%d requests still in flight after %.0f s; aborting them", runtime.num_in_flight,
                            config.drain_timeout_seconds)
         server.stop(1.0)
-        if hasattr(servicer, "stop"):
-            servicer.stop()
         runtime.stop()
     return 0
 
 
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-    )
+def configure_logging(level: str = "INFO", log_format: str = "text") -> None:
+    """Every process of a cluster logs this way: the request's ids as fields of every line about it."""
+    from splitserve.common.log_fields import configure_logging as configure
+
+    configure(level, log_format)

@@ -7,7 +7,7 @@ import time
 import grpc
 
 from splitserve.client import Client
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.launcher import LocalCluster
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 

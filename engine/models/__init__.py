@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.models.llama import LlamaForCausalLM, can_pack_linear_weights
-from splitserve.engine.models.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
+from splitserve.common.model_info import SUPPORTED_MODEL_TYPES, ModelConfig
+from splitserve.engine.models.llama import LlamaForCausalLM
+from splitserve.engine.models.packed_linear import can_pack_linear_weights
 
 __all__ = ["ModelConfig", "SUPPORTED_MODEL_TYPES", "load_model", "iterate_safetensors"]
 

@@ -3,136 +3,25 @@
 Module names follow the Hugging Face checkpoints except that q/k/v and
 gate/up projections are fused into one matrix each (one GEMM instead of three
 or two); :meth:`LlamaForCausalLM.load_weights` fuses them while loading.
+The layers shared with other families live beside it: ``rms_norm.py``,
+``rotary_embedding.py`` and ``packed_linear.py``.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.common.model_info import ModelConfig
 from splitserve.engine.attention import AttentionMetadata, paged_attention
-from splitserve.engine.models.model_config import ModelConfig
+from splitserve.engine.models.packed_linear import PackedLinear
+from splitserve.engine.models.rms_norm import RMSNorm
+from splitserve.engine.models.rotary_embedding import RotaryEmbedding, apply_rotary
 from splitserve.kernels import cpu_ops
 
 # Up to this many rows, logits use the transposed copy of the head (decode of small batches).
 _SMALL_BATCH_ROWS = 4
-
-
-def can_pack_linear_weights(dtype: torch.dtype) -> bool:
-    """Whether this torch build reorders float32 linear weights for oneDNN (x86 CPU builds do)."""
-    return (dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-class PackedLinear(nn.Module):
-    """A float32 linear layer whose weight oneDNN reordered once, at load, into its own blocked layout.
-
-    On CPUs oneDNN's GEMM with a packed weight runs decode-sized batches (a few to a
-    hundred rows) 1.3-2x faster than ``F.linear`` through MKL and large prompt chunks
-    about as fast (``benchmarks/offline_throughput.py``); vLLM's CPU backend makes the
-    same choice. Results differ from ``F.linear`` by float32 rounding only. The dense
-    weight is dropped: the packed copy replaces it.
-    """
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        # An opaque oneDNN tensor, not a parameter: module-wide .to() / state_dict() do not apply to it.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [rows, in_features] -> [rows, out_features]."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm, optionally after adding ``x`` into the residual stream (one pass in the C++ kernel)."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.eps = eps
-        self.use_cpu_kernel = False  # set by LlamaForCausalLM.use_cpu_kernels
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x: [tokens, hidden]. Without ``residual``: returns norm(x). With it: ``residual + x`` becomes the
-        new residual (the C++ kernel adds in place) and returns (norm(residual + x), residual + x)."""
-        if self.use_cpu_kernel:
-            if residual is None:
-                return cpu_ops.rms_norm(x, self.weight, self.eps)
-            return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps), residual
-        if residual is None:
-            return self._normalize(x)
-        residual = residual + x
-        return self._normalize(residual), residual
-
-    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in float32 whatever the dtype, as transformers does.
-        if x.dtype != torch.float32:
-            return self.weight * _rms_normalize(x.float(), self.eps).to(x.dtype)
-        return self.weight * _rms_normalize(x, self.eps)
-
-
-def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to ``max_positions``, built once."""
-
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        inv_freq = _inverse_frequencies(config)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [positions, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the step's positions ([tokens]): each [tokens, 1, head_dim], looked up once per step."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim]."""
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif rope_type == "llama3":
-        inv_freq = _llama3_frequencies(inv_freq, scaling)
-    return inv_freq
-
-
-def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    factor = scaling["factor"]
-    low_freq_factor = scaling.get("low_freq_factor", 1.0)
-    high_freq_factor = scaling.get("high_freq_factor", 4.0)
-    original = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = original / low_freq_factor
-    high_freq_wavelen = original / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 class LlamaAttention(nn.Module):

@@ -1,27 +1,30 @@
-"""Proto messages <-> engine domain objects, at the edge of every servicer."""
+"""Proto messages <-> domain objects (``splitserve.common``), at the edge of every servicer."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.load import WorkerLoad
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.types import FinishReason, WorkerRole, WorkerState
 from splitserve.v1 import inference_pb2
 
-# Engine finish reasons (RequestStatus.finish_reason) -> the proto enum.
+# Finish reasons (RequestStatus.finish_reason) -> the proto enum.
 FINISH_REASONS = {
     None: inference_pb2.FINISH_REASON_UNSPECIFIED,
-    "stop": inference_pb2.FINISH_REASON_STOP,
-    "length": inference_pb2.FINISH_REASON_LENGTH,
-    "abort": inference_pb2.FINISH_REASON_ABORT,
-    "error": inference_pb2.FINISH_REASON_ERROR,
+    FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: inference_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: inference_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: inference_pb2.FINISH_REASON_ERROR,
 }
 
 
 def sampling_params_from_pb(message: inference_pb2.SamplingParams) -> SamplingParams:
-    """The engine's SamplingParams; unset optional fields take the engine defaults.
+    """The SamplingParams of a request; unset optional fields take the defaults.
 
     Raises:
-        ValueError: a value out of range, naming the field.
+        InvalidRequest: a value out of range, naming the field.
     """
     values: dict = dict(
         min_p=message.min_p,
@@ -41,6 +44,46 @@ def sampling_params_from_pb(message: inference_pb2.SamplingParams) -> SamplingPa
         if name in values:
             values[name] = round(float(values[name]), 6)
     return SamplingParams(**values)
+
+
+def worker_load_to_pb(load: WorkerLoad) -> inference_pb2.WorkerLoad:
+    """The proto form of a worker's load (``kv_block_usage`` included)."""
+    return inference_pb2.WorkerLoad(
+        num_running_requests=load.num_running_requests, num_waiting_requests=load.num_waiting_requests,
+        num_waiting_for_remote_kvs_requests=load.num_waiting_for_remote_kvs_requests,
+        num_queued_prefill_tokens=load.num_queued_prefill_tokens, num_total_kv_blocks=load.num_total_kv_blocks,
+        num_free_kv_blocks=load.num_free_kv_blocks, kv_block_usage=load.kv_block_usage,
+    )
+
+
+def worker_load_from_pb(message: inference_pb2.WorkerLoad) -> WorkerLoad:
+    """A worker's load from its report (``kv_block_usage`` is recomputed, not read)."""
+    return WorkerLoad(
+        num_running_requests=message.num_running_requests, num_waiting_requests=message.num_waiting_requests,
+        num_waiting_for_remote_kvs_requests=message.num_waiting_for_remote_kvs_requests,
+        num_queued_prefill_tokens=message.num_queued_prefill_tokens,
+        num_total_kv_blocks=message.num_total_kv_blocks, num_free_kv_blocks=message.num_free_kv_blocks,
+    )
+
+
+def worker_role_from_pb(value: int) -> WorkerRole:
+    """A WorkerRole field's value. Raises InvalidRequest when unset or unknown."""
+    if value == inference_pb2.WORKER_ROLE_UNSPECIFIED:
+        raise InvalidRequest("role is required.")
+    try:
+        return WorkerRole(value)
+    except ValueError:
+        raise InvalidRequest(f"role {value} is not a WorkerRole (PREFILL, DECODE or BOTH).") from None
+
+
+def worker_state_from_pb(value: int) -> WorkerState:
+    """A WorkerState field's value, SERVING when unset. Raises InvalidRequest when unknown."""
+    if value == inference_pb2.WORKER_STATE_UNSPECIFIED:
+        return WorkerState.SERVING
+    try:
+        return WorkerState(value)
+    except ValueError:
+        raise InvalidRequest(f"state {value} is not a WorkerState.") from None
 
 
 def position_logprobs_to_pb(

@@ -1,105 +1,139 @@
-"""One place that maps exceptions to gRPC status codes with a sentence a user understands."""
+"""The one place that maps exceptions to gRPC status codes: a server interceptor.
+
+``start_server`` installs :class:`ErrorInterceptor` on every server (router and
+workers), so servicer methods just raise:
+
+* a domain error (``splitserve.common.errors``) ends the call with the status its
+  class names, and its message as the details;
+* a ``grpc.RpcError`` from a downstream call (a worker, seen by the router) ends it
+  with that call's code and details (:class:`ServiceError` relays one with a
+  sentence of ours);
+* ``context.abort()`` keeps the status it set;
+* anything else (a plain ``ValueError`` too) is a bug: INTERNAL with
+  "Internal error: ...", logged with its traceback.
+"""
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 
 import grpc
 
+from splitserve.common.errors import (
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    Unavailable,
+)
+
 logger = logging.getLogger(__name__)
 
+# Domain error -> status code; a subclass maps as its nearest listed base (NoWorkerAvailable as Unavailable).
+STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    Cancelled: grpc.StatusCode.CANCELLED,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 
-class ServiceError(Exception):
-    """An error with the gRPC status it should end the call with."""
 
-    code = grpc.StatusCode.INTERNAL
+class ServiceError(grpc.RpcError):
+    """A failure with an explicit gRPC status: a downstream call's code, relayed with a sentence of ours.
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+    Handled like the ``grpc.RpcError`` of a failed call (``code()``, ``details()``).
+    Raise a domain error (``splitserve.common.errors``) for anything else.
+    """
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> None:
         super().__init__(message)
-        if code is not None:
-            self.code = code
+        self._code = code
+        self._details = message
 
+    def code(self) -> grpc.StatusCode:
+        return self._code
 
-class InvalidArgument(ServiceError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class ResourceExhausted(ServiceError):
-    """Queues or KV blocks are full: back-pressure, retry later."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class Unavailable(ServiceError):
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class NotFound(ServiceError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class FailedPrecondition(ServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    def details(self) -> str:
+        return self._details
 
 
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and message an exception should end a call with."""
-    from splitserve.engine.scheduler import KVCacheFullError
-
-    if isinstance(error, ServiceError):
-        return error.code, str(error)
-    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
-        return error.code(), error.details() or str(error.code())
-    if isinstance(error, KVCacheFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    if isinstance(error, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "The deadline passed."
+    """The status code and details an exception ends a call with (see the module docstring)."""
+    if isinstance(error, grpc.RpcError) and callable(getattr(error, "code", None)):
+        code = error.code()
+        return code, error.details() or code.name
+    for cls in type(error).__mro__:
+        code = STATUS_CODES.get(cls)
+        if code is not None:
+            return code, str(error)
     return grpc.StatusCode.INTERNAL, f"Internal error: {type(error).__name__}: {error}"
 
 
-def _set_status(context: grpc.ServicerContext, error: BaseException) -> None:
-    code, message = status_of(error)
-    if code == grpc.StatusCode.INTERNAL:
-        logger.error("Internal error in a call", exc_info=error)
-    elif not isinstance(error, (ServiceError, grpc.RpcError)):
-        logger.info("Call ended with %s: %s", code.name, message, exc_info=error)
-    context.set_code(code)
-    context.set_details(message)
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Ends every unary-unary and unary-stream call that raises with the status :func:`status_of` gives.
+
+    Streaming-request handlers (server reflection) are left as they are.
+    """
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                _streaming(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            _unary(handler.unary_unary, method),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
 
-def unary_errors(method: Callable) -> Callable:
-    """Decorate a unary servicer method: exceptions end the call with their mapped status."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
+def _unary(behavior: Callable, method: str) -> Callable:
+    def handle(request, context):
         try:
-            return method(self, request, context)
+            return behavior(request, context)
         except Exception as error:
             if _is_abort(error):
                 raise
-            _set_status(context, error)
+            _end_call(context, error, method)
             return None
 
-    return wrapper
+    return handle
 
 
-def stream_errors(method: Callable) -> Callable:
-    """Decorate a server-streaming servicer method the same way."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
+def _streaming(behavior: Callable, method: str) -> Callable:
+    def handle(request, context):
         try:
-            yield from method(self, request, context)
+            yield from behavior(request, context)
         except Exception as error:
             if _is_abort(error):
                 raise
-            _set_status(context, error)
+            _end_call(context, error, method)
 
-    return wrapper
+    return handle
+
+
+def _end_call(context: grpc.ServicerContext, error: Exception, method: str) -> None:
+    code, details = status_of(error)
+    if code == grpc.StatusCode.INTERNAL and not isinstance(error, grpc.RpcError):
+        logger.error("Internal error in %s", method, exc_info=error)
+    else:
+        logger.debug("%s ended with %s: %s", method, code.name, details)
+    context.set_code(code)
+    context.set_details(details)
 
 
 def _is_abort(error: BaseException) -> bool:

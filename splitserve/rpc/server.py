@@ -1,4 +1,4 @@
-"""Start a gRPC server with the standard health and reflection services beside ours."""
+"""Start a gRPC server with the standard health and reflection services beside ours, and the error interceptor."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from splitserve.rpc.errors import ErrorInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,9 @@ def start_server(
 ) -> RunningServer:
     """Bind ``address`` (host:port; port 0 picks a free one) and start serving.
 
+    Every call goes through :class:`~splitserve.rpc.errors.ErrorInterceptor`: an
+    exception a servicer raises ends the call with its mapped status code.
+
     Args:
         services: (add_XServicer_to_server, servicer, full service name) triples.
         max_workers: threads for concurrent calls; every open stream holds one.
@@ -60,7 +65,8 @@ def start_server(
         RuntimeError: the address cannot be bound.
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                         options=_SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers * 4)
+                         options=_SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers * 4,
+                         interceptors=[ErrorInterceptor()])
     names = []
     for add, servicer, name in services:
         add(servicer, server)

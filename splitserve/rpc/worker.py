@@ -1,139 +1,56 @@
-"""What prefill and decode workers share: config, engine + loop, KV connector, identity, load, membership."""
+"""What prefill and decode workers share at run time: the engine and its loop, the KV transport and the engine's
+KV connector over it, identity, admission, load reports and membership (config: ``worker_config``; counters:
+``counters``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from splitserve import __version__
-from splitserve.engine.config import EngineConfig
+from splitserve.common.errors import Overloaded, Unavailable
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.kvtransfer.base import CHECKSUM_TYPES
-from splitserve.rpc.errors import ResourceExhausted, Unavailable
+from splitserve.rpc.convert import worker_load_to_pb
+from splitserve.rpc.counters import Counters
+from splitserve.rpc.worker_config import ROLES, WorkerConfig
 from splitserve.v1 import inference_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 
-ROLES = {
-    "prefill": inference_pb2.WORKER_ROLE_PREFILL,
-    "decode": inference_pb2.WORKER_ROLE_DECODE,
-    "both": inference_pb2.WORKER_ROLE_BOTH,
-}
-KV_CONNECTORS = ("p2p", "redis")
-KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
-
-
-@dataclass
-class WorkerConfig:
-    """One worker process, from its flags.
-
-    Attributes:
-        role: "prefill", "decode" or "both" (colocated: prefills its own requests, no KV transfer).
-        host: interface to listen on.
-        port: gRPC port (0: a free one, printed at start).
-        worker_id: id to register under (empty: the router assigns one).
-        router: router address to register with (None: static, named on the router's command line).
-        kv_transfer: KV connector, "p2p" or "redis" (unused with role "both").
-        kv_address: p2p: host the rendezvous store binds (default: ``host``); redis: a redis:// URL.
-        kv_checksum: "xxh3" (checksum every KV payload sent, require and verify one on every payload
-            received) or "none" (neither); both pools must agree.
-        kv_timeout_seconds: decode: longest wait for a prompt's KV before kv_load_failure applies.
-        kv_load_failure: decode: "recompute" the prompt locally, or "fail" the request.
-        max_queued_requests: requests in flight on this worker beyond which new ones get RESOURCE_EXHAUSTED.
-        num_threads: torch threads for this worker's compute (None: torch's default).
-        drain_timeout_seconds: on SIGTERM, how long in-flight requests may run before they are aborted.
-        engine: the engine's configuration.
-    """
-
-    role: str = "decode"
-    host: str = "127.0.0.1"
-    port: int = 0
-    worker_id: str = ""
-    router: str | None = None
-    kv_transfer: str = "p2p"
-    kv_address: str = ""
-    kv_checksum: str = "xxh3"
-    kv_timeout_seconds: float = 30.0
-    kv_load_failure: str = "recompute"
-    max_queued_requests: int = 256
-    num_threads: int | None = None
-    drain_timeout_seconds: float = 30.0
-    engine: EngineConfig = field(default_factory=EngineConfig)
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}.")
-        if self.kv_transfer not in KV_CONNECTORS:
-            raise ValueError(f"kv_transfer must be one of {', '.join(KV_CONNECTORS)}, got {self.kv_transfer!r}.")
-        if self.kv_transfer == "redis" and self.role != "both" and not self.kv_address.startswith("redis://"):
-            raise ValueError("With kv_transfer redis, kv_address must be a redis:// URL (e.g. redis://127.0.0.1:6379/0).")
-        if self.kv_checksum not in CHECKSUM_TYPES:
-            raise ValueError(f"kv_checksum must be one of {', '.join(CHECKSUM_TYPES)}, got {self.kv_checksum!r}.")
-        if self.kv_load_failure not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(f"kv_load_failure must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}.")
-        if not self.kv_timeout_seconds > 0:
-            raise ValueError(f"kv_timeout_seconds must be > 0, got {self.kv_timeout_seconds}.")
-        if self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}.")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}.")
-
-
-@dataclass
-class Counters:
-    """Mirror of worker_pb2.WorkerCounters; updated under ``lock`` by any thread."""
-
-    num_requests: int = 0
-    num_finished_requests: int = 0
-    num_kv_transfers_received: int = 0
-    num_local_prefills: int = 0
-    num_kv_recomputes: int = 0
-    num_kv_payloads_refused: int = 0
-    num_kv_transfers_sent: int = 0
-    num_kv_bytes: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **amounts: int) -> None:
-        with self.lock:
-            for name, amount in amounts.items():
-                setattr(self, name, getattr(self, name) + amount)
-
-    def to_pb(self) -> worker_pb2.WorkerCounters:
-        with self.lock:
-            values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "lock"}
-        return worker_pb2.WorkerCounters(**values)
-
-
+# --role -> the proto's WorkerRole number ("prefill", "decode", "both").
 class WorkerRuntime:
     """The engine of one worker, the loop that drives it, its KV connector and its identity.
 
     Args:
         config: the worker's configuration.
-        after_step: passed to the EngineLoop (runs on the engine thread after each step).
+        make_kv_connector: ``(transport, counters) -> KVConnectorBase``, the engine's KV connector over the
+            worker's transport connector (the prefill service's sender, the decode service's receiver);
+            built at start, when the worker knows its id. Unused for a colocated worker.
     """
 
-    def __init__(self, config: WorkerConfig, after_step: Callable | None = None) -> None:
+    def __init__(self, config: WorkerConfig, make_kv_connector: Callable | None = None) -> None:
         import torch
 
-        from splitserve.engine.model_store import model_fingerprint
+        from splitserve.common.model_info import model_fingerprint
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.engine = LLMEngine(config.engine)
-        self.loop = EngineLoop(self.engine, after_step=after_step)
+        self.loop = EngineLoop(self.engine)
         self.model_fingerprint = model_fingerprint(self.engine.model_dir, config.engine.dtype)
         self.counters = Counters()
         self.state = inference_pb2.WORKER_STATE_STARTING
         self.address = ""
         self.worker_id = config.worker_id
         self.membership = None
-        self.connector = None
+        self._make_kv_connector = make_kv_connector
+        # The transport (p2p, redis: splitserve.kvtransfer) and the engine's connector over it; None colocated.
+        self.kv_transport = None
+        self.kv_connector = None
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
 
@@ -145,9 +62,13 @@ class WorkerRuntime:
         if not self.worker_id:
             self.worker_id = f"{self.config.role}-{address}"
         if self.config.role != "both":
-            self.connector = self._create_connector()
+            self.kv_transport = self._create_transport()
+            self.kv_connector = self._make_kv_connector(self.kv_transport, self.counters)
+            self.engine.attach_kv_connector(self.kv_connector)
         self._warm_up()
         self.loop.start()
+        if hasattr(self.kv_connector, "start"):
+            self.kv_connector.start()  # the decode side's receiving threads
         self.state = inference_pb2.WORKER_STATE_SERVING
         if self.config.router:
             from splitserve.rpc.membership import Membership
@@ -164,13 +85,15 @@ class WorkerRuntime:
         if self.membership is not None:
             self.membership.stop()
         self.loop.stop()
-        if self.connector is not None:
-            self.connector.close()
+        if hasattr(self.kv_connector, "stop"):
+            self.kv_connector.stop()
+        if self.kv_transport is not None:
+            self.kv_transport.close()
 
     def _warm_up(self) -> None:
         """One short request through the engine before serving, so the first client does not pay for
         lazy initialisation (kernel loading, first allocations)."""
-        from splitserve.engine.sampling_params import SamplingParams
+        from splitserve.common.sampling_params import SamplingParams
 
         started = time.monotonic()
         engine = self.engine
@@ -187,9 +110,9 @@ class WorkerRuntime:
             logger.info("The router drains this worker: finishing in-flight requests, taking no new ones")
             self.state = state
 
-    def _create_connector(self):
+    def _create_transport(self):
         from splitserve.kvtransfer import create_connector
-        from splitserve.kvtransfer.base import KVLayout
+        from splitserve.kvtransfer.layout import KVLayout
 
         options = {"host": self.config.kv_address or self.config.host}
         if self.config.kv_transfer == "redis":
@@ -207,7 +130,7 @@ class WorkerRuntime:
             raise Unavailable(f"Worker {self.worker_id} is draining and takes no new requests.")
         with self._in_flight_lock:
             if self._in_flight >= self.config.max_queued_requests:
-                raise ResourceExhausted(
+                raise Overloaded(
                     f"Worker {self.worker_id} has {self._in_flight} requests in flight, its limit "
                     f"(--max-queued-requests {self.config.max_queued_requests}); retry later."
                 )
@@ -238,11 +161,7 @@ class WorkerRuntime:
 
     def load_pb(self) -> inference_pb2.WorkerLoad:
         # The load after the engine's latest step: never waits for a long step to end.
-        load = self.loop.last_load
-        total = max(load.num_total_kv_blocks, 1)
-        return inference_pb2.WorkerLoad(
-            **dataclasses.asdict(load), kv_block_usage=1.0 - load.num_free_kv_blocks / total
-        )
+        return worker_load_to_pb(self.loop.last_load)
 
     def capacity_pb(self) -> worker_pb2.WorkerCapacity:
         config = self.config.engine
@@ -252,14 +171,14 @@ class WorkerRuntime:
         )
 
     def layout_pb(self) -> worker_pb2.KVCacheLayout:
-        from splitserve.kvtransfer.base import KVLayout
+        from splitserve.kvtransfer.layout import KVLayout
 
         return KVLayout.from_kv_cache(self.engine.model_runner.kv_cache).to_pb()
 
     def endpoint_pb(self) -> worker_pb2.KVEndpoint | None:
-        if self.connector is None:
+        if self.kv_transport is None:
             return None
-        return self.connector.endpoint().to_pb()
+        return self.kv_transport.endpoint().to_pb()
 
     def registration(self) -> worker_pb2.RegisterRequest:
         return worker_pb2.RegisterRequest(
@@ -277,3 +196,17 @@ class WorkerRuntime:
             capacity=self.capacity_pb(), model_fingerprint=self.model_fingerprint, kv_layout=self.layout_pb(),
             kv_endpoint=self.endpoint_pb(), server_version=__version__, counters=self.counters.to_pb(),
         )
+
+
+ACCEPT_TIMEOUT_SECONDS = 60.0
+
+
+def wait_accepted(stream, timeout: float = ACCEPT_TIMEOUT_SECONDS):
+    """The engine's acceptance of a submitted request (its reserved blocks); raises what refused it, or
+    Unavailable when the engine loop did not take it in time."""
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    try:
+        return stream.wait_accepted(timeout)
+    except FutureTimeout:
+        raise Unavailable(f"The engine did not take the request within {timeout:.0f} s; retry later.") from None

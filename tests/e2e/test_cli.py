@@ -63,7 +63,7 @@ def test_help_lists_every_command():
 
 
 def test_workers_take_a_kv_checksum_setting():
-    from splitserve.rpc.worker import WorkerConfig
+    from splitserve.rpc.worker_config import WorkerConfig
 
     for command in ("prefill", "decode"):
         result = run_cli(command, "--help")

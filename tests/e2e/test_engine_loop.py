@@ -8,6 +8,7 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.kv_connector import KVTransferParams
 
 PROMPTS = [f"Question {index}: what is {index} plus {index}?" for index in range(12)]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -83,7 +84,7 @@ def test_waiting_for_remote_kv_does_not_spin_the_loop(llm, loop):
     KV receiver of the GIL and the machine of a core), and a posted command still moves it on at once."""
     import time
 
-    stream = loop.submit("parked", None, GREEDY, prompt_token_ids=list(range(1, 40)), remote_kv=True)
+    stream = loop.submit("parked", None, GREEDY, prompt_token_ids=list(range(1, 40)), kv_transfer=KVTransferParams(load=True))
     stream.wait_accepted(10)
     cpu_before, wall_before = time.process_time(), time.monotonic()
     time.sleep(0.6)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.engine.request import RequestStatus
 
 
@@ -31,7 +32,7 @@ def test_held_kv_outlives_the_request_until_released(engines):
     prefill, _ = engines
     prompt = prompt_ids(prefill)
     prefill.add_request("held", None, SamplingParams(max_tokens=1, temperature=0.0), prompt_token_ids=prompt,
-                        hold_kv_on_finish=True)
+                        kv_transfer=KVTransferParams(save=True))
     (output,) = run(prefill)
     assert output.finished and output.outputs[0].finish_reason == "length"
     held = prefill.block_ids("held")
@@ -46,7 +47,7 @@ def test_held_kv_outlives_the_request_until_released(engines):
 def test_aborted_request_with_hold_frees_at_once(engines):
     prefill, _ = engines
     prefill.add_request("gone", None, SamplingParams(max_tokens=1), prompt_token_ids=prompt_ids(prefill),
-                        hold_kv_on_finish=True)
+                        kv_transfer=KVTransferParams(save=True))
     assert prefill.abort_request("gone")
     run(prefill)
     assert prefill.free_block_count == prefill.num_kv_blocks
@@ -68,9 +69,9 @@ def test_seeded_sampling_continues_across_the_handover(engines):
     expected = run(decode)[-1].outputs[0].token_ids
 
     first_params = SamplingParams(max_tokens=1, temperature=0.9, top_p=0.95, seed=1234)
-    prefill.add_request("p", None, first_params, prompt_token_ids=prompt, hold_kv_on_finish=True)
+    prefill.add_request("p", None, first_params, prompt_token_ids=prompt, kv_transfer=KVTransferParams(save=True))
     first_token = run(prefill)[-1].outputs[0].token_ids[0]
-    decode.add_request("d", None, params, prompt_token_ids=prompt, remote_kv=True)
+    decode.add_request("d", None, params, prompt_token_ids=prompt, kv_transfer=KVTransferParams(load=True))
     _copy_kv(prefill, "p", decode, "d")
     prefill.release_kv("p")
     decode.finish_remote_kv("d", first_token_id=first_token)
@@ -88,7 +89,7 @@ def test_recompute_after_giving_up_on_remote_kv(engines):
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     decode.add_request("local", None, greedy, prompt_token_ids=prompt)
     expected = run(decode)[-1].outputs[0].token_ids
-    request = decode.add_request("late", None, greedy, prompt_token_ids=prompt, remote_kv=True)
+    request = decode.add_request("late", None, greedy, prompt_token_ids=prompt, kv_transfer=KVTransferParams(load=True))
     # The first full block is in this engine's prefix cache from "local": taken as it is, not awaited.
     assert request.num_cached_tokens == 16
     # Garbage in the blocks awaiting KV (a partial transfer) must not matter: that part is recomputed.
@@ -104,7 +105,7 @@ def test_recompute_after_giving_up_on_remote_kv(engines):
 def test_fail_request_while_waiting_for_kv(engines):
     _, decode = engines
     decode.add_request("failing", None, SamplingParams(max_tokens=8), prompt_token_ids=prompt_ids(decode),
-                       remote_kv=True)
+                       kv_transfer=KVTransferParams(load=True))
     assert decode.free_block_count < decode.num_kv_blocks
     assert decode.fail_request("failing", "The prompt's KV did not arrive.")
     (output,) = run(decode)
@@ -118,7 +119,7 @@ def test_load_reports_queues_and_blocks(engines):
     _, decode = engines
     decode.add_request("queued", None, SamplingParams(max_tokens=2), prompt_token_ids=list(range(1, 40)))
     decode.add_request("remote", None, SamplingParams(max_tokens=2), prompt_token_ids=list(range(1, 20)),
-                       remote_kv=True)
+                       kv_transfer=KVTransferParams(load=True))
     load = decode.load()
     assert (load.num_waiting_requests, load.num_waiting_for_remote_kvs_requests, load.num_running_requests) == (1, 1, 0)
     assert load.num_queued_prefill_tokens == 39

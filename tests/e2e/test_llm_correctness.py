@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.engine.request import RequestStatus
 from tests.reference import MAX_TOKENS, PROMPTS
 
@@ -98,7 +99,7 @@ def test_remote_kv_written_into_reserved_blocks_gives_the_same_tokens(llm, model
 
     # Decode side: blocks reserved, request parked.
     target = decode.engine
-    request = target.add_request("d", None, GREEDY, prompt_token_ids=prompt, remote_kv=True)
+    request = target.add_request("d", None, GREEDY, prompt_token_ids=prompt, kv_transfer=KVTransferParams(load=True))
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     target_blocks = target.block_ids("d")
     assert len(target_blocks) == len(source_blocks) == -(-len(prompt) // 16)
@@ -135,7 +136,7 @@ def test_remote_kv_without_first_token_recomputes_only_the_last_prompt_token(mod
     prefill.engine.add_request("p", None, SamplingParams(max_tokens=2, temperature=0.0), prompt_token_ids=prompt)
     prefill.engine.step()
     source = torch.tensor(prefill.engine.block_ids("p"))
-    decode.engine.add_request("d", None, GREEDY, prompt_token_ids=prompt, remote_kv=True)
+    decode.engine.add_request("d", None, GREEDY, prompt_token_ids=prompt, kv_transfer=KVTransferParams(load=True))
     target = torch.tensor(decode.engine.block_ids("d"))
     decode.engine.model_runner.kv_cache[target] = prefill.engine.model_runner.kv_cache[source]
     decode.engine.finish_remote_kv("d")

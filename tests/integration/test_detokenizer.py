@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.sampling_params import SamplingParams
 
 CHAT_PROMPT = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
 REPLACEMENT_CHARACTER = "\ufffd"

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from splitserve.common.model_info import cache_dir
 from splitserve.engine.attention import DecodeGroup, decode_attention
-from splitserve.engine.model_store import cache_dir
 from splitserve.kernels import cpu_ops
 
 
@@ -80,7 +80,7 @@ def _kernels():
 
 
 def test_rms_norm_and_residual_add_match_the_torch_layer():
-    from splitserve.engine.models.llama import RMSNorm
+    from splitserve.engine.models.rms_norm import RMSNorm
 
     kernels = _kernels()
     generator = torch.Generator().manual_seed(1)
@@ -109,8 +109,8 @@ def test_silu_and_mul_matches_torch():
 
 
 def test_rotary_matches_torch_bit_for_bit():
-    from splitserve.engine.models.llama import RotaryEmbedding, apply_rotary
-    from splitserve.engine.models.model_config import ModelConfig
+    from splitserve.common.model_info import ModelConfig
+    from splitserve.engine.models.rotary_embedding import RotaryEmbedding, apply_rotary
 
     kernels = _kernels()
     config = ModelConfig("llama", "LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,

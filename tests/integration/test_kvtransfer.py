@@ -12,16 +12,11 @@ import redis
 import torch
 
 from splitserve.kvtransfer import create_connector
-from splitserve.kvtransfer.base import (
-    BlockSource,
-    KVEndpointInfo,
-    KVLayout,
-    KVTransferError,
-    TransferHeader,
-    gather_blocks,
-    payload_checksum,
-    scatter_blocks,
-)
+from splitserve.kvtransfer.blocks import BlockSource, gather_blocks, scatter_blocks
+from splitserve.kvtransfer.connector import KVEndpointInfo
+from splitserve.kvtransfer.errors import KVTransferError
+from splitserve.kvtransfer.header import TransferHeader, payload_checksum
+from splitserve.kvtransfer.layout import KVLayout
 from splitserve.launcher import LocalCluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -73,7 +68,10 @@ class Inbox:
 SENDER = r"""
 import sys, torch
 from splitserve.kvtransfer import create_connector
-from splitserve.kvtransfer.base import BlockSource, KVEndpointInfo, KVLayout, TransferHeader, gather_blocks, payload_checksum
+from splitserve.kvtransfer.blocks import BlockSource, gather_blocks
+from splitserve.kvtransfer.connector import KVEndpointInfo
+from splitserve.kvtransfer.header import TransferHeader, payload_checksum
+from splitserve.kvtransfer.layout import KVLayout
 address, worker_id, seed, transfer_id, fingerprint, chunk_bytes, head_size, checksum = sys.argv[1:9]
 head_size = int(head_size)
 layout = KVLayout(4, 2, head_size, torch.float32, 4)
@@ -183,7 +181,10 @@ def test_p2p_without_checksums_needs_both_sides_to_agree(p2p_receiver):
 LONG_SENDER = r"""
 import sys, torch
 from splitserve.kvtransfer import create_connector
-from splitserve.kvtransfer.base import BlockSource, KVEndpointInfo, KVLayout, TransferHeader
+from splitserve.kvtransfer.blocks import BlockSource
+from splitserve.kvtransfer.connector import KVEndpointInfo
+from splitserve.kvtransfer.header import TransferHeader
+from splitserve.kvtransfer.layout import KVLayout
 layout = KVLayout(4, 2, 8, torch.float32, 4)
 cache = torch.randn((16, 4, 2, 2, 4, 8))
 connector = create_connector("p2p", "prefill-long", "model-a", layout, chunk_bytes=layout.block_num_bytes)
@@ -230,14 +231,14 @@ def test_p2p_sender_lost_mid_transfer_fails_that_transfer_and_the_receiver_goes_
 RAW_PEER = r"""
 import sys, time, torch, torch.distributed as dist
 from datetime import timedelta
-from splitserve.kvtransfer import p2p
+from splitserve.kvtransfer import p2p_pairs, p2p_wire
 host, port = sys.argv[1].rsplit(":", 1)
 store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=10))
-index = store.add(p2p._PEERS_KEY, 1) - 1
+index = store.add(p2p_pairs.PEERS_KEY, 1) - 1
 store.set(f"splitserve/kv/peer/{index}", "raw-peer")
-group = p2p._new_pair_group(store, index, 0, timedelta(seconds=10), torch.device("cpu"))
+group = p2p_pairs.new_pair_group(store, index, 0, timedelta(seconds=10), torch.device("cpu"))
 meta = torch.tensor([int(value) for value in sys.argv[2:7]], dtype=torch.int64)
-group.send([meta], 1, p2p._TAG_META).wait()
+group.send([meta], 1, p2p_wire.TAG_META).wait()
 print("SENT", flush=True)
 time.sleep(3)  # the receiver refuses while this end is still up
 """

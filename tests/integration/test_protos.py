@@ -21,7 +21,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 
-from splitserve.engine.sampling_params import SamplingParams as EngineSamplingParams
+from splitserve.common.sampling_params import SamplingParams as EngineSamplingParams
 from splitserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,10 +8,11 @@ import sys
 
 import pytest
 
+from splitserve.common.block_hash import hash_block_tokens
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_pool import BlockPool
-from splitserve.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
+from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request
-from splitserve.engine.sampling_params import SamplingParams
 
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:
@@ -93,7 +94,7 @@ def test_hash_chain_is_deterministic_and_depends_on_parent():
     assert hash_block_tokens(first, [5, 6]) != hash_block_tokens(None, [5, 6])
     assert len(first) == 32
     # Prefill and decode workers must agree: another process, another hash seed, same value.
-    code = "from splitserve.engine.kv_cache_manager import hash_block_tokens as h; print(h(None, [1, 2, 3, 4]).hex())"
+    code = "from splitserve.common.block_hash import hash_block_tokens as h; print(h(None, [1, 2, 3, 4]).hex())"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert other.stdout.strip() == first.hex()

@@ -6,17 +6,10 @@ import pytest
 import torch
 import xxhash
 
-from splitserve.kvtransfer.base import (
-    BlockSource,
-    KVLayout,
-    KVTransferError,
-    KVVerificationError,
-    TransferHeader,
-    gather_blocks,
-    payload_checksum,
-    scatter_blocks,
-    verify,
-)
+from splitserve.kvtransfer.blocks import BlockSource, gather_blocks, scatter_blocks
+from splitserve.kvtransfer.errors import KVTransferError, KVVerificationError
+from splitserve.kvtransfer.header import TransferHeader, payload_checksum, verify
+from splitserve.kvtransfer.layout import KVLayout
 
 # A small block-major cache: 16 blocks, 4 layers, 2 KV heads, blocks of 4 tokens, head size 8.
 SHAPE = (16, 4, 2, 2, 4, 8)

@@ -9,8 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitserve.router.policies import LeastLoaded, NoWorkerAvailable, PrefixAware, RoundRobin, make_policy
-from splitserve.router.registry import Worker, WorkerLoad, WorkerRegistry, WorkerRole, WorkerState
+from splitserve.common.errors import NoWorkerAvailable, Unavailable
+from splitserve.common.load import WorkerLoad
+from splitserve.common.types import WorkerRole, WorkerState
+from splitserve.router.policies import LeastLoaded, PrefixAware, RoundRobin, make_policy
+from splitserve.router.registry import WorkerRegistry
+from splitserve.router.worker import Worker
 
 PREFILL, DECODE, BOTH = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.BOTH
 
@@ -29,8 +33,9 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
 
 @pytest.mark.parametrize("policy", [RoundRobin(), LeastLoaded(PREFILL), LeastLoaded(DECODE), PrefixAware()])
 def test_an_empty_pool_raises(policy):
-    with pytest.raises(NoWorkerAvailable, match="No worker to route to"):
+    with pytest.raises(NoWorkerAvailable, match="No worker to route to") as raised:
         policy.choose([], [1] * 40)
+    assert isinstance(raised.value, Unavailable)  # the interceptor answers UNAVAILABLE
 
 
 # ---- round robin -----------------------------------------------------------------------------
@@ -155,7 +160,7 @@ def test_least_loaded_equal_workers_share_traffic():
 
 
 def test_prefix_key_hashes_whole_blocks_like_the_engine():
-    from splitserve.engine.kv_cache_manager import hash_block_tokens
+    from splitserve.common.block_hash import hash_block_tokens
 
     policy = PrefixAware(block_size=4, prefix_blocks=2)
     assert policy.prefix_key([1, 2, 3]) is None

@@ -6,17 +6,17 @@ import threading
 
 import pytest
 
-from splitserve.router.registry import (
+from splitserve.common.errors import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound
+from splitserve.common.load import WorkerLoad
+from splitserve.common.types import WorkerRole, WorkerState
+from splitserve.router.registry import WorkerRegistry
+from splitserve.router.worker import (
     FingerprintMismatch,
     InvalidRegistration,
     UnknownLease,
     UnknownWorker,
     Worker,
     WorkerIdInUse,
-    WorkerLoad,
-    WorkerRegistry,
-    WorkerRole,
-    WorkerState,
 )
 
 PREFILL, DECODE, BOTH = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.BOTH
@@ -55,6 +55,14 @@ def test_enums_carry_the_proto_numbers():
     assert [(r.name, r.value) for r in WorkerRole] == [("PREFILL", 1), ("DECODE", 2), ("BOTH", 3)]
     assert [(s.name, s.value) for s in WorkerState] == [("STARTING", 1), ("SERVING", 2), ("DRAINING", 3),
                                                         ("UNREACHABLE", 4)]
+
+
+def test_registry_errors_are_domain_errors():
+    """So the gRPC interceptor answers INVALID_ARGUMENT, ALREADY_EXISTS, FAILED_PRECONDITION and NOT_FOUND."""
+    assert issubclass(InvalidRegistration, InvalidRequest) and issubclass(InvalidRegistration, ValueError)
+    assert issubclass(WorkerIdInUse, AlreadyExists) and not issubclass(WorkerIdInUse, InvalidRequest)
+    assert issubclass(FingerprintMismatch, FailedPrecondition)
+    assert issubclass(UnknownLease, NotFound) and issubclass(UnknownWorker, NotFound)
 
 
 def test_kv_block_usage():

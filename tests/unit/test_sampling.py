@@ -7,20 +7,18 @@ import math
 import pytest
 import torch
 
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.logits_processors import apply_min_tokens, apply_penalties
+from splitserve.engine.logprobs import compute_logprobs
 from splitserve.engine.request import Request
-from splitserve.engine.sampling import (
-    Sampler,
-    SamplerOutput,
-    apply_min_tokens,
-    apply_penalties,
+from splitserve.engine.sampling import Sampler, SamplerOutput
+from splitserve.engine.top_k_top_p import (
     apply_temperature,
     apply_top_k_top_p_min_p,
-    compute_logprobs,
     sample_from_probs,
     top_k_mask,
     top_p_mask,
 )
-from splitserve.engine.sampling_params import SamplingParams
 
 EOS = 2
 NEG_INF = float("-inf")

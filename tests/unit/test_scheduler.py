@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import KVCacheFullError, Scheduler
 
 
@@ -100,7 +100,7 @@ def test_remote_kv_request_holds_blocks_and_is_skipped_until_released():
     scheduler = make_scheduler(num_blocks=8, block_size=4, budget=16, caching=True)
     remote = make_request("remote", 10)
     local = make_request("local", 3, first_token=50)
-    scheduler.add_request(remote, remote_kv=True)
+    scheduler.add_request(remote, remote.num_prompt_tokens)
     scheduler.add_request(local)
     assert remote.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert scheduler.kv_cache.block_ids("remote") == [0, 1, 2]
@@ -120,7 +120,7 @@ def test_remote_kv_request_holds_blocks_and_is_skipped_until_released():
 def test_remote_kv_release_with_last_token_to_recompute():
     scheduler = make_scheduler(num_blocks=8, block_size=4, budget=16)
     remote = make_request("remote", 10)
-    scheduler.add_request(remote, remote_kv=True)
+    scheduler.add_request(remote, remote.num_prompt_tokens)
     assert plan(run_step(scheduler)) == []
     scheduler.finish_remote_kv("remote", 9)
     assert plan(run_step(scheduler)) == [("remote", 1, True)]
@@ -129,7 +129,8 @@ def test_remote_kv_release_with_last_token_to_recompute():
 def test_remote_kv_reservation_fails_cleanly_when_cache_is_full():
     scheduler = make_scheduler(num_blocks=2, block_size=4)
     with pytest.raises(KVCacheFullError, match="Cannot reserve 3 KV blocks"):
-        scheduler.add_request(make_request("big", 10), remote_kv=True)
+        big = make_request("big", 10)
+        scheduler.add_request(big, big.num_prompt_tokens)
     assert scheduler.kv_cache.free_block_count == 2
     assert scheduler.num_unfinished == 0
 
@@ -143,7 +144,7 @@ def test_abort_in_every_state_returns_all_blocks():
     scheduler.add_request(running)
     scheduler.add_request(chunked)
     scheduler.add_request(waiting)
-    scheduler.add_request(remote, remote_kv=True)
+    scheduler.add_request(remote, remote.num_prompt_tokens)
     run_step(scheduler)  # running: 4, chunked: first 4 of 12
     assert chunked.status == RequestStatus.RUNNING and chunked.num_computed_tokens == 4
     assert waiting.status == RequestStatus.WAITING

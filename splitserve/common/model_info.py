@@ -1,10 +1,25 @@
-"""ModelConfig: the few facts of a Hugging Face ``config.json`` the engine needs."""
+"""What the router and the workers both know about a model, read from its directory without loading it.
+
+* :class:`ModelConfig`: the few facts of a Hugging Face ``config.json`` the engine
+  and the router need (vocabulary, context length, shapes, EOS ids).
+* :func:`find_model_dir`: the directory for ``--model``, or the default model's
+  converted directory; never converts (``splitserve.engine.model_store`` does).
+* :func:`model_fingerprint`: a short id of the exact weights and dtype served.
+
+Plain Python: reading JSON and a few file headers, no torch, no transformers.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Written last into a converted directory: its presence means the conversion finished.
+COMPLETE_MARKER = "splitserve-converted.json"
 
 # model_type -> the architecture name Hugging Face gives it.
 SUPPORTED_MODEL_TYPES = {
@@ -15,8 +30,13 @@ SUPPORTED_MODEL_TYPES = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+# ---- config.json ------------------------------------------------------------------------
+
+
 @dataclass
 class ModelConfig:
+    """The facts of a model's ``config.json`` (and ``generation_config.json``) that splitserve uses."""
+
     model_type: str
     architecture: str
     vocab_size: int
@@ -133,3 +153,92 @@ def _eos_ids(raw: dict, generation: dict) -> tuple[int, ...]:
     if source is None:
         return ()
     return tuple(int(token_id) for token_id in (source if isinstance(source, list) else [source]))
+
+
+# ---- where models are ----------------------------------------------------------------
+
+
+def cache_dir(cache: str | os.PathLike | None = None) -> Path:
+    """The cache folder: the argument, else ``$SPLITSERVE_CACHE``, else ``~/.cache/splitserve``."""
+    if cache is not None:
+        return Path(cache).expanduser()
+    env = os.environ.get("SPLITSERVE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "splitserve"
+
+
+def default_model_dir(cache: str | os.PathLike | None = None) -> Path:
+    """Where the converted default model lives (it may not exist yet)."""
+    return cache_dir(cache) / "models" / DEFAULT_MODEL_NAME
+
+
+def is_default_model(model: str | os.PathLike | None) -> bool:
+    """Whether a ``--model`` value names the default model (None, "", "default" or its name)."""
+    return model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME)
+
+
+def is_prepared(model_dir: Path) -> bool:
+    """Whether ``model_dir`` is a finished conversion of the default model."""
+    return (model_dir / COMPLETE_MARKER).is_file() and (model_dir / "config.json").is_file()
+
+
+def find_model_dir(model: str | os.PathLike | None, cache: str | os.PathLike | None = None) -> Path:
+    """The model directory for ``--model``: the given path, or the default model's converted directory.
+
+    Converts nothing, so it is safe in processes that must not load model code
+    (the router); ``splitserve.engine.model_store.resolve_model`` converts the
+    default model on first use instead.
+
+    Raises:
+        FileNotFoundError: the default model is not converted yet (run ``splitserve
+            prepare-model``), or the path is not a directory with a config.json.
+    """
+    if is_default_model(model):
+        path = default_model_dir(cache)
+        if not is_prepared(path):
+            raise FileNotFoundError(
+                f"The default model {DEFAULT_MODEL_NAME} is not prepared in {path}: run `splitserve "
+                "prepare-model` once (it converts the GGUF file), or pass --model DIR."
+            )
+        return path
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"Model directory {path} does not exist. splitserve loads local Hugging Face "
+            "directories only (config.json, *.safetensors, tokenizer files); omit --model "
+            "to use the default model."
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory.")
+    return path
+
+
+def has_weights(model_dir: str | os.PathLike) -> bool:
+    """Whether the directory holds safetensors weights (a tokenizer-and-config-only directory does not)."""
+    return any(Path(model_dir).glob("*.safetensors"))
+
+
+def model_fingerprint(model_dir: str | os.PathLike, dtype: str) -> str:
+    """A short id of the exact weights and dtype a worker serves, equal across processes.
+
+    Hashes config.json, each safetensors file's name, size and header (tensor
+    names, shapes, offsets) and 64 KiB samples spread over its data: enough to
+    tell two checkpoints apart without reading hundreds of MB at start-up.
+    Prefill and decode workers exchange KV only when their fingerprints match.
+    """
+    digest = hashlib.sha256(dtype.encode())
+    model_dir = Path(model_dir)
+    config = model_dir / "config.json"
+    if config.exists():
+        digest.update(config.read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            header_length = int.from_bytes(handle.read(8), "little")
+            digest.update(handle.read(min(header_length, 16 * 1024 * 1024)))
+            for index in range(16):
+                handle.seek(size * index // 16)
+                digest.update(handle.read(64 * 1024))
+    return digest.hexdigest()[:16]

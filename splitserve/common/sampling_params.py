@@ -2,12 +2,16 @@
 
 Field names and meanings follow vLLM's ``SamplingParams`` so that code written
 for it reads the same here. Every value is checked when the object is built: a
-bad value raises :class:`ValueError` naming the field and its allowed range.
+bad value raises :class:`~splitserve.common.errors.InvalidRequest` (a
+``ValueError``) naming the field and its allowed range. Shared by the engine,
+the router (which validates a request before routing it) and clients.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from splitserve.common.errors import InvalidRequest
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_EPSILON = 1e-5
@@ -65,39 +69,39 @@ class SamplingParams:
 
     def _validate(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}.")
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}.")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}.")
+            raise InvalidRequest(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}.")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}.")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}.")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}.")
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p!r}.")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(
+            raise InvalidRequest(
                 f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty!r}."
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}.")
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {value!r}.")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}.")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
+            raise InvalidRequest(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise InvalidRequest(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
             )
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}.")
+            raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}.")
         if any(not isinstance(text, str) or not text for text in self.stop):
-            raise ValueError("stop must be a list of non-empty strings.")
+            raise InvalidRequest("stop must be a list of non-empty strings.")
         if any(token_id < 0 for token_id in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative token ids.")
+            raise InvalidRequest("stop_token_ids must be non-negative token ids.")
 
     @property
     def is_greedy(self) -> bool:

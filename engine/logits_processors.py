@@ -1,0 +1,120 @@
+"""Logits processors that depend on what a request has seen: penalties and the min_tokens mask.
+
+Steps 1 and 2 of the sampler (``engine/sampling.py``). Plain functions over
+``[num_rows, vocab]`` tensors, tested on their own; neither modifies its input.
+"""
+
+from __future__ import annotations
+
+import array
+from collections import Counter
+from itertools import chain
+
+import torch
+
+from splitserve.engine.request import Request
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties, as vLLM defines them.
+
+    On rows whose request has ``needs_penalties``: a token present in
+    ``request.all_token_ids`` (prompt or output) has a positive logit divided by
+    ``repetition_penalty``, a negative one multiplied by it; then every token in
+    ``request.output_token_ids`` loses ``frequency_penalty`` times its count
+    plus ``presence_penalty``. Other rows and tokens are unchanged; token ids
+    outside [0, vocab) are ignored. Only the penalized entries are touched, so
+    the cost grows with the number of distinct tokens, not with the vocabulary.
+
+    Args:
+        logits: [num_rows, vocab] float32; not modified.
+        requests: one per row.
+
+    Returns:
+        A new [num_rows, vocab] tensor (the input itself when no row has penalties).
+    """
+    penalized_rows = [
+        row for row, request in enumerate(requests) if request.sampling_params.needs_penalties
+    ]
+    if not penalized_rows:
+        return logits
+    vocab_size = logits.shape[-1]
+    params = [requests[row].sampling_params for row in penalized_rows]
+    row_index = torch.tensor(penalized_rows)
+    result = logits.clone()
+
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+    if bool((repetition != 1.0).any()):
+        # One entry per (row, distinct token of prompt + output).
+        seen = [list(set(requests[row].all_token_ids)) for row in penalized_rows]
+        owners, token_ids, _ = _flatten_per_row(seen, None, vocab_size)  # [num_entries] each
+        index = (row_index[owners], token_ids)
+        values = result[index]  # [num_entries]
+        penalty = repetition[owners]  # [num_entries]
+        result[index] = torch.where(values > 0, values / penalty, values * penalty)
+
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+    if bool((frequency != 0.0).any() or (presence != 0.0).any()):
+        # One entry per (row, distinct output token).
+        counters = [Counter(requests[row].output_token_ids) for row in penalized_rows]
+        owners, token_ids, counts = _flatten_per_row(
+            [list(counter) for counter in counters],
+            [list(counter.values()) for counter in counters],
+            vocab_size,
+        )
+        subtracted = frequency[owners] * counts + presence[owners]  # [num_entries]
+        result.index_put_((row_index[owners], token_ids), -subtracted, accumulate=True)
+    return result
+
+
+def _flatten_per_row(
+    token_id_lists: list[list[int]], count_lists: list[list[int]] | None, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Flatten per-row token ids (and their counts) into [num_entries] tensors:
+    the list each entry came from, the token id, and the count as float32.
+    Token ids outside [0, vocab) are dropped."""
+    lengths = torch.tensor([len(token_ids) for token_ids in token_id_lists])
+    owners = torch.repeat_interleave(torch.arange(len(token_id_lists)), lengths)
+    token_ids = _int64_tensor(list(chain.from_iterable(token_id_lists)))
+    valid = (token_ids >= 0) & (token_ids < vocab_size)
+    counts = None
+    if count_lists is not None:
+        counts = _int64_tensor(list(chain.from_iterable(count_lists)))[valid].float()
+    return owners[valid], token_ids[valid], counts
+
+
+def _int64_tensor(values: list[int]) -> torch.Tensor:
+    """torch.tensor(values) for a long list of ints, about ten times faster."""
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
+def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Forbid ending too early: while ``len(request.output_token_ids) <
+    params.min_tokens``, the logits of ``params.stop_token_ids`` and (unless
+    ``ignore_eos``) of ``request.eos_token_ids`` become -inf.
+
+    logits: [num_rows, vocab]; not modified. Returns a new tensor, or the input
+    when no row is masked.
+    """
+    vocab_size = logits.shape[-1]
+    masked_rows: list[int] = []
+    masked_token_ids: list[int] = []
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        if len(request.output_token_ids) >= params.min_tokens:
+            continue
+        blocked = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            blocked |= request.eos_token_ids
+        for token_id in sorted(blocked):
+            if 0 <= token_id < vocab_size:
+                masked_rows.append(row)
+                masked_token_ids.append(token_id)
+    if not masked_rows:
+        return logits
+    result = logits.clone()
+    result[torch.tensor(masked_rows), torch.tensor(masked_token_ids)] = float("-inf")
+    return result

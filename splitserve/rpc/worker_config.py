@@ -1,0 +1,69 @@
+"""A worker process's configuration, from its flags: role, addresses, KV transfer, limits, the engine's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.common.types import KVConnectorKind, WorkerRole
+from splitserve.engine.config import EngineConfig
+from splitserve.kvtransfer.header import CHECKSUM_TYPES
+
+ROLES = {role.name.lower(): role.value for role in WorkerRole}
+KV_CONNECTORS = (KVConnectorKind.P2P.value, KVConnectorKind.REDIS.value)
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass
+class WorkerConfig:
+    """One worker process, from its flags.
+
+    Attributes:
+        role: "prefill", "decode" or "both" (colocated: prefills its own requests, no KV transfer).
+        host: interface to listen on.
+        port: gRPC port (0: a free one, printed at start).
+        worker_id: id to register under (empty: the router assigns one).
+        router: router address to register with (None: static, named on the router's command line).
+        kv_transfer: KV connector, "p2p" or "redis" (unused with role "both").
+        kv_address: p2p: host the rendezvous store binds (default: ``host``); redis: a redis:// URL.
+        kv_checksum: "xxh3" (checksum every KV payload sent, require and verify one on every payload
+            received) or "none" (neither); both pools must agree.
+        kv_timeout_seconds: decode: longest wait for a prompt's KV before kv_load_failure applies.
+        kv_load_failure: decode: "recompute" the prompt locally, or "fail" the request.
+        max_queued_requests: requests in flight on this worker beyond which new ones get RESOURCE_EXHAUSTED.
+        num_threads: torch threads for this worker's compute (None: torch's default).
+        drain_timeout_seconds: on SIGTERM, how long in-flight requests may run before they are aborted.
+        engine: the engine's configuration.
+    """
+
+    role: str = "decode"
+    host: str = "127.0.0.1"
+    port: int = 0
+    worker_id: str = ""
+    router: str | None = None
+    kv_transfer: str = "p2p"
+    kv_address: str = ""
+    kv_checksum: str = "xxh3"
+    kv_timeout_seconds: float = 30.0
+    kv_load_failure: str = "recompute"
+    max_queued_requests: int = 256
+    num_threads: int | None = None
+    drain_timeout_seconds: float = 30.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}.")
+        if self.kv_transfer not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer must be one of {', '.join(KV_CONNECTORS)}, got {self.kv_transfer!r}.")
+        if self.kv_transfer == "redis" and self.role != "both" and not self.kv_address.startswith("redis://"):
+            raise ValueError("With kv_transfer redis, kv_address must be a redis:// URL (e.g. redis://127.0.0.1:6379/0).")
+        if self.kv_checksum not in CHECKSUM_TYPES:
+            raise ValueError(f"kv_checksum must be one of {', '.join(CHECKSUM_TYPES)}, got {self.kv_checksum!r}.")
+        if self.kv_load_failure not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}.")
+        if not self.kv_timeout_seconds > 0:
+            raise ValueError(f"kv_timeout_seconds must be > 0, got {self.kv_timeout_seconds}.")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}.")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}.")

@@ -1,0 +1,96 @@
+"""Which package may import which: the layering that keeps the router torch-free and the engine gRPC-free.
+
+    splitserve.common  <-  engine  <-  kvtransfer, prefill_service, decode_service, splitserve.rpc.worker
+    splitserve.common  <-  router  (+ splitserve.rpc, the protos; never the engine, never torch)
+
+The static checks read every import statement with ``ast``, those inside
+functions included; the runtime check imports the router in a fresh process.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+ENGINE_MUST_NOT_IMPORT = ("grpc", "splitserve.v1", "splitserve.router", "splitserve.rpc",
+                          "splitserve.prefill_service", "splitserve.decode_service", "splitserve.kvtransfer")
+ROUTER_MUST_NOT_IMPORT = ("torch", "splitserve.engine", "splitserve.kvtransfer")
+# The shared package is the bottom layer: no heavy or transport dependency, nothing of the layers above it.
+COMMON_MUST_NOT_IMPORT = (*ROUTER_MUST_NOT_IMPORT, "grpc", "google.protobuf", "splitserve.v1", "transformers",
+                          "splitserve.router", "splitserve.rpc", "splitserve.prefill_service",
+                          "splitserve.decode_service")
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file; ``from a import b`` counts as ``a`` and ``a.b``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def violations(folder: str, forbidden: tuple[str, ...]) -> list[str]:
+    """``file:line imports module`` for every import under ``folder`` of a forbidden module or its submodules."""
+    files = sorted((REPO / folder).rglob("*.py"))
+    assert files, f"no Python files under {folder}/"
+    found = {}  # one report per import statement
+    for path in files:
+        for line, module in imports_of(path):
+            if any(module == name or module.startswith(name + ".") for name in forbidden):
+                found.setdefault((str(path.relative_to(REPO)), line), module)
+    return [f"{path}:{line} imports {module}" for (path, line), module in sorted(found.items())]
+
+
+def test_the_engine_imports_no_grpc_protos_services_or_transports():
+    found = violations("engine", ENGINE_MUST_NOT_IMPORT)
+    assert not found, "engine/ must stay usable offline, without gRPC or KV transports:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("folder, forbidden", [("router", ROUTER_MUST_NOT_IMPORT),
+                                               ("splitserve/common", COMMON_MUST_NOT_IMPORT)])
+def test_the_router_and_the_shared_package_import_no_model_code(folder, forbidden):
+    found = violations(folder, forbidden)
+    assert not found, f"{folder}/ must not import {', '.join(forbidden)}:\n" + "\n".join(found)
+
+
+def test_the_checks_see_imports_inside_functions(tmp_path):
+    module = tmp_path / "module.py"
+    module.write_text("import os\n\ndef f():\n    from splitserve.engine.scheduler import Scheduler\n    import grpc\n")
+    assert imports_of(module) == [(1, "os"), (4, "splitserve.engine.scheduler"),
+                                  (4, "splitserve.engine.scheduler.Scheduler"), (5, "grpc")]
+
+
+_ROUTER_PROCESS = """
+import json, sys
+import splitserve.router.server, splitserve.router.servicer
+from splitserve.common.model_info import default_model_dir, is_prepared
+from splitserve.router.frontend import Frontend
+
+built = is_prepared(default_model_dir())
+if built:
+    frontend = Frontend(None)
+    assert frontend.tokenizer.encode("The capital of France is")
+heavy = [name for name in ("torch", "splitserve.engine", "splitserve.kvtransfer") if name in sys.modules]
+print(json.dumps({"frontend_built": built, "heavy_modules": heavy}))
+"""
+
+
+def test_the_router_process_never_imports_torch():
+    """The router's modules, and a Frontend for the default model when it is prepared, in a fresh process."""
+    result = subprocess.run([sys.executable, "-c", _ROUTER_PROCESS], capture_output=True, text=True, timeout=120,
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "torch" not in report["heavy_modules"], f"the router imported torch (frontend built: {report})"
+    assert report["heavy_modules"] == [], f"the router imported model code: {report}"

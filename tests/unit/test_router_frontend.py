@@ -1,0 +1,85 @@
+"""The router's front door: where its model directory comes from, and the one prompt check (no weights loaded)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.model_info import default_model_dir, find_model_dir, is_prepared
+from splitserve.common.prompt import validate_prompt_token_ids
+from splitserve.v1 import inference_pb2
+
+METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "chat_template.jinja")
+
+
+def test_the_prompt_check_names_what_is_wrong():
+    assert validate_prompt_token_ids((1, 2, 3), vocab_size=10, max_model_len=4) == [1, 2, 3]
+    with pytest.raises(InvalidRequest, match=r"^The prompt is empty: give at least one token\.$"):
+        validate_prompt_token_ids([], vocab_size=10, max_model_len=4)
+    with pytest.raises(InvalidRequest, match=r"^Prompt token id 10 is outside the vocabulary \[0, 10\)\.$"):
+        validate_prompt_token_ids([1, 10, -1], vocab_size=10, max_model_len=8)
+    with pytest.raises(InvalidRequest, match=r"^Prompt token id -1 is outside"):
+        validate_prompt_token_ids([-1], vocab_size=10, max_model_len=8)
+    with pytest.raises(InvalidRequest, match=r"^The prompt has 4 tokens; max_model_len is 4, which must leave room "
+                                             r"for at least one generated token\.$"):
+        validate_prompt_token_ids([1, 2, 3, 4], vocab_size=10, max_model_len=4)
+
+
+def test_without_model_the_router_asks_for_prepare_model_and_converts_nothing(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"is not prepared in .*: run `splitserve prepare-model` once"):
+        find_model_dir(None, cache=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        find_model_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        find_model_dir(tmp_path / "missing")
+
+
+@pytest.fixture(scope="module")
+def metadata_dir(tmp_path_factory):
+    """The default model's tokenizer files and config.json, without its weights."""
+    source = default_model_dir()
+    if not is_prepared(source):
+        pytest.skip("the default model is not prepared (splitserve prepare-model)")
+    target = tmp_path_factory.mktemp("SmolLM2-metadata")
+    for name in METADATA_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, target / name)
+    return target
+
+
+@pytest.fixture(scope="module")
+def frontend(metadata_dir):
+    from splitserve.router.frontend import Frontend
+
+    return Frontend(str(metadata_dir), max_model_len=64)
+
+
+def test_a_directory_without_weights_is_enough(frontend, metadata_dir):
+    assert (frontend.model_fingerprint, frontend.max_model_len, frontend.model_config.vocab_size) == (None, 64, 49152)
+    prompt = frontend.prompt_of(inference_pb2.GenerateRequest(text="The capital of France is"))
+    assert (prompt.token_ids, prompt.text) == ([504, 3575, 282, 4649, 314], "The capital of France is")
+    ids = frontend.prompt_of(inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=[1, 2])))
+    assert (ids.token_ids, ids.text) == ([1, 2], None)
+    chat = frontend.prompt_of(inference_pb2.GenerateRequest(
+        chat=inference_pb2.ChatPrompt(messages=[inference_pb2.ChatMessage(role="user", content="hi")])))
+    assert chat.text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    info = frontend.model_info()
+    assert (info.model_name, info.vocab_size, info.has_chat_template, info.max_logprobs) == (
+        metadata_dir.name, 49152, True, 20)
+
+
+@pytest.mark.parametrize("request_fields, sentence", [
+    (dict(), "The request has no prompt: set text, token_ids or chat."),
+    (dict(text=""), "The prompt is empty: give at least one token."),
+    (dict(token_ids=inference_pb2.TokenIds(ids=[1, 49152])), "Prompt token id 49152 is outside the vocabulary"),
+    (dict(token_ids=inference_pb2.TokenIds(ids=[1] * 64)), "The prompt has 64 tokens; max_model_len is 64"),
+    (dict(chat=inference_pb2.ChatPrompt()), "The chat prompt has no messages."),
+])
+def test_bad_prompts_are_invalid_requests_with_a_sentence(frontend, request_fields, sentence):
+    with pytest.raises(InvalidRequest) as refused:
+        frontend.prompt_of(inference_pb2.GenerateRequest(**request_fields))
+    assert str(refused.value).startswith(sentence)

@@ -1,0 +1,110 @@
+"""The one error path: exceptions -> gRPC status codes, through the server interceptor (fake contexts, no sockets)."""
+
+from __future__ import annotations
+
+import logging
+from collections import namedtuple
+
+import grpc
+import pytest
+
+from splitserve.common import errors
+from splitserve.engine.scheduler import KVCacheFullError
+from splitserve.rpc.errors import ErrorInterceptor, ServiceError, status_of
+
+CallDetails = namedtuple("CallDetails", "method invocation_metadata")
+Code = grpc.StatusCode
+
+
+class FakeContext:
+    def __init__(self) -> None:
+        self.code, self.details = None, None
+
+    def set_code(self, code) -> None:
+        self.code = code
+
+    def set_details(self, details) -> None:
+        self.details = details
+
+
+@pytest.mark.parametrize("error, code", [
+    (errors.InvalidRequest("bad temperature"), Code.INVALID_ARGUMENT),
+    (errors.Overloaded("queue full"), Code.RESOURCE_EXHAUSTED),
+    (KVCacheFullError("Cannot reserve 3 KV blocks"), Code.RESOURCE_EXHAUSTED),
+    (errors.Unavailable("draining"), Code.UNAVAILABLE),
+    (errors.NoWorkerAvailable("no decode worker"), Code.UNAVAILABLE),
+    (errors.NotFound("no lease"), Code.NOT_FOUND),
+    (errors.FailedPrecondition("other weights"), Code.FAILED_PRECONDITION),
+    (errors.AlreadyExists("id in use"), Code.ALREADY_EXISTS),
+    (errors.Cancelled("aborted"), Code.CANCELLED),
+    (errors.DeadlineExceeded("too late"), Code.DEADLINE_EXCEEDED),
+])
+def test_domain_errors_map_to_the_status_their_docstring_names(error, code):
+    assert status_of(error) == (code, str(error))
+    nearest_domain_class = next(cls for cls in type(error).__mro__ if cls.__module__ == errors.__name__)
+    assert f"({code.name})" in nearest_domain_class.__doc__
+
+
+def test_a_plain_exception_is_internal_even_a_value_error():
+    assert status_of(ValueError("oops")) == (Code.INTERNAL, "Internal error: ValueError: oops")
+    assert status_of(KeyError("k")) == (Code.INTERNAL, "Internal error: KeyError: 'k'")
+    assert isinstance(errors.InvalidRequest("x"), ValueError)  # the offline API still raises ValueError
+
+
+def test_a_downstream_status_passes_through():
+    assert status_of(ServiceError("Decode worker d1 failed: boom", Code.DATA_LOSS)) == (
+        Code.DATA_LOSS, "Decode worker d1 failed: boom")
+    assert status_of(ServiceError("no code given")) == (Code.INTERNAL, "no code given")
+
+
+def intercepted(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    return ErrorInterceptor().intercept_service(lambda details: handler, CallDetails("/splitserve.v1.Test/Call", ()))
+
+
+def test_unary_calls_end_with_the_mapped_status():
+    def fail(request, context):
+        raise errors.Overloaded(f"{request} requests in flight; retry later.")
+
+    context = FakeContext()
+    assert intercepted(grpc.unary_unary_rpc_method_handler(fail)).unary_unary(512, context) is None
+    assert (context.code, context.details) == (Code.RESOURCE_EXHAUSTED, "512 requests in flight; retry later.")
+    ok = FakeContext()
+    assert intercepted(grpc.unary_unary_rpc_method_handler(lambda request, context: request + 1)).unary_unary(1, ok) == 2
+    assert ok.code is None
+
+
+def test_streams_keep_what_they_sent_and_end_with_the_mapped_status():
+    def stream(request, context):
+        yield "first"
+        raise errors.InvalidRequest("The prompt is empty: give at least one token.")
+
+    context = FakeContext()
+    handler = intercepted(grpc.unary_stream_rpc_method_handler(stream))
+    assert list(handler.unary_stream(None, context)) == ["first"]
+    assert (context.code, context.details) == (Code.INVALID_ARGUMENT, "The prompt is empty: give at least one token.")
+
+
+def test_internal_errors_are_logged_with_their_traceback(caplog):
+    def broken(request, context):
+        raise ValueError("a bug")
+
+    context = FakeContext()
+    with caplog.at_level(logging.ERROR, logger="splitserve.rpc.errors"):
+        intercepted(grpc.unary_unary_rpc_method_handler(broken)).unary_unary(None, context)
+    assert (context.code, context.details) == (Code.INTERNAL, "Internal error: ValueError: a bug")
+    [record] = caplog.records
+    assert "/splitserve.v1.Test/Call" in record.getMessage() and record.exc_info[0] is ValueError
+
+
+def test_context_abort_is_let_through():
+    def abort(request, context):
+        raise Exception()  # what context.abort() raises once it has set the status
+
+    with pytest.raises(Exception) as raised:
+        intercepted(grpc.unary_unary_rpc_method_handler(abort)).unary_unary(None, FakeContext())
+    assert type(raised.value) is Exception
+
+
+def test_streaming_request_handlers_are_left_alone():
+    handler = grpc.stream_stream_rpc_method_handler(lambda requests, context: iter(()))
+    assert intercepted(handler) is handler
