@@ -100,8 +100,15 @@ class EngineLoop:
         self.last_load = engine.load()
 
     def start(self) -> EngineLoop:
+        connector = self.engine.kv_transfers.connector
+        if connector is not None:
+            connector.set_wakeup(self.wake)
         self._thread.start()
         return self
+
+    def wake(self) -> None:
+        """Make the loop poll the engine's KV connector now (callable from any thread)."""
+        self._commands.put(("kv", None, None))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is unfinished, end the thread, and wait for it."""
@@ -157,12 +164,13 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             # Busy: take what commands are waiting and step. Idle (requests waiting for remote KV included,
-            # which only a command moves on): sleep until a command arrives.
+            # which the KV connector's wakeup moves on): sleep until a command arrives, and poll the connector
+            # each time the sleep ends without one, in case a report came without its wakeup.
             wait = 0 if self.engine.has_work() else self.idle_wait_seconds
             try:
                 command = self._commands.get(timeout=wait)
             except queue.Empty:
-                command = None
+                command = ("kv", None, None) if wait else None
             while command is not None:
                 if command is _STOP:
                     self._abort_all()
