@@ -17,6 +17,7 @@ import threading
 import grpc
 
 from splitserve.common.errors import InvalidRequest
+from splitserve.common.types import FinishReason
 from splitserve.decode_service.receiver import KVReceiver
 from splitserve.engine.kv_connector import KVLoadFailurePolicy, KVLoadOutcome, KVTransferParams
 from splitserve.engine.outputs import RequestOutput
@@ -141,7 +142,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if last.finished:
             message.finish_reason = FINISH_REASONS[completion.finish_reason]
             set_stop_reason(message, completion.stop_reason, completion.finish_reason)
-            if completion.finish_reason == "error":
+            if completion.finish_reason == FinishReason.ERROR:
                 message.error_message = str(completion.stop_reason)
             message.usage.prompt_tokens = len(last.prompt_token_ids)
             message.usage.completion_tokens = len(completion.token_ids)

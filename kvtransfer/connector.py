@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.common.types import KVConnectorKind
 from splitserve.kvtransfer.blocks import BlockSource
 from splitserve.kvtransfer.errors import KVTransferError
 from splitserve.kvtransfer.header import CHECKSUM_TYPES, TransferHeader
@@ -23,9 +24,9 @@ from splitserve.kvtransfer.layout import KVLayout
 from splitserve.v1 import worker_pb2
 
 _CONNECTORS = {
-    "p2p": worker_pb2.KV_CONNECTOR_TYPE_P2P,
-    "redis": worker_pb2.KV_CONNECTOR_TYPE_REDIS,
-    "lmcache": worker_pb2.KV_CONNECTOR_TYPE_LMCACHE,
+    KVConnectorKind.P2P: worker_pb2.KV_CONNECTOR_TYPE_P2P,
+    KVConnectorKind.REDIS: worker_pb2.KV_CONNECTOR_TYPE_REDIS,
+    KVConnectorKind.LMCACHE: worker_pb2.KV_CONNECTOR_TYPE_LMCACHE,
 }
 _CONNECTORS_BY_PB = {value: key for key, value in _CONNECTORS.items()}
 
@@ -40,14 +41,14 @@ class KVEndpointInfo:
     options: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     def to_pb(self) -> worker_pb2.KVEndpoint:
-        return worker_pb2.KVEndpoint(connector=_CONNECTORS[self.connector], address=self.address,
+        return worker_pb2.KVEndpoint(connector=_CONNECTORS[KVConnectorKind(self.connector)], address=self.address,
                                      worker_id=self.worker_id, options=dict(self.options))
 
     @classmethod
     def from_pb(cls, message: worker_pb2.KVEndpoint) -> KVEndpointInfo:
         if message.connector not in _CONNECTORS_BY_PB:
             raise KVTransferError(f"Unknown KV connector type {message.connector} in the endpoint.")
-        return cls(_CONNECTORS_BY_PB[message.connector], message.address, message.worker_id, dict(message.options))
+        return cls(_CONNECTORS_BY_PB[message.connector].value, message.address, message.worker_id, dict(message.options))
 
 
 @dataclass

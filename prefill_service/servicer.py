@@ -20,6 +20,7 @@ import grpc
 
 from splitserve.common.errors import Cancelled, InvalidRequest, Unavailable
 from splitserve.common.log_fields import request_log
+from splitserve.common.types import FinishReason
 from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.prefill_service.sender import KVSender, TransferSender
 from splitserve.rpc.convert import position_logprobs_to_pb, sampling_params_from_pb, set_stop_reason
@@ -89,8 +90,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             for output in stream:
                 final = output
             completion = final.outputs[0]
-            if completion.finish_reason in ("abort", "error"):
-                if completion.finish_reason == "abort":
+            if completion.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+                if completion.finish_reason == FinishReason.ABORT:
                     raise Cancelled("The prefill was aborted.")
                 raise RuntimeError(f"The prefill failed: {completion.stop_reason}")
             sampled = time.monotonic()
@@ -121,9 +122,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 position_logprobs_to_pb(completion.logprobs[0], first_token, params.logprobs, decode)
             )
         # The engine ran with max_tokens=1: "length" is a finish only if the request wanted one token.
-        if completion.finish_reason == "stop":
+        if completion.finish_reason == FinishReason.STOP:
             response.finish_reason = inference_pb2.FINISH_REASON_STOP
-            set_stop_reason(response, completion.stop_reason, "stop")
+            set_stop_reason(response, completion.stop_reason, FinishReason.STOP)
         elif params.max_tokens == 1 or len(request.prompt_token_ids) + 1 >= self.runtime.engine.max_model_len:
             response.finish_reason = inference_pb2.FINISH_REASON_LENGTH
         metrics = final.metrics

@@ -108,7 +108,7 @@ def position_logprobs_to_pb(
 
 def set_stop_reason(message, stop_reason: int | str | None, finish_reason: str | None) -> None:
     """Fill the ``stop_reason`` oneof of a response for a finished "stop" request."""
-    if finish_reason != "stop" or stop_reason is None:
+    if finish_reason != FinishReason.STOP or stop_reason is None:
         return
     if isinstance(stop_reason, str):
         message.stop_string = stop_reason
