@@ -44,6 +44,7 @@ def build(source: Path, target: Path) -> Path:
 
 def checkout(revision: str, folder: Path) -> Path:
     """The files of ``revision`` (tracked ones only) in ``folder``."""
+    folder.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(REPO), "archive", revision], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
     return folder
@@ -51,10 +52,11 @@ def checkout(revision: str, folder: Path) -> Path:
 
 def working_tree(folder: Path) -> Path:
     """The working tree's tracked and untracked (not ignored) files in ``folder``."""
+    folder.mkdir(parents=True)
     files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"], check=True,
                            capture_output=True).stdout.split(b"\0")
     listing = b"\0".join(name for name in files if name and (REPO / name.decode()).exists())
-    archive = subprocess.run(["tar", "-c", "--null", "-T", "-", "-C", str(REPO)], input=listing, check=True,
+    archive = subprocess.run(["tar", "-c", "-C", str(REPO), "--null", "-T", "-"], input=listing, check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
     return folder

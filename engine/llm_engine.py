@@ -83,7 +83,7 @@ class LLMEngine:
 
     def attach_kv_connector(self, connector: KVConnectorBase) -> None:
         """KV of requests with ``KVTransferParams`` now moves through ``connector`` (before serving starts)."""
-        connector.register_kv_cache(self.model_runner.kv_cache)
+        connector.register_kv_cache(self.kv_cache_tensor)
         self.kv_transfers.connector = connector
 
     # ---- requests ------------------------------------------------------------
@@ -283,6 +283,11 @@ class LLMEngine:
             num_total_kv_blocks=self.kv_cache.num_blocks,
             num_free_kv_blocks=self.kv_cache.free_block_count,
         )
+
+    @property
+    def kv_cache_tensor(self):
+        """The KV cache, ``[num_blocks, layers, 2, kv_heads, block_size, head_size]`` (what connectors read and write)."""
+        return self.model_runner.kv_cache
 
     @property
     def free_block_count(self) -> int:

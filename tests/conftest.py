@@ -55,3 +55,14 @@ def hf_reference(model_dir, prompt_token_ids):
     from tests.reference import MAX_TOKENS, hf_greedy
 
     return [hf_greedy(str(model_dir), ids, MAX_TOKENS) for ids in prompt_token_ids]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A redis-server of the tests' own on a free loopback port, stopped at the end of the session."""
+    from splitserve.launcher import LocalCluster
+
+    launcher = LocalCluster(log_dir=tmp_path_factory.mktemp("redis"))
+    url = launcher.start_redis()
+    yield url
+    launcher.redis.stop(5)

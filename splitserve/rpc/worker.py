@@ -118,7 +118,7 @@ class WorkerRuntime:
         if self.config.kv_transfer == "redis":
             options = {"url": self.config.kv_address}
         options["checksum"] = self.config.kv_checksum
-        layout = KVLayout.from_kv_cache(self.engine.model_runner.kv_cache)
+        layout = KVLayout.from_kv_cache(self.engine.kv_cache_tensor)
         self.kv_layout = layout
         return create_connector(self.config.kv_transfer, self.worker_id, self.model_fingerprint, layout, **options)
 
@@ -173,7 +173,7 @@ class WorkerRuntime:
     def layout_pb(self) -> worker_pb2.KVCacheLayout:
         from splitserve.kvtransfer.layout import KVLayout
 
-        return KVLayout.from_kv_cache(self.engine.model_runner.kv_cache).to_pb()
+        return KVLayout.from_kv_cache(self.engine.kv_cache_tensor).to_pb()
 
     def endpoint_pb(self) -> worker_pb2.KVEndpoint | None:
         if self.kv_transport is None:

@@ -14,7 +14,6 @@ from splitserve.decode_service.receiver import KVReceiver
 from splitserve.engine.kv_connector import KVLoadOutcome, KVTransferParams
 from splitserve.kvtransfer import create_connector
 from splitserve.kvtransfer.layout import KVLayout
-from splitserve.launcher import LocalCluster
 from splitserve.prefill_service.sender import KVSender
 from splitserve.rpc.counters import Counters
 from tests.reference import MAX_TOKENS
@@ -24,9 +23,8 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def engines(model_dir, tmp_path_factory):
-    launcher = LocalCluster(log_dir=tmp_path_factory.mktemp("redis"))
-    url = launcher.start_redis()
+def engines(model_dir, redis_url):
+    url = redis_url
     # A 128-token step budget: a long prompt prefills in chunks, each step's blocks saved on their own.
     prefill = LLM(str(model_dir), num_kv_blocks=160, max_model_len=2048, max_num_batched_tokens=128).engine
     decode = LLM(str(model_dir), num_kv_blocks=160, max_model_len=2048).engine
@@ -41,7 +39,6 @@ def engines(model_dir, tmp_path_factory):
     receiver.stop()
     out.close()
     into.close()
-    launcher.redis.stop(5)
 
 
 def run_until(engine, done, timeout: float = 300.0) -> list:

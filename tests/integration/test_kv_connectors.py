@@ -13,26 +13,11 @@ import torch
 from splitserve.decode_service.receiver import KVReceiver
 from splitserve.engine.kv_connector import KVConnectorEvents, KVLoad, KVSave
 from splitserve.kvtransfer import create_connector
-from splitserve.kvtransfer.layout import KVLayout
-from splitserve.launcher import LocalCluster
 from splitserve.prefill_service.sender import KVSender
 from splitserve.rpc.counters import Counters
+from tests.kv_helpers import FINGERPRINT, LAYOUT, SHAPE
 
 pytestmark = pytest.mark.timeout(120)
-
-# 16 blocks of 4 tokens, 4 layers, 2 KV heads, head size 8.
-SHAPE = (16, 4, 2, 2, 4, 8)
-LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=8, dtype=torch.float32, block_size=4)
-FINGERPRINT = "model-a"
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    launcher = LocalCluster(log_dir=tmp_path_factory.mktemp("redis"))
-    url = launcher.start_redis()
-    yield url
-    launcher.redis.stop(5)
-
 
 class Engine:
     """What the engine gives a connector: a cache, a wakeup, and polling of its reports."""

@@ -15,27 +15,9 @@ from splitserve.kvtransfer import create_connector
 from splitserve.kvtransfer.blocks import BlockSource, gather_blocks, scatter_blocks
 from splitserve.kvtransfer.connector import KVEndpointInfo
 from splitserve.kvtransfer.errors import KVTransferError
-from splitserve.kvtransfer.header import TransferHeader, payload_checksum
-from splitserve.kvtransfer.layout import KVLayout
-from splitserve.launcher import LocalCluster
+from tests.kv_helpers import FINGERPRINT, LAYOUT, SHAPE, header_for, seeded_cache
 
 pytestmark = pytest.mark.timeout(120)
-
-# A small block-major cache: 16 blocks, 4 layers, 2 KV heads, blocks of 4 tokens, head size 8.
-SHAPE = (16, 4, 2, 2, 4, 8)
-LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=8, dtype=torch.float32, block_size=4)
-FINGERPRINT = "model-a"
-
-
-def seeded_cache(seed: int) -> torch.Tensor:
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
-
-
-def header_for(payload: torch.Tensor, transfer_id: str, position: int, num_tokens: int, num_prompt_tokens: int,
-               is_last: bool, first_token_id=None, fingerprint=FINGERPRINT, layout=LAYOUT) -> TransferHeader:
-    return TransferHeader(transfer_id, fingerprint, layout, position, num_tokens, num_prompt_tokens,
-                          payload.numel() * payload.element_size(), payload_checksum(payload), is_last, first_token_id)
-
 
 class Inbox:
     """Collects what a receiving connector delivers."""
@@ -293,14 +275,6 @@ def test_p2p_send_to_nobody_fails_within_its_timeout():
 
 
 # ---- redis ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    launcher = LocalCluster(log_dir=tmp_path_factory.mktemp("redis"))
-    url = launcher.start_redis()
-    yield url
-    launcher.redis.stop(5)
 
 
 def test_redis_transfer_is_bit_exact_and_leaves_nothing(redis_url):

@@ -8,23 +8,9 @@ import xxhash
 
 from splitserve.kvtransfer.blocks import BlockSource, gather_blocks, scatter_blocks
 from splitserve.kvtransfer.errors import KVTransferError, KVVerificationError
-from splitserve.kvtransfer.header import TransferHeader, payload_checksum, verify
+from splitserve.kvtransfer.header import TransferHeader, verify
 from splitserve.kvtransfer.layout import KVLayout
-
-# A small block-major cache: 16 blocks, 4 layers, 2 KV heads, blocks of 4 tokens, head size 8.
-SHAPE = (16, 4, 2, 2, 4, 8)
-LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=8, dtype=torch.float32, block_size=4)
-FINGERPRINT = "model-a"
-
-
-def seeded_cache(seed: int) -> torch.Tensor:
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
-
-
-def header_for(payload: torch.Tensor, transfer_id: str, position: int, num_tokens: int, num_prompt_tokens: int,
-               is_last: bool, first_token_id=None, fingerprint=FINGERPRINT, layout=LAYOUT) -> TransferHeader:
-    return TransferHeader(transfer_id, fingerprint, layout, position, num_tokens, num_prompt_tokens,
-                          payload.numel() * payload.element_size(), payload_checksum(payload), is_last, first_token_id)
+from tests.kv_helpers import FINGERPRINT, LAYOUT, SHAPE, header_for, seeded_cache
 
 
 def test_header_round_trip_and_garbage():
