@@ -9,7 +9,7 @@ connector, ``finish_remote_kv`` and ``release_kv`` drive the same requests by
 hand. One engine is driven by one thread.
 
 This module is the engine's whole public surface (requests in, steps,
-outputs, the KV hooks), about 360 lines; what each step does lives in the
+outputs, the KV hooks), under 400 lines; what each step does lives in the
 scheduler, the model runner, :mod:`~splitserve.engine.kv_transfers` and
 :mod:`~splitserve.engine.output_processor`.
 """

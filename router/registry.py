@@ -9,6 +9,11 @@ Readers get copies (:func:`splitserve.router.worker.snapshot`).
 
 Its errors (``splitserve.router.worker``) are domain errors: the gRPC
 interceptor gives each its status code.
+
+One class over one lock, a little over 300 lines: registration, leases,
+state changes and the in-flight counts all read and write the same pools
+under that lock, so they stay together; the worker record, its checks and
+the errors live in ``router/worker.py``.
 """
 
 from __future__ import annotations
