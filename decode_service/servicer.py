@@ -17,6 +17,7 @@ import threading
 import grpc
 
 from splitserve.common.errors import InvalidRequest
+from splitserve.common.ids import MAX_WORKER_ID_LENGTH, check_id
 from splitserve.common.types import FinishReason
 from splitserve.decode_service.receiver import KVReceiver
 from splitserve.engine.kv_connector import KVLoadFailurePolicy, KVLoadOutcome, KVTransferParams
@@ -47,10 +48,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.ServicerContext):
         remote = not request.prefill_locally
-        if not request.request_id:
-            raise InvalidRequest("request_id is required.")
+        check_id(request.request_id, "request_id", MAX_WORKER_ID_LENGTH)
         if remote and not request.transfer_id:
             raise InvalidRequest("transfer_id is required unless prefill_locally is set.")
+        if request.transfer_id:
+            check_id(request.transfer_id, "transfer_id", MAX_WORKER_ID_LENGTH)
         if remote and self.receiver is None:
             raise InvalidRequest(f"Worker {self.runtime.worker_id} is colocated (role both) and receives no KV: "
                                   "set prefill_locally.")
@@ -168,6 +170,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return True
 
     def Abort(self, request: worker_pb2.AbortDecodeRequest, context) -> worker_pb2.AbortDecodeResponse:
+        check_id(request.request_id, "request_id", MAX_WORKER_ID_LENGTH)
         return worker_pb2.AbortDecodeResponse(found=self._abort(request.request_id))
 
     def GetStatus(self, request, context) -> worker_pb2.GetWorkerStatusResponse:

@@ -78,7 +78,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # The token id or stop string that finished it; an error message for FINISHED_ERROR.
     stop_reason: int | str | None = None
-    # Per-request random generator (a torch.Generator), owned by the sampler.
+    # Per-request random generator (a numpy.random.Generator on PCG64, all 64 bits of the seed), owned by the sampler.
     generator: Any = None
     # Per generated token: {token_id: logprob} when logprobs were asked for.
     logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -10,8 +10,8 @@ The order of operations follows vLLM:
    then min-p (the order of Hugging Face's logits warpers), turned into
    probabilities and sampled by inverting their cumulative distribution at one
    uniform number per row. A request with a seed draws that number from its
-   own generator, exactly one per step, so its tokens do not depend on the
-   rest of the batch or its row.
+   own generator (PCG64, seeded with all 64 bits of the seed), exactly one per
+   step, so its tokens do not depend on the rest of the batch or its row.
 
 Log probabilities, when asked for, come from the raw logits (before penalties
 and temperature), as vLLM returns them by default.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from splitserve.common.sampling_params import GREEDY_EPSILON
@@ -103,8 +104,8 @@ class Sampler:
         if request.sampling_params.seed is None or _is_greedy(request):
             return
         if request.generator is None:
-            request.generator = torch.Generator().manual_seed(request.sampling_params.seed)
-        torch.empty(1, dtype=torch.float32).uniform_(generator=request.generator)
+            request.generator = seeded_generator(request.sampling_params.seed)
+        request.generator.random(dtype=numpy.float32)
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Temperature, filters and one draw for each row that samples.
@@ -135,13 +136,24 @@ class Sampler:
                 unseeded_rows.append(row)
                 continue
             if request.generator is None:
-                request.generator = torch.Generator().manual_seed(seed)
-            uniforms[row : row + 1].uniform_(generator=request.generator)
+                request.generator = seeded_generator(seed)
+            uniforms[row] = float(request.generator.random(dtype=numpy.float32))
         if unseeded_rows:
             uniforms[torch.tensor(unseeded_rows)] = torch.rand(
                 len(unseeded_rows), generator=self.generator
             )
         return uniforms
+
+
+def seeded_generator(seed: int) -> numpy.random.Generator:
+    """A seeded request's own random stream, from all 64 bits of its int64 seed.
+
+    torch's CPU generator (MT19937) keeps only a seed's low 32 bits, so seeds 1
+    and 2**32 + 1, or -1 and 2**63 - 1, would draw the same numbers. PCG64, seeded
+    through numpy's SeedSequence, takes the whole value: a negative seed as its
+    two's complement, so every int64 seed gives its own stream.
+    """
+    return numpy.random.Generator(numpy.random.PCG64(seed & 0xFFFF_FFFF_FFFF_FFFF))
 
 
 def _all_plain_greedy(requests: list[Request]) -> bool:

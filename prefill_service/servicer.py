@@ -19,6 +19,7 @@ import time
 import grpc
 
 from splitserve.common.errors import Cancelled, InvalidRequest, Unavailable
+from splitserve.common.ids import MAX_WORKER_ID_LENGTH, check_id
 from splitserve.common.log_fields import request_log
 from splitserve.common.types import FinishReason
 from splitserve.engine.kv_connector import KVTransferParams
@@ -47,8 +48,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     # ---- RPCs ----------------------------------------------------------------------
 
     def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext) -> worker_pb2.PrefillResponse:
-        if not request.request_id or not request.transfer_id:
-            raise InvalidRequest("request_id and transfer_id are required.")
+        check_id(request.request_id, "request_id", MAX_WORKER_ID_LENGTH)
+        check_id(request.transfer_id, "transfer_id", MAX_WORKER_ID_LENGTH)
         if not request.HasField("destination") or not request.destination.address:
             raise InvalidRequest("destination (the decode worker's KV endpoint) is required.")
         skip = request.num_destination_cached_tokens
@@ -135,6 +136,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return response
 
     def Abort(self, request: worker_pb2.AbortPrefillRequest, context) -> worker_pb2.AbortPrefillResponse:
+        check_id(request.request_id, "request_id", MAX_WORKER_ID_LENGTH)
         found = self.sender.is_sending(request.request_id)
         self.runtime.loop.abort(request.request_id)
         return worker_pb2.AbortPrefillResponse(found=found)

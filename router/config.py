@@ -22,7 +22,9 @@ class RouterConfig:
         prefill_policy, decode_policy: routing policy per pool.
         local_prefill_threshold: prompts shorter than this many tokens are prefilled
             by the decode worker itself (0: always disaggregate when a prefill worker is up).
-        max_in_flight_requests: requests in flight beyond which new ones get RESOURCE_EXHAUSTED.
+        max_in_flight_requests: requests in flight on the router, over all workers, beyond which new ones get
+            RESOURCE_EXHAUSTED (its gRPC server holds 16 calls more); each worker refuses beyond its own
+            ``max_queued_requests`` too, and the router then tries another.
         lease_seconds: a registered worker silent this long is removed.
         heartbeat_seconds: how often workers heartbeat (and static workers are polled).
         prefill_attempts: prefill workers tried per request before the decode worker prefills itself.

@@ -165,12 +165,16 @@ class Dispatcher:
             call, ack = opened
             if prefill_worker is None:
                 return call, decode_worker
-            if self._prefill(job, attempt_id, prefill_worker, decode_worker, transfer_id, timeout,
-                             ack.num_cached_prompt_tokens):
+            prefilled = False
+            try:
+                prefilled = self._prefill(job, attempt_id, prefill_worker, decode_worker, transfer_id, timeout,
+                                          ack.num_cached_prompt_tokens)
+            finally:
+                if not prefilled:  # failed, cancelled or timed out: drop this decode attempt (its blocks are freed)
+                    call.cancel()
+                    self.registry.end_request(decode_worker.worker_id)
+            if prefilled:
                 return call, decode_worker
-            # The prefill failed: drop this decode attempt (its blocks are freed) and try again.
-            call.cancel()
-            self.registry.end_request(decode_worker.worker_id)
             tried_prefill.add(prefill_worker.worker_id)
             prefill_failures += 1
         raise Unavailable("No decode worker could take the request: every attempt failed.")
@@ -203,13 +207,14 @@ class Dispatcher:
             request.source.CopyFrom(prefill_worker.kv_endpoint)
         if self.config.kv_timeout_seconds is not None:
             request.kv_timeout_seconds = self.config.kv_timeout_seconds
-        self.registry.begin_request(decode_worker.worker_id)
         call = self.channels.decode(decode_worker.address).Decode(request, timeout=timeout())
-        job.on_cancel(call.cancel)
+        self.registry.begin_request(decode_worker.worker_id)
+        acknowledged = False
         try:
+            job.on_cancel(call.cancel)
             ack = next(call)
+            acknowledged = True
         except grpc.RpcError as error:
-            self.registry.end_request(decode_worker.worker_id)
             if job.aborted:
                 raise RequestCancelled() from None
             if error.code() not in _RETRYABLE:
@@ -219,6 +224,10 @@ class Dispatcher:
             logger.warning("Decode worker %s refused request %s: %s", decode_worker.worker_id, job.request_id,
                            error.details())
             return None
+        finally:
+            if not acknowledged:  # refused, cancelled or failed: released here, once
+                call.cancel()
+                self.registry.end_request(decode_worker.worker_id)
         return call, ack
 
     def _prefill(self, job, attempt_id, prefill_worker, decode_worker, transfer_id, timeout,
@@ -230,10 +239,10 @@ class Dispatcher:
             sampling_params=job.sampling_params, destination=decode_worker.kv_endpoint,
             num_destination_cached_tokens=num_destination_cached_tokens,
         )
-        self.registry.begin_request(prefill_worker.worker_id)
         future = self.channels.prefill(prefill_worker.address).Prefill.future(request, timeout=timeout())
-        job.on_cancel(future.cancel)
+        self.registry.begin_request(prefill_worker.worker_id)
         try:
+            job.on_cancel(future.cancel)
             job.prefill = future.result()
             job.prefilled_remotely = True
             return True

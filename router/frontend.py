@@ -54,6 +54,7 @@ class Frontend:
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.max_model_len = min(max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
+        self.max_token_bytes = max_token_bytes(self.tokenizer)
         # None for a directory without weights: the registered workers then say which weights the cluster serves.
         self.model_fingerprint = model_fingerprint(self.model_dir, dtype) if has_weights(self.model_dir) else None
         self.model_name = self.model_dir.name
@@ -70,14 +71,31 @@ class Frontend:
             raise InvalidRequest("The request has no prompt: set text, token_ids or chat.")
         if kind == "text":
             text = request.text
+            self._check_size(text, "text prompt")
             token_ids = self.tokenizer.encode(text, add_special_tokens=True) if text else []
         elif kind == "token_ids":
             text, token_ids = None, list(request.token_ids.ids)
         else:
+            self._check_size("".join(message.content for message in request.chat.messages), "chat's content")
             text = self.render_chat(request.chat)
+            self._check_size(text, "rendered chat")
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         token_ids = validate_prompt_token_ids(token_ids, self.model_config.vocab_size, self.max_model_len)
         return Prompt(token_ids, text)
+
+    def _check_size(self, text: str, what: str) -> None:
+        """Refuses text too long to fit max_model_len tokens, without tokenizing it (a huge prompt takes minutes).
+
+        No token covers more than max_token_bytes bytes of text, so text of more than
+        max_model_len * max_token_bytes bytes certainly has more than max_model_len tokens.
+        """
+        limit = self.max_model_len * self.max_token_bytes
+        num_bytes = len(text.encode("utf-8"))
+        if num_bytes > limit:
+            raise InvalidRequest(
+                f"The {what} is {num_bytes} bytes, more than max_model_len tokens can hold: {limit} bytes "
+                f"(max_model_len {self.max_model_len} x {self.max_token_bytes} bytes, the longest token)."
+            )
 
     def render_chat(self, chat: inference_pb2.ChatPrompt) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -101,6 +119,17 @@ class Frontend:
             has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
             max_logprobs=MAX_LOGPROBS, server_version=__version__,
         )
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The UTF-8 length in bytes of the vocabulary's longest token (special tokens included).
+
+    A token's vocabulary string is never shorter in UTF-8 than the text it covers:
+    byte-level BPE writes each byte as one character of 1 or 2 UTF-8 bytes,
+    SentencePiece writes a space as a 3-byte character and a byte-fallback token
+    as 6 characters.
+    """
+    return max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
 
 
 def load_tokenizer(model_dir: Path):

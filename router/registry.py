@@ -31,10 +31,13 @@ from splitserve.common.types import WorkerRole, WorkerState
 from splitserve.router.worker import (
     FingerprintMismatch,
     InvalidRegistration,
+    KVCacheLayout,
     UnknownLease,
     UnknownWorker,
     Worker,
     WorkerIdInUse,
+    check_kv_identity,
+    check_kv_layout,
     check_registration,
     snapshot,
 )
@@ -87,7 +90,8 @@ class WorkerRegistry:
     # ---- joining and leaving ----------------------------------------------------------
 
     def register(self, role: WorkerRole, address: str, kv_endpoint: Any = None, capacity: Any = None,
-                 model_fingerprint: str = "", state: WorkerState = WorkerState.SERVING, worker_id: str = "") -> Worker:
+                 model_fingerprint: str = "", state: WorkerState = WorkerState.SERVING, worker_id: str = "",
+                 kv_layout: KVCacheLayout | None = None) -> Worker:
         """Add a worker with a new lease and return a copy of it.
 
         A worker registered before from the same ``address`` is replaced (a
@@ -96,17 +100,24 @@ class WorkerRegistry:
         worker silent for ``unreachable_after_seconds`` is taken over. Empty
         ``worker_id``: one is assigned (``decode-1``, ``prefill-2``, ``worker-3``).
 
+        A prefill or decode worker's ``kv_layout`` must equal the other prefill and
+        decode workers' (the first one sets it; colocated workers exchange no KV and
+        are not checked).
+
         Raises:
-            InvalidRegistration: no address, a bad role or state.
+            InvalidRegistration: no address, a bad role or state; a prefill or decode worker without a fingerprint.
             WorkerIdInUse: ``worker_id`` belongs to a live worker at another address.
             FingerprintMismatch: it serves other weights than the cluster.
+            KVLayoutMismatch: a prefill or decode worker with another KV layout than the cluster's.
         """
         check_registration(role, address)
+        check_kv_identity(role, model_fingerprint)
         if not isinstance(state, WorkerState) or state == WorkerState.UNREACHABLE:
             raise InvalidRegistration(f"A worker registers as STARTING, SERVING or DRAINING, not {state!r}.")
         with self._lock:
             previous = self._by_address(address)
             self._check_fingerprint(address, model_fingerprint, excluding=previous)
+            self._check_kv_layout(address, role, kv_layout, excluding=previous)
             holder = self._workers.get(worker_id) if worker_id else None
             if holder is not None and holder is not previous:
                 if not self._is_silent(holder):
@@ -122,14 +133,15 @@ class WorkerRegistry:
                     num_in_flight = previous.num_in_flight
             now = self._clock()
             worker = Worker(worker_id or self._new_id(role), role, address, kv_endpoint, capacity,
-                            model_fingerprint, state, lease_id=uuid.uuid4().hex, registered_at=now,
+                            model_fingerprint, _exchanged_layout(role, kv_layout), state,
+                            lease_id=uuid.uuid4().hex, registered_at=now,
                             last_heard=now, num_in_flight=num_in_flight)
             self._workers[worker.worker_id] = worker
             self._leases[worker.lease_id] = worker.worker_id
             return snapshot(worker)
 
     def add_static(self, role: WorkerRole, address: str, worker_id: str | None = None, kv_endpoint: Any = None,
-                   capacity: Any = None, model_fingerprint: str = "") -> Worker:
+                   capacity: Any = None, model_fingerprint: str = "", kv_layout: KVCacheLayout | None = None) -> Worker:
         """Add a worker named on the router's command line: no lease, never expires (polled instead).
 
         Idempotent per address: if a worker (static or registered) is already at
@@ -139,6 +151,7 @@ class WorkerRegistry:
         Raises:
             InvalidRegistration: no address or a bad role.
             FingerprintMismatch: it serves other weights than the cluster.
+            KVLayoutMismatch: a prefill or decode worker with another KV layout than the cluster's.
         """
         check_registration(role, address)
         with self._lock:
@@ -146,13 +159,14 @@ class WorkerRegistry:
             if existing is not None:
                 return snapshot(existing)
             self._check_fingerprint(address, model_fingerprint, excluding=None)
+            self._check_kv_layout(address, role, kv_layout, excluding=None)
             if not worker_id:
                 worker_id = self._new_id(role)
             elif worker_id in self._workers:
                 worker_id = f"{worker_id}-{next(self._ids)}"
             now = self._clock()
             worker = Worker(worker_id, role, address, kv_endpoint, capacity, model_fingerprint,
-                            registered_at=now, last_heard=now, is_static=True)
+                            _exchanged_layout(role, kv_layout), registered_at=now, last_heard=now, is_static=True)
             self._workers[worker_id] = worker
             return snapshot(worker)
 
@@ -300,6 +314,15 @@ class WorkerRegistry:
                 "start it with the same --model and --dtype as the rest of the cluster."
             )
 
+    def _check_kv_layout(self, address: str, role: WorkerRole, layout: KVCacheLayout | None,
+                         excluding: Worker | None) -> None:
+        """Colocated workers exchange no KV: not checked; nor is a worker that gave no layout."""
+        if role == WorkerRole.BOTH:
+            return
+        cluster = next((w.kv_layout for w in self._workers.values()
+                        if w.kv_layout is not None and w is not excluding), None)
+        check_kv_layout(address, layout, cluster)
+
     def _new_id(self, role: WorkerRole) -> str:
         while True:
             worker_id = f"{_ID_PREFIXES[role]}-{next(self._ids)}"
@@ -319,3 +342,8 @@ class WorkerRegistry:
         self._workers.pop(worker.worker_id, None)
         if worker.lease_id:
             self._leases.pop(worker.lease_id, None)
+
+
+def _exchanged_layout(role: WorkerRole, layout: KVCacheLayout | None) -> KVCacheLayout | None:
+    """The layout the cluster keeps for a worker: None for a colocated one (it exchanges no KV)."""
+    return None if role == WorkerRole.BOTH else layout

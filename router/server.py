@@ -7,6 +7,7 @@ import threading
 
 import grpc
 
+from splitserve.common.errors import FailedPrecondition
 from splitserve.common.types import WorkerRole
 from splitserve.router.config import RouterConfig
 from splitserve.router.dispatch import Channels, Dispatcher
@@ -14,6 +15,7 @@ from splitserve.router.frontend import Frontend
 from splitserve.router.policies import make_policy
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.servicer import InferenceServicer, RegistryServicer
+from splitserve.router.worker import KVCacheLayout
 from splitserve.rpc.convert import worker_load_from_pb, worker_state_from_pb
 from splitserve.rpc.server import start_server
 from splitserve.v1 import inference_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -59,6 +61,7 @@ class Router:
         )
         self.address = f"{config.host}:{self.server.port}"
         self._static_ids: dict[str, str] = {}
+        self._left_out: set[str] = set()  # static workers refused (their refusal logged once)
         self._poll_static()
         self._thread.start()
 
@@ -87,11 +90,18 @@ class Router:
                     self.registry.mark_unreachable(worker_id)
                 continue
             if worker_id is None or self.registry.get(worker_id) is None:
-                worker = self.registry.add_static(
-                    role, address, worker_id=status.status.worker_id or None,
-                    kv_endpoint=status.kv_endpoint if status.HasField("kv_endpoint") else None,
-                    capacity=status.capacity, model_fingerprint=status.model_fingerprint,
-                )
+                try:
+                    worker = self.registry.add_static(
+                        role, address, worker_id=status.status.worker_id or None,
+                        kv_endpoint=status.kv_endpoint if status.HasField("kv_endpoint") else None,
+                        capacity=status.capacity, model_fingerprint=status.model_fingerprint,
+                        kv_layout=KVCacheLayout.from_pb(status.kv_layout) if status.HasField("kv_layout") else None,
+                    )
+                except FailedPrecondition as error:  # other weights or KV layout: never routed to
+                    if address not in self._left_out:
+                        logger.error("Static %s worker at %s is left out: %s", role.name.lower(), address, error)
+                        self._left_out.add(address)
+                    continue
                 self._static_ids[address] = worker.worker_id
                 logger.info("Static %s worker %s at %s is serving", role.name.lower(), worker.worker_id, address)
             else:

@@ -14,10 +14,12 @@ import uuid
 import grpc
 
 from splitserve.common.errors import InvalidRequest, Overloaded
+from splitserve.common.ids import check_id
 from splitserve.common.types import WorkerRole
 from splitserve.router.dispatch import Dispatcher, RequestCancelled, RouterRequest
 from splitserve.router.frontend import Frontend
 from splitserve.router.registry import WorkerRegistry
+from splitserve.router.worker import KVCacheLayout
 from splitserve.rpc.convert import (
     sampling_params_from_pb,
     worker_load_from_pb,
@@ -73,12 +75,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._release(job)
 
     def _admit(self, request: inference_pb2.GenerateRequest, context) -> RouterRequest:
+        request_id = uuid.uuid4().hex
+        if request.HasField("request_id"):
+            request_id = check_id(request.request_id, "request_id")
         prompt = self.frontend.prompt_of(request)
         params = sampling_params_from_pb(request.sampling_params)  # validates; workers get the message
         del params
-        request_id = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
-        if not request_id:
-            raise InvalidRequest("request_id, when set, must not be empty.")
         job = RouterRequest(request_id, prompt, request.sampling_params)
         with self._lock:
             if request_id in self._in_flight:
@@ -141,8 +143,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     # ---- the rest of the API ----------------------------------------------------------------
 
     def Abort(self, request: inference_pb2.AbortRequest, context) -> inference_pb2.AbortResponse:
+        request_id = check_id(request.request_id, "request_id")
         with self._lock:
-            job = self._in_flight.get(request.request_id)
+            job = self._in_flight.get(request_id)
         if job is None:
             return inference_pb2.AbortResponse(found=False)
         job.cancel()
@@ -190,6 +193,7 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
             kv_endpoint=request.kv_endpoint if request.HasField("kv_endpoint") else None,
             capacity=request.capacity, model_fingerprint=request.model_fingerprint,
             state=worker_state_from_pb(request.state), worker_id=request.worker_id,
+            kv_layout=KVCacheLayout.from_pb(request.kv_layout) if request.HasField("kv_layout") else None,
         )
         logger.info("Worker %s (%s) registered from %s", worker.worker_id, role.name.lower(), request.address)
         return worker_pb2.RegisterResponse(

@@ -17,6 +17,38 @@ from splitserve.common.errors import AlreadyExists, FailedPrecondition, InvalidR
 from splitserve.common.load import WorkerLoad
 from splitserve.common.types import WorkerRole, WorkerState
 
+# The proto's KVCacheDtype numbers -> dtype names.
+KV_CACHE_DTYPES = {1: "float32", 2: "float16", 3: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """A worker's KV cache layout as it registered it (the proto's KVCacheLayout, converted by the servicer).
+
+    KV moves between a prefill and a decode worker only when their layouts are equal: the decode worker
+    refuses every payload of another layout, and the prompt is computed twice.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str  # "float32", "float16", "bfloat16"
+    block_size: int  # tokens per KV block
+
+    @classmethod
+    def from_pb(cls, message: Any) -> KVCacheLayout:
+        """The layout of a KVCacheLayout message (read by field name: no proto import here)."""
+        return cls(message.num_layers, message.num_kv_heads, message.head_size,
+                   KV_CACHE_DTYPES.get(message.dtype, "unspecified"), message.block_size)
+
+    def differences(self, other: KVCacheLayout) -> str:
+        """Each field that differs, this layout's value first: "block size 32 vs 16"."""
+        return ", ".join(
+            f"{name.replace('_', ' ')} {getattr(self, name)} vs {getattr(other, name)}"
+            for name in ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size")
+            if getattr(self, name) != getattr(other, name)
+        )
+
 
 @dataclass
 class Worker:
@@ -28,6 +60,7 @@ class Worker:
     kv_endpoint: Any = None  # opaque (a KVEndpoint message); None for colocated workers
     capacity: Any = None  # opaque (a WorkerCapacity message)
     model_fingerprint: str = ""
+    kv_layout: KVCacheLayout | None = None  # None for colocated workers, which exchange no KV
     state: WorkerState = WorkerState.SERVING
     load: WorkerLoad = field(default_factory=WorkerLoad)
     lease_id: str | None = None  # None for static workers
@@ -58,6 +91,10 @@ class FingerprintMismatch(FailedPrecondition):
     """A worker serving other weights than the cluster (FAILED_PRECONDITION)."""
 
 
+class KVLayoutMismatch(FailedPrecondition):
+    """A prefill or decode worker whose KV layout differs from the cluster's (FAILED_PRECONDITION)."""
+
+
 class UnknownLease(NotFound):
     """No live lease with this id: register again (NOT_FOUND)."""
 
@@ -72,3 +109,20 @@ def check_registration(role: Any, address: Any) -> None:
         raise InvalidRegistration(f"role must be a WorkerRole (PREFILL, DECODE or BOTH), got {role!r}.")
     if not address or not isinstance(address, str):
         raise InvalidRegistration("address is required: the host:port the router can reach the worker at.")
+
+
+def check_kv_identity(role: WorkerRole, model_fingerprint: str) -> None:
+    """Raises InvalidRegistration when a prefill or decode worker (one that exchanges KV) gives no fingerprint."""
+    if role != WorkerRole.BOTH and not model_fingerprint:
+        raise InvalidRegistration("model_fingerprint is required: a prefill or decode worker must say which "
+                                  "weights it serves, so that only KV of the same model is exchanged.")
+
+
+def check_kv_layout(address: str, layout: KVCacheLayout | None, cluster: KVCacheLayout | None) -> None:
+    """Raises KVLayoutMismatch when ``layout`` and the cluster's are both known and differ."""
+    if layout is not None and cluster is not None and layout != cluster:
+        raise KVLayoutMismatch(
+            f"The worker at {address} has another KV layout than this cluster's prefill and decode workers "
+            f"({layout.differences(cluster)}): no KV could move between them. Start it with the same --model, "
+            "--dtype and --block-size as the rest of the cluster."
+        )

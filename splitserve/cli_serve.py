@@ -100,7 +100,10 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
                         help="prompts shorter than this are prefilled by the decode worker itself (default: %(default)s)")
     parser.add_argument("--max-in-flight-requests", type=int, default=512,
-                        help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED (default: %(default)s)")
+                        help="requests in flight on the router, over all workers, beyond which new ones get "
+                        "RESOURCE_EXHAUSTED; the router serves this many calls plus 16 at once. Each worker also "
+                        "refuses beyond its own --max-queued-requests, and the router then tries another "
+                        "(default: %(default)s)")
     parser.add_argument("--lease-seconds", type=float, default=10.0,
                         help="a registered worker silent this long is removed (default: %(default)s)")
     parser.add_argument("--heartbeat-seconds", type=float, default=1.0,
@@ -123,7 +126,9 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     group.add_argument("--router", metavar="ADDR", help="register with this router and heartbeat to it")
     group.add_argument("--threads", type=int, help="torch threads for this worker (default: torch's)")
     group.add_argument("--max-queued-requests", type=int, default=256,
-                       help="requests in flight beyond which new ones get RESOURCE_EXHAUSTED (default: %(default)s)")
+                       help="requests in flight on this worker beyond which new ones get RESOURCE_EXHAUSTED; "
+                       "its gRPC server holds this many calls plus 32 (refusals, status polls, aborts), so "
+                       "overload is answered by this limit, never by a call left waiting (default: %(default)s)")
     group.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long in-flight requests may finish before they are aborted (default: %(default)s)")
     group.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")

@@ -11,10 +11,19 @@ import logging
 
 logger = logging.getLogger(__name__)
 
+# Server threads a worker keeps beyond its admission limit (--max-queued-requests): every admitted request's
+# call holds a thread while it runs, and these answer the rest at once: refusals (RESOURCE_EXHAUSTED from
+# admission), status polls, aborts and health checks.
+NUM_CONTROL_THREADS = 32
+
+
+def worker_server_threads(max_queued_requests: int) -> int:
+    """Threads of a worker's gRPC server: more than its admission limit, so admission answers overload."""
+    return max_queued_requests + NUM_CONTROL_THREADS
+
 
 def build_worker(config):
     """Start a worker's runtime and gRPC server; returns (server, runtime, servicer). Does not block."""
-    from splitserve.rpc.server import start_server
     from splitserve.rpc.worker import WorkerRuntime
     from splitserve.v1 import worker_pb2_grpc
 
@@ -33,7 +42,7 @@ def build_worker(config):
         runtime = WorkerRuntime(config, make_kv_connector=KVReceiver)
         servicer = DecodeServicer(runtime)
         services = [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "splitserve.v1.DecodeWorker")]
-    server = start_server(address, services)
+    server = start_worker_server(address, services, config.max_queued_requests)
     bound = f"{config.host}:{server.port}"
     try:
         runtime.start(bound)
@@ -42,6 +51,17 @@ def build_worker(config):
         runtime.stop()
         raise
     return server, runtime, servicer
+
+
+def start_worker_server(address: str, services, max_queued_requests: int):
+    """Start a worker's gRPC server (``start_server``) sized by :func:`worker_server_threads`.
+
+    Every admitted request holds a server thread; with fewer threads than ``max_queued_requests``,
+    the calls beyond them would wait for one until their deadline instead of hearing RESOURCE_EXHAUSTED.
+    """
+    from splitserve.rpc.server import start_server
+
+    return start_server(address, services, max_workers=worker_server_threads(max_queued_requests))
 
 
 def run_worker(config) -> int:

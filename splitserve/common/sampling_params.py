@@ -32,8 +32,8 @@ class SamplingParams:
             (positive logits divided by it, negative ones multiplied).
         presence_penalty: subtracted once from the logit of every token already generated.
         frequency_penalty: subtracted per occurrence from the logit of generated tokens.
-        seed: per-request random seed; the same seed gives the same tokens
-            whatever else is in the batch.
+        seed: per-request 64-bit random seed, in [-2**63, 2**63 - 1], all 64 bits
+            used; the same seed gives the same tokens whatever else is in the batch.
         stop: strings that end generation; the matched string is not in the output.
         stop_token_ids: token ids that end generation (kept in the output ids).
         ignore_eos: keep generating after the end-of-sequence token.
@@ -86,8 +86,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {value!r}.")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}.")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+            raise InvalidRequest(f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {self.seed!r}.")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise InvalidRequest(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -11,6 +11,11 @@ workers), so servicer methods just raise:
 * ``context.abort()`` keeps the status it set;
 * anything else (a plain ``ValueError`` too) is a bug: INTERNAL with
   "Internal error: ...", logged with its traceback.
+
+Request bytes that do not parse as the method's message would end the call with
+INTERNAL inside gRPC, before any handler runs; the interceptor's deserializer
+hands the handler a :class:`MalformedRequest` instead, which ends the call with
+INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -88,22 +93,53 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler is None or handler.request_streaming:
             return handler
         method = handler_call_details.method
+        deserializer = _tolerant(handler.request_deserializer)
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(
                 _streaming(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         return grpc.unary_unary_rpc_method_handler(
             _unary(handler.unary_unary, method),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+class MalformedRequest:
+    """What the interceptor's deserializer returns for bytes that do not parse as the method's message."""
+
+    def __init__(self, message_name: str, error: Exception) -> None:
+        self.message_name = message_name
+        self.error = error
+
+    def refusal(self) -> InvalidRequest:
+        return InvalidRequest(f"The request is not a valid {self.message_name}: {self.error}")
+
+
+def _tolerant(deserializer: Callable | None) -> Callable | None:
+    """``deserializer``, returning a :class:`MalformedRequest` where it would raise."""
+    if deserializer is None:
+        return None
+    message_class = getattr(deserializer, "__self__", None)  # Message.FromString, bound to its class
+    descriptor = getattr(message_class, "DESCRIPTOR", None)
+    message_name = descriptor.name if descriptor is not None else "request message"
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as error:
+            return MalformedRequest(message_name, error)
+
+    return deserialize
 
 
 def _unary(behavior: Callable, method: str) -> Callable:
     def handle(request, context):
         try:
+            if isinstance(request, MalformedRequest):
+                raise request.refusal()
             return behavior(request, context)
         except Exception as error:
             if _is_abort(error):
@@ -117,6 +153,8 @@ def _unary(behavior: Callable, method: str) -> Callable:
 def _streaming(behavior: Callable, method: str) -> Callable:
     def handle(request, context):
         try:
+            if isinstance(request, MalformedRequest):
+                raise request.refusal()
             yield from behavior(request, context)
         except Exception as error:
             if _is_abort(error):

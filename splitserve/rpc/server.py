@@ -56,7 +56,11 @@ def start_server(
 
     Args:
         services: (add_XServicer_to_server, servicer, full service name) triples.
-        max_workers: threads for concurrent calls; every open stream holds one.
+        max_workers: threads for concurrent calls; every open stream (and unary call) holds one while it runs.
+            Calls beyond them wait for a thread; beyond four times as many, gRPC itself refuses them
+            (RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!"). A service with its own admission limit
+            needs more threads than that limit, so its refusal answers first (workers:
+            ``splitserve.serve.worker_server_threads``; the router: ``--max-in-flight-requests`` + 16).
 
     Returns:
         The running server; its ``port`` is the bound one.

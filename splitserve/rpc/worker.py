@@ -21,6 +21,39 @@ from splitserve.v1 import inference_pb2, worker_pb2
 logger = logging.getLogger(__name__)
 
 # --role -> the proto's WorkerRole number ("prefill", "decode", "both").
+class AdmissionLimit:
+    """Counts a worker's requests in flight and refuses one beyond ``max_queued_requests``.
+
+    The worker's gRPC server holds more concurrent calls than this limit
+    (``splitserve.serve.worker_server_threads``), so a refusal is this one, RESOURCE_EXHAUSTED with a
+    sentence, never a call left waiting for a server thread.
+    """
+
+    def __init__(self, max_queued_requests: int) -> None:
+        self.max_queued_requests = max_queued_requests
+        self._num_in_flight = 0
+        self._lock = threading.Lock()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    def enter(self, worker_id: str) -> None:
+        """Count one more request in flight. Raises Overloaded (RESOURCE_EXHAUSTED) when the limit is reached."""
+        with self._lock:
+            if self._num_in_flight >= self.max_queued_requests:
+                raise Overloaded(
+                    f"Worker {worker_id} has {self._num_in_flight} requests in flight, its limit "
+                    f"(--max-queued-requests {self.max_queued_requests}); retry later."
+                )
+            self._num_in_flight += 1
+
+    def leave(self) -> None:
+        """Count one request fewer in flight (once per ``enter`` that returned)."""
+        with self._lock:
+            self._num_in_flight -= 1
+
+
 class WorkerRuntime:
     """The engine of one worker, the loop that drives it, its KV connector and its identity.
 
@@ -51,8 +84,7 @@ class WorkerRuntime:
         # The transport (p2p, redis: splitserve.kvtransfer) and the engine's connector over it; None colocated.
         self.kv_transport = None
         self.kv_connector = None
-        self._in_flight = 0
-        self._in_flight_lock = threading.Lock()
+        self.admission = AdmissionLimit(config.max_queued_requests)
 
     # ---- life ------------------------------------------------------------------
 
@@ -128,33 +160,27 @@ class WorkerRuntime:
         """Count a new request in, or refuse it: UNAVAILABLE while draining, RESOURCE_EXHAUSTED when full."""
         if self.state != inference_pb2.WORKER_STATE_SERVING:
             raise Unavailable(f"Worker {self.worker_id} is draining and takes no new requests.")
-        with self._in_flight_lock:
-            if self._in_flight >= self.config.max_queued_requests:
-                raise Overloaded(
-                    f"Worker {self.worker_id} has {self._in_flight} requests in flight, its limit "
-                    f"(--max-queued-requests {self.config.max_queued_requests}); retry later."
-                )
-            self._in_flight += 1
+        self.admission.enter(self.worker_id)
         self.counters.add(num_requests=1)
 
     @property
     def num_in_flight(self) -> int:
-        return self._in_flight
+        return self.admission.num_in_flight
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; False if some still are after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        while self._in_flight > 0 and time.monotonic() < deadline:
+        while self.num_in_flight > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        return self._in_flight == 0
+        return self.num_in_flight == 0
 
     @staticmethod
     def draining_state() -> int:
         return inference_pb2.WORKER_STATE_DRAINING
 
     def release(self) -> None:
-        with self._in_flight_lock:
-            self._in_flight -= 1
+        """Count a request admitted by ``admit`` out."""
+        self.admission.leave()
         self.counters.add(num_finished_requests=1)
 
     # ---- identity and load --------------------------------------------------------

@@ -29,7 +29,8 @@ class WorkerConfig:
             received) or "none" (neither); both pools must agree.
         kv_timeout_seconds: decode: longest wait for a prompt's KV before kv_load_failure applies.
         kv_load_failure: decode: "recompute" the prompt locally, or "fail" the request.
-        max_queued_requests: requests in flight on this worker beyond which new ones get RESOURCE_EXHAUSTED.
+        max_queued_requests: requests in flight on this worker beyond which new ones get RESOURCE_EXHAUSTED
+            (its gRPC server holds more calls than this: ``splitserve.serve.worker_server_threads``).
         num_threads: torch threads for this worker's compute (None: torch's default).
         drain_timeout_seconds: on SIGTERM, how long in-flight requests may run before they are aborted.
         engine: the engine's configuration.

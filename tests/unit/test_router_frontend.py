@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
@@ -83,3 +84,39 @@ def test_bad_prompts_are_invalid_requests_with_a_sentence(frontend, request_fiel
     with pytest.raises(InvalidRequest) as refused:
         frontend.prompt_of(inference_pb2.GenerateRequest(**request_fields))
     assert str(refused.value).startswith(sentence)
+
+
+def test_a_prompt_too_large_for_max_model_len_is_refused_before_tokenizing(frontend):
+    # SmolLM2's longest token is 162 bytes in UTF-8; 64 tokens cover at most 64 * 162 bytes.
+    limit = frontend.max_model_len * frontend.max_token_bytes
+    assert (frontend.max_token_bytes, limit) == (162, 10368)
+    sentence = (f"The text prompt is {limit + 1} bytes, more than max_model_len tokens can hold: {limit} bytes "
+                f"(max_model_len 64 x 162 bytes, the longest token).")
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest) as refused:
+        frontend.prompt_of(inference_pb2.GenerateRequest(text="é" * (limit // 2) + "a"))
+    assert time.monotonic() - started < 0.5
+    assert str(refused.value) == sentence
+    with pytest.raises(InvalidRequest, match=r"^The prompt has \d+ tokens; max_model_len is 64"):  # tokenized
+        frontend.prompt_of(inference_pb2.GenerateRequest(text="é" * (limit // 2)))
+
+
+def test_a_huge_prompt_is_refused_in_well_under_a_second(frontend):
+    request = inference_pb2.GenerateRequest(text="a" * 50_000_000)  # tokenizing it would take minutes
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest, match=r"^The text prompt is 50000000 bytes, more than max_model_len"):
+        frontend.prompt_of(request)
+    assert time.monotonic() - started < 0.5
+
+
+def test_a_chat_too_large_is_refused_before_rendering(frontend):
+    limit = frontend.max_model_len * frontend.max_token_bytes
+    messages = [inference_pb2.ChatMessage(role="user", content="a" * (limit // 2)),
+                inference_pb2.ChatMessage(role="assistant", content="b" * (limit // 2 + 1))]
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest, match=rf"^The chat's content is {limit + 1} bytes, more than max_model_len"):
+        frontend.prompt_of(inference_pb2.GenerateRequest(chat=inference_pb2.ChatPrompt(messages=messages)))
+    assert time.monotonic() - started < 0.5
+    messages[1].content = "b" * (limit // 2 - 100)
+    with pytest.raises(InvalidRequest, match=r"^The (prompt has \d+ tokens|rendered chat is \d+ bytes)"):
+        frontend.prompt_of(inference_pb2.GenerateRequest(chat=inference_pb2.ChatPrompt(messages=messages)))

@@ -102,7 +102,7 @@ def test_least_loaded_prefill_adds_the_tokens_it_routed_since_the_last_report():
 def test_least_loaded_prefill_resets_on_heartbeats_through_the_registry():
     now = [0.0]
     registry = WorkerRegistry(lease_duration_seconds=10, heartbeat_interval_seconds=1, clock=lambda: now[0])
-    leases = [registry.register(PREFILL, f"h:{i}", worker_id=f"w{i}").lease_id for i in range(2)]
+    leases = [registry.register(PREFILL, f"h:{i}", worker_id=f"w{i}", model_fingerprint="m").lease_id for i in range(2)]
     policy = LeastLoaded(PREFILL)
     assert picks(policy, registry.routable(PREFILL), prompt=[1] * 1000) == ["w0"]
     assert picks(policy, registry.routable(PREFILL), prompt=[1] * 10) == ["w1"]

@@ -11,8 +11,11 @@ from splitserve.common.load import WorkerLoad
 from splitserve.common.types import WorkerRole, WorkerState
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.worker import (
+    KV_CACHE_DTYPES,
     FingerprintMismatch,
     InvalidRegistration,
+    KVCacheLayout,
+    KVLayoutMismatch,
     UnknownLease,
     UnknownWorker,
     Worker,
@@ -62,6 +65,7 @@ def test_registry_errors_are_domain_errors():
     assert issubclass(InvalidRegistration, InvalidRequest) and issubclass(InvalidRegistration, ValueError)
     assert issubclass(WorkerIdInUse, AlreadyExists) and not issubclass(WorkerIdInUse, InvalidRequest)
     assert issubclass(FingerprintMismatch, FailedPrecondition)
+    assert issubclass(KVLayoutMismatch, FailedPrecondition)
     assert issubclass(UnknownLease, NotFound) and issubclass(UnknownWorker, NotFound)
 
 
@@ -72,8 +76,8 @@ def test_kv_block_usage():
 
 def test_register_assigns_ids_and_routes_in_registration_order(registry):
     a = registry.register(DECODE, "h:1", model_fingerprint="m")
-    b = registry.register(DECODE, "h:2", worker_id="mine")
-    p = registry.register(PREFILL, "h:3")
+    b = registry.register(DECODE, "h:2", worker_id="mine", model_fingerprint="m")
+    p = registry.register(PREFILL, "h:3", model_fingerprint="m")
     c = registry.register(BOTH, "h:4")
     assert ids([a, b, p, c]) == ["decode-1", "mine", "prefill-2", "worker-3"]
     assert ids(registry.routable(DECODE)) == ["decode-1", "mine"]
@@ -84,17 +88,17 @@ def test_register_assigns_ids_and_routes_in_registration_order(registry):
 
 
 def test_assigned_ids_skip_ids_taken_by_name(registry):
-    registry.register(DECODE, "h:1", worker_id="decode-1")
-    assert registry.register(DECODE, "h:2").worker_id == "decode-2"
+    registry.register(DECODE, "h:1", worker_id="decode-1", model_fingerprint="m")
+    assert registry.register(DECODE, "h:2", model_fingerprint="m").worker_id == "decode-2"
 
 
 def test_bad_registrations_are_refused_with_a_sentence(registry):
     with pytest.raises(InvalidRegistration, match="address is required: the host:port"):
-        registry.register(DECODE, "")
+        registry.register(DECODE, "", model_fingerprint="m")
     with pytest.raises(InvalidRegistration, match="role must be a WorkerRole"):
         registry.register(2, "h:1")
     with pytest.raises(InvalidRegistration, match="registers as STARTING, SERVING or DRAINING"):
-        registry.register(DECODE, "h:1", state=UNREACHABLE)
+        registry.register(DECODE, "h:1", state=UNREACHABLE, model_fingerprint="m")
     assert isinstance(InvalidRegistration("x"), ValueError)
     assert registry.pools() == {PREFILL: [], DECODE: [], BOTH: []}
 
@@ -122,9 +126,61 @@ def test_without_a_fixed_fingerprint_the_registered_workers_set_it(clock):
     assert first.lease_id != registry.by_address("h:2").lease_id
 
 
+def layout(block_size: int = 16, dtype: str = "float32") -> KVCacheLayout:
+    return KVCacheLayout(num_layers=30, num_kv_heads=3, head_size=64, dtype=dtype, block_size=block_size)
+
+
+def test_a_kv_exchanging_worker_without_a_fingerprint_is_refused(registry):
+    for role in (PREFILL, DECODE):
+        with pytest.raises(InvalidRegistration, match="model_fingerprint is required"):
+            registry.register(role, "h:1", kv_layout=layout())
+    assert registry.pools() == {PREFILL: [], DECODE: [], BOTH: []}
+    assert registry.register(BOTH, "h:2").worker_id == "worker-1"  # colocated: exchanges no KV
+
+
+def test_a_kv_layout_other_than_the_clusters_is_refused_with_both_layouts(registry):
+    registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=layout(16))
+    with pytest.raises(KVLayoutMismatch) as refused:
+        registry.register(PREFILL, "h:2", model_fingerprint="m", kv_layout=layout(32))
+    assert str(refused.value) == (
+        "The worker at h:2 has another KV layout than this cluster's prefill and decode workers (block size 32 "
+        "vs 16): no KV could move between them. Start it with the same --model, --dtype and --block-size as the "
+        "rest of the cluster."
+    )
+    with pytest.raises(KVLayoutMismatch, match=r"\(dtype bfloat16 vs float32, block size 32 vs 16\)"):
+        registry.register(DECODE, "h:3", model_fingerprint="m", kv_layout=layout(32, "bfloat16"))
+    with pytest.raises(KVLayoutMismatch, match="block size 32 vs 16"):
+        registry.add_static(DECODE, "h:4", model_fingerprint="m", kv_layout=layout(32))
+    assert ids(registry.pools()[PREFILL] + registry.pools()[DECODE]) == ["decode-1"]
+    # The same layout joins; colocated workers exchange no KV and keep none.
+    assert registry.register(PREFILL, "h:5", model_fingerprint="m", kv_layout=layout(16)).kv_layout == layout(16)
+    assert registry.register(BOTH, "h:6", model_fingerprint="m", kv_layout=layout(32)).kv_layout is None
+
+
+def test_the_first_kv_exchanging_worker_sets_the_layout(registry):
+    registry.register(BOTH, "h:0", model_fingerprint="m", kv_layout=layout(8))
+    only = registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=layout(32))
+    # The only KV-exchanging worker restarting with another layout is the cluster's layout now.
+    registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=layout(16))
+    with pytest.raises(KVLayoutMismatch, match="block size 32 vs 16"):
+        registry.register(PREFILL, "h:2", model_fingerprint="m", kv_layout=layout(32))
+    registry.deregister(registry.by_address("h:1").lease_id)
+    assert registry.register(PREFILL, "h:2", model_fingerprint="m", kv_layout=layout(32)).worker_id != only.worker_id
+
+
+def test_kv_layout_from_the_proto_message():
+    from splitserve.v1 import worker_pb2
+
+    message = worker_pb2.KVCacheLayout(num_layers=30, num_kv_heads=3, head_size=64,
+                                       dtype=worker_pb2.KV_CACHE_DTYPE_BFLOAT16, block_size=32)
+    assert KVCacheLayout.from_pb(message) == layout(32, "bfloat16")
+    assert KV_CACHE_DTYPES == {worker_pb2.KVCacheDtype.Value(f"KV_CACHE_DTYPE_{name.upper()}"): name
+                               for name in ("float32", "float16", "bfloat16")}
+
+
 def test_lease_expiry_removes_exactly_the_silent_worker(registry, clock):
-    quiet = registry.register(DECODE, "h:1")
-    busy = registry.register(DECODE, "h:2")
+    quiet = registry.register(DECODE, "h:1", model_fingerprint="m")
+    busy = registry.register(DECODE, "h:2", model_fingerprint="m")
     states, removed_at = [], {}
     for second in range(1, 13):
         clock.now = 100 + second
@@ -142,7 +198,7 @@ def test_lease_expiry_removes_exactly_the_silent_worker(registry, clock):
 
 
 def test_a_heartbeat_after_the_lease_ran_out_is_refused_even_before_expire(registry, clock):
-    worker = registry.register(PREFILL, "h:1")
+    worker = registry.register(PREFILL, "h:1", model_fingerprint="m")
     clock.now += 9.99
     beat(registry, worker)
     clock.now += 10
@@ -152,7 +208,7 @@ def test_a_heartbeat_after_the_lease_ran_out_is_refused_even_before_expire(regis
 
 
 def test_an_unreachable_worker_serves_again_after_a_heartbeat(registry, clock):
-    worker = registry.register(PREFILL, "h:1")
+    worker = registry.register(PREFILL, "h:1", model_fingerprint="m")
     clock.now += 3
     assert registry.routable(PREFILL) == []
     assert registry.get(worker.worker_id).state == UNREACHABLE
@@ -166,7 +222,7 @@ def test_an_unreachable_worker_serves_again_after_a_heartbeat(registry, clock):
 
 
 def test_drain_sticks_and_stops_routing(registry):
-    worker = registry.register(DECODE, "h:1")
+    worker = registry.register(DECODE, "h:1", model_fingerprint="m")
     registry.begin_request(worker.worker_id)
     registry.begin_request(worker.worker_id)
     assert registry.drain(worker.worker_id) == 2
@@ -179,23 +235,23 @@ def test_drain_sticks_and_stops_routing(registry):
 
 
 def test_a_worker_that_says_it_drains_stays_draining(registry):
-    worker = registry.register(DECODE, "h:1")
+    worker = registry.register(DECODE, "h:1", model_fingerprint="m")
     assert beat(registry, worker, state=DRAINING) == DRAINING
     assert beat(registry, worker, state=SERVING) == DRAINING
     assert registry.routable(DECODE) == []
 
 
 def test_a_starting_worker_is_routed_to_once_it_says_serving(registry):
-    worker = registry.register(PREFILL, "h:1", state=STARTING)
+    worker = registry.register(PREFILL, "h:1", state=STARTING, model_fingerprint="m")
     assert registry.routable(PREFILL) == []
     assert beat(registry, worker, state=SERVING) == SERVING
     assert ids(registry.routable(PREFILL)) == [worker.worker_id]
 
 
 def test_registering_again_from_the_same_address_replaces(registry):
-    old = registry.register(DECODE, "h:1", worker_id="d")
+    old = registry.register(DECODE, "h:1", worker_id="d", model_fingerprint="m")
     registry.begin_request("d")
-    new = registry.register(DECODE, "h:1", worker_id="d", kv_endpoint="kv-2")
+    new = registry.register(DECODE, "h:1", worker_id="d", kv_endpoint="kv-2", model_fingerprint="m")
     assert ids(registry.pools()[DECODE]) == ["d"]
     assert registry.get("d").kv_endpoint == "kv-2"
     assert registry.get("d").num_in_flight == 1  # the old calls still end through end_request("d")
@@ -203,7 +259,7 @@ def test_registering_again_from_the_same_address_replaces(registry):
         beat(registry, old)
     beat(registry, new)
     # Under an assigned id the old id is gone, and its calls' ends are no-ops.
-    renamed = registry.register(DECODE, "h:1")
+    renamed = registry.register(DECODE, "h:1", model_fingerprint="m")
     assert ids(registry.pools()[DECODE]) == [renamed.worker_id] and renamed.num_in_flight == 0
     registry.deregister(renamed.lease_id)
     assert registry.pools()[DECODE] == []
@@ -212,12 +268,12 @@ def test_registering_again_from_the_same_address_replaces(registry):
 
 
 def test_a_worker_id_held_by_a_live_worker_elsewhere_is_refused(registry, clock):
-    registry.register(PREFILL, "h:1", worker_id="p")
+    registry.register(PREFILL, "h:1", worker_id="p", model_fingerprint="m")
     with pytest.raises(WorkerIdInUse, match="'p' is in use by the live worker at h:1"):
-        registry.register(PREFILL, "h:2", worker_id="p")
+        registry.register(PREFILL, "h:2", worker_id="p", model_fingerprint="m")
     # Once the holder is silent (a restart on another port), the id moves.
     clock.now += 2
-    moved = registry.register(PREFILL, "h:2", worker_id="p")
+    moved = registry.register(PREFILL, "h:2", worker_id="p", model_fingerprint="m")
     assert [(w.worker_id, w.address) for w in registry.pools()[PREFILL]] == [("p", "h:2")]
     assert moved.lease_id == registry.get("p").lease_id
 
@@ -241,7 +297,7 @@ def test_add_static_is_idempotent_per_address_and_yields_to_registrations(regist
     assert registry.add_static(DECODE, "h:1", worker_id="other").worker_id == first.worker_id
     assert registry.add_static(DECODE, "h:2", worker_id="decode-h:1").worker_id == "decode-h:1-1"
     # The worker at h:1 registers itself: its lease replaces the static entry, and polling keeps it.
-    leased = registry.register(DECODE, "h:1", worker_id="decode-h:1")
+    leased = registry.register(DECODE, "h:1", worker_id="decode-h:1", model_fingerprint="m")
     assert registry.add_static(DECODE, "h:1").lease_id == leased.lease_id
     assert [(w.worker_id, w.is_static) for w in registry.pools()[DECODE]] == [("decode-h:1-1", True),
                                                                               ("decode-h:1", False)]
@@ -252,7 +308,7 @@ def test_add_static_is_idempotent_per_address_and_yields_to_registrations(regist
 
 
 def test_readers_get_copies(registry):
-    worker = registry.register(DECODE, "h:1")
+    worker = registry.register(DECODE, "h:1", model_fingerprint="m")
     beat(registry, worker, num_running_requests=3)
     copy = registry.routable(DECODE)[0]
     copy.state, copy.num_in_flight, copy.load.num_running_requests = DRAINING, 7, 99
@@ -263,8 +319,8 @@ def test_readers_get_copies(registry):
 
 
 def test_in_flight_counters(registry):
-    a = registry.register(DECODE, "h:1")
-    b = registry.register(DECODE, "h:2")
+    a = registry.register(DECODE, "h:1", model_fingerprint="m")
+    b = registry.register(DECODE, "h:2", model_fingerprint="m")
     for _ in range(3):
         registry.begin_request(a.worker_id)
     registry.begin_request(b.worker_id)
@@ -280,9 +336,9 @@ def test_in_flight_counters(registry):
 
 
 def test_pools_lists_every_role_in_registration_order(registry):
-    registry.register(PREFILL, "h:1")
+    registry.register(PREFILL, "h:1", model_fingerprint="m")
     registry.add_static(DECODE, "h:2")
-    registry.register(DECODE, "h:3", state=STARTING)
+    registry.register(DECODE, "h:3", state=STARTING, model_fingerprint="m")
     pools = registry.pools()
     assert {role: ids(workers) for role, workers in pools.items()} == {
         PREFILL: ["prefill-1"], DECODE: ["decode-2", "decode-3"], BOTH: []}
@@ -297,7 +353,7 @@ def test_concurrent_use_keeps_the_registry_consistent(registry, clock):
         try:
             start.wait(5)
             for round_index in range(50):
-                worker = registry.register(DECODE, f"h:{index}", worker_id=f"d{index}")
+                worker = registry.register(DECODE, f"h:{index}", worker_id=f"d{index}", model_fingerprint="m")
                 registry.begin_request(worker.worker_id)
                 assert beat(registry, worker, num_running_requests=round_index) == SERVING
                 assert worker.worker_id in ids(registry.routable(DECODE))
@@ -316,3 +372,24 @@ def test_concurrent_use_keeps_the_registry_consistent(registry, clock):
     assert sorted((w.worker_id, w.address) for w in workers) == [(f"d{i}", f"h:{i}") for i in range(6)]
     assert [w.num_in_flight for w in workers] == [0] * 6
     assert [w.load.num_running_requests for w in workers] == [49] * 6
+
+
+def test_the_registry_servicer_converts_the_kv_layout_and_refuses_another(registry):
+    from splitserve.router.servicer import RegistryServicer
+    from splitserve.v1 import inference_pb2, worker_pb2
+
+    def request(address: str, block_size: int, role=inference_pb2.WORKER_ROLE_DECODE, fingerprint="m"):
+        return worker_pb2.RegisterRequest(
+            role=role, address=address, kv_endpoint=worker_pb2.KVEndpoint(address=address),
+            model_fingerprint=fingerprint, state=inference_pb2.WORKER_STATE_SERVING,
+            kv_layout=worker_pb2.KVCacheLayout(num_layers=30, num_kv_heads=3, head_size=64,
+                                               dtype=worker_pb2.KV_CACHE_DTYPE_FLOAT32, block_size=block_size),
+        )
+
+    servicer = RegistryServicer(registry)
+    servicer.Register(request("h:1", 16), None)
+    assert registry.by_address("h:1").kv_layout == layout(16)
+    with pytest.raises(KVLayoutMismatch, match="block size 32 vs 16"):
+        servicer.Register(request("h:2", 32, role=inference_pb2.WORKER_ROLE_PREFILL), None)
+    with pytest.raises(InvalidRegistration, match="model_fingerprint is required"):
+        servicer.Register(request("h:3", 16, fingerprint=""), None)

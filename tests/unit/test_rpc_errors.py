@@ -11,6 +11,7 @@ import pytest
 from splitserve.common import errors
 from splitserve.engine.scheduler import KVCacheFullError
 from splitserve.rpc.errors import ErrorInterceptor, ServiceError, status_of
+from splitserve.v1 import inference_pb2
 
 CallDetails = namedtuple("CallDetails", "method invocation_metadata")
 Code = grpc.StatusCode
@@ -108,3 +109,20 @@ def test_context_abort_is_let_through():
 def test_streaming_request_handlers_are_left_alone():
     handler = grpc.stream_stream_rpc_method_handler(lambda requests, context: iter(()))
     assert intercepted(handler) is handler
+
+
+@pytest.mark.parametrize("make_handler", [grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler])
+def test_request_bytes_that_do_not_parse_end_the_call_with_invalid_argument(make_handler):
+    def behavior(request, context):
+        raise AssertionError("the handler must not run on a request that does not parse")
+
+    handler = intercepted(make_handler(behavior, request_deserializer=inference_pb2.AbortRequest.FromString))
+    request = handler.request_deserializer(b"\x0a\xff")  # field 1, 255 bytes long, then nothing
+    context = FakeContext()
+    if handler.response_streaming:
+        assert list(handler.unary_stream(request, context)) == []
+    else:
+        assert handler.unary_unary(request, context) is None
+    assert context.code == Code.INVALID_ARGUMENT
+    assert context.details.startswith("The request is not a valid AbortRequest: ")
+    assert handler.request_deserializer(b"\x0a\x02ab") == inference_pb2.AbortRequest(request_id="ab")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.logits_processors import apply_min_tokens, apply_penalties
 from splitserve.engine.logprobs import compute_logprobs
 from splitserve.engine.request import Request
-from splitserve.engine.sampling import Sampler, SamplerOutput
+from splitserve.engine.sampling import Sampler, SamplerOutput, seeded_generator
 from splitserve.engine.top_k_top_p import (
     apply_temperature,
     apply_top_k_top_p_min_p,
@@ -125,9 +126,27 @@ def test_seeded_generator_created_once_and_kept():
     sampler = Sampler()
     sampler(random_logits(1, 32, seed=0), [request])
     generator = request.generator
-    assert isinstance(generator, torch.Generator)
+    assert isinstance(generator, numpy.random.Generator)
     sampler(random_logits(1, 32, seed=1), [request])
     assert request.generator is generator
+
+
+@pytest.mark.parametrize("seed, same_low_32_bits", [(-1, 2**63 - 1), (1, 2**32 + 1), (0, -(2**63))])
+def test_seeds_differing_above_bit_32_draw_different_numbers(seed, same_low_32_bits):
+    def draws(seed: int) -> list[float]:
+        generator = seeded_generator(seed)
+        return [float(generator.random(dtype=numpy.float32)) for _ in range(4)]
+
+    assert draws(seed) == draws(seed)
+    assert draws(seed) != draws(same_low_32_bits)
+
+
+def test_a_seed_outside_int64_is_refused():
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    for seed in (2**63, -(2**63) - 1):
+        with pytest.raises(ValueError, match=r"^seed must be a 64-bit integer in \[-2\*\*63, 2\*\*63 - 1\], got "):
+            SamplingParams(seed=seed)
 
 
 def test_different_seeds_give_different_tokens():
@@ -139,6 +158,9 @@ def test_different_seeds_give_different_tokens():
 
     assert tokens_for(1) == tokens_for(1)
     assert tokens_for(1) != tokens_for(2)
+    # Seeds equal in their low 32 bits (torch's CPU generator kept only those).
+    assert tokens_for(-1) != tokens_for(2**63 - 1)
+    assert tokens_for(1) != tokens_for(2**32 + 1)
 
 
 def test_unseeded_rows_follow_the_sampler_seed():

@@ -1,0 +1,212 @@
+"""The dispatcher's in-flight bookkeeping over fake worker calls (no processes, no sockets).
+
+Every exit of a request, finished, failed, cancelled or timed out at any point
+(during the decode acknowledgement, the prefill, or the relay), releases each
+worker's in-flight count exactly once.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from splitserve.common.errors import Unavailable
+from splitserve.common.types import WorkerRole
+from splitserve.router.config import RouterConfig
+from splitserve.router.dispatch import Dispatcher, RequestCancelled, RouterRequest
+from splitserve.router.frontend import Prompt
+from splitserve.router.policies import RoundRobin
+from splitserve.router.registry import WorkerRegistry
+from splitserve.rpc.errors import ServiceError
+from splitserve.v1 import inference_pb2, worker_pb2
+
+PREFILL, DECODE = WorkerRole.PREFILL, WorkerRole.DECODE
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class FakeDecodeCall:
+    """A Decode stream: the acknowledgement, then ``messages``; ``error`` raised after them."""
+
+    def __init__(self, messages, error: Exception | None = None, ack_error: Exception | None = None) -> None:
+        self._messages = [worker_pb2.DecodeResponse(state=worker_pb2.REQUEST_STATE_WAITING_FOR_REMOTE_KVS),
+                          *messages]
+        self._error, self._ack_error = error, ack_error
+        self.num_cancels = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._ack_error is not None:
+            raise self._ack_error
+        if self._messages:
+            return self._messages.pop(0)
+        if self._error is not None:
+            raise self._error
+        raise StopIteration
+
+    def cancel(self) -> None:
+        self.num_cancels += 1
+
+
+class FakePrefillFuture:
+    def __init__(self, outcome) -> None:
+        self._outcome = outcome
+
+    def result(self):
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        if callable(self._outcome):
+            return self._outcome()
+        return self._outcome
+
+    def cancel(self) -> None:
+        pass
+
+
+class FakeChannels:
+    """Stubs whose calls return the fakes queued per worker address."""
+
+    def __init__(self) -> None:
+        self.decode_calls: list[FakeDecodeCall] = []
+        self.prefill_outcomes: list = []
+
+    def decode(self, address: str):
+        calls = self.decode_calls
+
+        class Stub:
+            @staticmethod
+            def Decode(request, timeout=None):
+                return calls.pop(0)
+
+        return Stub()
+
+    def prefill(self, address: str):
+        outcomes = self.prefill_outcomes
+
+        class Prefill:
+            @staticmethod
+            def future(request, timeout=None):
+                return FakePrefillFuture(outcomes.pop(0))
+
+        class Stub:
+            pass
+
+        stub = Stub()
+        stub.Prefill = Prefill
+        return stub
+
+
+FINISHED = worker_pb2.DecodeResponse(state=worker_pb2.REQUEST_STATE_FINISHED, token_ids=[7],
+                                     finish_reason=inference_pb2.FINISH_REASON_LENGTH)
+
+
+@pytest.fixture
+def cluster():
+    registry = WorkerRegistry(model_fingerprint="m")
+    registry.add_static(PREFILL, "p:1", worker_id="prefill-1", kv_endpoint=worker_pb2.KVEndpoint(address="p:2"))
+    registry.add_static(DECODE, "d:1", worker_id="decode-1", kv_endpoint=worker_pb2.KVEndpoint(address="d:2"))
+    channels = FakeChannels()
+    dispatcher = Dispatcher(RouterConfig(prefill_attempts=1), registry, RoundRobin(), RoundRobin(), channels)
+    return dispatcher, registry, channels
+
+
+def job() -> RouterRequest:
+    return RouterRequest("r1", Prompt(list(range(40)), None), inference_pb2.SamplingParams())
+
+
+def in_flight(registry: WorkerRegistry) -> dict[str, int]:
+    return {worker_id: registry.get(worker_id).num_in_flight for worker_id in ("prefill-1", "decode-1")}
+
+
+def test_a_finished_request_releases_both_workers(cluster):
+    dispatcher, registry, channels = cluster
+    call = FakeDecodeCall([FINISHED])
+    channels.decode_calls.append(call)
+    channels.prefill_outcomes.append(worker_pb2.PrefillResponse(first_token_id=7))
+    assert list(dispatcher.run(job(), lambda: None)) == [FINISHED]
+    assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
+
+
+def test_a_request_cancelled_during_its_prefill_releases_the_decode_worker(cluster):
+    dispatcher, registry, channels = cluster
+    call = FakeDecodeCall([FINISHED])
+    channels.decode_calls.append(call)
+    request = job()
+
+    def cancelled_while_prefilling():
+        request.cancel()  # the client went away: the future is cancelled
+        raise grpc.FutureCancelledError()
+
+    channels.prefill_outcomes.append(cancelled_while_prefilling)
+    with pytest.raises(RequestCancelled):
+        list(dispatcher.run(request, lambda: None))
+    assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
+    assert call.num_cancels >= 1  # the decode stream (and its reserved blocks) is dropped too
+
+
+def test_a_prefill_past_the_deadline_releases_the_decode_worker(cluster):
+    dispatcher, registry, channels = cluster
+    channels.decode_calls.append(FakeDecodeCall([FINISHED]))
+    channels.prefill_outcomes.append(FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+    with pytest.raises(ServiceError):
+        list(dispatcher.run(job(), lambda: None))
+    assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
+
+
+def test_an_aborted_prefill_error_releases_the_decode_worker(cluster):
+    dispatcher, registry, channels = cluster
+    channels.decode_calls.append(FakeDecodeCall([FINISHED]))
+    request = job()
+
+    def aborted():
+        request.cancel()
+        raise FakeRpcError(grpc.StatusCode.CANCELLED, "Cancelled")
+
+    channels.prefill_outcomes.append(aborted)
+    with pytest.raises(RequestCancelled):
+        list(dispatcher.run(request, lambda: None))
+    assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
+
+
+def test_a_failed_prefill_retry_releases_each_decode_attempt_once(cluster):
+    dispatcher, registry, channels = cluster
+    channels.decode_calls += [FakeDecodeCall([]), FakeDecodeCall([FINISHED])]
+    channels.prefill_outcomes.append(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "gone"))
+    assert list(dispatcher.run(job(), lambda: None)) == [FINISHED]
+    assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
+
+
+def test_a_refused_or_failed_decode_stream_releases_it_once(cluster):
+    dispatcher, registry, channels = cluster
+    channels.decode_calls.append(FakeDecodeCall([], ack_error=FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED)))
+    with pytest.raises(Unavailable):
+        list(dispatcher.run(job(), lambda: None))
+    assert in_flight(registry)["decode-1"] == 0
+
+    channels.decode_calls.append(FakeDecodeCall([], error=FakeRpcError(grpc.StatusCode.INTERNAL, "boom")))
+    channels.prefill_outcomes.append(worker_pb2.PrefillResponse(first_token_id=7))
+    with pytest.raises(ServiceError):
+        list(dispatcher.run(job(), lambda: None))
+    assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
+
+
+def test_a_relay_closed_early_releases_the_decode_worker(cluster):
+    dispatcher, registry, channels = cluster
+    channels.decode_calls.append(FakeDecodeCall([FINISHED, FINISHED]))
+    channels.prefill_outcomes.append(worker_pb2.PrefillResponse(first_token_id=7))
+    messages = dispatcher.run(job(), lambda: None)
+    next(messages)
+    assert in_flight(registry)["decode-1"] == 1
+    messages.close()  # the client went away mid-stream
+    assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
