@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.rpc.auth import Credentials
+
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 
 
@@ -30,6 +32,8 @@ class RouterConfig:
         prefill_attempts: prefill workers tried per request before the decode worker prefills itself.
         kv_timeout_seconds: how long a decode worker waits for KV before recomputing (None: its own setting).
         block_size: KV block size of the workers (prefix-aware routing hashes whole blocks).
+        credentials: API keys required on the Inference service and the cluster token required on
+            WorkerRegistry and sent to workers (``splitserve.rpc.auth``; empty: open). Never in ``repr``.
     """
 
     host: str = "127.0.0.1"
@@ -49,6 +53,7 @@ class RouterConfig:
     prefill_attempts: int = 2
     kv_timeout_seconds: float | None = None
     block_size: int = 16
+    credentials: Credentials = field(default_factory=Credentials)
 
     def __post_init__(self) -> None:
         for name in ("prefill_policy", "decode_policy"):

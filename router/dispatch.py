@@ -29,6 +29,7 @@ from splitserve.router.frontend import Prompt
 from splitserve.router.policies import RoutingPolicy
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.worker import Worker
+from splitserve.rpc.auth import with_cluster_token
 from splitserve.rpc.errors import ServiceError
 from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 
@@ -76,17 +77,22 @@ class RouterRequest:
 
 
 class Channels:
-    """One gRPC channel per worker address, shared by all requests."""
+    """One gRPC channel per worker address, shared by all requests; each call carries the cluster token if set."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster_token: str | None = None) -> None:
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+        self._cluster_token = cluster_token
+
+    def __repr__(self) -> str:
+        return f"Channels({len(self._channels)} workers)"
 
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = grpc.insecure_channel(address)
+                channel = self._channels[address] = with_cluster_token(grpc.insecure_channel(address),
+                                                                       self._cluster_token)
             return channel
 
     def decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:

@@ -34,7 +34,7 @@ class Router:
             lease_duration_seconds=config.lease_seconds, heartbeat_interval_seconds=config.heartbeat_seconds,
             model_fingerprint=self.frontend.model_fingerprint,
         )
-        self.channels = Channels()
+        self.channels = Channels(config.credentials.cluster_token)
         self.dispatcher = Dispatcher(
             config, self.registry,
             make_policy(config.prefill_policy, WorkerRole.PREFILL, block_size=config.block_size),
@@ -58,6 +58,7 @@ class Router:
                  "splitserve.v1.WorkerRegistry"),
             ],
             max_workers=max(64, config.max_in_flight_requests + 16),
+            credentials=config.credentials,
         )
         self.address = f"{config.host}:{self.server.port}"
         self._static_ids: dict[str, str] = {}

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(generate)
     generate.add_argument("--server", metavar="ADDR",
                           help="send the prompts to a running splitserve router (host:port) instead of loading the model here")
+    generate.add_argument("--api-key-file", metavar="PATH",
+                          help="with --server: send the API key in this file (one key; blank lines and # comments "
+                          "are skipped) to the router. Without it, $SPLITSERVE_API_KEY is sent when set, and "
+                          "no key otherwise, which only a router without API keys accepts.")
     generate.set_defaults(handler=_generate)
 
     from splitserve.cli_serve import add_serving_commands
@@ -190,8 +194,15 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
     import grpc
 
     from splitserve.client import Client
+    from splitserve.rpc.auth import read_secrets
 
-    with Client(args.server) as client:
+    api_key = None
+    if args.api_key_file:
+        keys = read_secrets(args.api_key_file, {}, "", "API key")
+        if len(keys) != 1:
+            raise ValueError(f"The API key file {args.api_key_file} must hold exactly one key for a client.")
+        api_key = next(iter(keys))
+    with Client(args.server, api_key=api_key) as client:
         sink = open(args.output, "w") if args.output else None
         try:
             for item, item_params in zip(items, params):

@@ -10,6 +10,13 @@ import time
 
 DEFAULT_ROUTER_PORT = 50051
 
+_CLUSTER_TOKEN_HELP = (
+    "require the cluster token in this file (one line; # comments are skipped) on {who}, as "
+    "'x-splitserve-cluster-token' metadata, and have it {sent}. Without it, the token is read from "
+    "$SPLITSERVE_CLUSTER_TOKEN; with neither, these calls are open (a WARNING says so at start). The router and "
+    "every worker must share one token; `splitserve up` generates one and passes it to its processes itself."
+)
+
 
 def add_serving_commands(commands, add_engine_arguments, engine_options) -> None:
     """Register the serving subcommands on the top-level parser's subparsers."""
@@ -40,7 +47,9 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
         "up", help="start a local cluster (router + prefill and decode workers) and serve until Ctrl-C",
         description="Start a router and its workers as child processes on this machine, print the router's "
         "address, and stop everything cleanly on Ctrl-C (or SIGTERM). Try it with "
-        "`splitserve generate --server ADDRESS \"prompt\"`.",
+        "`splitserve generate --server ADDRESS \"prompt\"`. A random cluster token guards the calls between the "
+        "router and its workers (passed to them through their environment); the public API requires a key only "
+        "when $SPLITSERVE_API_KEYS is set.",
     )
     up.add_argument("--host", default="127.0.0.1", help="interface every process listens on (default: %(default)s)")
     up.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT, help="router port (default: %(default)s)")
@@ -116,6 +125,15 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="text lines, or one JSON object a line; both carry the request id and the KV transfer id "
                              "of every line about a request (default: %(default)s)")
+    parser.add_argument("--api-key-file", metavar="PATH",
+                        help="require an API key from this file (one a line; blank lines and # comments are skipped) "
+                        "on every Inference call, sent as 'authorization: Bearer <key>' metadata. Without it, the "
+                        "keys are read from $SPLITSERVE_API_KEYS (comma-separated); with neither, the public API is "
+                        "open to anyone who reaches the port (a WARNING says so at start). Health checks and "
+                        "reflection stay open.")
+    parser.add_argument("--cluster-token-file", metavar="PATH",
+                        help=_CLUSTER_TOKEN_HELP.format(who="worker registrations, heartbeats and drains",
+                                                        sent="sent with every call to a worker"))
 
 
 def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
@@ -135,6 +153,9 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     group.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="text lines, or one JSON object a line; both carry the request id and the KV transfer id "
                              "of every line about a request (default: %(default)s)")
+    group.add_argument("--cluster-token-file", metavar="PATH",
+                       help=_CLUSTER_TOKEN_HELP.format(who="the router's calls to this worker",
+                                                       sent="sent with its registration and heartbeats"))
     if role != "both":
         group.add_argument("--kv-transfer", choices=("p2p", "redis"), default="p2p", help="KV connector (default: %(default)s)")
         group.add_argument("--kv-address", default="",
@@ -157,6 +178,7 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
 def _run_router(args: argparse.Namespace) -> int:
     from splitserve.router.config import RouterConfig
     from splitserve.router.server import run_router
+    from splitserve.rpc.auth import load_credentials
     from splitserve.serve import configure_logging
 
     configure_logging(args.log_level, args.log_format)
@@ -168,12 +190,14 @@ def _run_router(args: argparse.Namespace) -> int:
         max_in_flight_requests=args.max_in_flight_requests, lease_seconds=args.lease_seconds,
         heartbeat_seconds=args.heartbeat_seconds, prefill_attempts=args.prefill_attempts,
         kv_timeout_seconds=args.kv_timeout, block_size=args.block_size,
+        credentials=load_credentials(args.api_key_file, args.cluster_token_file, os.environ),
     )
     return run_router(config)
 
 
 def _run_worker(args: argparse.Namespace) -> int:
     from splitserve.engine.config import EngineConfig
+    from splitserve.rpc.auth import load_credentials
     from splitserve.rpc.worker_config import WorkerConfig
     from splitserve.serve import configure_logging, run_worker
 
@@ -184,6 +208,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         kv_timeout_seconds=args.kv_timeout,
         kv_load_failure=args.kv_load_failure, max_queued_requests=args.max_queued_requests,
         num_threads=args.threads, drain_timeout_seconds=args.drain_timeout, engine=EngineConfig(args.model, **_engine_options(args)),
+        cluster_token=load_credentials(None, args.cluster_token_file, os.environ).cluster_token,
     )
     status = run_worker(config)
     # The worker has drained and closed everything it serves. Leave now, without interpreter teardown:
@@ -217,7 +242,8 @@ def _run_up(args: argparse.Namespace) -> int:
         router_args += ["--max-model-len", str(args.max_model_len)]
     cluster = LocalCluster(kv_transfer=args.kv_transfer, kv_checksum=args.kv_checksum, redis_url=args.redis_url,
                            worker_args=worker_args,
-                           router_args=router_args, log_dir=args.log_dir, host=args.host, router_port=args.port)
+                           router_args=router_args, log_dir=args.log_dir, host=args.host, router_port=args.port,
+                           generate_cluster_token=True)
     started = time.monotonic()
     try:
         print(f"Starting the router on {args.host}:{args.port} (logs in {cluster.log_dir})...", file=sys.stderr)
@@ -232,7 +258,7 @@ def _run_up(args: argparse.Namespace) -> int:
             cluster.start_workers("decode", args.decode)
         print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start).", file=sys.stderr)
         if args.prompt:
-            return _answer(address, args.prompt, args.max_tokens)
+            return _answer(address, args.prompt, args.max_tokens, _first_api_key())
         print(f"Try: splitserve generate --server {address} \"The capital of France is\"   Ctrl-C stops.",
               file=sys.stderr)
         print(address, flush=True)
@@ -243,12 +269,19 @@ def _run_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _answer(address: str, prompts: list[str], max_tokens: int) -> int:
+def _first_api_key() -> str | None:
+    """One of the keys ``up``'s router requires ($SPLITSERVE_API_KEYS), for its own --prompt requests."""
+    from splitserve.rpc.auth import API_KEYS_ENV, read_secrets
+
+    return min(read_secrets(None, os.environ, API_KEYS_ENV, "API key"), default=None)
+
+
+def _answer(address: str, prompts: list[str], max_tokens: int, api_key: str | None = None) -> int:
     """Stream a greedy reply to each prompt through the router; report where the prompt was prefilled."""
     from splitserve.client import Client
     from splitserve.common.sampling_params import SamplingParams
 
-    with Client(address) as client:
+    with Client(address, api_key=api_key) as client:
         for prompt in prompts:
             print(f"> {prompt}", file=sys.stderr)
             last = None

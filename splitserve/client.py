@@ -10,11 +10,13 @@ Clients in other languages are generated from ``protos/splitserve/v1/inference.p
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import grpc
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.rpc.auth import API_KEY_ENV, with_api_key
 from splitserve.v1 import inference_pb2, inference_pb2_grpc
 
 
@@ -52,13 +54,24 @@ def generate_request(prompt, params: SamplingParams | None = None, request_id: s
 
 
 class Client:
-    """A connection to a router. Calls raise ``grpc.RpcError`` with the router's status and message."""
+    """A connection to a router. Calls raise ``grpc.RpcError`` with the router's status and message.
 
-    def __init__(self, address: str, timeout: float | None = None) -> None:
+    Args:
+        address: the router's host:port.
+        timeout: default deadline of each call, in seconds (None: none).
+        api_key: sent as ``authorization: Bearer <key>`` metadata on every call (None: ``$SPLITSERVE_API_KEY``,
+            else no key; a router without API keys accepts any call). Kept out of ``repr`` and logs.
+    """
+
+    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.channel = grpc.insecure_channel(address)
-        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self.stub = inference_pb2_grpc.InferenceStub(with_api_key(self.channel, key))
+
+    def __repr__(self) -> str:
+        return f"Client({self.address!r})"
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout)

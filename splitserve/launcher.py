@@ -9,6 +9,7 @@ Only processes started here are ever signalled, by their PID.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -19,6 +20,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from splitserve.rpc.auth import API_KEYS_ENV, CLUSTER_TOKEN_ENV
 
 # Worker role -> its subcommand.
 _COMMANDS = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
@@ -104,6 +107,12 @@ class LocalCluster:
         router_args: extra flags for the router.
         log_dir: where each process logs (default: a new temporary folder).
         python: the interpreter to run (default: this one).
+        env: extra environment variables of every process.
+        generate_cluster_token: generate a random cluster token (the attribute ``cluster_token``) and give it
+            to the router and every worker through their environment (``SPLITSERVE_CLUSTER_TOKEN``, never
+            their command lines, which ``ps`` shows); off: router-worker calls are open (``cluster_token`` None).
+        require_api_key: generate a random API key (the attribute ``api_key``, for clients) that the router
+            requires (``SPLITSERVE_API_KEYS`` in its environment); off: the public API is open (``api_key`` None).
     """
 
     kv_transfer: str = "p2p"
@@ -116,9 +125,19 @@ class LocalCluster:
     router_port: int = 0
     python: str = sys.executable
     ready_timeout: float = 300.0
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    generate_cluster_token: bool = False
+    require_api_key: bool = False
 
     def __post_init__(self) -> None:
+        # Secrets travel in the children's environment only; the flags above stay booleans in repr.
+        self._secret_env: dict[str, str] = {}
+        self.cluster_token: str | None = secrets.token_urlsafe(32) if self.generate_cluster_token else None
+        if self.cluster_token:
+            self._secret_env[CLUSTER_TOKEN_ENV] = self.cluster_token
+        self.api_key: str | None = secrets.token_urlsafe(32) if self.require_api_key else None
+        if self.api_key:
+            self._secret_env[API_KEYS_ENV] = self.api_key
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="splitserve-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.router: Process | None = None
@@ -131,7 +150,7 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str]) -> Process:
         self._counter += 1
         log_path = self.log_dir / f"{self._counter:02d}-{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **self._secret_env}
         with open(log_path, "w") as log:
             popen = subprocess.Popen(
                 [self.python, "-m", "splitserve.cli", *args], stdout=subprocess.PIPE, stderr=log,

@@ -24,6 +24,7 @@ def worker_server_threads(max_queued_requests: int) -> int:
 
 def build_worker(config):
     """Start a worker's runtime and gRPC server; returns (server, runtime, servicer). Does not block."""
+    from splitserve.rpc.auth import Credentials
     from splitserve.rpc.worker import WorkerRuntime
     from splitserve.v1 import worker_pb2_grpc
 
@@ -42,7 +43,8 @@ def build_worker(config):
         runtime = WorkerRuntime(config, make_kv_connector=KVReceiver)
         servicer = DecodeServicer(runtime)
         services = [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "splitserve.v1.DecodeWorker")]
-    server = start_worker_server(address, services, config.max_queued_requests)
+    server = start_worker_server(address, services, config.max_queued_requests,
+                                 Credentials(cluster_token=config.cluster_token))
     bound = f"{config.host}:{server.port}"
     try:
         runtime.start(bound)
@@ -53,15 +55,17 @@ def build_worker(config):
     return server, runtime, servicer
 
 
-def start_worker_server(address: str, services, max_queued_requests: int):
+def start_worker_server(address: str, services, max_queued_requests: int, credentials=None):
     """Start a worker's gRPC server (``start_server``) sized by :func:`worker_server_threads`.
 
     Every admitted request holds a server thread; with fewer threads than ``max_queued_requests``,
     the calls beyond them would wait for one until their deadline instead of hearing RESOURCE_EXHAUSTED.
+    ``credentials`` (``splitserve.rpc.auth.Credentials``): the cluster token its calls must carry (None: open).
     """
     from splitserve.rpc.server import start_server
 
-    return start_server(address, services, max_workers=worker_server_threads(max_queued_requests))
+    return start_server(address, services, max_workers=worker_server_threads(max_queued_requests),
+                        credentials=credentials)
 
 
 def run_worker(config) -> int:

@@ -17,9 +17,12 @@ WORKER_ARGS = ["--kv-cache-gb", "0.25", "--max-model-len", "2048", "--threads", 
 ROUTER_ARGS = ["--max-model-len", "2048", "--heartbeat-seconds", "0.5", "--lease-seconds", "3"]
 
 
-def start_cluster(kv_transfer: str, log_dir, prefill: int = 1, decode: int = 1, router_args=(), worker_args=()):
+def start_cluster(kv_transfer: str, log_dir, prefill: int = 1, decode: int = 1, router_args=(), worker_args=(),
+                  credentials: bool = False):
+    """A started cluster; ``credentials``: a generated cluster token and API key (``cluster.api_key``)."""
     cluster = LocalCluster(kv_transfer=kv_transfer, worker_args=[*WORKER_ARGS, *worker_args],
-                           router_args=[*ROUTER_ARGS, *router_args], log_dir=log_dir)
+                           router_args=[*ROUTER_ARGS, *router_args], log_dir=log_dir,
+                           generate_cluster_token=credentials, require_api_key=credentials)
     try:
         cluster.start_router()
         if prefill:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import grpc
 
+from splitserve.rpc.auth import with_cluster_token
 from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class Membership:
         make_registration: builds the RegisterRequest (called again on every re-registration).
         make_load: the worker's load right now, for heartbeats.
         on_state: told the state the router holds (DRAINING after a Drain).
+        cluster_token: sent with every call to the router (None: none sent).
     """
 
     def __init__(
@@ -35,6 +37,7 @@ class Membership:
         make_load: Callable[[], inference_pb2.WorkerLoad],
         on_state: Callable[[int], None] = lambda state: None,
         state: Callable[[], int] = lambda: inference_pb2.WORKER_STATE_SERVING,
+        cluster_token: str | None = None,
     ) -> None:
         self.router_address = router_address
         self._make_registration = make_registration
@@ -42,7 +45,7 @@ class Membership:
         self._on_state = on_state
         self._state = state
         self._channel = grpc.insecure_channel(router_address)
-        self._stub = worker_pb2_grpc.WorkerRegistryStub(self._channel)
+        self._stub = worker_pb2_grpc.WorkerRegistryStub(with_cluster_token(self._channel, cluster_token))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
         self.worker_id = ""

@@ -12,6 +12,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from splitserve.rpc.auth import (
+    API_KEYS_ENV,
+    CLUSTER_PREFIXES,
+    CLUSTER_TOKEN_ENV,
+    PUBLIC_API_PREFIXES,
+    Credentials,
+    api_key_guard,
+    cluster_token_guard,
+)
 from splitserve.rpc.errors import ErrorInterceptor
 
 logger = logging.getLogger(__name__)
@@ -48,6 +57,7 @@ def start_server(
     address: str,
     services: Iterable[tuple[Callable[[object, grpc.Server], None], object, str]],
     max_workers: int = 64,
+    credentials: Credentials | None = None,
 ) -> RunningServer:
     """Bind ``address`` (host:port; port 0 picks a free one) and start serving.
 
@@ -61,6 +71,9 @@ def start_server(
             (RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!"). A service with its own admission limit
             needs more threads than that limit, so its refusal answers first (workers:
             ``splitserve.serve.worker_server_threads``; the router: ``--max-in-flight-requests`` + 16).
+        credentials: the secrets to require (:mod:`splitserve.rpc.auth`): API keys on the Inference service,
+            the cluster token on WorkerRegistry, PrefillWorker and DecodeWorker; each one not configured
+            leaves its services open, with a WARNING. None: no access control and no warning (tests).
 
     Returns:
         The running server; its ``port`` is the bound one.
@@ -70,7 +83,8 @@ def start_server(
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                          options=_SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers * 4,
-                         interceptors=[ErrorInterceptor()])
+                         interceptors=[*_guards(credentials, [name for _, _, name in services]),
+                                       ErrorInterceptor()])
     names = []
     for add, servicer, name in services:
         add(servicer, server)
@@ -88,6 +102,27 @@ def start_server(
     running = RunningServer(server, port, health_servicer, names)
     running.set_serving(True)
     return running
+
+
+def _guards(credentials: Credentials | None, service_names: list[str]) -> list[grpc.ServerInterceptor]:
+    """The access-control interceptors for ``credentials``; warns once about each guardable service left open."""
+    if credentials is None:
+        return []
+    guards = []
+    for prefixes, configured, make_guard, how in (
+        (PUBLIC_API_PREFIXES, credentials.api_keys, api_key_guard, f"--api-key-file or {API_KEYS_ENV}"),
+        (CLUSTER_PREFIXES, credentials.cluster_token, cluster_token_guard, f"--cluster-token-file or {CLUSTER_TOKEN_ENV}"),
+    ):
+        guarded = [name for name in service_names if f"/{name}/".startswith(prefixes)]
+        if not guarded:
+            continue
+        if configured:
+            guards.append(make_guard(configured))
+        else:
+            logger.warning("%s is open to anyone who reaches this port: no %s is configured (%s).",
+                           " and ".join(guarded), "API key" if prefixes is PUBLIC_API_PREFIXES else "cluster token",
+                           how)
+    return guards
 
 
 def wait_for_shutdown_signal() -> None:

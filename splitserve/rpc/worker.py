@@ -107,7 +107,7 @@ class WorkerRuntime:
 
             self.membership = Membership(
                 self.config.router, self.registration, self.load_pb, on_state=self._on_router_state,
-                state=lambda: self.state,
+                state=lambda: self.state, cluster_token=self.config.cluster_token,
             ).start()
             self.worker_id = self.membership.worker_id
 

@@ -33,6 +33,8 @@ class WorkerConfig:
             (its gRPC server holds more calls than this: ``splitserve.serve.worker_server_threads``).
         num_threads: torch threads for this worker's compute (None: torch's default).
         drain_timeout_seconds: on SIGTERM, how long in-flight requests may run before they are aborted.
+        cluster_token: the token the router's calls must carry and this worker's calls to the router
+            send (``splitserve.rpc.auth``; None: open). Never in ``repr``.
         engine: the engine's configuration.
     """
 
@@ -50,6 +52,7 @@ class WorkerConfig:
     num_threads: int | None = None
     drain_timeout_seconds: float = 30.0
     engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
