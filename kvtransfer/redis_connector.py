@@ -94,8 +94,10 @@ class RedisConnector(KVConnector):
                 item = client.blpop([self.inbox], timeout=1)
                 if item is not None:
                     self._handle(client, item[1])
-            except (redis.RedisError, OSError, ValueError) as error:
-                if self._closed.is_set():  # close() cut the connection under the blocking read
+            except (redis.RedisError, OSError, ValueError, AttributeError) as error:
+                # close() cut the connection under the blocking read, or under a reconnect's handshake
+                # (redis-py then reads from a parser it has already torn down: AttributeError).
+                if self._closed.is_set():
                     return
                 if not isinstance(error, redis.RedisError):
                     raise

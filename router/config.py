@@ -31,6 +31,8 @@ class RouterConfig:
         heartbeat_seconds: how often workers heartbeat (and static workers are polled).
         prefill_attempts: prefill workers tried per request before the decode worker prefills itself.
         kv_timeout_seconds: how long a decode worker waits for KV before recomputing (None: its own setting).
+        drain_timeout_seconds: on SIGTERM or SIGINT, how long requests in flight may finish (new ones are
+            refused with UNAVAILABLE) before the rest are aborted and the router stops.
         block_size: KV block size of the workers (prefix-aware routing hashes whole blocks).
         credentials: API keys required on the Inference service and the cluster token required on
             WorkerRegistry and sent to workers (``splitserve.rpc.auth``; empty: open). Never in ``repr``.
@@ -52,6 +54,7 @@ class RouterConfig:
     heartbeat_seconds: float = 1.0
     prefill_attempts: int = 2
     kv_timeout_seconds: float | None = None
+    drain_timeout_seconds: float = 30.0
     block_size: int = 16
     credentials: Credentials = field(default_factory=Credentials)
 
@@ -67,5 +70,7 @@ class RouterConfig:
             raise ValueError("heartbeat_seconds must be > 0 and shorter than lease_seconds.")
         if self.prefill_attempts < 1:
             raise ValueError(f"prefill_attempts must be >= 1, got {self.prefill_attempts}.")
+        if not self.drain_timeout_seconds >= 0:
+            raise ValueError(f"drain_timeout_seconds must be >= 0, got {self.drain_timeout_seconds}.")
         if self.kv_timeout_seconds is not None and not self.kv_timeout_seconds > 0:
             raise ValueError(f"kv_timeout_seconds must be > 0, got {self.kv_timeout_seconds}.")

@@ -45,6 +45,20 @@ class RequestCancelled(Cancelled):
     """The request was cancelled: the client went away, its deadline passed, or the Abort RPC."""
 
 
+class DecodeStreamFailed(ServiceError):
+    """The decode worker's stream failed after its acknowledgement (the worker died, say); the status relayed.
+
+    Attributes:
+        worker_id: the decode worker.
+        reason: its call's status code and details, e.g. "UNAVAILABLE: Socket closed".
+    """
+
+    def __init__(self, worker_id: str, error: grpc.RpcError) -> None:
+        self.worker_id = worker_id
+        self.reason = f"{error.code().name}: {error.details() or 'no details'}"
+        super().__init__(f"Decode worker {worker_id} failed during the request: {error.details()}", error.code())
+
+
 @dataclass
 class RouterRequest:
     """A request in flight on the router, with what cancels its worker calls."""
@@ -132,7 +146,8 @@ class Dispatcher:
 
         Raises:
             Unavailable: no worker could take the request (NoWorkerAvailable: none is serving).
-            ServiceError: a worker refused it for a reason another worker would share (its status, relayed).
+            ServiceError: a worker refused it for a reason another worker would share (its status, relayed);
+                DecodeStreamFailed when the decode stream failed after its acknowledgement.
             RequestCancelled: the request was aborted.
         """
         call, decode_worker = self._start(job, timeout)
@@ -143,9 +158,7 @@ class Dispatcher:
                 raise RequestCancelled() from None
             if error.code() == grpc.StatusCode.UNAVAILABLE:
                 self.registry.mark_unreachable(decode_worker.worker_id)
-            raise ServiceError(
-                f"Decode worker {decode_worker.worker_id} failed during the request: {error.details()}", error.code()
-            ) from None
+            raise DecodeStreamFailed(decode_worker.worker_id, error) from None
         finally:
             call.cancel()
             self.registry.end_request(decode_worker.worker_id)

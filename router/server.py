@@ -66,6 +66,16 @@ class Router:
         self._poll_static()
         self._thread.start()
 
+    def drain(self, timeout: float) -> None:
+        """Stop taking requests (health NOT_SERVING, new generation calls UNAVAILABLE) and let those in flight
+        finish for up to ``timeout`` seconds; the ones still running then end with FINISH_REASON_ABORT."""
+        self.server.set_serving(False)
+        num_in_flight = self.inference.num_in_flight
+        logger.info("Router draining: %d requests in flight, up to %.0f s", num_in_flight, timeout)
+        if not self.inference.drain(timeout):
+            logger.warning("%d requests still in flight after %.0f s; aborting them", self.inference.abort_all(),
+                           timeout)
+
     def stop(self) -> None:
         self._stop.set()
         self.server.stop(2.0)
@@ -118,6 +128,7 @@ def run_router(config: RouterConfig) -> int:
     logger.info("Router serving on %s", router.address)
     try:
         wait_for_shutdown_signal()
+        router.drain(config.drain_timeout_seconds)
     finally:
         router.stop()
     return 0

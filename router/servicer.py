@@ -13,10 +13,10 @@ import uuid
 
 import grpc
 
-from splitserve.common.errors import InvalidRequest, Overloaded
+from splitserve.common.errors import InvalidRequest, Overloaded, SplitserveError, Unavailable
 from splitserve.common.ids import check_id
 from splitserve.common.types import WorkerRole
-from splitserve.router.dispatch import Dispatcher, RequestCancelled, RouterRequest
+from splitserve.router.dispatch import DecodeStreamFailed, Dispatcher, RequestCancelled, RouterRequest
 from splitserve.router.frontend import Frontend
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.worker import KVCacheLayout
@@ -27,6 +27,7 @@ from splitserve.rpc.convert import (
     worker_role_from_pb,
     worker_state_from_pb,
 )
+from splitserve.rpc.errors import status_of
 from splitserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.block_size = block_size
         self._in_flight: dict[str, RouterRequest] = {}
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._draining = False
 
     # ---- generation ------------------------------------------------------------------
 
@@ -74,6 +77,36 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         finally:
             self._release(job)
 
+    # ---- draining ------------------------------------------------------------------------
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new generation calls (UNAVAILABLE) and wait up to ``timeout`` seconds for those in flight.
+
+        Returns True when none is left; False when some still run (``abort_all`` ends them).
+        """
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            self._draining = True
+            while self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def abort_all(self) -> int:
+        """Cancel every request in flight (each stream ends with FINISH_REASON_ABORT); returns how many."""
+        with self._lock:
+            jobs = list(self._in_flight.values())
+        for job in jobs:
+            job.cancel()
+        return len(jobs)
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
     def _admit(self, request: inference_pb2.GenerateRequest, context) -> RouterRequest:
         request_id = uuid.uuid4().hex
         if request.HasField("request_id"):
@@ -83,6 +116,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         del params
         job = RouterRequest(request_id, prompt, request.sampling_params)
         with self._lock:
+            if self._draining:
+                raise Unavailable("The router is draining: it is shutting down and takes no new requests; "
+                                  "retry on another router.")
             if request_id in self._in_flight:
                 raise InvalidRequest(f"Request id {request_id!r} is already in flight.")
             if len(self._in_flight) >= self.max_in_flight_requests:
@@ -97,9 +133,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def _release(self, job: RouterRequest) -> None:
         with self._lock:
             self._in_flight.pop(job.request_id, None)
+            if not self._in_flight:
+                self._idle.notify_all()
 
     def _generate(self, job: RouterRequest, context):
+        """The client's messages for ``job``. A failure before the first message raises (its status code);
+        after it, the stream ends with a last message carrying FINISH_REASON_ERROR, so the text sent is kept."""
         first_token_time = None
+        num_sent_messages = num_sent_tokens = 0
         try:
             for message in self.dispatcher.run(job, lambda: _seconds_left(context)):
                 chunk = inference_pb2.GenerateStreamResponse(
@@ -118,11 +159,35 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     chunk.timing.CopyFrom(self._timing(job, first_token_time))
                 if chunk.text or chunk.token_ids or chunk.finish_reason:
                     yield chunk
+                    num_sent_messages += 1
+                    num_sent_tokens += len(chunk.token_ids)
         except RequestCancelled:
             yield inference_pb2.GenerateStreamResponse(
                 request_id=job.request_id, finish_reason=inference_pb2.FINISH_REASON_ABORT,
                 timing=self._timing(job, first_token_time),
             )
+        except Exception as error:
+            if not num_sent_messages:
+                raise  # nothing reached the client: the status code says what failed
+            yield self._failed_mid_stream(job, error, num_sent_tokens, first_token_time)
+
+    def _failed_mid_stream(self, job: RouterRequest, error: Exception, num_sent_tokens: int,
+                           first_token_time: float | None) -> inference_pb2.GenerateStreamResponse:
+        """The last message of a stream that failed after tokens were sent: FINISH_REASON_ERROR, a sentence, usage."""
+        if not isinstance(error, SplitserveError | grpc.RpcError):
+            logger.exception("Request %s failed mid-stream", job.request_id)
+        if isinstance(error, DecodeStreamFailed):
+            what, details = f"The decode worker {error.worker_id}", error.reason
+        else:
+            what, details = "The request", status_of(error)[1]
+        message = (f"{what} failed mid-stream after {num_sent_tokens} tokens: {details.rstrip('.')}; "
+                   "the text so far is complete up to here.")
+        logger.warning("Request %s: %s", job.request_id, message)
+        return inference_pb2.GenerateStreamResponse(
+            request_id=job.request_id, finish_reason=inference_pb2.FINISH_REASON_ERROR, error_message=message,
+            usage=inference_pb2.Usage(prompt_tokens=len(job.prompt.token_ids), completion_tokens=num_sent_tokens),
+            timing=self._timing(job, first_token_time),
+        )
 
     @staticmethod
     def _fill_first_logprobs(job: RouterRequest, chunk: inference_pb2.GenerateStreamResponse) -> None:

@@ -49,7 +49,10 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
         "address, and stop everything cleanly on Ctrl-C (or SIGTERM). Try it with "
         "`splitserve generate --server ADDRESS \"prompt\"`. A random cluster token guards the calls between the "
         "router and its workers (passed to them through their environment); the public API requires a key only "
-        "when $SPLITSERVE_API_KEYS is set.",
+        "when $SPLITSERVE_API_KEYS is set. While it serves, `up` supervises its processes: when one exits "
+        "unexpectedly it prints which one, how it ended and where its log is, stops the rest and exits with "
+        "status 1 (it never restarts one; leave that to the operator's supervisor). On Linux its processes also "
+        "die with it, even when it is killed with SIGKILL.",
     )
     up.add_argument("--host", default="127.0.0.1", help="interface every process listens on (default: %(default)s)")
     up.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT, help="router port (default: %(default)s)")
@@ -121,6 +124,10 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill workers tried before the decode worker prefills itself (default: %(default)s)")
     parser.add_argument("--kv-timeout", type=float, metavar="SECONDS",
                         help="decode workers' wait for KV before recomputing (default: each worker's own)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM or SIGINT, the router stops taking requests (new ones get UNAVAILABLE, "
+                        "health says NOT_SERVING) and lets those in flight finish for this long; the ones still "
+                        "running then end with FINISH_REASON_ABORT and the router exits (default: %(default)s)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="text lines, or one JSON object a line; both carry the request id and the KV transfer id "
@@ -189,7 +196,7 @@ def _run_router(args: argparse.Namespace) -> int:
         decode_policy=args.decode_policy, local_prefill_threshold=args.local_prefill_threshold,
         max_in_flight_requests=args.max_in_flight_requests, lease_seconds=args.lease_seconds,
         heartbeat_seconds=args.heartbeat_seconds, prefill_attempts=args.prefill_attempts,
-        kv_timeout_seconds=args.kv_timeout, block_size=args.block_size,
+        kv_timeout_seconds=args.kv_timeout, drain_timeout_seconds=args.drain_timeout, block_size=args.block_size,
         credentials=load_credentials(args.api_key_file, args.cluster_token_file, os.environ),
     )
     return run_router(config)
@@ -224,7 +231,6 @@ def _run_worker(args: argparse.Namespace) -> int:
 def _run_up(args: argparse.Namespace) -> int:
     from splitserve.engine.model_store import resolve_model
     from splitserve.launcher import LocalCluster
-    from splitserve.rpc.server import wait_for_shutdown_signal
 
     if args.colocated < 0 or args.prefill < 0 or args.decode < 0:
         raise ValueError("Worker counts must be >= 0.")
@@ -257,16 +263,38 @@ def _run_up(args: argparse.Namespace) -> int:
             cluster.start_workers("prefill", args.prefill)
             cluster.start_workers("decode", args.decode)
         print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start).", file=sys.stderr)
+        print("Processes: " + ", ".join(f"{p.name} pid {p.pid}" for p in cluster.processes()), file=sys.stderr)
         if args.prompt:
             return _answer(address, args.prompt, args.max_tokens, _first_api_key())
         print(f"Try: splitserve generate --server {address} \"The capital of France is\"   Ctrl-C stops.",
               file=sys.stderr)
         print(address, flush=True)
-        wait_for_shutdown_signal()
+        return _supervise(cluster)
     finally:
         print("Stopping the cluster...", file=sys.stderr)
         cluster.stop()
-    return 0
+
+
+def _supervise(cluster) -> int:
+    """Serve until SIGINT/SIGTERM (0) or until a child exits on its own (1, after one line naming it).
+
+    Main thread only (signal handlers). The caller stops the cluster afterwards either way.
+    """
+    import signal
+    import threading
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        dead = cluster.watch(stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if dead is None:
+        return 0
+    print(f"splitserve up: {dead.name} (pid {dead.pid}) exited unexpectedly ({dead.exit_description()}); its log is "
+          f"{dead.log_path}. Stopping the cluster.", file=sys.stderr, flush=True)
+    return 1
 
 
 def _first_api_key() -> str | None:

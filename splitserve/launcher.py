@@ -4,10 +4,17 @@ Used by ``splitserve up``, the integration tests and the serving benchmark.
 Every process is a child of this one, started with its own flags; each prints
 ``READY <address> ...`` on stdout when it serves, and logs to its own file.
 Only processes started here are ever signalled, by their PID.
+
+On Linux every child gets SIGTERM from the kernel when its parent dies, SIGKILL
+included (``PR_SET_PDEATHSIG``). The kernel ties that to the *thread* that
+forked the child, so start a cluster from a thread that outlives it: ``splitserve
+up`` starts it from its main thread.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import secrets
 import shutil
@@ -23,6 +30,8 @@ from pathlib import Path
 
 from splitserve.rpc.auth import API_KEYS_ENV, CLUSTER_TOKEN_ENV
 
+logger = logging.getLogger(__name__)
+
 # Worker role -> its subcommand.
 _COMMANDS = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
 
@@ -31,6 +40,30 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_parent_hook():
+    """A ``preexec_fn`` that makes the child get SIGTERM when this process dies (Linux), or None elsewhere.
+
+    Runs in the child between fork and exec: asks the kernel for SIGTERM on the parent's death, then exits
+    at once if the parent already died before that (the child was reparented, so ``getppid`` changed).
+    """
+    if not sys.platform.startswith("linux"):
+        logger.debug("Children are not tied to this process's life on %s (PR_SET_PDEATHSIG is Linux-only).",
+                     sys.platform)
+        return None
+    parent_pid = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not between fork and exec
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return die_with_parent
 
 
 @dataclass
@@ -49,6 +82,18 @@ class Process:
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def exit_description(self) -> str:
+        """How the process ended: "exit code N" or "signal SIGKILL"; "running" while it runs."""
+        code = self.popen.poll()
+        if code is None:
+            return "running"
+        if code < 0:
+            try:
+                return f"signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"signal {-code}"
+        return f"exit code {code}"
 
     def log(self) -> str:
         try:
@@ -154,7 +199,7 @@ class LocalCluster:
         with open(log_path, "w") as log:
             popen = subprocess.Popen(
                 [self.python, "-m", "splitserve.cli", *args], stdout=subprocess.PIPE, stderr=log,
-                text=True, env=env, start_new_session=True,
+                text=True, env=env, start_new_session=True, preexec_fn=_die_with_parent_hook(),
             )
         return Process(name, popen, log_path)
 
@@ -168,7 +213,7 @@ class LocalCluster:
         with open(log_path, "w") as log:
             popen = subprocess.Popen(
                 [binary, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly", "no"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent_hook(),
             )
         self.redis = Process("redis", popen, log_path, address=f"{self.host}:{port}")
         deadline = time.monotonic() + 20
@@ -218,6 +263,22 @@ class LocalCluster:
             process.address, process.worker_id = line[1], line[3]
         self.workers.extend(started)
         return started
+
+    def processes(self) -> list[Process]:
+        """Every process started so far: Redis, the router, then the workers in start order."""
+        return [p for p in (self.redis, self.router, *self.workers) if p is not None]
+
+    def watch(self, stop: threading.Event, interval: float = 0.5) -> Process | None:
+        """Poll every child each ``interval`` seconds (reaping any that exited) until ``stop`` is set.
+
+        Returns:
+            The first child found exited (it was not asked to stop), or None once ``stop`` is set.
+        """
+        while not stop.wait(interval):
+            for process in self.processes():
+                if not process.alive():
+                    return process
+        return None
 
     def stop(self) -> None:
         """Stop workers, then the router, then Redis; each SIGTERM first, SIGKILL if it hangs."""

@@ -13,10 +13,11 @@ import pytest
 from splitserve.common.errors import Unavailable
 from splitserve.common.types import WorkerRole
 from splitserve.router.config import RouterConfig
-from splitserve.router.dispatch import Dispatcher, RequestCancelled, RouterRequest
+from splitserve.router.dispatch import DecodeStreamFailed, Dispatcher, RequestCancelled, RouterRequest
 from splitserve.router.frontend import Prompt
 from splitserve.router.policies import RoundRobin
 from splitserve.router.registry import WorkerRegistry
+from splitserve.router.servicer import InferenceServicer
 from splitserve.rpc.errors import ServiceError
 from splitserve.v1 import inference_pb2, worker_pb2
 
@@ -210,3 +211,75 @@ def test_a_relay_closed_early_releases_the_decode_worker(cluster):
     assert in_flight(registry)["decode-1"] == 1
     messages.close()  # the client went away mid-stream
     assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
+
+
+# ---- what the client sees: InferenceServicer over the same fakes ------------------------------------------------
+
+MID_STREAM = [worker_pb2.DecodeResponse(state=worker_pb2.REQUEST_STATE_RUNNING, token_ids=[5, 6], text="ab"),
+              worker_pb2.DecodeResponse(state=worker_pb2.REQUEST_STATE_RUNNING, token_ids=[7], text="c")]
+
+
+class FakeContext:
+    def add_callback(self, callback) -> None:
+        pass
+
+    def time_remaining(self):
+        return None
+
+
+class FakeFrontend:
+    def prompt_of(self, request) -> Prompt:
+        return Prompt(list(range(40)), None)
+
+
+def servicer_of(dispatcher, registry) -> InferenceServicer:
+    return InferenceServicer(FakeFrontend(), dispatcher, registry, max_in_flight_requests=4, block_size=16)
+
+
+def test_a_decode_worker_failing_after_tokens_ends_the_stream_with_an_error_message(cluster):
+    dispatcher, registry, channels = cluster
+    channels.decode_calls.append(FakeDecodeCall(MID_STREAM, error=FakeRpcError(grpc.StatusCode.UNAVAILABLE,
+                                                                                "Socket closed")))
+    channels.prefill_outcomes.append(worker_pb2.PrefillResponse(first_token_id=5))
+    chunks = list(servicer_of(dispatcher, registry)._generate(job(), FakeContext()))
+    assert [list(c.token_ids) for c in chunks] == [[5, 6], [7], []]
+    last = chunks[-1]
+    assert last.finish_reason == inference_pb2.FINISH_REASON_ERROR
+    assert last.error_message == ("The decode worker decode-1 failed mid-stream after 3 tokens: UNAVAILABLE: "
+                                  "Socket closed; the text so far is complete up to here.")
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 3)
+    assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
+
+
+def test_a_decode_worker_failing_before_any_token_keeps_its_status(cluster):
+    dispatcher, registry, channels = cluster
+    channels.decode_calls.append(FakeDecodeCall([], error=FakeRpcError(grpc.StatusCode.UNAVAILABLE, "gone")))
+    channels.prefill_outcomes.append(worker_pb2.PrefillResponse(first_token_id=5))
+    with pytest.raises(DecodeStreamFailed) as failed:
+        list(servicer_of(dispatcher, registry)._generate(job(), FakeContext()))
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert failed.value.worker_id == "decode-1"
+
+
+def test_a_unary_generate_failing_after_tokens_returns_what_it_has_with_the_error(cluster):
+    dispatcher, registry, channels = cluster
+    channels.decode_calls.append(FakeDecodeCall(MID_STREAM, error=FakeRpcError(grpc.StatusCode.INTERNAL, "boom")))
+    channels.prefill_outcomes.append(worker_pb2.PrefillResponse(first_token_id=5))
+    response = servicer_of(dispatcher, registry).Generate(inference_pb2.GenerateRequest(text="x"), FakeContext())
+    assert (list(response.token_ids), response.text) == ([5, 6, 7], "abc")
+    assert response.finish_reason == inference_pb2.FINISH_REASON_ERROR
+    assert "decode-1 failed mid-stream after 3 tokens: INTERNAL: boom" in response.error_message
+    assert response.usage.completion_tokens == 3
+
+
+def test_a_draining_router_refuses_new_requests_and_waits_for_those_in_flight(cluster):
+    dispatcher, registry, channels = cluster
+    servicer = servicer_of(dispatcher, registry)
+    request = inference_pb2.GenerateRequest(text="x", request_id="r-in-flight")
+    in_flight_job = servicer._admit(request, FakeContext())
+    assert servicer.drain(timeout=0.05) is False  # one still in flight
+    with pytest.raises(Unavailable, match="draining"):
+        servicer._admit(inference_pb2.GenerateRequest(text="y"), FakeContext())
+    assert servicer.abort_all() == 1 and in_flight_job.aborted
+    servicer._release(in_flight_job)
+    assert servicer.drain(timeout=0.05) is True

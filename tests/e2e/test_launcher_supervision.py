@@ -1,0 +1,131 @@
+"""`splitserve up` supervises its children: a crashed worker stops the cluster, and a killed launcher takes them along.
+
+Real processes on loopback; the children are found through /proc (their parent pid), not through anything
+`up` prints, so these tests fail on a launcher that does not supervise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from splitserve.launcher import free_port
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG are Linux's")
+
+UP_ARGS = ["--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.25", "--threads-per-worker", "1",
+           "--max-model-len", "512"]
+READY_TIMEOUT = 240.0
+
+
+def _children_of(parent_pid: int) -> dict[int, str]:
+    """pid -> command line of every live process whose parent is ``parent_pid``."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        if int(fields[1]) == parent_pid and fields[0] != "Z":
+            children[int(entry.name)] = cmdline
+    return children
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _kill_all(pids) -> None:
+    for pid in pids:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _start_up(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    stderr_path = tmp_path / "up.stderr"
+    with open(stderr_path, "w") as stderr:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", "up", "--port", str(free_port()), "--log-dir",
+             str(tmp_path / "logs"), *UP_ARGS],
+            stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+        )
+    return launcher, stderr_path
+
+
+def _wait_serving(launcher: subprocess.Popen, stderr_path: Path) -> dict[int, str]:
+    """Wait for "splitserve is serving on"; returns the launcher's children (router, prefill, decode)."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    while "splitserve is serving on" not in stderr_path.read_text():
+        assert launcher.poll() is None, f"up exited early:\n{stderr_path.read_text()}"
+        assert time.monotonic() < deadline, f"up did not serve in time:\n{stderr_path.read_text()}"
+        time.sleep(0.2)
+    children = _children_of(launcher.pid)
+    assert len(children) == 3, children
+    return children
+
+
+def _wait_gone(pids, timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds; returns the pids still alive."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(_alive(pid) for pid in pids):
+            return []
+        time.sleep(0.1)
+    return [pid for pid in pids if _alive(pid)]
+
+
+def test_a_crashed_worker_stops_the_cluster_with_status_1(tmp_path, model_dir):
+    launcher, stderr_path = _start_up(tmp_path)
+    children: dict[int, str] = {}
+    try:
+        children = _wait_serving(launcher, stderr_path)
+        decode_pid = next(pid for pid, cmdline in children.items() if " decode " in f" {cmdline} ")
+        os.kill(decode_pid, signal.SIGKILL)
+        try:
+            status = launcher.wait(20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"up still runs 20 s after its decode worker died:\n{stderr_path.read_text()}")
+        stderr = stderr_path.read_text()
+        assert status == 1, stderr
+        assert f"decode1 (pid {decode_pid}) exited unexpectedly (signal SIGKILL)" in stderr, stderr
+        assert str(tmp_path / "logs") in stderr.split("exited unexpectedly", 1)[1], stderr
+        assert _wait_gone(children, 5) == [], {pid: children[pid] for pid in children if _alive(pid)}
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait(10)
+        _kill_all(children)
+
+
+def test_children_die_with_a_killed_launcher(tmp_path, model_dir):
+    launcher, stderr_path = _start_up(tmp_path)
+    children: dict[int, str] = {}
+    try:
+        children = _wait_serving(launcher, stderr_path)
+        launcher.kill()
+        launcher.wait(10)
+        left = _wait_gone(children, 15)
+        assert left == [], {pid: children[pid] for pid in left}
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait(10)
+        _kill_all(children)

@@ -1,0 +1,101 @@
+"""What a client of the router sees when things stop mid-stream: a decode worker killed, the router SIGTERMed.
+
+One small cluster (a router and one decode worker that prefills locally). A stream that already sent
+tokens ends with a last message carrying FINISH_REASON_ERROR and a sentence, never a status code; a
+SIGTERMed router refuses new requests but lets the streams in flight finish, then exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.client import Client
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.v1 import inference_pb2
+from tests.cluster_helpers import start_cluster
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPT = "Write a long story about a lighthouse keeper."
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+DRAIN_TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = start_cluster("p2p", tmp_path_factory.mktemp("stream-failures"), prefill=0, decode=1,
+                            router_args=["--drain-timeout", str(DRAIN_TIMEOUT)])
+    yield cluster
+    cluster.stop()
+
+
+def live_decode_workers(cluster):
+    return [p for p in cluster.workers if p.name.startswith("decode") and p.alive()]
+
+
+def test_a_decode_worker_killed_mid_stream_ends_the_stream_with_an_error_message(cluster):
+    [decode] = live_decode_workers(cluster)
+    chunks = []
+    with Client(cluster.router.address) as client:
+        for chunk in client.generate_stream(PROMPT, LONG, timeout=120):
+            chunks.append(chunk)
+            if len(chunks) == 1:
+                decode.kill()
+        # Every message before the last one carries tokens; the last one says what failed, with the usage so far.
+        *tokens, last = chunks
+        token_ids = [t for chunk in tokens for t in chunk.token_ids]
+        assert token_ids and all(chunk.finish_reason == inference_pb2.FINISH_REASON_UNSPECIFIED for chunk in tokens)
+        assert last.finish_reason == inference_pb2.FINISH_REASON_ERROR
+        assert last.error_message.startswith(f"The decode worker {decode.worker_id} failed mid-stream after "
+                                             f"{len(token_ids)} tokens: ")
+        assert last.error_message.endswith("the text so far is complete up to here.")
+        assert last.usage.completion_tokens == len(token_ids) < LONG.max_tokens
+
+        # The router goes on: no decode worker now, then one started afterwards serves.
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4), timeout=60)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        cluster.start_workers("decode", 1)
+        response = client.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4), timeout=120)
+        assert response.finish_reason == inference_pb2.FINISH_REASON_LENGTH and len(response.token_ids) == 4
+
+
+def test_a_sigtermed_router_drains_its_streams_then_exits_0(cluster):
+    if not live_decode_workers(cluster):
+        cluster.start_workers("decode", 1)
+    router = cluster.router
+    with Client(router.address) as client, grpc.insecure_channel(router.address) as channel:
+        stream = client.generate_stream(PROMPT, LONG, timeout=300)
+        token_ids = list(next(stream).token_ids)
+        router.popen.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        refusals = []
+
+        def try_a_new_request() -> None:  # while the stream runs: refused, and health says NOT_SERVING
+            time.sleep(0.5)
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            refusals.append(health.status)
+            try:
+                with Client(router.address) as other:
+                    other.generate("Hello", SamplingParams(max_tokens=2), timeout=10)
+            except grpc.RpcError as error:
+                refusals.append((error.code(), error.details()))
+
+        checker = threading.Thread(target=try_a_new_request)
+        checker.start()
+        last = None
+        for chunk in stream:
+            token_ids.extend(chunk.token_ids)
+            last = chunk
+        checker.join()
+    assert last.finish_reason == inference_pb2.FINISH_REASON_LENGTH and len(token_ids) == LONG.max_tokens
+    assert refusals[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert refusals[1][0] == grpc.StatusCode.UNAVAILABLE and "draining" in refusals[1][1]
+    assert router.popen.wait(DRAIN_TIMEOUT) == 0
+    assert time.monotonic() - sent < DRAIN_TIMEOUT
