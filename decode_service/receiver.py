@@ -140,7 +140,10 @@ class KVReceiver(KVConnectorBase):
         self.transport.expect(transfer.transfer_id, transfer.source)
 
     def save(self, save: KVSave) -> None:
-        raise NotImplementedError("A decode worker's receiver loads KV; it saves none.")
+        """A decode worker sends no KV: a save asked of it fails at once (the engine frees the blocks)."""
+        with self._lock:
+            self._events.failed_saves[save.request_id] = "a decode worker's receiver saves no KV"
+        self.wake_engine()
 
     def request_finished(self, request_id: str) -> bool:
         transfer = self._pop(request_id)

@@ -29,8 +29,6 @@ _STOP = object()
 class Accepted:
     """What the engine reserved for a request when it took it."""
 
-    # The request's KV blocks in token order (remote KV: all of the prompt's).
-    block_ids: list[int]
     # Leading prompt tokens already in this engine's prefix cache (remote KV: their KV need not be sent).
     num_cached_tokens: int
 
@@ -199,7 +197,7 @@ class EngineLoop:
                 return
             self._streams[request_id] = target
             request = self.engine.scheduler.requests[request_id]
-            target.accepted.set_result(Accepted(self.engine.block_ids(request_id), max(request.num_cached_tokens, 0)))
+            target.accepted.set_result(Accepted(max(request.num_cached_tokens, 0)))
         elif kind == "abort":
             self.engine.abort_request(target)
         elif kind == "kv":

@@ -188,9 +188,9 @@ class KVConnectorBase(ABC):
 
     # ---- scheduler side ---------------------------------------------------------------------
 
-    def get_num_matched_tokens(self, request_id: str, prompt_token_ids: list[int], num_computed_tokens: int) -> int:
-        """Leading prompt tokens an external source holds, counted from the prompt's start (so at most
-        ``num_computed_tokens`` means nothing to load). Default: none."""
+    def get_num_matched_tokens(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        """Leading prompt tokens an external source holds, counted from the prompt's start; the engine loads
+        only those past what its own prefix cache holds. Default: none."""
         return 0
 
     @abstractmethod

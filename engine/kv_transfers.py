@@ -19,7 +19,6 @@ from splitserve.common.errors import InvalidRequest
 from splitserve.common.log_fields import request_log
 from splitserve.engine.kv_connector import (
     KVConnectorBase,
-    KVConnectorEvents,
     KVLoad,
     KVLoadFailurePolicy,
     KVLoadOutcome,
@@ -77,7 +76,7 @@ class KVTransfers:
             return request.num_prompt_tokens
         if self.connector is None or (params is not None and params.save):
             return 0
-        return self.connector.get_num_matched_tokens(request.request_id, request.prompt_token_ids, 0)
+        return self.connector.get_num_matched_tokens(request.request_id, request.prompt_token_ids)
 
     # ---- a request enters ----------------------------------------------------------------
 
@@ -170,9 +169,3 @@ class KVTransfers:
             num_tokens=end - start, num_prompt_tokens=save.num_prompt_tokens, is_last=is_last,
             first_token_id=first_token_id if is_last else None,
         ))
-
-    def poll(self) -> KVConnectorEvents:
-        """The connector's reports since the last poll (empty without a connector)."""
-        if self.connector is None:
-            return KVConnectorEvents()
-        return self.connector.get_finished()

@@ -220,7 +220,9 @@ class LLMEngine:
     def update_from_kv_connector(self) -> None:
         """Act on the connector's reports: loaded requests join the queue, failed loads apply their policy,
         saved requests free their blocks. Called by :meth:`step` and by the loop when the connector wakes it."""
-        events = self.kv_transfers.poll()
+        if self.kv_transfers.connector is None:
+            return
+        events = self.kv_transfers.connector.get_finished()
         for request_id, first_token_id in events.finished_loads.items():
             if self._is_waiting_for_remote_kv(request_id):
                 self.finish_remote_kv(request_id, first_token_id)
@@ -359,7 +361,8 @@ class LLMEngine:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         normal = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
         hold = self.kv_transfers.keeps_blocks(request, normal)
-        request_log(logger, request.request_id).debug("%s -> %s", request.status.name, status.name)
+        if logger.isEnabledFor(logging.DEBUG):
+            request_log(logger, request.request_id).debug("%s -> %s", request.status.name, status.name)
         self.scheduler.finish_request(request, status, hold_blocks=hold)
         self.stats.num_finished_requests += 1
         request.finished_time = time.monotonic()

@@ -170,7 +170,11 @@ class KVSender(KVConnectorBase):
         self._kv_cache = kv_cache  # [num_blocks, layers, 2, kv_heads, block_size, head_size]
 
     def start_load(self, load: KVLoad) -> None:
-        raise NotImplementedError("A prefill worker's sender saves KV; it loads none.")
+        """A prefill worker receives no KV: a load asked of it fails at once (the engine applies the request's
+        failure policy: recompute, or fail)."""
+        with self._lock:
+            self._events.failed_loads[load.request_id] = "a prefill worker's sender loads no KV"
+        self.wake_engine()
 
     def save(self, save: KVSave) -> None:
         with self._lock:

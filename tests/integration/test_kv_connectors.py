@@ -143,3 +143,11 @@ def test_a_sender_cancelled_while_idle_sends_nothing_more(pair):
     assert not sender.get_finished() and not decode.cache.any()
     with pytest.raises(ValueError, match="already in use"):
         receiver.expect("other", "t-halt", 8, timeout_seconds=30)
+
+
+def test_a_connector_asked_for_the_other_direction_reports_a_failure(pair):
+    prefill, decode, _ = pair
+    decode.connector.save(KVSave("wrong-way", (1,), 0, 4, 4, is_last=True, first_token_id=1))
+    assert "saves no KV" in decode.wait_for(lambda e: e.failed_saves).failed_saves["wrong-way"]
+    prefill.connector.start_load(KVLoad("wrong-way", (1,), 0, 4, 4))
+    assert "loads no KV" in prefill.wait_for(lambda e: e.failed_loads).failed_loads["wrong-way"]

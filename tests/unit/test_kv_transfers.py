@@ -28,7 +28,7 @@ class RecordingConnector(KVConnectorBase):
     def register_kv_cache(self, kv_cache) -> None:
         pass
 
-    def get_num_matched_tokens(self, request_id, prompt_token_ids, num_computed_tokens) -> int:
+    def get_num_matched_tokens(self, request_id, prompt_token_ids) -> int:
         return self.matched
 
     def request_finished(self, request_id: str) -> bool:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from splitserve.common.errors import InvalidRequest
-from splitserve.common.model_info import default_model_dir, find_model_dir, is_prepared
+from splitserve.common.model_info import find_model_dir
 from splitserve.common.prompt import validate_prompt_token_ids
 from splitserve.v1 import inference_pb2
 
@@ -40,11 +40,9 @@ def test_without_model_the_router_asks_for_prepare_model_and_converts_nothing(tm
 
 
 @pytest.fixture(scope="module")
-def metadata_dir(tmp_path_factory):
+def metadata_dir(tmp_path_factory, model_dir):
     """The default model's tokenizer files and config.json, without its weights."""
-    source = default_model_dir()
-    if not is_prepared(source):
-        pytest.skip("the default model is not prepared (splitserve prepare-model)")
+    source = model_dir
     target = tmp_path_factory.mktemp("SmolLM2-metadata")
     for name in METADATA_FILES:
         if (source / name).is_file():
