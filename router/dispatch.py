@@ -24,14 +24,14 @@ import grpc
 
 from splitserve.common.errors import Cancelled, NoWorkerAvailable, Unavailable
 from splitserve.common.types import WorkerRole
+from splitserve.router.channels import Channels
 from splitserve.router.config import RouterConfig
 from splitserve.router.frontend import Prompt
 from splitserve.router.policies import RoutingPolicy
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.worker import Worker
-from splitserve.rpc.auth import with_cluster_token
 from splitserve.rpc.errors import ServiceError
-from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.v1 import inference_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -88,43 +88,6 @@ class RouterRequest:
             cancels, self._cancels = self._cancels, []
         for cancel in cancels:
             cancel()
-
-
-class Channels:
-    """One gRPC channel per worker address, shared by all requests; each call carries the cluster token if set."""
-
-    def __init__(self, cluster_token: str | None = None) -> None:
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
-        self._cluster_token = cluster_token
-
-    def __repr__(self) -> str:
-        return f"Channels({len(self._channels)} workers)"
-
-    def channel(self, address: str) -> grpc.Channel:
-        with self._lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = self._channels[address] = with_cluster_token(grpc.insecure_channel(address),
-                                                                       self._cluster_token)
-            return channel
-
-    def decode(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
-        return worker_pb2_grpc.DecodeWorkerStub(self.channel(address))
-
-    def prefill(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        return worker_pb2_grpc.PrefillWorkerStub(self.channel(address))
-
-    def forget(self, address: str) -> None:
-        """Drop the channel of a removed worker; calls still on it finish or fail on their own."""
-        with self._lock:
-            self._channels.pop(address, None)
-
-    def close(self) -> None:
-        with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
 
 
 class Dispatcher:

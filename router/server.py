@@ -9,8 +9,9 @@ import grpc
 
 from splitserve.common.errors import FailedPrecondition
 from splitserve.common.types import WorkerRole
+from splitserve.router.channels import Channels
 from splitserve.router.config import RouterConfig
-from splitserve.router.dispatch import Channels, Dispatcher
+from splitserve.router.dispatch import Dispatcher
 from splitserve.router.frontend import Frontend
 from splitserve.router.policies import make_policy
 from splitserve.router.registry import WorkerRegistry
