@@ -12,6 +12,7 @@ request, as the request's failure policy says (the engine applies it).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import grpc
@@ -95,6 +96,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return stream, wait_accepted(stream)
         config = self.runtime.config
         timeout = request.kv_timeout_seconds if request.HasField("kv_timeout_seconds") else config.kv_timeout_seconds
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise InvalidRequest(f"kv_timeout_seconds must be a positive, finite number of seconds, not {timeout}.")
         fail = (request.on_kv_failure == worker_pb2.KV_FAILURE_POLICY_FAIL or
                 (request.on_kv_failure == worker_pb2.KV_FAILURE_POLICY_UNSPECIFIED and config.kv_load_failure == "fail"))
         policy = KVLoadFailurePolicy.FAIL if fail else KVLoadFailurePolicy.RECOMPUTE

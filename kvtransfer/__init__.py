@@ -2,8 +2,9 @@
 
 The contract: ``layout`` (``KVLayout``), ``header`` (``TransferHeader``, checksums, verification),
 ``blocks`` (gathering and scattering cache blocks), ``connector`` (the ``KVConnector`` interface),
-``errors``. The connectors: ``p2p`` (with ``p2p_pairs``, ``p2p_wire``, ``p2p_receiver``) and
-``redis_connector``.
+``errors``. The connectors: ``p2p`` (with ``p2p_pairs``, ``p2p_wire``, ``p2p_receiver``, and its
+authenticated rendezvous: ``rendezvous_protocol``, ``rendezvous_server``, ``rendezvous_client``) and
+``redis_connector`` (with ``redis_access``: its user, password and TLS).
 """
 
 from __future__ import annotations

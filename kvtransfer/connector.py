@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.common.errors import InvalidRequest
 from splitserve.common.types import KVConnectorKind
 from splitserve.kvtransfer.blocks import BlockSource
-from splitserve.kvtransfer.errors import KVTransferError
 from splitserve.kvtransfer.header import CHECKSUM_TYPES, TransferHeader
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.v1 import worker_pb2
@@ -47,7 +47,7 @@ class KVEndpointInfo:
     @classmethod
     def from_pb(cls, message: worker_pb2.KVEndpoint) -> KVEndpointInfo:
         if message.connector not in _CONNECTORS_BY_PB:
-            raise KVTransferError(f"Unknown KV connector type {message.connector} in the endpoint.")
+            raise InvalidRequest(f"The KV endpoint's connector {message.connector} is not P2P, REDIS or LMCACHE.")
         return cls(_CONNECTORS_BY_PB[message.connector].value, message.address, message.worker_id, dict(message.options))
 
 

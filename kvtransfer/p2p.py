@@ -1,12 +1,14 @@
 """The ``p2p`` connector: torch.distributed point to point, one process group per prefill/decode pair.
 
-No global process group and nothing external: the decode worker hosts a
-``TCPStore`` at its KV endpoint address, and each prefill worker that sends to
-it builds a two-rank Gloo group with it over that store (``p2p_pairs.py``).
+No global process group and nothing external: the decode worker's KV endpoint
+is a rendezvous server bound to its host, where each prefill worker that sends
+to it proves the cluster token and gets a store of its own, over which the two
+build a two-rank Gloo group (``p2p_pairs.py``, ``rendezvous_protocol.py``).
 A send moves the payload's blocks straight from the cache in chunks of whole
 blocks, each with its own header, and waits for the receiver's
 acknowledgement (``p2p_wire.py``, which describes the messages). On the decode
-side a watcher thread starts one receive thread per pair, which posts a ring
+side the rendezvous server starts one receive thread per pair (at most
+``max_pairs``), which posts a ring
 of chunks ahead and verifies and delivers each as it lands
 (``p2p_receiver.py``). A peer that dies or stalls mid-send breaks only its
 pair: the receiver reports the transfers that were open on it, the sender
@@ -16,6 +18,7 @@ raises.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from datetime import timedelta
 
@@ -34,15 +37,19 @@ from splitserve.kvtransfer.connector import (
 from splitserve.kvtransfer.errors import KVTransferError
 from splitserve.kvtransfer.header import TransferHeader, payload_tensor, verify
 from splitserve.kvtransfer.layout import KVLayout
-from splitserve.kvtransfer.p2p_pairs import PEERS_KEY, RECEIVER, SenderPair, accept_pair, connect_pair
+from splitserve.kvtransfer.p2p_pairs import RECEIVER, SenderPair, accept_pair, connect_pair
 from splitserve.kvtransfer.p2p_receiver import PairReceiver
 from splitserve.kvtransfer.p2p_wire import FLAG_GOODBYE, TAG_META, PairBroken, send_on_pair
+from splitserve.kvtransfer.rendezvous_server import RendezvousServer
 
 logger = logging.getLogger(__name__)
 
 
 class P2PConnector(KVConnector):
-    """Options: ``host`` the store binds (decode side, default 127.0.0.1), ``connect_timeout_seconds``
+    """Options: ``host`` the rendezvous and Gloo bind (decode side, default 127.0.0.1; nothing listens on
+    other addresses), ``cluster_token`` (the secret peers prove in the rendezvous; None: an open cluster, whose
+    peers must be open too; never logged), ``max_pairs`` (prefill workers paired at once, default 64),
+    ``connect_timeout_seconds``
     (default 10), ``send_timeout_seconds`` (a send's operations and its acknowledgement, default 120),
     ``receive_timeout_seconds`` (a sender silent mid-send, default 60), ``chunk_bytes`` (default 4 MiB),
     ``receive_slots`` (chunks the receiver posts ahead, default 8), ``checksum`` ("xxh3" or "none",
@@ -51,16 +58,18 @@ class P2PConnector(KVConnector):
     def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout, host: str = "127.0.0.1",
                  connect_timeout_seconds: float = 10.0, send_timeout_seconds: float = 120.0,
                  receive_timeout_seconds: float = 60.0, chunk_bytes: int = 4 << 20, receive_slots: int = 8,
-                 checksum: str = "xxh3") -> None:
+                 checksum: str = "xxh3", cluster_token: str | None = None, max_pairs: int = 64) -> None:
         super().__init__(worker_id, model_fingerprint, layout, checksum)
         self.host = host
+        self._cluster_token = cluster_token
+        self.max_pairs = int(max_pairs)
         self.connect_timeout = timedelta(seconds=float(connect_timeout_seconds))
         self.send_timeout = timedelta(seconds=float(send_timeout_seconds))
         self.receive_timeout = timedelta(seconds=float(receive_timeout_seconds))
         self.blocks_per_chunk = max(1, int(chunk_bytes) // layout.block_num_bytes)
         self.receive_slots = max(2, int(receive_slots))
-        self._store: dist.TCPStore | None = None
-        self._store_lock = threading.Lock()
+        self._rendezvous: RendezvousServer | None = None
+        self._rendezvous_lock = threading.Lock()
         self._pairs: dict[str, SenderPair] = {}  # by destination address
         self._pair_creation_locks: dict[str, threading.Lock] = {}
         self._pairs_lock = threading.Lock()
@@ -75,41 +84,36 @@ class P2PConnector(KVConnector):
     # ---- decode side ---------------------------------------------------------------------
 
     def endpoint(self) -> KVEndpointInfo:
-        return KVEndpointInfo("p2p", f"{self.host}:{self._master_store().port}", self.worker_id, {"backend": "gloo"})
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else socket.getfqdn()
+        port = self._rendezvous_server().port
+        return KVEndpointInfo("p2p", f"[{host}]:{port}" if ":" in host else f"{host}:{port}", self.worker_id,
+                              {"backend": "gloo"})
 
-    def _master_store(self) -> dist.TCPStore:
-        with self._store_lock:
+    def _rendezvous_server(self) -> RendezvousServer:
+        """The rendezvous server at the KV endpoint (started on first use); pairs are accepted once
+        ``start_receiving`` has given their payloads somewhere to go."""
+        with self._rendezvous_lock:
             if self._closed.is_set():
                 raise KVTransferError("The p2p connector is closed.")
-            if self._store is None:
-                self._store = dist.TCPStore(self.host, 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-                self._store.add(PEERS_KEY, 0)
-            return self._store
+            if self._rendezvous is None:
+                try:
+                    self._rendezvous = RendezvousServer(self.host, self._cluster_token, self._receive_pair,
+                                                        self.connect_timeout, max_pairs=self.max_pairs)
+                except OSError as error:
+                    raise KVTransferError(f"Cannot listen for KV on {self.host}: {error}") from None
+            return self._rendezvous
 
     def start_receiving(self, on_payload: OnPayload, on_error: OnError) -> None:
         self._on_payload, self._on_error = on_payload, on_error
-        store = self._master_store()
-        threading.Thread(target=self._watch_peers, args=(store,), name="p2p-peers", daemon=True).start()
+        self._rendezvous_server().start()
 
     def cancel(self, transfer_id: str) -> None:
         self._dropped.add(transfer_id)
 
-    def _watch_peers(self, store: dist.TCPStore) -> None:
-        """Start a receive thread for every pair a prefill worker announces."""
-        num_known = 0
-        while not self._closed.wait(0.02):
-            try:
-                num_peers = store.add(PEERS_KEY, 0)
-            except Exception:  # the store is gone: closing
-                return
-            for index in range(num_known, num_peers):
-                threading.Thread(target=self._receive_pair, args=(store, index), name=f"p2p-recv-{index}",
-                                 daemon=True).start()
-            num_known = num_peers
-
-    def _receive_pair(self, store: dist.TCPStore, index: int) -> None:
+    def _receive_pair(self, index: int, peer: str, store: dist.Store, local_host: str) -> None:
+        """One pair's receive thread (started by the rendezvous server): build this end, receive until it ends."""
         try:
-            group, peer = accept_pair(store, index, self.connect_timeout)
+            group = accept_pair(store, index, local_host, self.connect_timeout)
             self._receive_groups.append(group)
         except Exception as error:
             logger.warning("KV pair %d could not be set up: %s", index, error)
@@ -176,7 +180,8 @@ class P2PConnector(KVConnector):
             with self._pairs_lock:
                 if address in self._pairs:
                     return self._pairs[address], True
-            pair = connect_pair(address, self.worker_id, self.connect_timeout, self.send_timeout)
+            pair = connect_pair(address, self.worker_id, self._cluster_token, self.connect_timeout,
+                                self.send_timeout)
             with self._pairs_lock:
                 self._pairs[address] = pair
             return pair, False
@@ -203,5 +208,7 @@ class P2PConnector(KVConnector):
                     pass
                 finally:
                     pair.lock.release()
-        with self._store_lock:
-            self._store = None
+        with self._rendezvous_lock:
+            rendezvous, self._rendezvous = self._rendezvous, None
+        if rendezvous is not None:
+            rendezvous.close()

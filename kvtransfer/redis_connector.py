@@ -9,7 +9,8 @@ returns once Redis has applied it. Receiver: one thread ``BLPOP``s its inbox,
 reads the pieces with ``GETDEL`` (consumed keys are deleted) into a reused
 buffer, verifies and delivers. Keys of cancelled or refused transfers are
 deleted when their envelope comes; abandoned ones expire with their TTL:
-nothing accumulates.
+nothing accumulates. Credentials and TLS: ``redis_access.py`` (the URL this
+worker advertises never holds a password; each side connects with its own).
 """
 
 from __future__ import annotations
@@ -36,20 +37,30 @@ from splitserve.kvtransfer.connector import (
 from splitserve.kvtransfer.errors import KVTransferError
 from splitserve.kvtransfer.header import TransferHeader, payload_tensor, verify
 from splitserve.kvtransfer.layout import KVLayout
+from splitserve.kvtransfer.redis_access import CREDENTIALS_HINT, RedisAccess, public_redis_url, url_username
 
 logger = logging.getLogger(__name__)
 
 
 class RedisConnector(KVConnector):
-    """Options: ``url`` (redis://host:port/db, the Redis this worker receives through), ``key_prefix``
-    (default "splitserve:kv:"), ``ttl_seconds`` (default 60), ``piece_bytes`` (default 4 MiB), ``checksum``
-    ("xxh3" or "none", see ``header.CHECKSUM_TYPES``)."""
+    """Options: ``url`` (redis://host:port/db or rediss:// for TLS, the Redis this worker receives through; no
+    password in it), ``key_prefix`` (default "splitserve:kv:"), ``ttl_seconds`` (default 60), ``piece_bytes``
+    (default 4 MiB), ``checksum`` ("xxh3" or "none", see ``header.CHECKSUM_TYPES``), and this worker's
+    credentials for every Redis it connects to (``RedisAccess``): ``username``, ``password``, ``tls_ca_file``,
+    ``tls_cert_file``, ``tls_key_file``.
+
+    Raises:
+        ValueError: ``url`` is not a Redis URL or holds a password.
+    """
 
     def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout, url: str = "redis://127.0.0.1:6379/0",
                  key_prefix: str = "splitserve:kv:", ttl_seconds: float = 60.0, piece_bytes: int = 4 << 20,
-                 checksum: str = "xxh3") -> None:
+                 checksum: str = "xxh3", username: str | None = None, password: str | None = None,
+                 tls_ca_file: str | None = None, tls_cert_file: str | None = None,
+                 tls_key_file: str | None = None) -> None:
         super().__init__(worker_id, model_fingerprint, layout, checksum)
-        self.url = url
+        self.url = public_redis_url(url)
+        self._access = RedisAccess(username or url_username(url), password, tls_ca_file, tls_cert_file, tls_key_file)
         self.key_prefix = key_prefix
         self.ttl_ms = int(float(ttl_seconds) * 1000)
         self.piece_bytes = int(piece_bytes)
@@ -63,13 +74,22 @@ class RedisConnector(KVConnector):
         self._inbox_client: redis.Redis | None = None
         self._buffer = torch.empty(0, dtype=torch.uint8)  # the receiving thread's, reused
 
+    def _new_client(self, url: str) -> redis.Redis:
+        """A client of ``url`` (public: no user name) with this worker's own credentials."""
+        return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30,
+                                    **self._access.client_options(url))
+
     def _client(self, url: str) -> redis.Redis:
+        try:
+            url = public_redis_url(url)
+        except ValueError as error:
+            raise KVTransferError(f"The decode worker advertises an unusable Redis URL: {error}") from None
         with self._clients_lock:
             if self._closed.is_set():
                 raise KVTransferError("The redis KV connector is closed.")
             client = self._clients.get(url)
             if client is None:
-                client = self._clients[url] = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
+                client = self._clients[url] = self._new_client(url)
             return client
 
     # ---- decode side ---------------------------------------------------------------------
@@ -80,7 +100,13 @@ class RedisConnector(KVConnector):
     def start_receiving(self, on_payload: OnPayload, on_error: OnError) -> None:
         self._on_payload, self._on_error = on_payload, on_error
         # A connection of its own: BLPOP blocks it.
-        self._inbox_client = redis.Redis.from_url(self.url, socket_connect_timeout=5, socket_timeout=30)
+        self._inbox_client = self._new_client(self.url)
+        try:
+            self._inbox_client.ping()
+        except redis.RedisError as error:
+            if is_refusal(error) or is_tls_failure(error):  # a configuration error: say so at start
+                raise KVTransferError(failure_sentence(self.url, error)) from None
+            logger.warning("Redis at %s does not answer yet (the inbox thread retries): %s", self.url, error)
         self._thread = threading.Thread(target=self._receive, name="redis-kv-inbox", daemon=True)
         self._thread.start()
 
@@ -181,7 +207,7 @@ class RedisConnector(KVConnector):
             pipeline.pexpire(inbox, self.ttl_ms)
             pipeline.execute()
         except redis.RedisError as error:
-            raise KVTransferError(f"Sending KV through Redis at {destination.address} failed: {error}") from None
+            raise KVTransferError(failure_sentence(public_redis_url(destination.address), error)) from None
 
     def close(self) -> None:
         """Stop the inbox thread (its blocking read is interrupted) and close the connections."""
@@ -207,3 +233,27 @@ def _parse_envelope(envelope: bytes) -> tuple[TransferHeader, list[str]]:
     if not isinstance(keys, list):
         raise KVTransferError("A KV envelope without its list of piece keys.")
     return header, keys
+
+
+def is_refusal(error: redis.RedisError) -> bool:
+    """Whether Redis refused this worker's credentials (rather than being unreachable or failing)."""
+    if isinstance(error, redis.AuthenticationError):
+        return True
+    message = str(error)
+    return message.startswith(("NOAUTH", "WRONGPASS", "NOPERM")) or "without any password configured" in message
+
+
+def is_tls_failure(error: redis.RedisError) -> bool:
+    return "SSL" in str(error)
+
+
+def failure_sentence(url: str, error: redis.RedisError) -> str:
+    """What to tell the operator about a failed Redis call (Redis's and redis-py's reasons never hold the
+    password, and ``url`` is the public one)."""
+    reason = str(error)[:200]
+    if is_refusal(error):
+        return f"Redis at {url} refused this worker ({reason}): {CREDENTIALS_HINT}."
+    if is_tls_failure(error):
+        return (f"TLS with Redis at {url} failed ({reason}): give --redis-tls-ca the CA that signed Redis's "
+                f"certificate (and --redis-tls-cert and --redis-tls-key if Redis asks for a client certificate).")
+    return f"Sending KV through Redis at {url} failed: {reason}"

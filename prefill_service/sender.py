@@ -10,10 +10,15 @@ while its later chunks are still computed. The last save carries the first
 token. When the last payload is handed over (or the transfer fails), the save
 is reported to the engine, which frees the blocks, and the servicer waiting
 on the transfer hears of it.
+
+With ``WorkerConfig.kv_faults`` set (tests only), each payload may be failed,
+stamped with a foreign model's fingerprint or corrupted on its way to the
+transport (``faults.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,6 +27,7 @@ import time
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.log_fields import request_log
 from splitserve.engine.kv_connector import KVConnectorBase, KVConnectorEvents, KVLoad, KVSave
+from splitserve.prefill_service.faults import KVFault, KVFaultInjector, KVFaults, foreign_fingerprint, send_corrupted
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +40,11 @@ class TransferSender:
         kv_cache: the engine's KV cache tensor ``[blocks, layers, 2, kv_heads, block_size, head_size]``.
         request_id, transfer_id, destination, num_prompt_tokens: what the servicer announced.
         on_end: called on the sender's thread when it stops, with itself.
+        faults: draws the fault each payload gets (tests only; None: every payload goes untouched).
     """
 
     def __init__(self, transport, kv_cache, request_id: str, transfer_id: str, destination,
-                 num_prompt_tokens: int, on_end) -> None:
+                 num_prompt_tokens: int, on_end, faults: KVFaultInjector | None = None) -> None:
         self.transport = transport
         self.kv_cache = kv_cache
         self.request_id = request_id
@@ -54,6 +61,7 @@ class TransferSender:
         self.finished = threading.Event()
         self.last_handed_over: float | None = None
         self._on_end = on_end
+        self._faults = faults
         self._cancelled = False
         self._sending = False
         self._lock = threading.Lock()
@@ -116,11 +124,31 @@ class TransferSender:
             num_prompt_tokens=save.num_prompt_tokens, payload_num_bytes=payload.num_bytes, checksum=None,
             is_last=save.is_last, first_token_id=save.first_token_id,
         )
-        transport.send(self.destination, header, payload)
+        self._hand_over(header, payload)
         self.num_sent_tokens = save.first_token_position + save.num_tokens
         self.num_sent_blocks += len(save.block_ids)
         self.num_sent_bytes += header.payload_num_bytes
         self.num_sends += 1
+
+    def _hand_over(self, header, payload) -> None:
+        """Give one payload to the transport: the one place a payload leaves, and where faults are injected."""
+        fault = self._faults.draw() if self._faults is not None else None
+        if fault is None:
+            self.transport.send(self.destination, header, payload)
+            return
+        from splitserve.kvtransfer.errors import KVTransferError
+
+        request_log(logger, self.request_id, self.transfer_id).warning(
+            "Injecting KV fault %r into the payload of tokens %d..%d", fault.value, header.first_token_position,
+            header.first_token_position + header.num_tokens)
+        if fault is KVFault.FAIL_SEND:
+            raise KVTransferError("Injected KV fault: the connection to the decode worker broke before the payload "
+                                  "was sent.")
+        if fault is KVFault.FOREIGN_MODEL:
+            header = dataclasses.replace(header, model_fingerprint=foreign_fingerprint(header.model_fingerprint))
+            self.transport.send(self.destination, header, payload)
+            return
+        send_corrupted(self.transport, self.destination, header, payload)
 
 
 class KVSender(KVConnectorBase):
@@ -128,10 +156,15 @@ class KVSender(KVConnectorBase):
 
     Args:
         transport: the worker's transport connector (``splitserve.kvtransfer``).
+        faults: faults to inject into the payloads sent (tests only; ``WorkerConfig.kv_faults``); None: none.
     """
 
-    def __init__(self, transport) -> None:
+    def __init__(self, transport, faults: KVFaults | None = None) -> None:
         self.transport = transport
+        self._faults = KVFaultInjector(faults) if faults is not None and faults.enabled else None
+        if self._faults is not None:
+            logger.warning("KV fault injection is ON (%s): payloads sent from this worker may fail, name another "
+                           "model or arrive corrupted. For fault-injection tests only.", faults.describe())
         self._kv_cache = None
         self._transfers: dict[str, TransferSender] = {}
         self._events = KVConnectorEvents()
@@ -149,7 +182,7 @@ class KVSender(KVConnectorBase):
             if request_id in self._transfers:
                 raise InvalidRequest(f"Request id {request_id!r} is already being prefilled here.")
             sender = TransferSender(self.transport, self._kv_cache, request_id, transfer_id, destination,
-                                    num_prompt_tokens, self._ended)
+                                    num_prompt_tokens, self._ended, self._faults)
             self._transfers[request_id] = sender
         return sender
 

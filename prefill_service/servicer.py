@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from splitserve.common.errors import Cancelled, InvalidRequest, Unavailable
+from splitserve.common.errors import Aborted, Cancelled, InvalidRequest
 from splitserve.common.ids import MAX_WORKER_ID_LENGTH, check_id
 from splitserve.common.log_fields import request_log
 from splitserve.common.types import FinishReason
@@ -98,7 +98,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             sampled = time.monotonic()
             if not sender.wait(_SEND_TIMEOUT_SECONDS) or not sender.succeeded:
                 reason = sender.error or "timed out"
-                raise Unavailable(f"Cannot send the prompt's KV to {request.destination.address}: {reason}")
+                raise Aborted(f"Cannot deliver the prompt's KV to {request.destination.address}: {reason}")
             runtime.counters.add(num_kv_transfers_sent=1, num_kv_bytes=sender.num_sent_bytes)
             request_log(logger, request_id, request.transfer_id).info(
                 "KV of %d prompt tokens sent in %d sends as steps completed them (%.1f MB)",

@@ -7,16 +7,24 @@ import threading
 import grpc
 
 from splitserve.rpc.auth import with_cluster_token
+from splitserve.rpc.tls import TLSConfig, open_channel
 from splitserve.v1 import worker_pb2_grpc
 
 
 class Channels:
-    """One gRPC channel per worker address, shared by all requests; each call carries the cluster token if set."""
+    """One gRPC channel per worker address, shared by all requests; each call carries the cluster token if set.
 
-    def __init__(self, cluster_token: str | None = None) -> None:
+    Args:
+        cluster_token: sent with every call to a worker (None: none sent).
+        tls: call workers over TLS, verifying their certificates and presenting the router's own (which
+            workers under mutual TLS require); None: plaintext.
+    """
+
+    def __init__(self, cluster_token: str | None = None, tls: TLSConfig | None = None) -> None:
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._cluster_token = cluster_token
+        self._tls = tls
 
     def __repr__(self) -> str:
         return f"Channels({len(self._channels)} workers)"
@@ -25,7 +33,7 @@ class Channels:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = with_cluster_token(grpc.insecure_channel(address),
+                channel = self._channels[address] = with_cluster_token(open_channel(address, self._tls),
                                                                        self._cluster_token)
             return channel
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.rpc.auth import Credentials
+from splitserve.rpc.tls import TLSConfig
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 
@@ -34,8 +35,13 @@ class RouterConfig:
         drain_timeout_seconds: on SIGTERM or SIGINT, how long requests in flight may finish (new ones are
             refused with UNAVAILABLE) before the rest are aborted and the router stops.
         block_size: KV block size of the workers (prefix-aware routing hashes whole blocks).
+        migration_limit: times one request may move to another decode worker when its decode worker fails
+            mid-stream (0: never; the stream then ends with FINISH_REASON_ERROR).
         credentials: API keys required on the Inference service and the cluster token required on
             WorkerRegistry and sent to workers (``splitserve.rpc.auth``; empty: open). Never in ``repr``.
+        tls: the router's certificate, key and CA (``splitserve.rpc.tls``), used both for its own port (with a
+            CA: workers and clients must present certificates signed by it) and for its calls to workers
+            (None: plaintext).
     """
 
     host: str = "127.0.0.1"
@@ -56,7 +62,9 @@ class RouterConfig:
     kv_timeout_seconds: float | None = None
     drain_timeout_seconds: float = 30.0
     block_size: int = 16
+    migration_limit: int = 3
     credentials: Credentials = field(default_factory=Credentials)
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefill_policy", "decode_policy"):
@@ -70,6 +78,8 @@ class RouterConfig:
             raise ValueError("heartbeat_seconds must be > 0 and shorter than lease_seconds.")
         if self.prefill_attempts < 1:
             raise ValueError(f"prefill_attempts must be >= 1, got {self.prefill_attempts}.")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}.")
         if not self.drain_timeout_seconds >= 0:
             raise ValueError(f"drain_timeout_seconds must be >= 0, got {self.drain_timeout_seconds}.")
         if self.kv_timeout_seconds is not None and not self.kv_timeout_seconds > 0:

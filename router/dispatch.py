@@ -13,6 +13,7 @@ attempt; when every attempt fails, the decode worker prefills locally.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from splitserve.common.errors import Cancelled, NoWorkerAvailable, Unavailable
+from splitserve.common.errors import Cancelled, NoWorkerAvailable, Overloaded, Unavailable
 from splitserve.common.types import WorkerRole
 from splitserve.router.channels import Channels
 from splitserve.router.config import RouterConfig
@@ -53,15 +54,24 @@ class DecodeStreamFailed(ServiceError):
         reason: its call's status code and details, e.g. "UNAVAILABLE: Socket closed".
     """
 
-    def __init__(self, worker_id: str, error: grpc.RpcError) -> None:
+    def __init__(self, worker_id: str, reason: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
         self.worker_id = worker_id
-        self.reason = f"{error.code().name}: {error.details() or 'no details'}"
-        super().__init__(f"Decode worker {worker_id} failed during the request: {error.details()}", error.code())
+        self.reason = reason
+        super().__init__(f"Decode worker {worker_id} failed during the request: {reason}", code)
+
+    @classmethod
+    def of(cls, worker_id: str, error: grpc.RpcError) -> DecodeStreamFailed:
+        """The failure of a decode stream that ended with ``error``."""
+        return cls(worker_id, f"{error.code().name}: {error.details() or 'no details'}", error.code())
 
 
 @dataclass
 class RouterRequest:
-    """A request in flight on the router, with what cancels its worker calls."""
+    """A request in flight on the router, with what cancels its worker calls.
+
+    After a migration (:meth:`continue_after`) ``prompt`` and ``sampling_params`` are those of the
+    continuation the workers run; ``original_prompt`` stays the client's.
+    """
 
     request_id: str
     prompt: Prompt
@@ -70,8 +80,40 @@ class RouterRequest:
     aborted: bool = False
     prefill: worker_pb2.PrefillResponse | None = None
     prefilled_remotely: bool = False
+    original_prompt: Prompt | None = None  # the client's; set in __post_init__
+    original_sampling_params: inference_pb2.SamplingParams | None = None  # the client's; set in __post_init__
+    num_migrations: int = 0
+    excluded_decode_workers: set[str] = field(default_factory=set)  # decode workers that failed this request
     _cancels: list[Callable[[], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.original_prompt is None:
+            self.original_prompt = self.prompt
+        if self.original_sampling_params is None:
+            self.original_sampling_params = self.sampling_params
+
+    def continue_after(self, sent_token_ids: list[int], failed_worker_id: str, max_tokens: int) -> None:
+        """Turn this request into its continuation on another decode worker (a migration): the prompt becomes
+        the client's prompt plus every token already streamed, ``max_tokens`` and ``min_tokens`` shrink by
+        their number, and the failed worker is not chosen again.
+
+        Args:
+            sent_token_ids: every token the client has received so far.
+            failed_worker_id: the decode worker whose stream failed.
+            max_tokens: the request's effective max_tokens (its default applied).
+        """
+        num_sent = len(sent_token_ids)
+        params = inference_pb2.SamplingParams()
+        params.CopyFrom(self.original_sampling_params)
+        params.max_tokens = max(max_tokens - num_sent, 1)
+        params.min_tokens = max(params.min_tokens - num_sent, 0)
+        self.sampling_params = params
+        self.prompt = Prompt(list(self.original_prompt.token_ids) + list(sent_token_ids), None)
+        self.prefill = None
+        self.prefilled_remotely = False
+        self.num_migrations += 1
+        self.excluded_decode_workers.add(failed_worker_id)
 
     def on_cancel(self, cancel: Callable[[], None]) -> None:
         """Run ``cancel`` when the request is cancelled (at once if it already was)."""
@@ -90,6 +132,24 @@ class RouterRequest:
             cancel()
 
 
+class _PrefillOutcome(enum.Enum):
+    DONE = "done"
+    WORKER_FAILED = "worker failed"  # try another prefill worker
+    KV_DELIVERY_FAILED = "KV delivery failed"  # the prefill worker is fine: the destination or the KV store is not
+
+
+class _OpenStream:
+    """A decode stream the dispatcher relays, which it may end when the registry loses its worker."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+        self.lost_reason = ""
+
+    def lose(self, reason: str) -> None:
+        self.lost_reason = reason
+        self.call.cancel()
+
+
 class Dispatcher:
     """Runs requests across the registry's workers."""
 
@@ -100,6 +160,9 @@ class Dispatcher:
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.channels = channels
+        self._streams: dict[str, set[_OpenStream]] = {}  # decode worker id -> streams open on it
+        self._streams_lock = threading.Lock()
+        registry.on_removed(self._workers_lost)
 
     def run(self, job: RouterRequest, timeout: Callable[[], float | None]) -> Iterator[worker_pb2.DecodeResponse]:
         """The decode worker's messages for ``job`` after its acknowledgement, the last one finished.
@@ -114,52 +177,78 @@ class Dispatcher:
             RequestCancelled: the request was aborted.
         """
         call, decode_worker = self._start(job, timeout)
+        stream = _OpenStream(call)
+        with self._streams_lock:
+            self._streams.setdefault(decode_worker.worker_id, set()).add(stream)
         try:
             yield from call
         except grpc.RpcError as error:
             if job.aborted:
                 raise RequestCancelled() from None
+            if stream.lost_reason:
+                raise DecodeStreamFailed(decode_worker.worker_id, stream.lost_reason) from None
             if error.code() == grpc.StatusCode.UNAVAILABLE:
                 self.registry.mark_unreachable(decode_worker.worker_id)
-            raise DecodeStreamFailed(decode_worker.worker_id, error) from None
+            raise DecodeStreamFailed.of(decode_worker.worker_id, error) from None
         finally:
             call.cancel()
+            with self._streams_lock:
+                self._streams.get(decode_worker.worker_id, set()).discard(stream)
             self.registry.end_request(decode_worker.worker_id)
+
+    def _workers_lost(self, workers: list[Worker]) -> None:
+        """The registry removed ``workers`` (silent past their lease): end the streams still open on them, so
+        their requests migrate instead of waiting on a worker that will not answer (one stopped, say)."""
+        for worker in workers:
+            with self._streams_lock:
+                streams = self._streams.pop(worker.worker_id, set())
+            for stream in streams:
+                stream.lose(f"no heartbeat for {self.registry.lease_duration_seconds:g} s, the router gave the "
+                            "worker up")
 
     # ---- choosing workers and starting calls ----------------------------------------------
 
     def _start(self, job: RouterRequest, timeout):
         """Open the decode stream (after a remote prefill when there is one); returns (call, decode worker)."""
-        tried_decode: set[str] = set()
+        tried_decode: set[str] = set(job.excluded_decode_workers)
         tried_prefill: set[str] = set()
         prefill_failures = 0
+        refusals: set[grpc.StatusCode] = set()  # how decode workers refused this request
         for _ in range(_MAX_DECODE_ATTEMPTS + self.config.prefill_attempts):
-            decode_worker, colocated = self._choose_decode(job, tried_decode)
+            try:
+                decode_worker, colocated = self._choose_decode(job, tried_decode)
+            except Unavailable as error:
+                raise _all_full(tried_decode, refusals) or error from None
             prefill_worker = None
             if not colocated and prefill_failures < self.config.prefill_attempts:
                 prefill_worker = self._choose_prefill(job, tried_prefill)
             transfer_id = uuid.uuid4().hex if prefill_worker is not None else ""
             attempt_id = f"{job.request_id}#{uuid.uuid4().hex[:8]}"
             opened = self._open_decode(job, attempt_id, decode_worker, prefill_worker, transfer_id, timeout)
-            if opened is None:
+            if isinstance(opened, grpc.StatusCode):
                 tried_decode.add(decode_worker.worker_id)
+                refusals.add(opened)
                 continue
             call, ack = opened
             if prefill_worker is None:
                 return call, decode_worker
-            prefilled = False
+            outcome = None
             try:
-                prefilled = self._prefill(job, attempt_id, prefill_worker, decode_worker, transfer_id, timeout,
-                                          ack.num_cached_prompt_tokens)
+                outcome = self._prefill(job, attempt_id, prefill_worker, decode_worker, transfer_id, timeout,
+                                        ack.num_cached_prompt_tokens)
             finally:
-                if not prefilled:  # failed, cancelled or timed out: drop this decode attempt (its blocks are freed)
-                    call.cancel()
+                if outcome is not _PrefillOutcome.DONE:  # failed, cancelled or timed out: drop this decode attempt
+                    call.cancel()                        # (its blocks are freed)
                     self.registry.end_request(decode_worker.worker_id)
-            if prefilled:
+            if outcome is _PrefillOutcome.DONE:
                 return call, decode_worker
+            if outcome is _PrefillOutcome.KV_DELIVERY_FAILED:  # the prefill worker is fine; the KV path is not
+                prefill_failures = self.config.prefill_attempts  # next: a decode worker prefills locally
+                continue
             tried_prefill.add(prefill_worker.worker_id)
             prefill_failures += 1
-        raise Unavailable("No decode worker could take the request: every attempt failed.")
+        raise _all_full(tried_decode, refusals) or Unavailable("No decode worker could take the request: every "
+                                                               "attempt failed.")
 
     def _choose_decode(self, job: RouterRequest, tried: set[str]) -> tuple[Worker, bool]:
         for role, colocated in ((WorkerRole.DECODE, False), (WorkerRole.BOTH, True)):
@@ -180,7 +269,8 @@ class Dispatcher:
         return self.prefill_policy.choose(workers, job.prompt.token_ids)
 
     def _open_decode(self, job, attempt_id, decode_worker, prefill_worker, transfer_id, timeout):
-        """Start Decode and read its acknowledgement: (call, ack), or None if the worker is unreachable or full."""
+        """Start Decode and read its acknowledgement: (call, ack), or the status code with which the worker
+        refused it in a way another worker may not (unreachable, full)."""
         request = worker_pb2.DecodeRequest(
             request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
             sampling_params=job.sampling_params, prefill_locally=prefill_worker is None,
@@ -205,7 +295,7 @@ class Dispatcher:
                 self.registry.mark_unreachable(decode_worker.worker_id)
             logger.warning("Decode worker %s refused request %s: %s", decode_worker.worker_id, job.request_id,
                            error.details())
-            return None
+            return error.code()
         finally:
             if not acknowledged:  # refused, cancelled or failed: released here, once
                 call.cancel()
@@ -213,9 +303,15 @@ class Dispatcher:
         return call, ack
 
     def _prefill(self, job, attempt_id, prefill_worker, decode_worker, transfer_id, timeout,
-                 num_destination_cached_tokens: int) -> bool:
-        """Run the prefill (sending only the KV the decode worker does not cache); False if it failed in a
-        way another worker may not."""
+                 num_destination_cached_tokens: int) -> _PrefillOutcome:
+        """Run the prefill (sending only the KV the decode worker does not cache): DONE, WORKER_FAILED when it
+        failed in a way another prefill worker may not, KV_DELIVERY_FAILED when the prefill worker could not
+        deliver the KV (ABORTED: the destination's KV endpoint or the KV store failed, not the prefill worker).
+
+        Raises:
+            RequestCancelled: the request was aborted.
+            ServiceError: a refusal another worker would share (INVALID_ARGUMENT, say), relayed.
+        """
         request = worker_pb2.PrefillRequest(
             request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
             sampling_params=job.sampling_params, destination=decode_worker.kv_endpoint,
@@ -227,18 +323,32 @@ class Dispatcher:
             job.on_cancel(future.cancel)
             job.prefill = future.result()
             job.prefilled_remotely = True
-            return True
+            return _PrefillOutcome.DONE
         except grpc.RpcError as error:
             if job.aborted:
                 raise RequestCancelled() from None
+            if error.code() == grpc.StatusCode.ABORTED:
+                logger.warning("Prefill of %s on %s could not deliver its KV to decode worker %s (%s); the decode "
+                               "worker prefills it", job.request_id, prefill_worker.worker_id,
+                               decode_worker.worker_id, error.details())
+                return _PrefillOutcome.KV_DELIVERY_FAILED
             if error.code() not in _RETRYABLE:
                 raise ServiceError(error.details() or str(error.code()), error.code()) from None
             if error.code() == grpc.StatusCode.UNAVAILABLE:
                 self.registry.mark_unreachable(prefill_worker.worker_id)
             logger.warning("Prefill of %s on %s failed (%s: %s); trying again", job.request_id,
                            prefill_worker.worker_id, error.code().name, error.details())
-            return False
+            return _PrefillOutcome.WORKER_FAILED
         except grpc.FutureCancelledError:
             raise RequestCancelled() from None
         finally:
             self.registry.end_request(prefill_worker.worker_id)
+
+
+def _all_full(tried_decode: set[str], refusals: set[grpc.StatusCode]) -> Overloaded | None:
+    """RESOURCE_EXHAUSTED for the client when every decode worker tried refused for want of room (back off and
+    retry), rather than UNAVAILABLE; None otherwise."""
+    if refusals != {grpc.StatusCode.RESOURCE_EXHAUSTED}:
+        return None
+    return Overloaded(f"Every decode worker tried is full (tried {', '.join(sorted(tried_decode))}): no free KV "
+                      "blocks or queue room for this request now; retry later.")

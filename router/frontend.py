@@ -22,11 +22,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
+
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.model_info import ModelConfig, find_model_dir, has_weights, model_fingerprint
 from splitserve.common.prompt import validate_prompt_token_ids
 from splitserve.common.sampling_params import MAX_LOGPROBS
 from splitserve.v1 import inference_pb2
+
+# A chat template's own error message may quote the client's messages: at most this much of it is echoed.
+_ECHOED_TEMPLATE_ERROR_CHARACTERS = 160
 
 
 @dataclass
@@ -60,11 +65,27 @@ class Frontend:
         self.model_name = self.model_dir.name
 
     def prompt_of(self, request) -> Prompt:
-        """The token ids of a GenerateRequest's (or TokenizeRequest's) prompt.
+        """The validated token ids of a GenerateRequest's prompt: what the workers will continue.
 
         Raises:
-            InvalidRequest: no prompt, an empty one, ids outside the vocabulary,
-                or one that leaves no room to generate within max_model_len.
+            InvalidRequest: what :meth:`tokenize` refuses, an empty prompt, ids outside the
+                vocabulary, or one that leaves no room to generate within max_model_len.
+        """
+        prompt = self.tokenize(request)
+        prompt.token_ids = validate_prompt_token_ids(prompt.token_ids, self.model_config.vocab_size,
+                                                     self.max_model_len)
+        return prompt
+
+    def tokenize(self, request) -> Prompt:
+        """The token ids of a GenerateRequest's or TokenizeRequest's prompt, as Generate tokenizes it.
+
+        Not held to the generation limits (Tokenize answers a prompt of any length, with
+        max_model_len beside it), except that text too large to ever fit is refused
+        before the tokenizer sees it.
+
+        Raises:
+            InvalidRequest: no prompt, text or chat too large for max_model_len (not
+                tokenized), or a chat the model's template cannot render.
         """
         kind = request.WhichOneof("prompt")
         if kind is None:
@@ -76,11 +97,11 @@ class Frontend:
         elif kind == "token_ids":
             text, token_ids = None, list(request.token_ids.ids)
         else:
-            self._check_size("".join(message.content for message in request.chat.messages), "chat's content")
+            messages = request.chat.messages
+            self._check_size("".join(message.role + message.content for message in messages), "chat's messages")
             text = self.render_chat(request.chat)
             self._check_size(text, "rendered chat")
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        token_ids = validate_prompt_token_ids(token_ids, self.model_config.vocab_size, self.max_model_len)
         return Prompt(token_ids, text)
 
     def _check_size(self, text: str, what: str) -> None:
@@ -92,12 +113,19 @@ class Frontend:
         limit = self.max_model_len * self.max_token_bytes
         num_bytes = len(text.encode("utf-8"))
         if num_bytes > limit:
+            verb = "are" if what.endswith("s") else "is"
             raise InvalidRequest(
-                f"The {what} is {num_bytes} bytes, more than max_model_len tokens can hold: {limit} bytes "
+                f"The {what} {verb} {num_bytes} bytes, more than max_model_len tokens can hold: {limit} bytes "
                 f"(max_model_len {self.max_model_len} x {self.max_token_bytes} bytes, the longest token)."
             )
 
     def render_chat(self, chat: inference_pb2.ChatPrompt) -> str:
+        """The chat rendered through the model's chat template.
+
+        Raises:
+            InvalidRequest: no template, no messages, a message without a role, or
+                messages the template refuses (its error, at most 160 characters of it).
+        """
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("This model has no chat template; send the prompt as text or token ids.")
         if not chat.messages:
@@ -107,7 +135,12 @@ class Frontend:
             if not message["role"]:
                 raise InvalidRequest(f"Chat message {index} has no role.")
         add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as error:  # the template's own raise_exception(...), or a message it cannot read
+            reason = str(error).strip().rstrip(".")[:_ECHOED_TEMPLATE_ERROR_CHARACTERS] or type(error).__name__
+            raise InvalidRequest(f"The model's chat template refused these messages: {reason}.") from None
 
     def model_info(self) -> inference_pb2.GetModelInfoResponse:
         """The model's facts (the servicer adds the cluster's fingerprint and block size)."""

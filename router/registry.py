@@ -19,6 +19,7 @@ the errors live in ``router/worker.py``.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import itertools
 import threading
 import time
@@ -32,8 +33,8 @@ from splitserve.router.worker import (
     FingerprintMismatch,
     InvalidRegistration,
     KVCacheLayout,
+    RegistrationInUse,
     UnknownLease,
-    UnknownWorker,
     Worker,
     WorkerIdInUse,
     check_kv_identity,
@@ -80,6 +81,12 @@ class WorkerRegistry:
         self._leases: dict[str, str] = {}  # lease id -> worker id
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._removal_listeners: list[Callable[[list[Worker]], None]] = []
+
+    def on_removed(self, listener: Callable[[list[Worker]], None]) -> None:
+        """Call ``listener`` with copies of the workers ``expire`` removes (silent past their lease), outside
+        the lock."""
+        self._removal_listeners.append(listener)
 
     @property
     def model_fingerprint(self) -> str | None:
@@ -91,36 +98,47 @@ class WorkerRegistry:
 
     def register(self, role: WorkerRole, address: str, kv_endpoint: Any = None, capacity: Any = None,
                  model_fingerprint: str = "", state: WorkerState = WorkerState.SERVING, worker_id: str = "",
-                 kv_layout: KVCacheLayout | None = None) -> Worker:
+                 kv_layout: KVCacheLayout | None = None, previous_lease_id: str = "",
+                 identity: str | None = None) -> Worker:
         """Add a worker with a new lease and return a copy of it.
 
-        A worker registered before from the same ``address`` is replaced (a
-        restarted worker; its old lease dies; its in-flight count carries over
-        when the id is the same). A ``worker_id`` held at another address by a
-        worker silent for ``unreachable_after_seconds`` is taken over. Empty
-        ``worker_id``: one is assigned (``decode-1``, ``prefill-2``, ``worker-3``).
+        A registration is bound to whoever made it: its lease id and, under mutual
+        TLS, the client-certificate ``identity``. A registration with the ``address``
+        or ``worker_id`` of another one replaces it (its old lease dies; its in-flight
+        count carries over when the id is the same) only when that one is silent
+        (``unreachable_after_seconds`` without a heartbeat: a restarted worker) or
+        the caller proves it made it (``previous_lease_id`` is its lease, or the same
+        non-empty ``identity``). Empty ``worker_id``: one is assigned (``decode-1``,
+        ``prefill-2``, ``worker-3``).
 
         A prefill or decode worker's ``kv_layout`` must equal the other prefill and
         decode workers' (the first one sets it; colocated workers exchange no KV and
         are not checked).
 
         Raises:
-            InvalidRegistration: no address, a bad role or state; a prefill or decode worker without a fingerprint.
+            InvalidRegistration: no address, a bad role or state; a prefill or decode worker without a fingerprint
+                or a KV layout.
             WorkerIdInUse: ``worker_id`` belongs to a live worker at another address.
+            RegistrationInUse: ``address`` or ``worker_id`` is a live registration the caller did not make.
             FingerprintMismatch: it serves other weights than the cluster.
             KVLayoutMismatch: a prefill or decode worker with another KV layout than the cluster's.
         """
         check_registration(role, address)
-        check_kv_identity(role, model_fingerprint)
+        check_kv_identity(role, model_fingerprint, kv_layout)
         if not isinstance(state, WorkerState) or state == WorkerState.UNREACHABLE:
             raise InvalidRegistration(f"A worker registers as STARTING, SERVING or DRAINING, not {state!r}.")
         with self._lock:
             previous = self._by_address(address)
+            if previous is not None and not self._may_replace(previous, previous_lease_id, identity):
+                raise RegistrationInUse(
+                    f"The worker at {address} is registered and alive, and only it can register there again. A "
+                    f"restarted worker registers once the old one is silent ({self.unreachable_after_seconds:g} s)."
+                )
             self._check_fingerprint(address, model_fingerprint, excluding=previous)
             self._check_kv_layout(address, role, kv_layout, excluding=previous)
             holder = self._workers.get(worker_id) if worker_id else None
             if holder is not None and holder is not previous:
-                if not self._is_silent(holder):
+                if not self._may_replace(holder, previous_lease_id, identity):
                     raise WorkerIdInUse(
                         f"Worker id {worker_id!r} is in use by the live worker at {holder.address}: give this "
                         "worker another --worker-id, or stop that one first."
@@ -135,7 +153,7 @@ class WorkerRegistry:
             worker = Worker(worker_id or self._new_id(role), role, address, kv_endpoint, capacity,
                             model_fingerprint, _exchanged_layout(role, kv_layout), state,
                             lease_id=uuid.uuid4().hex, registered_at=now,
-                            last_heard=now, num_in_flight=num_in_flight)
+                            last_heard=now, num_in_flight=num_in_flight, identity=identity)
             self._workers[worker.worker_id] = worker
             self._leases[worker.lease_id] = worker.worker_id
             return snapshot(worker)
@@ -175,16 +193,21 @@ class WorkerRegistry:
         with self._lock:
             self._remove(self._by_lease(lease_id))
 
-    def drain(self, worker_id: str) -> int:
-        """Mark the worker DRAINING (sticky: no heartbeat undoes it); returns its requests in flight.
+    def drain(self, lease_id: str, worker_id: str = "") -> int:
+        """Mark the worker holding ``lease_id`` DRAINING (sticky: no heartbeat undoes it); returns its requests
+        in flight. Only the worker itself holds its lease, so only it can drain itself.
 
         Raises:
-            UnknownWorker: no worker with this id.
+            InvalidRegistration: no ``lease_id``.
+            UnknownLease: unknown or expired lease, or ``worker_id`` given and not the lease's worker.
         """
+        if not lease_id:
+            raise InvalidRegistration("lease_id is required: a worker drains itself with the lease its "
+                                      "registration was granted (drain another worker by sending it SIGTERM).")
         with self._lock:
-            worker = self._workers.get(worker_id)
-            if worker is None:
-                raise UnknownWorker(f"No worker {worker_id!r} in the registry.")
+            worker = self._by_lease(lease_id)
+            if worker_id and worker_id != worker.worker_id:
+                raise UnknownLease("This lease is not the named worker's.")
             worker.state = WorkerState.DRAINING
             return worker.num_in_flight
 
@@ -205,7 +228,7 @@ class WorkerRegistry:
             worker = self._by_lease(lease_id)
             if self._clock() - worker.last_heard >= self.lease_duration_seconds:
                 self._remove(worker)
-                raise UnknownLease(f"Lease {lease_id!r} expired: register again.")
+                raise UnknownLease("This lease expired: register again.")
             self._heard(worker, load, state)
             return worker.state, self.lease_duration_seconds
 
@@ -244,6 +267,9 @@ class WorkerRegistry:
                     removed.append(snapshot(worker))
                 elif silence >= self.unreachable_after_seconds and worker.state == WorkerState.SERVING:
                     worker.state = WorkerState.UNREACHABLE
+        if removed:
+            for listener in self._removal_listeners:
+                listener(removed)
         return removed
 
     # ---- reading ------------------------------------------------------------------------
@@ -294,6 +320,14 @@ class WorkerRegistry:
             return
         worker.state = WorkerState.SERVING if state == WorkerState.UNREACHABLE else state
 
+    def _may_replace(self, worker: Worker, previous_lease_id: str, identity: str | None) -> bool:
+        """Whether a new registration may replace ``worker``'s: it is silent, or the caller proves it made it."""
+        if self._is_silent(worker) or worker.is_static:  # a static entry (from the command line) binds no one
+            return True
+        if previous_lease_id and worker.lease_id and hmac.compare_digest(previous_lease_id, worker.lease_id):
+            return True
+        return identity is not None and worker.identity is not None and identity == worker.identity
+
     def _is_silent(self, worker: Worker) -> bool:
         if worker.state == WorkerState.UNREACHABLE:
             return True
@@ -335,7 +369,7 @@ class WorkerRegistry:
     def _by_lease(self, lease_id: str) -> Worker:
         worker_id = self._leases.get(lease_id)
         if worker_id is None or worker_id not in self._workers:
-            raise UnknownLease(f"Lease {lease_id!r} is unknown or expired: register again.")
+            raise UnknownLease("This lease is unknown or expired: register again.")
         return self._workers[worker_id]
 
     def _remove(self, worker: Worker) -> None:

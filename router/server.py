@@ -15,7 +15,7 @@ from splitserve.router.dispatch import Dispatcher
 from splitserve.router.frontend import Frontend
 from splitserve.router.policies import make_policy
 from splitserve.router.registry import WorkerRegistry
-from splitserve.router.servicer import InferenceServicer, RegistryServicer
+from splitserve.router.servicer import MAX_CONCURRENT_SMALL_CALLS, InferenceServicer, RegistryServicer
 from splitserve.router.worker import KVCacheLayout
 from splitserve.rpc.convert import worker_load_from_pb, worker_state_from_pb
 from splitserve.rpc.server import start_server
@@ -35,7 +35,7 @@ class Router:
             lease_duration_seconds=config.lease_seconds, heartbeat_interval_seconds=config.heartbeat_seconds,
             model_fingerprint=self.frontend.model_fingerprint,
         )
-        self.channels = Channels(config.credentials.cluster_token)
+        self.channels = Channels(config.credentials.cluster_token, config.tls)
         self.dispatcher = Dispatcher(
             config, self.registry,
             make_policy(config.prefill_policy, WorkerRole.PREFILL, block_size=config.block_size),
@@ -43,7 +43,8 @@ class Router:
             self.channels,
         )
         self.inference = InferenceServicer(self.frontend, self.dispatcher, self.registry,
-                                           config.max_in_flight_requests, config.block_size)
+                                           config.max_in_flight_requests, config.block_size,
+                                           config.migration_limit)
         self._static: list[tuple[WorkerRole, str]] = (
             [(WorkerRole.PREFILL, a) for a in config.prefill_workers]
             + [(WorkerRole.DECODE, a) for a in config.decode_workers]
@@ -58,8 +59,11 @@ class Router:
                 (worker_pb2_grpc.add_WorkerRegistryServicer_to_server, RegistryServicer(self.registry),
                  "splitserve.v1.WorkerRegistry"),
             ],
-            max_workers=max(64, config.max_in_flight_requests + 16),
+            # Threads for every admitted generation call and every small call, and 16 more: heartbeats and
+            # registrations never wait behind request work.
+            max_workers=max(64, config.max_in_flight_requests + MAX_CONCURRENT_SMALL_CALLS + 16),
             credentials=config.credentials,
+            tls=config.tls,
         )
         self.address = f"{config.host}:{self.server.port}"
         self._static_ids: dict[str, str] = {}

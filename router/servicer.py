@@ -6,10 +6,12 @@ Methods raise domain errors (``splitserve.common.errors``); the interceptor that
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -32,17 +34,23 @@ from splitserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_
 
 logger = logging.getLogger(__name__)
 
+# Abort, Tokenize, GetModelInfo and GetClusterStatus calls answered at once; the router's server has threads for
+# these, max_in_flight_requests generation calls, and more (``router.server``), so heartbeats always find one.
+MAX_CONCURRENT_SMALL_CALLS = 8
+
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """The public API: validates, tokenizes, dispatches and relays."""
 
     def __init__(self, frontend: Frontend, dispatcher: Dispatcher, registry: WorkerRegistry,
-                 max_in_flight_requests: int, block_size: int) -> None:
+                 max_in_flight_requests: int, block_size: int, migration_limit: int = 3) -> None:
         self.frontend = frontend
         self.dispatcher = dispatcher
         self.registry = registry
         self.max_in_flight_requests = max_in_flight_requests
         self.block_size = block_size
+        self.migration_limit = migration_limit
+        self._small_calls = threading.BoundedSemaphore(MAX_CONCURRENT_SMALL_CALLS)
         self._in_flight: dict[str, RouterRequest] = {}
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -138,55 +146,106 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def _generate(self, job: RouterRequest, context):
         """The client's messages for ``job``. A failure before the first message raises (its status code);
-        after it, the stream ends with a last message carrying FINISH_REASON_ERROR, so the text sent is kept."""
-        first_token_time = None
-        num_sent_messages = num_sent_tokens = 0
-        try:
-            for message in self.dispatcher.run(job, lambda: _seconds_left(context)):
-                chunk = inference_pb2.GenerateStreamResponse(
-                    request_id=job.request_id, text=message.text, token_ids=message.token_ids,
-                    logprobs=message.logprobs, finish_reason=message.finish_reason,
-                    error_message=message.error_message,
-                )
-                if message.token_ids and first_token_time is None:
-                    first_token_time = time.monotonic()
-                    self._fill_first_logprobs(job, chunk)
-                kind = message.WhichOneof("stop_reason")
-                if kind:
-                    setattr(chunk, kind, getattr(message, kind))
-                if message.finish_reason:
-                    chunk.usage.CopyFrom(message.usage)
-                    chunk.timing.CopyFrom(self._timing(job, first_token_time))
-                if chunk.text or chunk.token_ids or chunk.finish_reason:
-                    yield chunk
-                    num_sent_messages += 1
-                    num_sent_tokens += len(chunk.token_ids)
-        except RequestCancelled:
-            yield inference_pb2.GenerateStreamResponse(
-                request_id=job.request_id, finish_reason=inference_pb2.FINISH_REASON_ABORT,
-                timing=self._timing(job, first_token_time),
-            )
-        except Exception as error:
-            if not num_sent_messages:
-                raise  # nothing reached the client: the status code says what failed
-            yield self._failed_mid_stream(job, error, num_sent_tokens, first_token_time)
+        after it, the stream ends with a last message carrying FINISH_REASON_ERROR, so the text sent is kept.
 
-    def _failed_mid_stream(self, job: RouterRequest, error: Exception, num_sent_tokens: int,
-                           first_token_time: float | None) -> inference_pb2.GenerateStreamResponse:
-        """The last message of a stream that failed after tokens were sent: FINISH_REASON_ERROR, a sentence, usage."""
+        A decode worker that fails mid-stream (killed, or lost by the registry) is replaced: the request
+        migrates to another decode worker as a continuation (the prompt plus the tokens already streamed,
+        :meth:`RouterRequest.continue_after`), at most ``migration_limit`` times, and the client sees one stream.
+        """
+        progress = _StreamProgress()
+        while True:
+            try:
+                for message in self.dispatcher.run(job, lambda: _seconds_left(context)):
+                    chunk = self._chunk(job, message, progress)
+                    if chunk is not None:
+                        yield chunk
+                return
+            except RequestCancelled:
+                yield inference_pb2.GenerateStreamResponse(
+                    request_id=job.request_id, finish_reason=inference_pb2.FINISH_REASON_ABORT,
+                    timing=self._timing(job, progress.first_token_time),
+                )
+                return
+            except DecodeStreamFailed as error:
+                progress.decode_failure = error
+                if self._migrate(job, error, progress):
+                    continue
+                failure = error
+            except Exception as error:
+                failure = error
+            if not progress.num_sent_messages:  # nothing reached the client: a status code says what failed
+                raise progress.decode_failure or failure
+            yield self._failed_mid_stream(job, failure, progress)
+            return
+
+    def _chunk(self, job: RouterRequest, message: worker_pb2.DecodeResponse,
+               progress: _StreamProgress) -> inference_pb2.GenerateStreamResponse | None:
+        """The client's message for one decode message (None when it carries nothing); counts what was sent."""
+        chunk = inference_pb2.GenerateStreamResponse(
+            request_id=job.request_id, text=message.text, token_ids=message.token_ids,
+            logprobs=message.logprobs, finish_reason=message.finish_reason,
+            error_message=message.error_message,
+        )
+        if message.token_ids:
+            if progress.first_token_time is None:
+                progress.first_token_time = time.monotonic()
+            if progress.num_attempt_tokens == 0:
+                self._fill_first_logprobs(job, chunk)
+            progress.num_attempt_tokens += len(message.token_ids)
+        kind = message.WhichOneof("stop_reason")
+        if kind:
+            setattr(chunk, kind, getattr(message, kind))
+        if message.finish_reason:
+            chunk.usage.CopyFrom(message.usage)
+            if job.num_migrations:  # the workers saw the continuation: report the client's request
+                chunk.usage.prompt_tokens = len(job.original_prompt.token_ids)
+                chunk.usage.completion_tokens = len(progress.sent_token_ids) + len(message.token_ids)
+            chunk.timing.CopyFrom(self._timing(job, progress.first_token_time))
+        if not (chunk.text or chunk.token_ids or chunk.finish_reason):
+            return None
+        progress.num_sent_messages += 1
+        progress.sent_token_ids.extend(chunk.token_ids)
+        return chunk
+
+    def _migrate(self, job: RouterRequest, error: DecodeStreamFailed, progress: _StreamProgress) -> bool:
+        """Turn ``job`` into its continuation on another decode worker, if it may migrate once more."""
+        if job.aborted or job.num_migrations >= self.migration_limit:
+            return False
+        max_tokens = sampling_params_from_pb(job.original_sampling_params).max_tokens
+        if len(progress.sent_token_ids) >= max_tokens:
+            return False
+        job.continue_after(progress.sent_token_ids, error.worker_id, max_tokens)
+        progress.num_attempt_tokens = 0
+        logger.warning("Request %s: decode worker %s failed after %d tokens (%s); migrating it (%d of at most %d)",
+                       job.request_id, error.worker_id, len(progress.sent_token_ids), error.reason,
+                       job.num_migrations, self.migration_limit)
+        return True
+
+    def _failed_mid_stream(self, job: RouterRequest, error: Exception,
+                           progress: _StreamProgress) -> inference_pb2.GenerateStreamResponse:
+        """The last message of a stream that failed after tokens were sent (or after a migration):
+        FINISH_REASON_ERROR, a sentence, usage."""
         if not isinstance(error, SplitserveError | grpc.RpcError):
             logger.exception("Request %s failed mid-stream", job.request_id)
-        if isinstance(error, DecodeStreamFailed):
-            what, details = f"The decode worker {error.worker_id}", error.reason
+        num_sent_tokens = len(progress.sent_token_ids)
+        failed = progress.decode_failure
+        if failed is not None:
+            message = (f"The decode worker {failed.worker_id} failed mid-stream after {num_sent_tokens} tokens: "
+                       f"{failed.reason.rstrip('.')}")
+            if error is not failed:
+                message += f"; no other decode worker could continue the request: {status_of(error)[1].rstrip('.')}"
+            elif job.num_migrations:
+                plural = "s" if job.num_migrations > 1 else ""
+                message += f" (after {job.num_migrations} migration{plural}, the limit)"
         else:
-            what, details = "The request", status_of(error)[1]
-        message = (f"{what} failed mid-stream after {num_sent_tokens} tokens: {details.rstrip('.')}; "
-                   "the text so far is complete up to here.")
+            message = f"The request failed mid-stream after {num_sent_tokens} tokens: {status_of(error)[1].rstrip('.')}"
+        message += "; the text so far is complete up to here."
         logger.warning("Request %s: %s", job.request_id, message)
         return inference_pb2.GenerateStreamResponse(
             request_id=job.request_id, finish_reason=inference_pb2.FINISH_REASON_ERROR, error_message=message,
-            usage=inference_pb2.Usage(prompt_tokens=len(job.prompt.token_ids), completion_tokens=num_sent_tokens),
-            timing=self._timing(job, first_token_time),
+            usage=inference_pb2.Usage(prompt_tokens=len(job.original_prompt.token_ids),
+                                      completion_tokens=num_sent_tokens),
+            timing=self._timing(job, progress.first_token_time),
         )
 
     @staticmethod
@@ -206,8 +265,36 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return timing
 
     # ---- the rest of the API ----------------------------------------------------------------
+    # At most MAX_CONCURRENT_SMALL_CALLS of these run at once (the rest: RESOURCE_EXHAUSTED): with generation
+    # capped by max_in_flight_requests, the router's gRPC threads always leave some for workers' heartbeats.
 
     def Abort(self, request: inference_pb2.AbortRequest, context) -> inference_pb2.AbortResponse:
+        with self._small_call():
+            return self._abort(request)
+
+    def Tokenize(self, request: inference_pb2.TokenizeRequest, context) -> inference_pb2.TokenizeResponse:
+        with self._small_call():
+            return self._tokenize(request)
+
+    def GetModelInfo(self, request, context) -> inference_pb2.GetModelInfoResponse:
+        with self._small_call():
+            return self._model_info()
+
+    def GetClusterStatus(self, request, context) -> inference_pb2.GetClusterStatusResponse:
+        with self._small_call():
+            return self._cluster_status()
+
+    @contextlib.contextmanager
+    def _small_call(self):
+        if not self._small_calls.acquire(blocking=False):
+            raise Overloaded(f"The router is answering {MAX_CONCURRENT_SMALL_CALLS} Abort, Tokenize, GetModelInfo "
+                             "and GetClusterStatus calls already, its limit; retry later.")
+        try:
+            yield
+        finally:
+            self._small_calls.release()
+
+    def _abort(self, request: inference_pb2.AbortRequest) -> inference_pb2.AbortResponse:
         request_id = check_id(request.request_id, "request_id")
         with self._lock:
             job = self._in_flight.get(request_id)
@@ -216,19 +303,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         job.cancel()
         return inference_pb2.AbortResponse(found=True)
 
-    def Tokenize(self, request: inference_pb2.TokenizeRequest, context) -> inference_pb2.TokenizeResponse:
-        prompt = self.frontend.prompt_of(request)
+    def _tokenize(self, request: inference_pb2.TokenizeRequest) -> inference_pb2.TokenizeResponse:
+        prompt = self.frontend.tokenize(request)  # no length limit: the client compares with max_model_len
         return inference_pb2.TokenizeResponse(
             token_ids=prompt.token_ids, prompt_text=prompt.text or "", max_model_len=self.frontend.max_model_len
         )
 
-    def GetModelInfo(self, request, context) -> inference_pb2.GetModelInfoResponse:
+    def _model_info(self) -> inference_pb2.GetModelInfoResponse:
         info = self.frontend.model_info()
         info.kv_block_size = self.block_size
         info.model_fingerprint = self.registry.model_fingerprint or ""
         return info
 
-    def GetClusterStatus(self, request, context) -> inference_pb2.GetClusterStatusResponse:
+    def _cluster_status(self) -> inference_pb2.GetClusterStatusResponse:
         response = inference_pb2.GetClusterStatusResponse()
         now = time.monotonic()
         for role, workers in self.registry.pools().items():
@@ -239,6 +326,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 pool.workers.add(
                     worker_id=worker.worker_id, role=role.value, address=worker.address, state=worker.state.value,
                     load=worker_load_to_pb(worker.load), seconds_since_heartbeat=max(now - worker.last_heard, 0.0),
+                    num_router_in_flight_requests=worker.num_in_flight,
                 )
         return response
 
@@ -259,6 +347,7 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
             capacity=request.capacity, model_fingerprint=request.model_fingerprint,
             state=worker_state_from_pb(request.state), worker_id=request.worker_id,
             kv_layout=KVCacheLayout.from_pb(request.kv_layout) if request.HasField("kv_layout") else None,
+            previous_lease_id=request.previous_lease_id, identity=_certificate_identity(context),
         )
         logger.info("Worker %s (%s) registered from %s", worker.worker_id, role.name.lower(), request.address)
         return worker_pb2.RegisterResponse(
@@ -278,9 +367,28 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
         return worker_pb2.DeregisterResponse()
 
     def Drain(self, request: worker_pb2.DrainRequest, context) -> worker_pb2.DrainResponse:
-        in_flight = self.registry.drain(request.worker_id)
-        logger.info("Worker %s is draining", request.worker_id)
+        in_flight = self.registry.drain(request.lease_id, check_id(request.worker_id, "worker_id")
+                                        if request.worker_id else "")
+        logger.info("Worker %s is draining", request.worker_id or "(by lease)")
         return worker_pb2.DrainResponse(num_in_flight_requests=in_flight)
+
+
+@dataclass
+class _StreamProgress:
+    """What one client stream has been sent so far, across migrations."""
+
+    num_sent_messages: int = 0
+    sent_token_ids: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+    num_attempt_tokens: int = 0  # tokens relayed from the current decode worker
+    decode_failure: DecodeStreamFailed | None = None  # the first decode worker failure, if any
+
+
+def _certificate_identity(context: grpc.ServicerContext) -> str | None:
+    """The verified client certificate's identity of this call under mutual TLS (its first peer identity:
+    a subject alternative name or the common name), None without one."""
+    identities = context.peer_identities()
+    return identities[0].decode(errors="replace") if identities else None
 
 
 def _seconds_left(context: grpc.ServicerContext) -> float | None:

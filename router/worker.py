@@ -68,6 +68,7 @@ class Worker:
     last_heard: float = 0.0  # clock seconds of the last heartbeat or successful poll
     is_static: bool = False
     num_in_flight: int = 0  # requests the router has outstanding on it right now
+    identity: str | None = None  # the client-certificate identity that registered it (mutual TLS), else None
 
     @property
     def is_routable(self) -> bool:
@@ -85,6 +86,10 @@ class InvalidRegistration(InvalidRequest):
 
 class WorkerIdInUse(AlreadyExists):
     """The requested worker id belongs to a live worker at another address (ALREADY_EXISTS)."""
+
+
+class RegistrationInUse(AlreadyExists):
+    """The worker id or address of a live registration, from a caller that cannot prove it made it (ALREADY_EXISTS)."""
 
 
 class FingerprintMismatch(FailedPrecondition):
@@ -111,11 +116,17 @@ def check_registration(role: Any, address: Any) -> None:
         raise InvalidRegistration("address is required: the host:port the router can reach the worker at.")
 
 
-def check_kv_identity(role: WorkerRole, model_fingerprint: str) -> None:
-    """Raises InvalidRegistration when a prefill or decode worker (one that exchanges KV) gives no fingerprint."""
-    if role != WorkerRole.BOTH and not model_fingerprint:
+def check_kv_identity(role: WorkerRole, model_fingerprint: str, kv_layout: KVCacheLayout | None) -> None:
+    """Raises InvalidRegistration when a prefill or decode worker (one that exchanges KV) gives no fingerprint
+    or no KV layout."""
+    if role == WorkerRole.BOTH:
+        return
+    if not model_fingerprint:
         raise InvalidRegistration("model_fingerprint is required: a prefill or decode worker must say which "
                                   "weights it serves, so that only KV of the same model is exchanged.")
+    if kv_layout is None:
+        raise InvalidRegistration("kv_layout is required: a prefill or decode worker must give its KV cache "
+                                  "layout, so that only workers whose KV fits each other's blocks are paired.")
 
 
 def check_kv_layout(address: str, layout: KVCacheLayout | None, cluster: KVCacheLayout | None) -> None:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from splitserve import __version__
+from splitserve.common.errors import SplitserveError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import DEFAULT_KV_CACHE_BYTES
 
@@ -24,6 +25,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"splitserve: error: {error}", file=sys.stderr)
         return 2
+    except SplitserveError as error:  # e.g. a worker the router refused: a sentence, not a traceback
+        print(f"splitserve: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
@@ -70,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="with --server: send the API key in this file (one key; blank lines and # comments "
                           "are skipped) to the router. Without it, $SPLITSERVE_API_KEY is sent when set, and "
                           "no key otherwise, which only a router without API keys accepts.")
+    add_client_tls_arguments(generate)
     generate.set_defaults(handler=_generate)
 
     from splitserve.cli_serve import add_serving_commands
@@ -99,6 +104,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "rotary, SiLU-and-multiply): the C++ CPU kernels (compiled on first use, float32), plain torch, "
         "or auto (the kernels when they can be built) (default: %(default)s)",
     )
+
+
+def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tls-ca``, ``--tls-cert``, ``--tls-key``, ``--tls-server-name`` of a command that only calls a router."""
+    group = parser.add_argument_group("TLS (with --server; without these flags the connection is plaintext)")
+    group.add_argument("--tls-ca", metavar="PATH",
+                       help="connect over TLS and verify the router's certificate against this PEM CA certificate "
+                       "(without it, but with --tls-cert: against the system's trusted roots)")
+    group.add_argument("--tls-cert", metavar="PATH",
+                       help="mutual TLS: present this PEM client certificate, which a router started with --tls-ca "
+                       "requires (signed by its CA); needs --tls-key")
+    group.add_argument("--tls-key", metavar="PATH", help="the PEM private key of --tls-cert (read, never printed)")
+    group.add_argument("--tls-server-name", metavar="NAME",
+                       help="check the router's certificate against NAME instead of the host in --server, for a "
+                       "certificate whose names differ from the address (default: the host dialed)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -159,6 +179,8 @@ def _prepare_model(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     items = _read_prompts(args)
     params = [sampling_params_from_args(args, item) for item in items]
+    if not args.server and any((args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)):
+        raise ValueError("The --tls-* flags are for --server: without it the model runs in this process.")
     if args.server:
         return _generate_remote(args, items, params)
     from splitserve.engine.llm import LLM
@@ -195,6 +217,7 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
 
     from splitserve.client import Client
     from splitserve.rpc.auth import read_secrets
+    from splitserve.rpc.tls import TLSConfig
 
     api_key = None
     if args.api_key_file:
@@ -202,7 +225,8 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
         if len(keys) != 1:
             raise ValueError(f"The API key file {args.api_key_file} must hold exactly one key for a client.")
         api_key = next(iter(keys))
-    with Client(args.server, api_key=api_key) as client:
+    tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+    with Client(args.server, api_key=api_key, tls=tls) as client:
         sink = open(args.output, "w") if args.output else None
         try:
             for item, item_params in zip(items, params):

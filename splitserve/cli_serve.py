@@ -62,7 +62,12 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
                     help="colocated workers instead of prefill/decode pools (default: %(default)s)")
     up.add_argument("--kv-transfer", choices=("p2p", "redis"), default="p2p",
                     help="KV connector between the pools (default: %(default)s)")
-    up.add_argument("--redis-url", help="Redis for --kv-transfer redis (default: start a private redis-server)")
+    up.add_argument("--redis-url", help="Redis for --kv-transfer redis, redis:// or rediss://, no password in it "
+                    "(default: start a private redis-server)")
+    up.add_argument("--redis-password-file", metavar="PATH",
+                    help="the password of --redis-url, passed on to the workers (default: $SPLITSERVE_REDIS_PASSWORD, "
+                    "which the workers inherit)")
+    up.add_argument("--redis-tls-ca", metavar="PATH", help="CA certificate(s) verifying a rediss:// --redis-url")
     up.add_argument("--kv-checksum", choices=("xxh3", "none"), default="xxh3",
                     help="checksum every KV payload (xxh3) or none; see `splitserve decode --help` (default: %(default)s)")
     up.add_argument("--threads-per-worker", type=int, help="torch threads of each worker (default: torch's)")
@@ -79,6 +84,7 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
     up.add_argument("--decode-policy", choices=_POLICIES, default="least_loaded",
                     help="how the decode pool is chosen from: least_loaded weighs KV usage and running requests "
                     "(default: %(default)s)")
+    _add_tls_arguments(up, "each other", cluster=True)
     add_engine_arguments(up)
     up.set_defaults(handler=_run_up)
 
@@ -124,6 +130,12 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill workers tried before the decode worker prefills itself (default: %(default)s)")
     parser.add_argument("--kv-timeout", type=float, metavar="SECONDS",
                         help="decode workers' wait for KV before recomputing (default: each worker's own)")
+    parser.add_argument("--migration-limit", type=int, default=3, metavar="N",
+                        help="how many times one request may move to another decode worker when its decode worker "
+                        "fails mid-stream (killed, or silent past its lease): the router sends the prompt plus the "
+                        "tokens already streamed to another decode worker and the client's stream goes on "
+                        "(token-identical for greedy requests; sampled ones continue with fresh draws). 0 turns "
+                        "migration off: such a stream ends with FINISH_REASON_ERROR (default: %(default)s)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM or SIGINT, the router stops taking requests (new ones get UNAVAILABLE, "
                         "health says NOT_SERVING) and lets those in flight finish for this long; the ones still "
@@ -141,6 +153,7 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster-token-file", metavar="PATH",
                         help=_CLUSTER_TOKEN_HELP.format(who="worker registrations, heartbeats and drains",
                                                         sent="sent with every call to a worker"))
+    _add_tls_arguments(parser, "workers")
 
 
 def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
@@ -163,16 +176,29 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     group.add_argument("--cluster-token-file", metavar="PATH",
                        help=_CLUSTER_TOKEN_HELP.format(who="the router's calls to this worker",
                                                        sent="sent with its registration and heartbeats"))
+    _add_tls_arguments(parser, "the router")
     if role != "both":
         group.add_argument("--kv-transfer", choices=("p2p", "redis"), default="p2p", help="KV connector (default: %(default)s)")
         group.add_argument("--kv-address", default="",
-                           help="p2p: host the KV rendezvous binds (default: --host); redis: a redis:// URL")
+                           help="p2p: host the KV rendezvous and Gloo bind, nothing else (default: --host); prefill "
+                           "workers must prove the cluster token there; redis: a redis:// URL, or rediss:// for "
+                           "TLS, with no password in it (it is advertised to the router and the prefill workers)")
+        group.add_argument("--redis-password-file", metavar="PATH",
+                           help="redis: the password this worker sends to every Redis it uses, on the file's first "
+                           "line (default: $SPLITSERVE_REDIS_PASSWORD; never a flag or a URL)")
+        group.add_argument("--redis-username", metavar="NAME", help="redis: the ACL user (default: Redis's default user)")
+        group.add_argument("--redis-tls-ca", metavar="PATH",
+                           help="redis: PEM CA certificate(s) verifying rediss:// servers (default: the system's roots)")
+        group.add_argument("--redis-tls-cert", metavar="PATH",
+                           help="redis: a PEM client certificate for rediss:// servers that ask for one; needs --redis-tls-key")
+        group.add_argument("--redis-tls-key", metavar="PATH", help="redis: the PEM private key of --redis-tls-cert")
         group.add_argument("--kv-checksum", choices=("xxh3", "none"), default="xxh3",
                            help="xxh3: checksum every KV payload sent, and require and verify one on every payload "
                            "received; none: neither (trust the transport, as vLLM's and SGLang's connectors do). "
                            "Both pools must agree (default: %(default)s)")
     else:
-        parser.set_defaults(kv_transfer="p2p", kv_address="", kv_checksum="xxh3")
+        parser.set_defaults(kv_transfer="p2p", kv_address="", kv_checksum="xxh3", redis_password_file=None,
+                            redis_username=None, redis_tls_ca=None, redis_tls_cert=None, redis_tls_key=None)
     if role == "decode":
         group.add_argument("--kv-timeout", type=float, default=30.0, metavar="SECONDS",
                            help="longest wait for a prompt's KV (default: %(default)s)")
@@ -180,6 +206,41 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                            help="late or refused KV: recompute the prompt here, or fail the request (default: %(default)s)")
     else:
         parser.set_defaults(kv_timeout=30.0, kv_load_failure="recompute")
+
+
+def _add_tls_arguments(parser: argparse.ArgumentParser, peers: str, cluster: bool = False) -> None:
+    """The TLS flags of a process that serves a port and calls ``peers`` (``cluster``: of ``up``, for all of them)."""
+    whose = "every process of the cluster" if cluster else "this process"
+    group = parser.add_argument_group(
+        "TLS", f"Without these flags every channel of {whose} is plaintext. One certificate, key and CA serve "
+        f"{whose} both as a server (its own port) and as a client (its calls to {peers})"
+        + ("; they are passed on to the router and every worker, and `up`'s own --prompt requests use them."
+           if cluster else "."))
+    group.add_argument("--tls-cert", metavar="PATH",
+                       help="serve TLS with this PEM certificate (chain) and present it as the client certificate "
+                       f"on calls to {peers}; its subject alternative names must include the host others dial "
+                       "(the --host it listens on, say 127.0.0.1). Needs --tls-key")
+    group.add_argument("--tls-key", metavar="PATH", help="the PEM private key of --tls-cert (read once, never printed)")
+    group.add_argument("--tls-ca", metavar="PATH",
+                       help="PEM CA certificate(s); turns on mutual TLS: a server then requires and verifies a "
+                       "client certificate signed by this CA on every connection (a client without one is refused "
+                       f"in the handshake{_PUBLIC_CLIENTS_TOO if peers != 'the router' else ''}), and the "
+                       f"certificates of {peers} are verified against it. Without it no client certificate is asked "
+                       "for, and servers are verified against the system's trusted roots")
+    group.add_argument("--tls-server-name", metavar="NAME",
+                       help=f"check the certificates of {peers} against NAME instead of the host dialed "
+                       "(grpc.ssl_target_name_override), for certificates whose names differ from the addresses "
+                       "(default: the host dialed)")
+
+
+_PUBLIC_CLIENTS_TOO = "; on the router that includes every client of the public API: give them --tls-cert too"
+
+
+def _tls_from_args(args: argparse.Namespace):
+    """The ``TLSConfig`` of the parsed TLS flags, its files read now; None without them (plaintext)."""
+    from splitserve.rpc.tls import TLSConfig
+
+    return TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
 
 
 def _run_router(args: argparse.Namespace) -> int:
@@ -197,13 +258,17 @@ def _run_router(args: argparse.Namespace) -> int:
         max_in_flight_requests=args.max_in_flight_requests, lease_seconds=args.lease_seconds,
         heartbeat_seconds=args.heartbeat_seconds, prefill_attempts=args.prefill_attempts,
         kv_timeout_seconds=args.kv_timeout, drain_timeout_seconds=args.drain_timeout, block_size=args.block_size,
+        migration_limit=args.migration_limit,
         credentials=load_credentials(args.api_key_file, args.cluster_token_file, os.environ),
+        tls=_tls_from_args(args),
     )
     return run_router(config)
 
 
 def _run_worker(args: argparse.Namespace) -> int:
     from splitserve.engine.config import EngineConfig
+    from splitserve.kvtransfer.redis_access import load_redis_access
+    from splitserve.prefill_service.faults import KVFaults
     from splitserve.rpc.auth import load_credentials
     from splitserve.rpc.worker_config import WorkerConfig
     from splitserve.serve import configure_logging, run_worker
@@ -216,6 +281,10 @@ def _run_worker(args: argparse.Namespace) -> int:
         kv_load_failure=args.kv_load_failure, max_queued_requests=args.max_queued_requests,
         num_threads=args.threads, drain_timeout_seconds=args.drain_timeout, engine=EngineConfig(args.model, **_engine_options(args)),
         cluster_token=load_credentials(None, args.cluster_token_file, os.environ).cluster_token,
+        tls=_tls_from_args(args),
+        redis_access=load_redis_access(args.redis_password_file, os.environ, args.redis_username, args.redis_tls_ca,
+                                       args.redis_tls_cert, args.redis_tls_key),
+        kv_faults=KVFaults.from_environment(os.environ) if args.role == "prefill" else None,
     )
     status = run_worker(config)
     # The worker has drained and closed everything it serves. Leave now, without interpreter teardown:
@@ -241,6 +310,13 @@ def _run_up(args: argparse.Namespace) -> int:
     worker_args = _engine_flags(args, model_dir)
     if args.threads_per_worker:
         worker_args += ["--threads", str(args.threads_per_worker)]
+    if args.redis_url:
+        from splitserve.kvtransfer.redis_access import public_redis_url
+
+        public_redis_url(args.redis_url)  # a password in it would be on every worker's command line: refused
+    for flag, value in (("--redis-password-file", args.redis_password_file), ("--redis-tls-ca", args.redis_tls_ca)):
+        if value and args.kv_transfer == "redis" and not args.colocated:  # colocated workers move no KV
+            worker_args += [flag, value]
     router_args = ["--model", model_dir, "--dtype", args.dtype, "--block-size", str(args.block_size),
                    "--local-prefill-threshold", str(args.local_prefill_threshold),
                    "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
@@ -249,7 +325,7 @@ def _run_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(kv_transfer=args.kv_transfer, kv_checksum=args.kv_checksum, redis_url=args.redis_url,
                            worker_args=worker_args,
                            router_args=router_args, log_dir=args.log_dir, host=args.host, router_port=args.port,
-                           generate_cluster_token=True)
+                           generate_cluster_token=True, tls=_tls_from_args(args))
     started = time.monotonic()
     try:
         print(f"Starting the router on {args.host}:{args.port} (logs in {cluster.log_dir})...", file=sys.stderr)
@@ -265,9 +341,9 @@ def _run_up(args: argparse.Namespace) -> int:
         print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start).", file=sys.stderr)
         print("Processes: " + ", ".join(f"{p.name} pid {p.pid}" for p in cluster.processes()), file=sys.stderr)
         if args.prompt:
-            return _answer(address, args.prompt, args.max_tokens, _first_api_key())
-        print(f"Try: splitserve generate --server {address} \"The capital of France is\"   Ctrl-C stops.",
-              file=sys.stderr)
+            return _answer(address, args.prompt, args.max_tokens, _first_api_key(), cluster.tls)
+        print(f"Try: splitserve generate --server {address}{_client_tls_flags(cluster.tls)} "
+              f"\"The capital of France is\"   Ctrl-C stops.", file=sys.stderr)
         print(address, flush=True)
         return _supervise(cluster)
     finally:
@@ -304,12 +380,21 @@ def _first_api_key() -> str | None:
     return min(read_secrets(None, os.environ, API_KEYS_ENV, "API key"), default=None)
 
 
-def _answer(address: str, prompts: list[str], max_tokens: int, api_key: str | None = None) -> int:
+def _client_tls_flags(tls) -> str:
+    """The ``generate`` flags that reach a router serving with ``tls`` (paths only; empty without TLS)."""
+    if tls is None:
+        return ""
+    flags = [("--tls-ca", tls.ca_file), ("--tls-cert", tls.cert_file), ("--tls-key", tls.key_file),
+             ("--tls-server-name", tls.server_name)]
+    return "".join(f" {flag} {value}" for flag, value in flags if value)
+
+
+def _answer(address: str, prompts: list[str], max_tokens: int, api_key: str | None = None, tls=None) -> int:
     """Stream a greedy reply to each prompt through the router; report where the prompt was prefilled."""
     from splitserve.client import Client
     from splitserve.common.sampling_params import SamplingParams
 
-    with Client(address, api_key=api_key) as client:
+    with Client(address, api_key=api_key, tls=tls) as client:
         for prompt in prompts:
             print(f"> {prompt}", file=sys.stderr)
             last = None

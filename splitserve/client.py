@@ -17,6 +17,7 @@ import grpc
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.rpc.auth import API_KEY_ENV, with_api_key
+from splitserve.rpc.tls import TLSConfig, open_channel
 from splitserve.v1 import inference_pb2, inference_pb2_grpc
 
 
@@ -61,17 +62,22 @@ class Client:
         timeout: default deadline of each call, in seconds (None: none).
         api_key: sent as ``authorization: Bearer <key>`` metadata on every call (None: ``$SPLITSERVE_API_KEY``,
             else no key; a router without API keys accepts any call). Kept out of ``repr`` and logs.
+        tls: connect over TLS (``splitserve.rpc.tls.TLSConfig``): the router's certificate verified against
+            ``tls.ca_file``, and ``tls.cert_file`` presented as this client's certificate when given (a router
+            with mutual TLS requires one). None: plaintext. A failed handshake surfaces as UNAVAILABLE.
     """
 
-    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None) -> None:
+    def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None,
+                 tls: TLSConfig | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address)
+        self.tls = tls
+        self.channel = open_channel(address, tls)
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self.stub = inference_pb2_grpc.InferenceStub(with_api_key(self.channel, key))
 
     def __repr__(self) -> str:
-        return f"Client({self.address!r})"
+        return f"Client({self.address!r}, tls={self.tls is not None})"
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitserve.rpc.auth import API_KEYS_ENV, CLUSTER_TOKEN_ENV
+from splitserve.rpc.tls import TLSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,10 @@ class LocalCluster:
             their command lines, which ``ps`` shows); off: router-worker calls are open (``cluster_token`` None).
         require_api_key: generate a random API key (the attribute ``api_key``, for clients) that the router
             requires (``SPLITSERVE_API_KEYS`` in its environment); off: the public API is open (``api_key`` None).
+        tls: run every channel on TLS: its files go to the router and every worker as ``--tls-cert``,
+            ``--tls-key``, ``--tls-ca`` (``--tls-server-name``), so each serves and calls with them (mutual
+            with a CA); clients of the cluster use the same configuration (``Client(address, tls=cluster.tls)``).
+            None: plaintext.
     """
 
     kv_transfer: str = "p2p"
@@ -173,6 +178,7 @@ class LocalCluster:
     env: dict[str, str] = field(default_factory=dict, repr=False)
     generate_cluster_token: bool = False
     require_api_key: bool = False
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         # Secrets travel in the children's environment only; the flags above stay booleans in repr.
@@ -192,23 +198,34 @@ class LocalCluster:
 
     # ---- processes -----------------------------------------------------------------
 
-    def _spawn(self, name: str, args: list[str]) -> Process:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Process:
         self._counter += 1
         log_path = self.log_dir / f"{self._counter:02d}-{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **self._secret_env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {}), **self._secret_env}
         with open(log_path, "w") as log:
             popen = subprocess.Popen(
-                [self.python, "-m", "splitserve.cli", *args], stdout=subprocess.PIPE, stderr=log,
+                [self.python, "-m", "splitserve.cli", *args, *self._tls_flags()], stdout=subprocess.PIPE, stderr=log,
                 text=True, env=env, start_new_session=True, preexec_fn=_die_with_parent_hook(),
             )
         return Process(name, popen, log_path)
 
-    def start_redis(self) -> str:
-        """Start a private redis-server on a free loopback port; returns its URL."""
+    def _tls_flags(self) -> list[str]:
+        """The TLS flags of every child: file paths only (a key's content never leaves its file)."""
+        if self.tls is None:
+            return []
+        flags = []
+        for flag, value in (("--tls-cert", self.tls.cert_file), ("--tls-key", self.tls.key_file),
+                            ("--tls-ca", self.tls.ca_file), ("--tls-server-name", self.tls.server_name)):
+            if value:
+                flags += [flag, value]
+        return flags
+
+    def start_redis(self, port: int | None = None) -> str:
+        """Start a private redis-server on ``port`` (None: a free loopback port); returns its URL."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not on the PATH; install Redis or pass --redis-url.")
-        port = free_port(self.host)
+        port = port or free_port(self.host)
         log_path = self.log_dir / "00-redis.log"
         with open(log_path, "w") as log:
             popen = subprocess.Popen(
@@ -243,8 +260,12 @@ class LocalCluster:
         self.router.address = line.split()[1]
         return self.router.address
 
-    def start_workers(self, role: str, count: int = 1, extra_args: list[str] | None = None) -> list[Process]:
-        """Start ``count`` workers of ``role`` (prefill, decode, both) registered with the router; waits until ready."""
+    def start_workers(self, role: str, count: int = 1, extra_args: list[str] | None = None,
+                      env: dict[str, str] | None = None) -> list[Process]:
+        """Start ``count`` workers of ``role`` (prefill, decode, both) registered with the router; waits until ready.
+
+        ``env``: extra environment variables of these workers only (on top of the cluster's ``env``).
+        """
         if self.router is None:
             raise RuntimeError("Start the router first.")
         if self.kv_transfer == "redis" and self.redis_url is None and role != "both":
@@ -257,7 +278,7 @@ class LocalCluster:
                 args += ["--kv-transfer", self.kv_transfer, "--kv-checksum", self.kv_checksum]
             if self.kv_transfer == "redis" and role != "both":
                 args += ["--kv-address", self.redis_url]
-            started.append(self._spawn(f"{role}{len(self.workers) + len(started)}", args))
+            started.append(self._spawn(f"{role}{len(self.workers) + len(started)}", args, env))
         for process in started:
             line = _wait_ready(process, self.ready_timeout).split()
             process.address, process.worker_id = line[1], line[3]

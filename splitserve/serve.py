@@ -33,7 +33,7 @@ def build_worker(config):
         from splitserve.prefill_service.sender import KVSender
         from splitserve.prefill_service.servicer import PrefillServicer
 
-        runtime = WorkerRuntime(config, make_kv_connector=lambda transport, counters: KVSender(transport))
+        runtime = WorkerRuntime(config, make_kv_connector=lambda transport, counters: KVSender(transport, config.kv_faults))
         servicer = PrefillServicer(runtime)
         services = [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, "splitserve.v1.PrefillWorker")]
     else:
@@ -44,7 +44,7 @@ def build_worker(config):
         servicer = DecodeServicer(runtime)
         services = [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "splitserve.v1.DecodeWorker")]
     server = start_worker_server(address, services, config.max_queued_requests,
-                                 Credentials(cluster_token=config.cluster_token))
+                                 Credentials(cluster_token=config.cluster_token), tls=config.tls)
     bound = f"{config.host}:{server.port}"
     try:
         runtime.start(bound)
@@ -55,17 +55,18 @@ def build_worker(config):
     return server, runtime, servicer
 
 
-def start_worker_server(address: str, services, max_queued_requests: int, credentials=None):
+def start_worker_server(address: str, services, max_queued_requests: int, credentials=None, tls=None):
     """Start a worker's gRPC server (``start_server``) sized by :func:`worker_server_threads`.
 
     Every admitted request holds a server thread; with fewer threads than ``max_queued_requests``,
     the calls beyond them would wait for one until their deadline instead of hearing RESOURCE_EXHAUSTED.
     ``credentials`` (``splitserve.rpc.auth.Credentials``): the cluster token its calls must carry (None: open).
+    ``tls`` (``splitserve.rpc.tls.TLSConfig``): serve TLS, mutual when it has a CA (None: plaintext).
     """
     from splitserve.rpc.server import start_server
 
     return start_server(address, services, max_workers=worker_server_threads(max_queued_requests),
-                        credentials=credentials)
+                        credentials=credentials, tls=tls)
 
 
 def run_worker(config) -> int:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import time
 
-import grpc
-
 from splitserve.client import Client
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.launcher import LocalCluster
+from splitserve.rpc.tls import open_channel
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 # Small KV caches and one thread per worker: several workers share this machine's two cores. A 512-token
@@ -18,11 +17,12 @@ ROUTER_ARGS = ["--max-model-len", "2048", "--heartbeat-seconds", "0.5", "--lease
 
 
 def start_cluster(kv_transfer: str, log_dir, prefill: int = 1, decode: int = 1, router_args=(), worker_args=(),
-                  credentials: bool = False):
-    """A started cluster; ``credentials``: a generated cluster token and API key (``cluster.api_key``)."""
+                  credentials: bool = False, tls=None):
+    """A started cluster; ``credentials``: a generated cluster token and API key (``cluster.api_key``);
+    ``tls``: a ``TLSConfig`` every process serves and calls with (``cluster.tls``; None: plaintext)."""
     cluster = LocalCluster(kv_transfer=kv_transfer, worker_args=[*WORKER_ARGS, *worker_args],
                            router_args=[*ROUTER_ARGS, *router_args], log_dir=log_dir,
-                           generate_cluster_token=credentials, require_api_key=credentials)
+                           generate_cluster_token=credentials, require_api_key=credentials, tls=tls)
     try:
         cluster.start_router()
         if prefill:
@@ -46,8 +46,9 @@ def stream_tokens(client: Client, prompt, max_tokens: int, **kwargs) -> tuple[li
     return token_ids, text, last
 
 
-def worker_status(address: str, role: str) -> worker_pb2.GetWorkerStatusResponse:
-    with grpc.insecure_channel(address) as channel:
+def worker_status(address: str, role: str, tls=None) -> worker_pb2.GetWorkerStatusResponse:
+    """A worker's GetStatus; ``tls``: the ``TLSConfig`` to call it with (None: plaintext)."""
+    with open_channel(address, tls) as channel:
         stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
         return stub.GetStatus(worker_pb2.GetWorkerStatusRequest(), timeout=30)
 

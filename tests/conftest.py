@@ -5,6 +5,8 @@ Tiers are folders, and each folder's tests carry its marker:
 - ``tests/unit``: no processes, no model weights (tiny random tensors at most); under a minute.
 - ``tests/integration``: real processes, sockets and a real redis-server; compiled kernels; the tokenizer.
 - ``tests/e2e``: the real model, offline and through whole clusters, token-identical to transformers.
+- ``tests/faults``: whole clusters under injected faults (processes killed or stopped, Redis and the router
+  restarted, bad KV payloads, abort storms); every request ends right and nothing is left behind.
 
 ``pytest -m unit`` (``make test-unit``) runs one tier; ``make test`` runs them all.
 """
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("unit", "integration", "e2e")
+TIERS = ("unit", "integration", "e2e", "faults")
 
 
 def pytest_collection_modifyitems(config, items):

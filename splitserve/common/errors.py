@@ -45,6 +45,11 @@ class AlreadyExists(SplitserveError):
     """The call would create something that exists already, e.g. a worker id held by a live worker (ALREADY_EXISTS)."""
 
 
+class Aborted(SplitserveError):
+    """The work could not be completed for a reason outside this service, which stays healthy: a prefill
+    whose KV could not be delivered to its destination (ABORTED)."""
+
+
 class Cancelled(SplitserveError):
     """The work was cancelled: aborted by a client or by the server shutting down (CANCELLED)."""
 

@@ -3,12 +3,14 @@
 Field names and meanings follow vLLM's ``SamplingParams`` so that code written
 for it reads the same here. Every value is checked when the object is built: a
 bad value raises :class:`~splitserve.common.errors.InvalidRequest` (a
-``ValueError``) naming the field and its allowed range. Shared by the engine,
+``ValueError``) naming the field and its allowed range. Float fields must be
+finite: NaN and infinities are refused, whatever the range. Shared by the engine,
 the router (which validates a request before routing it) and clients.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequest
@@ -71,7 +73,7 @@ class SamplingParams:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}.")
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature!r}.")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequest(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}.")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -80,7 +82,7 @@ class SamplingParams:
             raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p!r}.")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise InvalidRequest(
-                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty!r}."
+                f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty!r}."
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -121,4 +123,7 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """A finite int or float (not a bool, NaN or an infinity)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))

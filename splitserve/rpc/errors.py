@@ -26,6 +26,7 @@ from collections.abc import Callable
 import grpc
 
 from splitserve.common.errors import (
+    Aborted,
     AlreadyExists,
     Cancelled,
     DeadlineExceeded,
@@ -38,6 +39,10 @@ from splitserve.common.errors import (
 
 logger = logging.getLogger(__name__)
 
+# A parser's error may quote the request's bytes, a bug's the request's fields: at most this much of either is echoed.
+_ECHOED_PARSE_ERROR_CHARACTERS = 160
+_ECHOED_INTERNAL_ERROR_CHARACTERS = 200
+
 # Domain error -> status code; a subclass maps as its nearest listed base (NoWorkerAvailable as Unavailable).
 STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -47,6 +52,7 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     Cancelled: grpc.StatusCode.CANCELLED,
+    Aborted: grpc.StatusCode.ABORTED,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
@@ -79,7 +85,10 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
         code = STATUS_CODES.get(cls)
         if code is not None:
             return code, str(error)
-    return grpc.StatusCode.INTERNAL, f"Internal error: {type(error).__name__}: {error}"
+    reason = str(error)
+    if len(reason) > _ECHOED_INTERNAL_ERROR_CHARACTERS:  # may quote a client's input: the log has it whole
+        reason = reason[:_ECHOED_INTERNAL_ERROR_CHARACTERS] + "..."
+    return grpc.StatusCode.INTERNAL, f"Internal error: {type(error).__name__}: {reason}"
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
@@ -115,7 +124,9 @@ class MalformedRequest:
         self.error = error
 
     def refusal(self) -> InvalidRequest:
-        return InvalidRequest(f"The request is not a valid {self.message_name}: {self.error}")
+        """INVALID_ARGUMENT with a sentence: the message expected, and the parser's reason (at most 160 characters)."""
+        reason = str(self.error).strip().rstrip(".")[:_ECHOED_PARSE_ERROR_CHARACTERS] or type(self.error).__name__
+        return InvalidRequest(f"The request is not a valid {self.message_name}: its bytes do not parse ({reason}).")
 
 
 def _tolerant(deserializer: Callable | None) -> Callable | None:

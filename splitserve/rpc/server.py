@@ -1,4 +1,5 @@
-"""Start a gRPC server with the standard health and reflection services beside ours, and the error interceptor."""
+"""Start a gRPC server (plaintext or TLS) with the standard health and reflection services beside ours, and the error
+interceptor."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from splitserve.rpc.auth import (
     cluster_token_guard,
 )
 from splitserve.rpc.errors import ErrorInterceptor
+from splitserve.rpc.tls import TLSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ def start_server(
     services: Iterable[tuple[Callable[[object, grpc.Server], None], object, str]],
     max_workers: int = 64,
     credentials: Credentials | None = None,
+    tls: TLSConfig | None = None,
 ) -> RunningServer:
     """Bind ``address`` (host:port; port 0 picks a free one) and start serving.
 
@@ -74,13 +77,17 @@ def start_server(
         credentials: the secrets to require (:mod:`splitserve.rpc.auth`): API keys on the Inference service,
             the cluster token on WorkerRegistry, PrefillWorker and DecodeWorker; each one not configured
             leaves its services open, with a WARNING. None: no access control and no warning (tests).
+        tls: serve TLS with this certificate (:mod:`splitserve.rpc.tls`); with its CA, mutual TLS: a client
+            without a certificate signed by the CA fails the handshake (UNAVAILABLE). None: plaintext.
 
     Returns:
         The running server; its ``port`` is the bound one.
 
     Raises:
         RuntimeError: the address cannot be bound.
+        ValueError: ``tls`` has no certificate and key.
     """
+    server_credentials = tls.server_credentials() if tls is not None else None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                          options=_SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers * 4,
                          interceptors=[*_guards(credentials, [name for _, _, name in services]),
@@ -93,12 +100,19 @@ def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
-        port = server.add_insecure_port(address)
+        if server_credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, server_credentials)
     except RuntimeError as error:
         raise RuntimeError(f"Cannot listen on {address}: {error}") from None
     if port == 0:
         raise RuntimeError(f"Cannot listen on {address}: the port is taken or the host is not local.")
     server.start()
+    if tls is not None:
+        logger.info("Serving TLS on %s:%d (%s)", host_of(address), port,
+                    "mutual: client certificates signed by the CA required" if tls.is_mutual
+                    else "no client certificate asked for")
     running = RunningServer(server, port, health_servicer, names)
     running.set_serving(True)
     return running

@@ -107,7 +107,7 @@ class WorkerRuntime:
 
             self.membership = Membership(
                 self.config.router, self.registration, self.load_pb, on_state=self._on_router_state,
-                state=lambda: self.state, cluster_token=self.config.cluster_token,
+                state=lambda: self.state, cluster_token=self.config.cluster_token, tls=self.config.tls,
             ).start()
             self.worker_id = self.membership.worker_id
 
@@ -146,9 +146,9 @@ class WorkerRuntime:
         from splitserve.kvtransfer import create_connector
         from splitserve.kvtransfer.layout import KVLayout
 
-        options = {"host": self.config.kv_address or self.config.host}
+        options = {"host": self.config.kv_address or self.config.host, "cluster_token": self.config.cluster_token}
         if self.config.kv_transfer == "redis":
-            options = {"url": self.config.kv_address}
+            options = {"url": self.config.kv_address, **self.config.redis_access.connector_options()}
         options["checksum"] = self.config.kv_checksum
         layout = KVLayout.from_kv_cache(self.engine.kv_cache_tensor)
         self.kv_layout = layout

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from splitserve.common.types import KVConnectorKind, WorkerRole
 from splitserve.engine.config import EngineConfig
 from splitserve.kvtransfer.header import CHECKSUM_TYPES
+from splitserve.kvtransfer.redis_access import RedisAccess, public_redis_url
+from splitserve.prefill_service.faults import KVFaults
+from splitserve.rpc.tls import TLSConfig
 
 ROLES = {role.name.lower(): role.value for role in WorkerRole}
 KV_CONNECTORS = (KVConnectorKind.P2P.value, KVConnectorKind.REDIS.value)
@@ -24,7 +27,10 @@ class WorkerConfig:
         worker_id: id to register under (empty: the router assigns one).
         router: router address to register with (None: static, named on the router's command line).
         kv_transfer: KV connector, "p2p" or "redis" (unused with role "both").
-        kv_address: p2p: host the rendezvous store binds (default: ``host``); redis: a redis:// URL.
+        kv_address: p2p: host the rendezvous and Gloo bind (default: ``host``); redis: a redis:// or rediss://
+            URL, without a password (it is advertised to the router and the prefill workers).
+        redis_access: redis: this worker's Redis user, password and TLS files (``kvtransfer.redis_access``);
+            its password is never in ``repr``.
         kv_checksum: "xxh3" (checksum every KV payload sent, require and verify one on every payload
             received) or "none" (neither); both pools must agree.
         kv_timeout_seconds: decode: longest wait for a prompt's KV before kv_load_failure applies.
@@ -35,7 +41,11 @@ class WorkerConfig:
         drain_timeout_seconds: on SIGTERM, how long in-flight requests may run before they are aborted.
         cluster_token: the token the router's calls must carry and this worker's calls to the router
             send (``splitserve.rpc.auth``; None: open). Never in ``repr``.
+        tls: the worker's certificate, key and CA (``splitserve.rpc.tls``), for its own port (with a CA: the
+            router must present a certificate signed by it) and its calls to the router (None: plaintext).
         engine: the engine's configuration.
+        kv_faults: prefill: faults injected into the KV payloads sent, for fault-injection tests only
+            (``SPLITSERVE_INJECT_KV_FAULTS``, ``splitserve.prefill_service.faults``); None: none.
     """
 
     role: str = "decode"
@@ -53,14 +63,20 @@ class WorkerConfig:
     drain_timeout_seconds: float = 30.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster_token: str | None = field(default=None, repr=False)
+    kv_faults: KVFaults | None = None
+    tls: TLSConfig | None = None
+    redis_access: RedisAccess = field(default_factory=RedisAccess)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}.")
         if self.kv_transfer not in KV_CONNECTORS:
             raise ValueError(f"kv_transfer must be one of {', '.join(KV_CONNECTORS)}, got {self.kv_transfer!r}.")
-        if self.kv_transfer == "redis" and self.role != "both" and not self.kv_address.startswith("redis://"):
-            raise ValueError("With kv_transfer redis, kv_address must be a redis:// URL (e.g. redis://127.0.0.1:6379/0).")
+        if self.kv_transfer == "redis" and self.role != "both":
+            if not self.kv_address.startswith(("redis://", "rediss://")):
+                raise ValueError("With kv_transfer redis, kv_address must be a redis:// URL (e.g. "
+                                 "redis://127.0.0.1:6379/0) or a rediss:// one for TLS.")
+            public_redis_url(self.kv_address)  # raises on a password in it
         if self.kv_checksum not in CHECKSUM_TYPES:
             raise ValueError(f"kv_checksum must be one of {', '.join(CHECKSUM_TYPES)}, got {self.kv_checksum!r}.")
         if self.kv_load_failure not in KV_LOAD_FAILURE_POLICIES:

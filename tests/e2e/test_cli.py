@@ -51,7 +51,7 @@ def test_bad_input_gives_a_clear_error(tmp_path):
     assert "bad.jsonl:2: not valid JSON" in result.stderr
     result = run_cli("generate", "hello", "--temperature", "-1")
     assert result.returncode == 2
-    assert "temperature must be >= 0" in result.stderr
+    assert "temperature must be a finite number >= 0" in result.stderr
     result = run_cli("generate")
     assert result.returncode == 2 and "at least one prompt" in result.stderr
 

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.client import Client
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.v1 import inference_pb2
-from tests.cluster_helpers import start_cluster
+from tests.cluster_helpers import start_cluster, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -64,6 +64,34 @@ def test_a_decode_worker_killed_mid_stream_ends_the_stream_with_an_error_message
         cluster.start_workers("decode", 1)
         response = client.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4), timeout=120)
         assert response.finish_reason == inference_pb2.FINISH_REASON_LENGTH and len(response.token_ids) == 4
+
+
+def test_a_stream_whose_decode_worker_is_killed_migrates_to_another_and_stays_token_identical(cluster):
+    """Two decode workers: killing the one serving a greedy stream mid-way moves the request (prompt plus the
+    tokens streamed) to the other; the client sees one stream, token for token the undisturbed one."""
+    while len(live_decode_workers(cluster)) < 2:
+        cluster.start_workers("decode", 1)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    with Client(cluster.router.address) as client:
+        wait_until(lambda: len([w for pool in client.cluster_status().pools for w in pool.workers
+                                if w.state == inference_pb2.WORKER_STATE_SERVING]) >= 2, 60,
+                   message="two decode workers serving")
+        undisturbed = client.generate(PROMPT, params, timeout=300)
+        token_ids, killed, last = [], None, None
+        for chunk in client.generate_stream(PROMPT, params, timeout=300):
+            token_ids.extend(chunk.token_ids)
+            last = chunk
+            if killed is None and len(token_ids) >= 10:
+                serving = [w.worker_id for pool in client.cluster_status().pools for w in pool.workers
+                           if w.num_router_in_flight_requests]
+                [killed] = [p for p in live_decode_workers(cluster) if p.worker_id in serving]
+                killed.kill()
+        assert killed is not None and not killed.alive()
+        assert (last.finish_reason, last.error_message) == (inference_pb2.FINISH_REASON_LENGTH, "")
+        assert token_ids == list(undisturbed.token_ids)
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (undisturbed.usage.prompt_tokens, 120)
+        wait_until(lambda: all(w.num_router_in_flight_requests == 0 for pool in client.cluster_status().pools
+                               for w in pool.workers), 30, message="no request in flight on the router")
 
 
 def test_a_sigtermed_router_drains_its_streams_then_exits_0(cluster):

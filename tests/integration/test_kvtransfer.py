@@ -211,14 +211,13 @@ def test_p2p_sender_lost_mid_transfer_fails_that_transfer_and_the_receiver_goes_
 
 
 RAW_PEER = r"""
-import sys, time, torch, torch.distributed as dist
+import sys, time, torch
 from datetime import timedelta
 from splitserve.kvtransfer import p2p_pairs, p2p_wire
-host, port = sys.argv[1].rsplit(":", 1)
-store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=10))
-index = store.add(p2p_pairs.PEERS_KEY, 1) - 1
-store.set(f"splitserve/kv/peer/{index}", "raw-peer")
-group = p2p_pairs.new_pair_group(store, index, 0, timedelta(seconds=10), torch.device("cpu"))
+from splitserve.kvtransfer.rendezvous_client import connect_rendezvous
+store = connect_rendezvous(sys.argv[1], "raw-peer", None, timedelta(seconds=10))
+group = p2p_pairs.new_pair_group(store, store.pair_index, 0, timedelta(seconds=10), torch.device("cpu"),
+                                 store.local_host)
 meta = torch.tensor([int(value) for value in sys.argv[2:7]], dtype=torch.int64)
 group.send([meta], 1, p2p_wire.TAG_META).wait()
 print("SENT", flush=True)

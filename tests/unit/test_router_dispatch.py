@@ -10,8 +10,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from splitserve.common.errors import Unavailable
-from splitserve.common.types import WorkerRole
+from splitserve.common.errors import Overloaded, Unavailable
+from splitserve.common.types import WorkerRole, WorkerState
 from splitserve.router.config import RouterConfig
 from splitserve.router.dispatch import DecodeStreamFailed, Dispatcher, RequestCancelled, RouterRequest
 from splitserve.router.frontend import Prompt
@@ -81,13 +81,15 @@ class FakeChannels:
     def __init__(self) -> None:
         self.decode_calls: list[FakeDecodeCall] = []
         self.prefill_outcomes: list = []
+        self.decode_requests: list[tuple[str, worker_pb2.DecodeRequest]] = []  # (address, request) per call
 
     def decode(self, address: str):
-        calls = self.decode_calls
+        calls, requests = self.decode_calls, self.decode_requests
 
         class Stub:
             @staticmethod
             def Decode(request, timeout=None):
+                requests.append((address, request))
                 return calls.pop(0)
 
         return Stub()
@@ -191,7 +193,7 @@ def test_a_failed_prefill_retry_releases_each_decode_attempt_once(cluster):
 def test_a_refused_or_failed_decode_stream_releases_it_once(cluster):
     dispatcher, registry, channels = cluster
     channels.decode_calls.append(FakeDecodeCall([], ack_error=FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED)))
-    with pytest.raises(Unavailable):
+    with pytest.raises(Overloaded):
         list(dispatcher.run(job(), lambda: None))
     assert in_flight(registry)["decode-1"] == 0
 
@@ -232,16 +234,18 @@ class FakeFrontend:
         return Prompt(list(range(40)), None)
 
 
-def servicer_of(dispatcher, registry) -> InferenceServicer:
-    return InferenceServicer(FakeFrontend(), dispatcher, registry, max_in_flight_requests=4, block_size=16)
+def servicer_of(dispatcher, registry, migration_limit: int = 3) -> InferenceServicer:
+    return InferenceServicer(FakeFrontend(), dispatcher, registry, max_in_flight_requests=4, block_size=16,
+                             migration_limit=migration_limit)
 
 
 def test_a_decode_worker_failing_after_tokens_ends_the_stream_with_an_error_message(cluster):
+    """Without migration (limit 0) the stream ends with a last FINISH_REASON_ERROR message."""
     dispatcher, registry, channels = cluster
     channels.decode_calls.append(FakeDecodeCall(MID_STREAM, error=FakeRpcError(grpc.StatusCode.UNAVAILABLE,
                                                                                 "Socket closed")))
     channels.prefill_outcomes.append(worker_pb2.PrefillResponse(first_token_id=5))
-    chunks = list(servicer_of(dispatcher, registry)._generate(job(), FakeContext()))
+    chunks = list(servicer_of(dispatcher, registry, migration_limit=0)._generate(job(), FakeContext()))
     assert [list(c.token_ids) for c in chunks] == [[5, 6], [7], []]
     last = chunks[-1]
     assert last.finish_reason == inference_pb2.FINISH_REASON_ERROR
@@ -249,6 +253,67 @@ def test_a_decode_worker_failing_after_tokens_ends_the_stream_with_an_error_mess
                                   "Socket closed; the text so far is complete up to here.")
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 3)
     assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
+
+
+def test_with_no_other_decode_worker_a_failed_stream_ends_with_an_error_message(cluster):
+    dispatcher, registry, channels = cluster
+    channels.decode_calls.append(FakeDecodeCall(MID_STREAM, error=FakeRpcError(grpc.StatusCode.UNAVAILABLE,
+                                                                                "Socket closed")))
+    channels.prefill_outcomes.append(worker_pb2.PrefillResponse(first_token_id=5))
+    chunks = list(servicer_of(dispatcher, registry)._generate(job(), FakeContext()))
+    assert [list(c.token_ids) for c in chunks] == [[5, 6], [7], []]
+    assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_ERROR
+    assert chunks[-1].error_message == (
+        "The decode worker decode-1 failed mid-stream after 3 tokens: UNAVAILABLE: Socket closed; no other decode "
+        "worker could continue the request: No decode worker could take the request (tried decode-1); the text so "
+        "far is complete up to here.")
+    assert len(channels.decode_requests) == 1
+    assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
+
+
+def test_a_stream_whose_decode_worker_fails_migrates_to_another_one(cluster):
+    """The continuation carries the prompt plus the tokens streamed; the client sees one stream."""
+    dispatcher, registry, channels = cluster
+    registry.add_static(DECODE, "d:3", worker_id="decode-2", kv_endpoint=worker_pb2.KVEndpoint(address="d:4"))
+    channels.decode_calls.append(FakeDecodeCall(MID_STREAM, error=FakeRpcError(grpc.StatusCode.UNAVAILABLE,
+                                                                                "Socket closed")))
+    finished = worker_pb2.DecodeResponse(state=worker_pb2.REQUEST_STATE_FINISHED, token_ids=[9],
+                                         finish_reason=inference_pb2.FINISH_REASON_LENGTH,
+                                         usage=inference_pb2.Usage(prompt_tokens=43, completion_tokens=2))
+    channels.decode_calls.append(FakeDecodeCall([
+        worker_pb2.DecodeResponse(state=worker_pb2.REQUEST_STATE_RUNNING, token_ids=[8], text="d"), finished]))
+    channels.prefill_outcomes += [worker_pb2.PrefillResponse(first_token_id=5),
+                                  worker_pb2.PrefillResponse(first_token_id=8)]
+    params = inference_pb2.SamplingParams(max_tokens=5, min_tokens=4, temperature=0.0)
+    request = RouterRequest("r1", Prompt(list(range(40)), None), params)
+    chunks = list(servicer_of(dispatcher, registry)._generate(request, FakeContext()))
+    assert [list(c.token_ids) for c in chunks] == [[5, 6], [7], [8], [9]]
+    assert "".join(c.text for c in chunks) == "abcd"
+    last = chunks[-1]
+    assert (last.finish_reason, last.error_message) == (inference_pb2.FINISH_REASON_LENGTH, "")
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 5)
+    [(first_address, first), (second_address, second)] = channels.decode_requests
+    assert (first_address, second_address) == ("d:1", "d:3")  # the failed worker is not chosen again
+    assert list(second.prompt_token_ids) == [*range(40), 5, 6, 7]
+    assert (second.sampling_params.max_tokens, second.sampling_params.min_tokens) == (2, 1)
+    assert second.sampling_params.temperature == 0.0 and first.request_id != second.request_id
+    assert request.num_migrations == 1 and request.original_prompt.token_ids == list(range(40))
+    assert {w: registry.get(w).num_in_flight for w in ("prefill-1", "decode-1", "decode-2")} == {
+        "prefill-1": 0, "decode-1": 0, "decode-2": 0}
+
+
+def test_migrations_stop_at_the_limit(cluster):
+    dispatcher, registry, channels = cluster
+    registry.add_static(DECODE, "d:3", worker_id="decode-2", kv_endpoint=worker_pb2.KVEndpoint(address="d:4"))
+    for _ in range(2):
+        channels.decode_calls.append(FakeDecodeCall(MID_STREAM, error=FakeRpcError(grpc.StatusCode.INTERNAL, "boom")))
+        channels.prefill_outcomes.append(worker_pb2.PrefillResponse(first_token_id=5))
+    chunks = list(servicer_of(dispatcher, registry, migration_limit=1)._generate(job(), FakeContext()))
+    assert [list(c.token_ids) for c in chunks] == [[5, 6], [7], [5, 6], [7], []]
+    assert chunks[-1].error_message == ("The decode worker decode-2 failed mid-stream after 6 tokens: INTERNAL: "
+                                        "boom (after 1 migration, the limit); the text so far is complete up to "
+                                        "here.")
+    assert len(channels.decode_requests) == 2
 
 
 def test_a_decode_worker_failing_before_any_token_keeps_its_status(cluster):
@@ -283,3 +348,32 @@ def test_a_draining_router_refuses_new_requests_and_waits_for_those_in_flight(cl
     assert servicer.abort_all() == 1 and in_flight_job.aborted
     servicer._release(in_flight_job)
     assert servicer.drain(timeout=0.05) is True
+
+
+def test_a_kv_delivery_failure_is_not_blamed_on_the_prefill_worker(cluster):
+    """ABORTED from Prefill (its KV could not reach the destination): the prefill worker stays SERVING and the
+    decode worker prefills the prompt itself."""
+    dispatcher, registry, channels = cluster
+    channels.decode_calls += [FakeDecodeCall([]), FakeDecodeCall([FINISHED])]
+    channels.prefill_outcomes.append(FakeRpcError(grpc.StatusCode.ABORTED, "Cannot deliver the prompt's KV"))
+    assert list(dispatcher.run(job(), lambda: None)) == [FINISHED]
+    [(_, remote), (_, local)] = channels.decode_requests
+    assert (remote.prefill_locally, local.prefill_locally) == (False, True)
+    assert registry.get("prefill-1").state == WorkerState.SERVING
+    assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
+    assert channels.prefill_outcomes == []
+
+
+def test_when_every_decode_worker_is_full_the_client_is_told_to_back_off(cluster):
+    """RESOURCE_EXHAUSTED (retry later), not UNAVAILABLE, when each decode worker refused for want of room."""
+    dispatcher, registry, channels = cluster
+    registry.add_static(DECODE, "d:3", worker_id="decode-2", kv_endpoint=worker_pb2.KVEndpoint(address="d:4"))
+    full = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Cannot reserve 38 KV blocks")
+    channels.decode_calls += [FakeDecodeCall([], ack_error=full), FakeDecodeCall([], ack_error=full)]
+    with pytest.raises(Overloaded, match=r"Every decode worker tried is full \(tried decode-1, decode-2\)"):
+        list(dispatcher.run(job(), lambda: None))
+    assert {w: registry.get(w).num_in_flight for w in ("decode-1", "decode-2")} == {"decode-1": 0, "decode-2": 0}
+    channels.decode_calls += [FakeDecodeCall([], ack_error=full),
+                              FakeDecodeCall([], ack_error=FakeRpcError(grpc.StatusCode.UNAVAILABLE, "gone"))]
+    with pytest.raises(Unavailable, match="No decode worker could take the request"):
+        list(dispatcher.run(job(), lambda: None))

@@ -112,9 +112,45 @@ def test_a_chat_too_large_is_refused_before_rendering(frontend):
     messages = [inference_pb2.ChatMessage(role="user", content="a" * (limit // 2)),
                 inference_pb2.ChatMessage(role="assistant", content="b" * (limit // 2 + 1))]
     started = time.monotonic()
-    with pytest.raises(InvalidRequest, match=rf"^The chat's content is {limit + 1} bytes, more than max_model_len"):
+    num_bytes = limit + 1 + len("user") + len("assistant")  # roles count too
+    with pytest.raises(InvalidRequest, match=rf"^The chat's messages are {num_bytes} bytes, more than max_model_len"):
         frontend.prompt_of(inference_pb2.GenerateRequest(chat=inference_pb2.ChatPrompt(messages=messages)))
     assert time.monotonic() - started < 0.5
     messages[1].content = "b" * (limit // 2 - 100)
     with pytest.raises(InvalidRequest, match=r"^The (prompt has \d+ tokens|rendered chat is \d+ bytes)"):
         frontend.prompt_of(inference_pb2.GenerateRequest(chat=inference_pb2.ChatPrompt(messages=messages)))
+
+
+def test_a_huge_role_is_refused_before_rendering(frontend):
+    messages = [inference_pb2.ChatMessage(role="r" * 5_000_000, content="hi")]
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest, match=r"^The chat's messages are 5000002 bytes, more than max_model_len"):
+        frontend.prompt_of(inference_pb2.GenerateRequest(chat=inference_pb2.ChatPrompt(messages=messages)))
+    assert time.monotonic() - started < 0.5
+
+
+def test_tokenize_is_not_held_to_the_generation_limits(frontend):
+    text = "hello" * 100  # 100 tokens, over max_model_len 64
+    request = inference_pb2.TokenizeRequest(text=text)
+    assert frontend.tokenize(request).token_ids == [28120] * 100
+    assert frontend.tokenize(inference_pb2.TokenizeRequest(text="")).token_ids == []
+    with pytest.raises(InvalidRequest, match=r"^The prompt has 100 tokens; max_model_len is 64"):
+        frontend.prompt_of(inference_pb2.GenerateRequest(text=text))
+    with pytest.raises(InvalidRequest, match=r"^The request has no prompt"):
+        frontend.tokenize(inference_pb2.TokenizeRequest())
+    with pytest.raises(InvalidRequest, match=r"^The text prompt is 50000000 bytes"):
+        frontend.tokenize(inference_pb2.TokenizeRequest(text="a" * 50_000_000))
+
+
+def test_a_chat_the_template_refuses_is_an_invalid_request_with_its_reason(frontend, monkeypatch):
+    template = ("{% for message in messages %}{% if message['role'] not in ['user', 'assistant'] %}"
+                "{{ raise_exception('Only user and assistant roles are supported: ' + message['role']) }}"
+                "{% endif %}{{ message['content'] }}{% endfor %}")
+    monkeypatch.setattr(frontend.tokenizer, "chat_template", template)
+    messages = [inference_pb2.ChatMessage(role="x" * 1000, content="hi")]
+    with pytest.raises(InvalidRequest) as refused:
+        frontend.prompt_of(inference_pb2.GenerateRequest(chat=inference_pb2.ChatPrompt(messages=messages)))
+    sentence = str(refused.value)
+    assert sentence.startswith("The model's chat template refused these messages: Only user and assistant roles "
+                               "are supported: xxx")
+    assert sentence.endswith("x.") and len(sentence) < 250  # the template's error is cut, the client's role with it

@@ -14,9 +14,11 @@ from splitserve.common.load import WorkerLoad
 from splitserve.common.types import WorkerRole, WorkerState
 from splitserve.router.policies import LeastLoaded, PrefixAware, RoundRobin, make_policy
 from splitserve.router.registry import WorkerRegistry
-from splitserve.router.worker import Worker
+from splitserve.router.worker import KVCacheLayout, Worker
 
 PREFILL, DECODE, BOTH = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.BOTH
+
+LAYOUT = KVCacheLayout(num_layers=30, num_kv_heads=3, head_size=64, dtype="float32", block_size=16)
 
 
 def pool(count: int, role: WorkerRole = PREFILL) -> list[Worker]:
@@ -102,7 +104,7 @@ def test_least_loaded_prefill_adds_the_tokens_it_routed_since_the_last_report():
 def test_least_loaded_prefill_resets_on_heartbeats_through_the_registry():
     now = [0.0]
     registry = WorkerRegistry(lease_duration_seconds=10, heartbeat_interval_seconds=1, clock=lambda: now[0])
-    leases = [registry.register(PREFILL, f"h:{i}", worker_id=f"w{i}", model_fingerprint="m").lease_id for i in range(2)]
+    leases = [registry.register(PREFILL, f"h:{i}", worker_id=f"w{i}", model_fingerprint="m", kv_layout=LAYOUT).lease_id for i in range(2)]
     policy = LeastLoaded(PREFILL)
     assert picks(policy, registry.routable(PREFILL), prompt=[1] * 1000) == ["w0"]
     assert picks(policy, registry.routable(PREFILL), prompt=[1] * 10) == ["w1"]

@@ -16,12 +16,14 @@ from splitserve.router.worker import (
     InvalidRegistration,
     KVCacheLayout,
     KVLayoutMismatch,
+    RegistrationInUse,
     UnknownLease,
     UnknownWorker,
     Worker,
     WorkerIdInUse,
 )
 
+LAYOUT = KVCacheLayout(num_layers=30, num_kv_heads=3, head_size=64, dtype="float32", block_size=16)
 PREFILL, DECODE, BOTH = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.BOTH
 SERVING, DRAINING, STARTING, UNREACHABLE = (WorkerState.SERVING, WorkerState.DRAINING, WorkerState.STARTING,
                                             WorkerState.UNREACHABLE)
@@ -75,9 +77,9 @@ def test_kv_block_usage():
 
 
 def test_register_assigns_ids_and_routes_in_registration_order(registry):
-    a = registry.register(DECODE, "h:1", model_fingerprint="m")
-    b = registry.register(DECODE, "h:2", worker_id="mine", model_fingerprint="m")
-    p = registry.register(PREFILL, "h:3", model_fingerprint="m")
+    a = registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=LAYOUT)
+    b = registry.register(DECODE, "h:2", worker_id="mine", model_fingerprint="m", kv_layout=LAYOUT)
+    p = registry.register(PREFILL, "h:3", model_fingerprint="m", kv_layout=LAYOUT)
     c = registry.register(BOTH, "h:4")
     assert ids([a, b, p, c]) == ["decode-1", "mine", "prefill-2", "worker-3"]
     assert ids(registry.routable(DECODE)) == ["decode-1", "mine"]
@@ -88,24 +90,24 @@ def test_register_assigns_ids_and_routes_in_registration_order(registry):
 
 
 def test_assigned_ids_skip_ids_taken_by_name(registry):
-    registry.register(DECODE, "h:1", worker_id="decode-1", model_fingerprint="m")
-    assert registry.register(DECODE, "h:2", model_fingerprint="m").worker_id == "decode-2"
+    registry.register(DECODE, "h:1", worker_id="decode-1", model_fingerprint="m", kv_layout=LAYOUT)
+    assert registry.register(DECODE, "h:2", model_fingerprint="m", kv_layout=LAYOUT).worker_id == "decode-2"
 
 
 def test_bad_registrations_are_refused_with_a_sentence(registry):
     with pytest.raises(InvalidRegistration, match="address is required: the host:port"):
-        registry.register(DECODE, "", model_fingerprint="m")
+        registry.register(DECODE, "", model_fingerprint="m", kv_layout=LAYOUT)
     with pytest.raises(InvalidRegistration, match="role must be a WorkerRole"):
         registry.register(2, "h:1")
     with pytest.raises(InvalidRegistration, match="registers as STARTING, SERVING or DRAINING"):
-        registry.register(DECODE, "h:1", state=UNREACHABLE, model_fingerprint="m")
+        registry.register(DECODE, "h:1", state=UNREACHABLE, model_fingerprint="m", kv_layout=LAYOUT)
     assert isinstance(InvalidRegistration("x"), ValueError)
     assert registry.pools() == {PREFILL: [], DECODE: [], BOTH: []}
 
 
 def test_fingerprint_mismatch_is_refused_with_the_sentence(registry):
     with pytest.raises(FingerprintMismatch) as refused:
-        registry.register(DECODE, "h:1", model_fingerprint="other")
+        registry.register(DECODE, "h:1", model_fingerprint="other", kv_layout=LAYOUT)
     assert str(refused.value) == ("The worker at h:1 serves model other, but this cluster serves m: "
                                   "start it with the same --model and --dtype as the rest of the cluster.")
     assert registry.by_address("h:1") is None
@@ -114,15 +116,15 @@ def test_fingerprint_mismatch_is_refused_with_the_sentence(registry):
 def test_without_a_fixed_fingerprint_the_registered_workers_set_it(clock):
     registry = WorkerRegistry(clock=clock)
     assert registry.model_fingerprint is None
-    first = registry.register(DECODE, "h:1", model_fingerprint="x")
+    first = registry.register(DECODE, "h:1", model_fingerprint="x", kv_layout=LAYOUT)
     with pytest.raises(FingerprintMismatch, match="serves model y, but this cluster serves x"):
-        registry.register(PREFILL, "h:2", model_fingerprint="y")
+        registry.register(PREFILL, "h:2", model_fingerprint="y", kv_layout=LAYOUT)
     # The only worker restarting with other weights is the cluster now.
-    registry.register(DECODE, "h:1", model_fingerprint="y")
+    registry.register(DECODE, "h:1", model_fingerprint="y", kv_layout=LAYOUT, previous_lease_id=first.lease_id)
     assert registry.model_fingerprint == "y"
     registry.deregister(registry.by_address("h:1").lease_id)
     assert registry.model_fingerprint is None
-    assert registry.register(PREFILL, "h:2", model_fingerprint="z").model_fingerprint == "z"
+    assert registry.register(PREFILL, "h:2", model_fingerprint="z", kv_layout=LAYOUT).model_fingerprint == "z"
     assert first.lease_id != registry.by_address("h:2").lease_id
 
 
@@ -161,7 +163,7 @@ def test_the_first_kv_exchanging_worker_sets_the_layout(registry):
     registry.register(BOTH, "h:0", model_fingerprint="m", kv_layout=layout(8))
     only = registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=layout(32))
     # The only KV-exchanging worker restarting with another layout is the cluster's layout now.
-    registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=layout(16))
+    registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=layout(16), previous_lease_id=only.lease_id)
     with pytest.raises(KVLayoutMismatch, match="block size 32 vs 16"):
         registry.register(PREFILL, "h:2", model_fingerprint="m", kv_layout=layout(32))
     registry.deregister(registry.by_address("h:1").lease_id)
@@ -179,8 +181,8 @@ def test_kv_layout_from_the_proto_message():
 
 
 def test_lease_expiry_removes_exactly_the_silent_worker(registry, clock):
-    quiet = registry.register(DECODE, "h:1", model_fingerprint="m")
-    busy = registry.register(DECODE, "h:2", model_fingerprint="m")
+    quiet = registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=LAYOUT)
+    busy = registry.register(DECODE, "h:2", model_fingerprint="m", kv_layout=LAYOUT)
     states, removed_at = [], {}
     for second in range(1, 13):
         clock.now = 100 + second
@@ -198,7 +200,7 @@ def test_lease_expiry_removes_exactly_the_silent_worker(registry, clock):
 
 
 def test_a_heartbeat_after_the_lease_ran_out_is_refused_even_before_expire(registry, clock):
-    worker = registry.register(PREFILL, "h:1", model_fingerprint="m")
+    worker = registry.register(PREFILL, "h:1", model_fingerprint="m", kv_layout=LAYOUT)
     clock.now += 9.99
     beat(registry, worker)
     clock.now += 10
@@ -208,7 +210,7 @@ def test_a_heartbeat_after_the_lease_ran_out_is_refused_even_before_expire(regis
 
 
 def test_an_unreachable_worker_serves_again_after_a_heartbeat(registry, clock):
-    worker = registry.register(PREFILL, "h:1", model_fingerprint="m")
+    worker = registry.register(PREFILL, "h:1", model_fingerprint="m", kv_layout=LAYOUT)
     clock.now += 3
     assert registry.routable(PREFILL) == []
     assert registry.get(worker.worker_id).state == UNREACHABLE
@@ -222,36 +224,50 @@ def test_an_unreachable_worker_serves_again_after_a_heartbeat(registry, clock):
 
 
 def test_drain_sticks_and_stops_routing(registry):
-    worker = registry.register(DECODE, "h:1", model_fingerprint="m")
+    worker = registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=LAYOUT)
     registry.begin_request(worker.worker_id)
     registry.begin_request(worker.worker_id)
-    assert registry.drain(worker.worker_id) == 2
+    assert registry.drain(worker.lease_id) == 2
     assert beat(registry, worker, state=SERVING) == DRAINING
     registry.mark_unreachable(worker.worker_id)
     assert registry.get(worker.worker_id).state == DRAINING
     assert registry.routable(DECODE) == []
-    with pytest.raises(UnknownWorker, match="No worker 'nobody'"):
-        registry.drain("nobody")
+
+
+def test_only_the_worker_itself_can_drain_it(registry):
+    """A drain needs the worker's lease: knowing its public id (GetClusterStatus lists it) is not enough."""
+    worker = registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=LAYOUT)
+    other = registry.register(DECODE, "h:2", model_fingerprint="m", kv_layout=LAYOUT)
+    with pytest.raises(InvalidRegistration, match="lease_id is required"):
+        registry.drain("", worker.worker_id)
+    with pytest.raises(UnknownLease, match="unknown or expired"):
+        registry.drain("guessed-lease", worker.worker_id)
+    with pytest.raises(UnknownLease, match="not the named worker's"):
+        registry.drain(other.lease_id, worker.worker_id)
+    assert [w.state for w in registry.pools()[DECODE]] == [SERVING, SERVING]
+    assert registry.drain(worker.lease_id, worker.worker_id) == 0
+    assert [w.state for w in registry.pools()[DECODE]] == [DRAINING, SERVING]
 
 
 def test_a_worker_that_says_it_drains_stays_draining(registry):
-    worker = registry.register(DECODE, "h:1", model_fingerprint="m")
+    worker = registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=LAYOUT)
     assert beat(registry, worker, state=DRAINING) == DRAINING
     assert beat(registry, worker, state=SERVING) == DRAINING
     assert registry.routable(DECODE) == []
 
 
 def test_a_starting_worker_is_routed_to_once_it_says_serving(registry):
-    worker = registry.register(PREFILL, "h:1", state=STARTING, model_fingerprint="m")
+    worker = registry.register(PREFILL, "h:1", state=STARTING, model_fingerprint="m", kv_layout=LAYOUT)
     assert registry.routable(PREFILL) == []
     assert beat(registry, worker, state=SERVING) == SERVING
     assert ids(registry.routable(PREFILL)) == [worker.worker_id]
 
 
 def test_registering_again_from_the_same_address_replaces(registry):
-    old = registry.register(DECODE, "h:1", worker_id="d", model_fingerprint="m")
+    old = registry.register(DECODE, "h:1", worker_id="d", model_fingerprint="m", kv_layout=LAYOUT)
     registry.begin_request("d")
-    new = registry.register(DECODE, "h:1", worker_id="d", kv_endpoint="kv-2", model_fingerprint="m")
+    new = registry.register(DECODE, "h:1", worker_id="d", kv_endpoint="kv-2", model_fingerprint="m", kv_layout=LAYOUT,
+                            previous_lease_id=old.lease_id)
     assert ids(registry.pools()[DECODE]) == ["d"]
     assert registry.get("d").kv_endpoint == "kv-2"
     assert registry.get("d").num_in_flight == 1  # the old calls still end through end_request("d")
@@ -259,7 +275,7 @@ def test_registering_again_from_the_same_address_replaces(registry):
         beat(registry, old)
     beat(registry, new)
     # Under an assigned id the old id is gone, and its calls' ends are no-ops.
-    renamed = registry.register(DECODE, "h:1", model_fingerprint="m")
+    renamed = registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=LAYOUT, previous_lease_id=new.lease_id)
     assert ids(registry.pools()[DECODE]) == [renamed.worker_id] and renamed.num_in_flight == 0
     registry.deregister(renamed.lease_id)
     assert registry.pools()[DECODE] == []
@@ -267,13 +283,35 @@ def test_registering_again_from_the_same_address_replaces(registry):
         registry.deregister(renamed.lease_id)
 
 
+def test_a_live_registration_is_replaced_only_by_whoever_made_it(registry, clock):
+    """Nobody but the worker (its lease, or its certificate identity) replaces a live registration; a restarted
+    worker replaces its old one once that is silent."""
+    live = registry.register(DECODE, "h:1", worker_id="d", kv_endpoint="kv-1", model_fingerprint="m",
+                             kv_layout=LAYOUT, identity="decode-host-1")
+    for impostor in ({}, {"previous_lease_id": "guessed"}, {"identity": "someone-else"}):
+        with pytest.raises(RegistrationInUse, match="registered and alive, and only it can register there again"):
+            registry.register(DECODE, "h:1", kv_endpoint="bogus", model_fingerprint="m", kv_layout=LAYOUT, **impostor)
+        with pytest.raises(WorkerIdInUse, match="'d' is in use by the live worker at h:1"):
+            registry.register(DECODE, "h:2", worker_id="d", kv_endpoint="bogus", model_fingerprint="m",
+                              kv_layout=LAYOUT, **impostor)
+    assert [(w.address, w.kv_endpoint, w.lease_id) for w in registry.pools()[DECODE]] == [("h:1", "kv-1",
+                                                                                            live.lease_id)]
+    same = registry.register(DECODE, "h:1", worker_id="d", kv_endpoint="kv-2", model_fingerprint="m",
+                             kv_layout=LAYOUT, identity="decode-host-1")
+    assert registry.get("d").kv_endpoint == "kv-2" and same.lease_id != live.lease_id
+    clock.now += 2  # silent for two heartbeat intervals: a restarted worker takes its place
+    restarted = registry.register(DECODE, "h:1", worker_id="d", kv_endpoint="kv-3", model_fingerprint="m",
+                                  kv_layout=LAYOUT)
+    assert (registry.get("d").kv_endpoint, restarted.identity) == ("kv-3", None)
+
+
 def test_a_worker_id_held_by_a_live_worker_elsewhere_is_refused(registry, clock):
-    registry.register(PREFILL, "h:1", worker_id="p", model_fingerprint="m")
+    registry.register(PREFILL, "h:1", worker_id="p", model_fingerprint="m", kv_layout=LAYOUT)
     with pytest.raises(WorkerIdInUse, match="'p' is in use by the live worker at h:1"):
-        registry.register(PREFILL, "h:2", worker_id="p", model_fingerprint="m")
+        registry.register(PREFILL, "h:2", worker_id="p", model_fingerprint="m", kv_layout=LAYOUT)
     # Once the holder is silent (a restart on another port), the id moves.
     clock.now += 2
-    moved = registry.register(PREFILL, "h:2", worker_id="p", model_fingerprint="m")
+    moved = registry.register(PREFILL, "h:2", worker_id="p", model_fingerprint="m", kv_layout=LAYOUT)
     assert [(w.worker_id, w.address) for w in registry.pools()[PREFILL]] == [("p", "h:2")]
     assert moved.lease_id == registry.get("p").lease_id
 
@@ -297,7 +335,7 @@ def test_add_static_is_idempotent_per_address_and_yields_to_registrations(regist
     assert registry.add_static(DECODE, "h:1", worker_id="other").worker_id == first.worker_id
     assert registry.add_static(DECODE, "h:2", worker_id="decode-h:1").worker_id == "decode-h:1-1"
     # The worker at h:1 registers itself: its lease replaces the static entry, and polling keeps it.
-    leased = registry.register(DECODE, "h:1", worker_id="decode-h:1", model_fingerprint="m")
+    leased = registry.register(DECODE, "h:1", worker_id="decode-h:1", model_fingerprint="m", kv_layout=LAYOUT)
     assert registry.add_static(DECODE, "h:1").lease_id == leased.lease_id
     assert [(w.worker_id, w.is_static) for w in registry.pools()[DECODE]] == [("decode-h:1-1", True),
                                                                               ("decode-h:1", False)]
@@ -308,7 +346,7 @@ def test_add_static_is_idempotent_per_address_and_yields_to_registrations(regist
 
 
 def test_readers_get_copies(registry):
-    worker = registry.register(DECODE, "h:1", model_fingerprint="m")
+    worker = registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=LAYOUT)
     beat(registry, worker, num_running_requests=3)
     copy = registry.routable(DECODE)[0]
     copy.state, copy.num_in_flight, copy.load.num_running_requests = DRAINING, 7, 99
@@ -319,8 +357,8 @@ def test_readers_get_copies(registry):
 
 
 def test_in_flight_counters(registry):
-    a = registry.register(DECODE, "h:1", model_fingerprint="m")
-    b = registry.register(DECODE, "h:2", model_fingerprint="m")
+    a = registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=LAYOUT)
+    b = registry.register(DECODE, "h:2", model_fingerprint="m", kv_layout=LAYOUT)
     for _ in range(3):
         registry.begin_request(a.worker_id)
     registry.begin_request(b.worker_id)
@@ -336,9 +374,9 @@ def test_in_flight_counters(registry):
 
 
 def test_pools_lists_every_role_in_registration_order(registry):
-    registry.register(PREFILL, "h:1", model_fingerprint="m")
+    registry.register(PREFILL, "h:1", model_fingerprint="m", kv_layout=LAYOUT)
     registry.add_static(DECODE, "h:2")
-    registry.register(DECODE, "h:3", state=STARTING, model_fingerprint="m")
+    registry.register(DECODE, "h:3", state=STARTING, model_fingerprint="m", kv_layout=LAYOUT)
     pools = registry.pools()
     assert {role: ids(workers) for role, workers in pools.items()} == {
         PREFILL: ["prefill-1"], DECODE: ["decode-2", "decode-3"], BOTH: []}
@@ -352,8 +390,11 @@ def test_concurrent_use_keeps_the_registry_consistent(registry, clock):
     def hammer(index: int) -> None:
         try:
             start.wait(5)
+            lease_id = ""
             for round_index in range(50):
-                worker = registry.register(DECODE, f"h:{index}", worker_id=f"d{index}", model_fingerprint="m")
+                worker = registry.register(DECODE, f"h:{index}", worker_id=f"d{index}", model_fingerprint="m",
+                                           kv_layout=LAYOUT, previous_lease_id=lease_id)
+                lease_id = worker.lease_id
                 registry.begin_request(worker.worker_id)
                 assert beat(registry, worker, num_running_requests=round_index) == SERVING
                 assert worker.worker_id in ids(registry.routable(DECODE))
@@ -386,10 +427,18 @@ def test_the_registry_servicer_converts_the_kv_layout_and_refuses_another(regist
                                                dtype=worker_pb2.KV_CACHE_DTYPE_FLOAT32, block_size=block_size),
         )
 
+    class PlainContext:  # a call without mutual TLS: no certificate identity
+        def peer_identities(self):
+            return None
+
     servicer = RegistryServicer(registry)
-    servicer.Register(request("h:1", 16), None)
+    servicer.Register(request("h:1", 16), PlainContext())
     assert registry.by_address("h:1").kv_layout == layout(16)
     with pytest.raises(KVLayoutMismatch, match="block size 32 vs 16"):
-        servicer.Register(request("h:2", 32, role=inference_pb2.WORKER_ROLE_PREFILL), None)
+        servicer.Register(request("h:2", 32, role=inference_pb2.WORKER_ROLE_PREFILL), PlainContext())
     with pytest.raises(InvalidRegistration, match="model_fingerprint is required"):
-        servicer.Register(request("h:3", 16, fingerprint=""), None)
+        servicer.Register(request("h:3", 16, fingerprint=""), PlainContext())
+    no_layout = request("h:4", 16)
+    no_layout.ClearField("kv_layout")
+    with pytest.raises(InvalidRegistration, match="kv_layout is required"):
+        servicer.Register(no_layout, PlainContext())

@@ -124,5 +124,26 @@ def test_request_bytes_that_do_not_parse_end_the_call_with_invalid_argument(make
     else:
         assert handler.unary_unary(request, context) is None
     assert context.code == Code.INVALID_ARGUMENT
-    assert context.details.startswith("The request is not a valid AbortRequest: ")
+    assert context.details.startswith("The request is not a valid AbortRequest: its bytes do not parse (")
+    assert context.details.endswith(").")
     assert handler.request_deserializer(b"\x0a\x02ab") == inference_pb2.AbortRequest(request_id="ab")
+
+
+def test_a_parse_error_is_echoed_at_most_160_characters():
+    class LongWinded(Exception):
+        pass
+
+    def parse(data: bytes):
+        raise LongWinded("bytes " + data.hex())
+
+    handler = intercepted(grpc.unary_unary_rpc_method_handler(lambda request, context: None,
+                                                              request_deserializer=parse))
+    context = FakeContext()
+    assert handler.unary_unary(handler.request_deserializer(b"\xab" * 10_000), context) is None
+    assert context.code == Code.INVALID_ARGUMENT
+    assert context.details == f"The request is not a valid request message: its bytes do not parse ({('bytes ' + 'ab' * 77)[:160]})."
+
+
+def test_an_internal_error_echoes_at_most_200_characters_of_its_message():
+    code, details = status_of(ValueError("x" * 10_000))
+    assert (code, details) == (Code.INTERNAL, "Internal error: ValueError: " + "x" * 200 + "...")

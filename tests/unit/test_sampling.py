@@ -149,6 +149,20 @@ def test_a_seed_outside_int64_is_refused():
             SamplingParams(seed=seed)
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                   "frequency_penalty"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_float_that_is_not_finite_is_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be .*, got {value!r}\.$"):
+        SamplingParams(**{field: value})
+
+
+def test_large_finite_values_and_integers_pass_where_in_range():
+    assert SamplingParams(temperature=3.4e38, repetition_penalty=10**30, top_p=1, min_p=0).temperature == 3.4e38
+    with pytest.raises(ValueError, match=r"^presence_penalty must be in \[-2, 2\], got 1000"):
+        SamplingParams(presence_penalty=10**400)
+
+
 def test_different_seeds_give_different_tokens():
     logits_per_step = [random_logits(1, 64, seed=step) for step in range(8)]
 
