@@ -15,7 +15,8 @@ from splitserve.router.dispatch import Dispatcher
 from splitserve.router.frontend import Frontend
 from splitserve.router.policies import make_policy
 from splitserve.router.registry import WorkerRegistry
-from splitserve.router.servicer import MAX_CONCURRENT_SMALL_CALLS, InferenceServicer, RegistryServicer
+from splitserve.router.registry_servicer import RegistryServicer
+from splitserve.router.servicer import MAX_CONCURRENT_SMALL_CALLS, InferenceServicer
 from splitserve.router.worker import KVCacheLayout
 from splitserve.rpc.convert import worker_load_from_pb, worker_state_from_pb
 from splitserve.rpc.server import start_server

@@ -416,7 +416,7 @@ def test_concurrent_use_keeps_the_registry_consistent(registry, clock):
 
 
 def test_the_registry_servicer_converts_the_kv_layout_and_refuses_another(registry):
-    from splitserve.router.servicer import RegistryServicer
+    from splitserve.router.registry_servicer import RegistryServicer
     from splitserve.v1 import inference_pb2, worker_pb2
 
     def request(address: str, block_size: int, role=inference_pb2.WORKER_ROLE_DECODE, fingerprint="m"):

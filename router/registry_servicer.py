@@ -1,0 +1,63 @@
+"""The router's WorkerRegistry service: workers register, heartbeat, drain themselves and leave.
+
+Each method converts its message at the edge (``splitserve.rpc.convert``) and calls the registry, whose
+domain errors the interceptor turns into status codes. A registration is bound to its caller: the lease it
+is granted and, under mutual TLS, the client certificate's identity (``splitserve.rpc.tls.peer_identity``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.ids import check_id
+from splitserve.common.types import WorkerRole
+from splitserve.router.registry import WorkerRegistry
+from splitserve.router.worker import KVCacheLayout
+from splitserve.rpc.convert import worker_load_from_pb, worker_role_from_pb, worker_state_from_pb
+from splitserve.rpc.tls import peer_identity
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
+    """Workers register, heartbeat, drain and leave through here."""
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self.registry = registry
+
+    def Register(self, request: worker_pb2.RegisterRequest, context) -> worker_pb2.RegisterResponse:
+        role = worker_role_from_pb(request.role)
+        if role != WorkerRole.BOTH and not request.HasField("kv_endpoint"):
+            raise InvalidRequest("A prefill or decode worker must give its kv_endpoint.")
+        worker = self.registry.register(
+            role=role, address=request.address,
+            kv_endpoint=request.kv_endpoint if request.HasField("kv_endpoint") else None,
+            capacity=request.capacity, model_fingerprint=request.model_fingerprint,
+            state=worker_state_from_pb(request.state), worker_id=request.worker_id,
+            kv_layout=KVCacheLayout.from_pb(request.kv_layout) if request.HasField("kv_layout") else None,
+            previous_lease_id=request.previous_lease_id, identity=peer_identity(context),
+        )
+        logger.info("Worker %s (%s) registered from %s", worker.worker_id, role.name.lower(), request.address)
+        return worker_pb2.RegisterResponse(
+            worker_id=worker.worker_id, lease_id=worker.lease_id,
+            lease_duration_seconds=self.registry.lease_duration_seconds,
+            heartbeat_interval_seconds=self.registry.heartbeat_interval_seconds,
+        )
+
+    def Heartbeat(self, request: worker_pb2.HeartbeatRequest, context) -> worker_pb2.HeartbeatResponse:
+        state, lease = self.registry.heartbeat(
+            request.lease_id, worker_load_from_pb(request.load), worker_state_from_pb(request.state)
+        )
+        return worker_pb2.HeartbeatResponse(state=state.value, lease_duration_seconds=lease)
+
+    def Deregister(self, request: worker_pb2.DeregisterRequest, context) -> worker_pb2.DeregisterResponse:
+        self.registry.deregister(request.lease_id)
+        return worker_pb2.DeregisterResponse()
+
+    def Drain(self, request: worker_pb2.DrainRequest, context) -> worker_pb2.DrainResponse:
+        in_flight = self.registry.drain(request.lease_id, check_id(request.worker_id, "worker_id")
+                                        if request.worker_id else "")
+        logger.info("Worker %s is draining", request.worker_id or "(by lease)")
+        return worker_pb2.DrainResponse(num_in_flight_requests=in_flight)
