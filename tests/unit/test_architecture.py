@@ -64,6 +64,19 @@ def test_the_router_and_the_shared_package_import_no_model_code(folder, forbidde
     assert not found, f"{folder}/ must not import {', '.join(forbidden)}:\n" + "\n".join(found)
 
 
+# LMCache is an optional extra: only its connector modules import it (they say how to install it).
+LMCACHE_MODULES = ("kvtransfer/lmcache_connector.py", "kvtransfer/lmcache_gpu_connector.py",
+                   "kvtransfer/lmcache_redis.py")
+
+
+def test_only_the_lmcache_connector_imports_lmcache():
+    found = [violation for folder in ("splitserve", "engine", "kernels", "kvtransfer", "router", "prefill_service",
+                                      "decode_service", "benchmarks")
+             for violation in violations(folder, ("lmcache",))
+             if violation.split(":")[0] not in LMCACHE_MODULES]
+    assert not found, "only kvtransfer/lmcache_*.py may import lmcache (an optional extra):\n" + "\n".join(found)
+
+
 def test_the_checks_see_imports_inside_functions(tmp_path):
     module = tmp_path / "module.py"
     module.write_text("import os\n\ndef f():\n    from splitserve.engine.scheduler import Scheduler\n    import grpc\n")
