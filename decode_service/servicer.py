@@ -1,7 +1,8 @@
 """gRPC DecodeWorker: the engine in the decode role.
 
 A ``Decode`` call creates the request; with remote KV the servicer announces
-its transfer to the worker's :class:`KVReceiver` (the engine's KV connector),
+its transfer to the worker's :class:`KVReceiver` (the engine's KV connector; :class:`LMCacheReceiver`,
+which loads the prompt's KV from LMCache, with ``--kv-transfer lmcache``),
 the engine reserves the prompt's blocks and the request waits in
 ``WAITING_FOR_REMOTE_KVS`` (the first message says so) until the receiver
 reports the KV in place; then it is batched with every running sequence and
@@ -20,6 +21,7 @@ import grpc
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.ids import MAX_WORKER_ID_LENGTH, check_id
 from splitserve.common.types import FinishReason
+from splitserve.decode_service.lmcache_receiver import LMCacheReceiver
 from splitserve.decode_service.receiver import KVReceiver
 from splitserve.engine.kv_connector import KVLoadFailurePolicy, KVLoadOutcome, KVTransferParams
 from splitserve.engine.outputs import RequestOutput
@@ -41,8 +43,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._lock = threading.Lock()
 
     @property
-    def receiver(self) -> KVReceiver | None:
-        """The engine's KV connector (built when the runtime starts; None colocated: it receives no KV)."""
+    def receiver(self) -> KVReceiver | LMCacheReceiver | None:
+        """The engine's KV connector (built when the runtime starts; LMCacheReceiver with --kv-transfer lmcache;
+        None colocated: it receives no KV)."""
         return self.runtime.kv_connector
 
     # ---- RPCs ----------------------------------------------------------------------
@@ -101,7 +104,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         fail = (request.on_kv_failure == worker_pb2.KV_FAILURE_POLICY_FAIL or
                 (request.on_kv_failure == worker_pb2.KV_FAILURE_POLICY_UNSPECIFIED and config.kv_load_failure == "fail"))
         policy = KVLoadFailurePolicy.FAIL if fail else KVLoadFailurePolicy.RECOMPUTE
-        self.receiver.expect(request_id, request.transfer_id, len(prompt), timeout, _endpoint_or_none(request))
+        self.receiver.expect(request_id, request.transfer_id, len(prompt), timeout, _endpoint_or_none(request),
+                              prompt_token_ids=prompt)
         try:
             stream = self.loop.submit(request_id, None, params, prompt,
                                       kv_transfer=KVTransferParams(load=True, on_load_failure=policy))

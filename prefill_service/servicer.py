@@ -1,7 +1,8 @@
 """gRPC PrefillWorker: the engine in the prefill role.
 
 ``Prefill`` announces the request's transfer to the worker's :class:`KVSender`
-(the engine's KV connector) and queues the prompt with
+(the engine's KV connector; :class:`LMCacheSender` with ``--kv-transfer lmcache``, which stores the whole
+prompt in LMCache once it is computed) and queues the prompt with
 ``KVTransferParams(save=True)`` (batched with other prefills, chunked when
 long). The engine hands the sender the blocks each step completed, so a long
 prompt's KV travels while its later chunks are computed; the step that
@@ -21,8 +22,9 @@ import grpc
 from splitserve.common.errors import Aborted, Cancelled, InvalidRequest
 from splitserve.common.ids import MAX_WORKER_ID_LENGTH, check_id
 from splitserve.common.log_fields import request_log
-from splitserve.common.types import FinishReason
+from splitserve.common.types import FinishReason, KVConnectorKind
 from splitserve.engine.kv_connector import KVTransferParams
+from splitserve.prefill_service.lmcache_sender import LMCacheSender
 from splitserve.prefill_service.sender import KVSender, TransferSender
 from splitserve.rpc.convert import position_logprobs_to_pb, sampling_params_from_pb, set_stop_reason
 from splitserve.rpc.worker import WorkerRuntime, wait_accepted
@@ -41,8 +43,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.block_size = runtime.config.engine.block_size
 
     @property
-    def sender(self) -> KVSender:
-        """The engine's KV connector (built when the runtime starts)."""
+    def sender(self) -> KVSender | LMCacheSender:
+        """The engine's KV connector (built when the runtime starts): LMCacheSender with --kv-transfer lmcache."""
         return self.runtime.kv_connector
 
     # ---- RPCs ----------------------------------------------------------------------
@@ -74,11 +76,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         prompt = list(request.prompt_token_ids)
         received = time.monotonic()
         sender = self.sender.expect(request_id, request.transfer_id, KVEndpointInfo.from_pb(request.destination),
-                                    len(prompt))
+                                    len(prompt), prompt_token_ids=prompt)
         completed = False
         try:
-            # The decode worker caches num_destination_cached_tokens already: their KV is not sent.
-            kv_transfer = KVTransferParams(save=True, num_skip_tokens=request.num_destination_cached_tokens)
+            # The decode worker caches num_destination_cached_tokens already: their KV is not sent. LMCache stores
+            # the whole prompt (its chunks are keyed from the prompt's start; the decode worker retrieves only what
+            # it lacks).
+            skip = 0 if runtime.config.kv_transfer == KVConnectorKind.LMCACHE else request.num_destination_cached_tokens
+            kv_transfer = KVTransferParams(save=True, num_skip_tokens=skip)
             try:
                 stream = runtime.loop.submit(request_id, None, engine_params, prompt, kv_transfer=kv_transfer)
                 wait_accepted(stream)

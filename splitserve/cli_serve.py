@@ -60,16 +60,18 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
     up.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default: %(default)s)")
     up.add_argument("--colocated", type=int, default=0, metavar="N",
                     help="colocated workers instead of prefill/decode pools (default: %(default)s)")
-    up.add_argument("--kv-transfer", choices=("p2p", "redis"), default="p2p",
-                    help="KV connector between the pools (default: %(default)s)")
-    up.add_argument("--redis-url", help="Redis for --kv-transfer redis, redis:// or rediss://, no password in it "
-                    "(default: start a private redis-server)")
+    up.add_argument("--kv-transfer", choices=_KV_TRANSFERS, default="p2p",
+                    help="KV connector between the pools: p2p, redis, or lmcache (LMCache with Redis as its backend; "
+                    "needs pip install 'splitserve[lmcache]'); see `splitserve decode --help` (default: %(default)s)")
+    up.add_argument("--redis-url", help="Redis for --kv-transfer redis or lmcache, redis:// or rediss://, no password "
+                    "in it (default: start a private redis-server)")
     up.add_argument("--redis-password-file", metavar="PATH",
                     help="the password of --redis-url, passed on to the workers (default: $SPLITSERVE_REDIS_PASSWORD, "
                     "which the workers inherit)")
     up.add_argument("--redis-tls-ca", metavar="PATH", help="CA certificate(s) verifying a rediss:// --redis-url")
     up.add_argument("--kv-checksum", choices=("xxh3", "none"), default="xxh3",
                     help="checksum every KV payload (xxh3) or none; see `splitserve decode --help` (default: %(default)s)")
+    _add_lmcache_arguments(up, cluster=True)
     up.add_argument("--threads-per-worker", type=int, help="torch threads of each worker (default: torch's)")
     up.add_argument("--log-dir", help="folder for each process's log (default: a new temporary folder)")
     up.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
@@ -90,6 +92,7 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
 
 
 _POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+_KV_TRANSFERS = ("p2p", "redis", "lmcache")
 _engine_options = None
 
 
@@ -178,27 +181,37 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                                                        sent="sent with its registration and heartbeats"))
     _add_tls_arguments(parser, "the router")
     if role != "both":
-        group.add_argument("--kv-transfer", choices=("p2p", "redis"), default="p2p", help="KV connector (default: %(default)s)")
+        group.add_argument("--kv-transfer", choices=_KV_TRANSFERS, default="p2p",
+                           help="KV connector: p2p (Gloo between the two workers), redis (through a Redis server) or "
+                           "lmcache (prefill workers store prompts' KV in LMCache with Redis as its backend, decode "
+                           "workers load it from there; needs pip install 'splitserve[lmcache]'). Every worker of "
+                           "the cluster must use the same (default: %(default)s)")
         group.add_argument("--kv-address", default="",
                            help="p2p: host the KV rendezvous and Gloo bind, nothing else (default: --host); prefill "
-                           "workers must prove the cluster token there; redis: a redis:// URL, or rediss:// for "
-                           "TLS, with no password in it (it is advertised to the router and the prefill workers)")
+                           "workers must prove the cluster token there; redis and lmcache: a redis:// URL, or "
+                           "rediss:// for TLS, with no password in it (it is advertised to the router and the "
+                           "prefill workers)")
         group.add_argument("--redis-password-file", metavar="PATH",
-                           help="redis: the password this worker sends to every Redis it uses, on the file's first "
-                           "line (default: $SPLITSERVE_REDIS_PASSWORD; never a flag or a URL)")
-        group.add_argument("--redis-username", metavar="NAME", help="redis: the ACL user (default: Redis's default user)")
+                           help="redis, lmcache: the password this worker sends to every Redis it uses, on the file's "
+                           "first line (default: $SPLITSERVE_REDIS_PASSWORD; never a flag or a URL)")
+        group.add_argument("--redis-username", metavar="NAME",
+                           help="redis, lmcache: the ACL user (default: Redis's default user)")
         group.add_argument("--redis-tls-ca", metavar="PATH",
-                           help="redis: PEM CA certificate(s) verifying rediss:// servers (default: the system's roots)")
+                           help="redis, lmcache: PEM CA certificate(s) verifying rediss:// servers (default: the "
+                           "system's roots)")
         group.add_argument("--redis-tls-cert", metavar="PATH",
-                           help="redis: a PEM client certificate for rediss:// servers that ask for one; needs --redis-tls-key")
-        group.add_argument("--redis-tls-key", metavar="PATH", help="redis: the PEM private key of --redis-tls-cert")
+                           help="redis, lmcache: a PEM client certificate for rediss:// servers that ask for one; "
+                           "needs --redis-tls-key")
+        group.add_argument("--redis-tls-key", metavar="PATH", help="redis, lmcache: the PEM private key of --redis-tls-cert")
+        _add_lmcache_arguments(group)
         group.add_argument("--kv-checksum", choices=("xxh3", "none"), default="xxh3",
                            help="xxh3: checksum every KV payload sent, and require and verify one on every payload "
                            "received; none: neither (trust the transport, as vLLM's and SGLang's connectors do). "
                            "Both pools must agree (default: %(default)s)")
     else:
         parser.set_defaults(kv_transfer="p2p", kv_address="", kv_checksum="xxh3", redis_password_file=None,
-                            redis_username=None, redis_tls_ca=None, redis_tls_cert=None, redis_tls_key=None)
+                            redis_username=None, redis_tls_ca=None, redis_tls_cert=None, redis_tls_key=None,
+                            lmcache_chunk_size=256, lmcache_local_cpu_mb=64, lmcache_ttl=600.0)
     if role == "decode":
         group.add_argument("--kv-timeout", type=float, default=30.0, metavar="SECONDS",
                            help="longest wait for a prompt's KV (default: %(default)s)")
@@ -206,6 +219,22 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                            help="late or refused KV: recompute the prompt here, or fail the request (default: %(default)s)")
     else:
         parser.set_defaults(kv_timeout=30.0, kv_load_failure="recompute")
+
+
+def _add_lmcache_arguments(group, cluster: bool = False) -> None:
+    """The LMCache flags of a prefill or decode worker (``cluster``: of ``up``, passed on to its workers)."""
+    who = "every worker's" if cluster else "this worker's"
+    group.add_argument("--lmcache-chunk-size", type=int, default=256, metavar="TOKENS",
+                       help="lmcache: tokens per LMCache chunk, a multiple of --block-size; LMCache keys KV by chunks, "
+                       "so every worker sharing the Redis must use the same (default: %(default)s)")
+    group.add_argument("--lmcache-local-cpu-mb", type=int, default=64, metavar="MIB",
+                       help=f"lmcache: {who} LMCache staging buffer in MiB, allocated in full at start; it must hold "
+                       "one chunk (11.8 MB for SmolLM2-135M in float32 at 256 tokens), and a store or retrieve moves "
+                       "at most this much at a time (default: %(default)s)")
+    group.add_argument("--lmcache-ttl", type=float, default=600.0, metavar="SECONDS",
+                       help="lmcache: every key LMCache writes to Redis expires this long after it is written, so "
+                       "abandoned KV does not accumulate; a decode worker must load a prompt within it "
+                       "(default: %(default)s)")
 
 
 def _add_tls_arguments(parser: argparse.ArgumentParser, peers: str, cluster: bool = False) -> None:
@@ -285,6 +314,8 @@ def _run_worker(args: argparse.Namespace) -> int:
         redis_access=load_redis_access(args.redis_password_file, os.environ, args.redis_username, args.redis_tls_ca,
                                        args.redis_tls_cert, args.redis_tls_key),
         kv_faults=KVFaults.from_environment(os.environ) if args.role == "prefill" else None,
+        lmcache_chunk_size=args.lmcache_chunk_size, lmcache_local_cpu_mb=args.lmcache_local_cpu_mb,
+        lmcache_ttl_seconds=args.lmcache_ttl,
     )
     status = run_worker(config)
     # The worker has drained and closed everything it serves. Leave now, without interpreter teardown:
@@ -314,9 +345,17 @@ def _run_up(args: argparse.Namespace) -> int:
         from splitserve.kvtransfer.redis_access import public_redis_url
 
         public_redis_url(args.redis_url)  # a password in it would be on every worker's command line: refused
+    moves_kv = args.kv_transfer in ("redis", "lmcache") and not args.colocated  # colocated workers move no KV
     for flag, value in (("--redis-password-file", args.redis_password_file), ("--redis-tls-ca", args.redis_tls_ca)):
-        if value and args.kv_transfer == "redis" and not args.colocated:  # colocated workers move no KV
+        if value and moves_kv:
             worker_args += [flag, value]
+    if args.kv_transfer == "lmcache" and not args.colocated:
+        try:  # before any process starts: the workers would each fail with the same sentence
+            import splitserve.kvtransfer.lmcache_connector  # noqa: F401 (its ImportError says how to install it)
+        except ImportError as error:
+            raise ValueError(str(error)) from None
+        worker_args += ["--lmcache-chunk-size", str(args.lmcache_chunk_size), "--lmcache-local-cpu-mb",
+                        str(args.lmcache_local_cpu_mb), "--lmcache-ttl", str(args.lmcache_ttl)]
     router_args = ["--model", model_dir, "--dtype", args.dtype, "--block-size", str(args.block_size),
                    "--local-prefill-threshold", str(args.local_prefill_threshold),
                    "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]

@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 # Worker role -> its subcommand.
 _COMMANDS = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
+# The --kv-transfer connectors whose workers meet in a Redis (--kv-address is its URL).
+_REDIS_TRANSFERS = ("redis", "lmcache")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -146,9 +148,9 @@ class LocalCluster:
     """A router and its workers as child processes.
 
     Args:
-        kv_transfer: "p2p" or "redis".
+        kv_transfer: "p2p", "redis" or "lmcache".
         kv_checksum: "xxh3" or "none" (the workers' --kv-checksum).
-        redis_url: Redis for the redis connector (None: start a private redis-server).
+        redis_url: Redis for the redis and lmcache connectors (None: start a private redis-server).
         worker_args: extra flags for every worker (engine options).
         router_args: extra flags for the router.
         log_dir: where each process logs (default: a new temporary folder).
@@ -268,7 +270,8 @@ class LocalCluster:
         """
         if self.router is None:
             raise RuntimeError("Start the router first.")
-        if self.kv_transfer == "redis" and self.redis_url is None and role != "both":
+        uses_redis = self.kv_transfer in _REDIS_TRANSFERS and role != "both"
+        if uses_redis and self.redis_url is None:
             self.redis_url = self.start_redis()
         started = []
         for _ in range(count):
@@ -276,7 +279,7 @@ class LocalCluster:
                     *self.worker_args, *(extra_args or [])]
             if role != "both":
                 args += ["--kv-transfer", self.kv_transfer, "--kv-checksum", self.kv_checksum]
-            if self.kv_transfer == "redis" and role != "both":
+            if uses_redis:
                 args += ["--kv-address", self.redis_url]
             started.append(self._spawn(f"{role}{len(self.workers) + len(started)}", args, env))
         for process in started:

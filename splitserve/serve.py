@@ -30,17 +30,15 @@ def build_worker(config):
 
     address = f"{config.host}:{config.port}"
     if config.role == "prefill":
-        from splitserve.prefill_service.sender import KVSender
         from splitserve.prefill_service.servicer import PrefillServicer
 
-        runtime = WorkerRuntime(config, make_kv_connector=lambda transport, counters: KVSender(transport, config.kv_faults))
+        runtime = WorkerRuntime(config, make_kv_connector=_kv_sender_factory(config))
         servicer = PrefillServicer(runtime)
         services = [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, "splitserve.v1.PrefillWorker")]
     else:
-        from splitserve.decode_service.receiver import KVReceiver
         from splitserve.decode_service.servicer import DecodeServicer
 
-        runtime = WorkerRuntime(config, make_kv_connector=KVReceiver)
+        runtime = WorkerRuntime(config, make_kv_connector=_kv_receiver_factory(config))
         servicer = DecodeServicer(runtime)
         services = [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "splitserve.v1.DecodeWorker")]
     server = start_worker_server(address, services, config.max_queued_requests,
@@ -53,6 +51,32 @@ def build_worker(config):
         runtime.stop()
         raise
     return server, runtime, servicer
+
+
+def _kv_sender_factory(config):
+    """``(transport, counters) -> connector`` of a prefill worker: LMCacheSender over the worker's LMCache store
+    with --kv-transfer lmcache, else KVSender over its transport (with the test-only faults, if any)."""
+    if config.kv_transfer == "lmcache":
+        from splitserve.prefill_service.lmcache_sender import LMCacheSender
+
+        if config.kv_faults is not None and config.kv_faults.enabled:
+            logger.warning("KV fault injection applies to p2p and redis only: LMCache stores go untouched.")
+        return lambda store, counters: LMCacheSender(store)
+    from splitserve.prefill_service.sender import KVSender
+
+    return lambda transport, counters: KVSender(transport, config.kv_faults)
+
+
+def _kv_receiver_factory(config):
+    """``(transport, counters) -> connector`` of a decode worker: LMCacheReceiver over the worker's LMCache
+    store with --kv-transfer lmcache, else KVReceiver over its transport."""
+    if config.kv_transfer == "lmcache":
+        from splitserve.decode_service.lmcache_receiver import LMCacheReceiver
+
+        return LMCacheReceiver
+    from splitserve.decode_service.receiver import KVReceiver
+
+    return KVReceiver
 
 
 def start_worker_server(address: str, services, max_queued_requests: int, credentials=None, tls=None):

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from splitserve import __version__
 from splitserve.common.errors import Overloaded, Unavailable
+from splitserve.common.types import KVConnectorKind
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.rpc.convert import worker_load_to_pb
@@ -81,7 +82,8 @@ class WorkerRuntime:
         self.worker_id = config.worker_id
         self.membership = None
         self._make_kv_connector = make_kv_connector
-        # The transport (p2p, redis: splitserve.kvtransfer) and the engine's connector over it; None colocated.
+        # The transport (p2p, redis: splitserve.kvtransfer; lmcache: the LMCacheKVStore) and the engine's
+        # connector over it; None colocated.
         self.kv_transport = None
         self.kv_connector = None
         self.admission = AdmissionLimit(config.max_queued_requests)
@@ -143,16 +145,32 @@ class WorkerRuntime:
             self.state = state
 
     def _create_transport(self):
+        """The worker's KV transport: a p2p or redis connector (``splitserve.kvtransfer``), or for lmcache the
+        worker's ``LMCacheKVStore``, which the engine's connector uses directly (LMCache moves the bytes; there is
+        no payload to route)."""
         from splitserve.kvtransfer import create_connector
         from splitserve.kvtransfer.layout import KVLayout
 
+        layout = KVLayout.from_kv_cache(self.engine.kv_cache_tensor)
+        self.kv_layout = layout
+        if self.config.kv_transfer == KVConnectorKind.LMCACHE:
+            return self._create_lmcache_store(layout)
         options = {"host": self.config.kv_address or self.config.host, "cluster_token": self.config.cluster_token}
         if self.config.kv_transfer == "redis":
             options = {"url": self.config.kv_address, **self.config.redis_access.connector_options()}
         options["checksum"] = self.config.kv_checksum
-        layout = KVLayout.from_kv_cache(self.engine.kv_cache_tensor)
-        self.kv_layout = layout
         return create_connector(self.config.kv_transfer, self.worker_id, self.model_fingerprint, layout, **options)
+
+    def _create_lmcache_store(self, layout):
+        from splitserve.kvtransfer.lmcache_connector import LMCacheKVStore
+
+        config = self.config
+        store = LMCacheKVStore(config.kv_address, self.model_fingerprint, layout, chunk_size=config.lmcache_chunk_size,
+                               local_cpu_bytes=config.lmcache_local_cpu_mb << 20,
+                               ttl_seconds=config.lmcache_ttl_seconds, redis_access=config.redis_access)
+        logger.info("KV through LMCache at %s (chunks of %d tokens, %d MiB staging buffer, keys expire after %.0f s)",
+                    store.url, config.lmcache_chunk_size, config.lmcache_local_cpu_mb, config.lmcache_ttl_seconds)
+        return store
 
     # ---- admission ----------------------------------------------------------------
 
@@ -204,6 +222,11 @@ class WorkerRuntime:
     def endpoint_pb(self) -> worker_pb2.KVEndpoint | None:
         if self.kv_transport is None:
             return None
+        if self.config.kv_transfer == KVConnectorKind.LMCACHE:
+            from splitserve.kvtransfer.connector import KVEndpointInfo
+
+            # KV meets in LMCache's Redis: the endpoint names it by its public URL (no credentials).
+            return KVEndpointInfo(KVConnectorKind.LMCACHE.value, self.kv_transport.url, self.worker_id).to_pb()
         return self.kv_transport.endpoint().to_pb()
 
     def registration(self) -> worker_pb2.RegisterRequest:

@@ -12,7 +12,9 @@ from splitserve.prefill_service.faults import KVFaults
 from splitserve.rpc.tls import TLSConfig
 
 ROLES = {role.name.lower(): role.value for role in WorkerRole}
-KV_CONNECTORS = (KVConnectorKind.P2P.value, KVConnectorKind.REDIS.value)
+KV_CONNECTORS = (KVConnectorKind.P2P.value, KVConnectorKind.REDIS.value, KVConnectorKind.LMCACHE.value)
+# The connectors whose kv_address is a Redis URL.
+REDIS_CONNECTORS = (KVConnectorKind.REDIS.value, KVConnectorKind.LMCACHE.value)
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
@@ -26,11 +28,17 @@ class WorkerConfig:
         port: gRPC port (0: a free one, printed at start).
         worker_id: id to register under (empty: the router assigns one).
         router: router address to register with (None: static, named on the router's command line).
-        kv_transfer: KV connector, "p2p" or "redis" (unused with role "both").
-        kv_address: p2p: host the rendezvous and Gloo bind (default: ``host``); redis: a redis:// or rediss://
-            URL, without a password (it is advertised to the router and the prefill workers).
-        redis_access: redis: this worker's Redis user, password and TLS files (``kvtransfer.redis_access``);
-            its password is never in ``repr``.
+        kv_transfer: KV connector, "p2p", "redis" or "lmcache" (unused with role "both"); "lmcache" needs the
+            optional extra (checked here: a ValueError saying how to install it).
+        kv_address: p2p: host the rendezvous and Gloo bind (default: ``host``); redis and lmcache: a redis:// or
+            rediss:// URL, without a password (it is advertised to the router and the prefill workers).
+        redis_access: redis and lmcache: this worker's Redis user, password and TLS files
+            (``kvtransfer.redis_access``); its password is never in ``repr``.
+        lmcache_chunk_size: lmcache: tokens per LMCache chunk, a multiple of the block size; every worker sharing
+            the Redis must use the same (it is part of every key).
+        lmcache_local_cpu_mb: lmcache: LMCache's staging buffer in MiB, allocated in full at start; it must hold
+            one chunk, and a store or retrieve moves at most this much at a time.
+        lmcache_ttl_seconds: lmcache: every key LMCache writes expires this long after it is written.
         kv_checksum: "xxh3" (checksum every KV payload sent, require and verify one on every payload
             received) or "none" (neither); both pools must agree.
         kv_timeout_seconds: decode: longest wait for a prompt's KV before kv_load_failure applies.
@@ -66,17 +74,22 @@ class WorkerConfig:
     kv_faults: KVFaults | None = None
     tls: TLSConfig | None = None
     redis_access: RedisAccess = field(default_factory=RedisAccess)
+    lmcache_chunk_size: int = 256
+    lmcache_local_cpu_mb: int = 64
+    lmcache_ttl_seconds: float = 600.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}.")
         if self.kv_transfer not in KV_CONNECTORS:
             raise ValueError(f"kv_transfer must be one of {', '.join(KV_CONNECTORS)}, got {self.kv_transfer!r}.")
-        if self.kv_transfer == "redis" and self.role != "both":
+        if self.kv_transfer in REDIS_CONNECTORS and self.role != "both":
             if not self.kv_address.startswith(("redis://", "rediss://")):
-                raise ValueError("With kv_transfer redis, kv_address must be a redis:// URL (e.g. "
+                raise ValueError(f"With kv_transfer {self.kv_transfer}, kv_address must be a redis:// URL (e.g. "
                                  "redis://127.0.0.1:6379/0) or a rediss:// one for TLS.")
             public_redis_url(self.kv_address)  # raises on a password in it
+        if self.kv_transfer == KVConnectorKind.LMCACHE and self.role != "both":
+            self._check_lmcache()
         if self.kv_checksum not in CHECKSUM_TYPES:
             raise ValueError(f"kv_checksum must be one of {', '.join(CHECKSUM_TYPES)}, got {self.kv_checksum!r}.")
         if self.kv_load_failure not in KV_LOAD_FAILURE_POLICIES:
@@ -87,3 +100,18 @@ class WorkerConfig:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}.")
+
+    def _check_lmcache(self) -> None:
+        """Raises ValueError on a bad LMCache setting, or when the extra is not installed (how to install it)."""
+        block_size = self.engine.block_size
+        if self.lmcache_chunk_size <= 0 or self.lmcache_chunk_size % block_size:
+            raise ValueError(f"lmcache_chunk_size must be a positive multiple of the block size {block_size}, got "
+                             f"{self.lmcache_chunk_size}.")
+        if self.lmcache_local_cpu_mb < 1:
+            raise ValueError(f"lmcache_local_cpu_mb must be >= 1, got {self.lmcache_local_cpu_mb}.")
+        if not self.lmcache_ttl_seconds > 0:
+            raise ValueError(f"lmcache_ttl_seconds must be > 0, got {self.lmcache_ttl_seconds}.")
+        try:
+            import splitserve.kvtransfer.lmcache_connector  # noqa: F401 (its ImportError says how to install it)
+        except ImportError as error:
+            raise ValueError(str(error)) from None
