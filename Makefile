@@ -6,7 +6,7 @@ PROMPT ?= The capital of France is
 # Equal to the pin in pyproject.toml ([build-system] requires and the test extra).
 GRPC_TOOLS = grpcio-tools==1.78.0
 
-.PHONY: install install-test protos demo test test-unit test-integration test-e2e lint
+.PHONY: install install-test protos demo test test-unit test-integration test-e2e test-faults lint
 
 install: protos
 	$(PIP) install -q torch==2.13.0
@@ -51,6 +51,9 @@ test-integration: install-test
 
 test-e2e: install-test
 	$(PYTHON) -m pytest -q -m e2e
+
+test-faults: install-test
+	$(PYTHON) -m pytest -q -m faults
 
 lint: install-test
 	$(PYTHON) -m ruff check .
