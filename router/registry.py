@@ -37,6 +37,7 @@ from splitserve.router.worker import (
     UnknownLease,
     Worker,
     WorkerIdInUse,
+    check_kv_connector,
     check_kv_identity,
     check_kv_layout,
     check_registration,
@@ -99,7 +100,7 @@ class WorkerRegistry:
     def register(self, role: WorkerRole, address: str, kv_endpoint: Any = None, capacity: Any = None,
                  model_fingerprint: str = "", state: WorkerState = WorkerState.SERVING, worker_id: str = "",
                  kv_layout: KVCacheLayout | None = None, previous_lease_id: str = "",
-                 identity: str | None = None) -> Worker:
+                 identity: str | None = None, kv_connector: str | None = None) -> Worker:
         """Add a worker with a new lease and return a copy of it.
 
         A registration is bound to whoever made it: its lease id and, under mutual
@@ -111,9 +112,9 @@ class WorkerRegistry:
         non-empty ``identity``). Empty ``worker_id``: one is assigned (``decode-1``,
         ``prefill-2``, ``worker-3``).
 
-        A prefill or decode worker's ``kv_layout`` must equal the other prefill and
-        decode workers' (the first one sets it; colocated workers exchange no KV and
-        are not checked).
+        A prefill or decode worker's ``kv_layout`` and ``kv_connector`` (how it moves
+        KV: "p2p", "redis", "lmcache") must equal the other prefill and decode workers'
+        (the first one sets them; colocated workers exchange no KV and are not checked).
 
         Raises:
             InvalidRegistration: no address, a bad role or state; a prefill or decode worker without a fingerprint
@@ -122,6 +123,7 @@ class WorkerRegistry:
             RegistrationInUse: ``address`` or ``worker_id`` is a live registration the caller did not make.
             FingerprintMismatch: it serves other weights than the cluster.
             KVLayoutMismatch: a prefill or decode worker with another KV layout than the cluster's.
+            KVConnectorMismatch: a prefill or decode worker moving KV another way than the cluster's.
         """
         check_registration(role, address)
         check_kv_identity(role, model_fingerprint, kv_layout)
@@ -136,6 +138,9 @@ class WorkerRegistry:
                 )
             self._check_fingerprint(address, model_fingerprint, excluding=previous)
             self._check_kv_layout(address, role, kv_layout, excluding=previous)
+            if role != WorkerRole.BOTH:
+                check_kv_connector(address, kv_connector, next(
+                    (w.kv_connector for w in self._workers.values() if w.kv_connector and w is not previous), None))
             holder = self._workers.get(worker_id) if worker_id else None
             if holder is not None and holder is not previous:
                 if not self._may_replace(holder, previous_lease_id, identity):
@@ -153,7 +158,8 @@ class WorkerRegistry:
             worker = Worker(worker_id or self._new_id(role), role, address, kv_endpoint, capacity,
                             model_fingerprint, _exchanged_layout(role, kv_layout), state,
                             lease_id=uuid.uuid4().hex, registered_at=now,
-                            last_heard=now, num_in_flight=num_in_flight, identity=identity)
+                            last_heard=now, num_in_flight=num_in_flight, identity=identity,
+                            kv_connector=kv_connector if role != WorkerRole.BOTH else None)
             self._workers[worker.worker_id] = worker
             self._leases[worker.lease_id] = worker.worker_id
             return snapshot(worker)

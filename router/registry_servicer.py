@@ -13,7 +13,7 @@ from splitserve.common.errors import InvalidRequest
 from splitserve.common.ids import check_id
 from splitserve.common.types import WorkerRole
 from splitserve.router.registry import WorkerRegistry
-from splitserve.router.worker import KVCacheLayout
+from splitserve.router.worker import InvalidRegistration, KVCacheLayout
 from splitserve.rpc.convert import worker_load_from_pb, worker_role_from_pb, worker_state_from_pb
 from splitserve.rpc.tls import peer_identity
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -38,6 +38,7 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
             state=worker_state_from_pb(request.state), worker_id=request.worker_id,
             kv_layout=KVCacheLayout.from_pb(request.kv_layout) if request.HasField("kv_layout") else None,
             previous_lease_id=request.previous_lease_id, identity=peer_identity(context),
+            kv_connector=_connector_name(request.kv_endpoint.connector) if request.HasField("kv_endpoint") else None,
         )
         logger.info("Worker %s (%s) registered from %s", worker.worker_id, role.name.lower(), request.address)
         return worker_pb2.RegisterResponse(
@@ -61,3 +62,14 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
                                         if request.worker_id else "")
         logger.info("Worker %s is draining", request.worker_id or "(by lease)")
         return worker_pb2.DrainResponse(num_in_flight_requests=in_flight)
+
+
+def _connector_name(connector: int) -> str:
+    """The KV connector's name ("p2p", "redis", "lmcache"), from its KVConnectorType number.
+
+    Raises:
+        InvalidRegistration: an unknown or unset connector.
+    """
+    if connector == worker_pb2.KV_CONNECTOR_TYPE_UNSPECIFIED or connector not in worker_pb2.KVConnectorType.values():
+        raise InvalidRegistration(f"The kv_endpoint's connector {connector} is not P2P, REDIS or LMCACHE.")
+    return worker_pb2.KVConnectorType.Name(connector).removeprefix("KV_CONNECTOR_TYPE_").lower()

@@ -69,6 +69,7 @@ class Worker:
     is_static: bool = False
     num_in_flight: int = 0  # requests the router has outstanding on it right now
     identity: str | None = None  # the client-certificate identity that registered it (mutual TLS), else None
+    kv_connector: str | None = None  # how it moves KV ("p2p", "redis", "lmcache"); None: colocated or not given
 
     @property
     def is_routable(self) -> bool:
@@ -100,6 +101,10 @@ class KVLayoutMismatch(FailedPrecondition):
     """A prefill or decode worker whose KV layout differs from the cluster's (FAILED_PRECONDITION)."""
 
 
+class KVConnectorMismatch(FailedPrecondition):
+    """A prefill or decode worker moving KV another way than the cluster's (FAILED_PRECONDITION)."""
+
+
 class UnknownLease(NotFound):
     """No live lease with this id: register again (NOT_FOUND)."""
 
@@ -127,6 +132,15 @@ def check_kv_identity(role: WorkerRole, model_fingerprint: str, kv_layout: KVCac
     if kv_layout is None:
         raise InvalidRegistration("kv_layout is required: a prefill or decode worker must give its KV cache "
                                   "layout, so that only workers whose KV fits each other's blocks are paired.")
+
+
+def check_kv_connector(address: str, connector: str | None, cluster: str | None) -> None:
+    """Raises KVConnectorMismatch when ``connector`` and the cluster's are both known and differ."""
+    if connector is not None and cluster is not None and connector != cluster:
+        raise KVConnectorMismatch(
+            f"The worker at {address} moves KV over {connector}, but this cluster's prefill and decode workers use "
+            f"{cluster}: no KV could move between them. Start it with the same --kv-transfer as the rest."
+        )
 
 
 def check_kv_layout(address: str, layout: KVCacheLayout | None, cluster: KVCacheLayout | None) -> None:

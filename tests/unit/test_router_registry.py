@@ -15,6 +15,7 @@ from splitserve.router.worker import (
     FingerprintMismatch,
     InvalidRegistration,
     KVCacheLayout,
+    KVConnectorMismatch,
     KVLayoutMismatch,
     RegistrationInUse,
     UnknownLease,
@@ -419,9 +420,10 @@ def test_the_registry_servicer_converts_the_kv_layout_and_refuses_another(regist
     from splitserve.router.registry_servicer import RegistryServicer
     from splitserve.v1 import inference_pb2, worker_pb2
 
-    def request(address: str, block_size: int, role=inference_pb2.WORKER_ROLE_DECODE, fingerprint="m"):
+    def request(address: str, block_size: int, role=inference_pb2.WORKER_ROLE_DECODE, fingerprint="m",
+                connector=worker_pb2.KV_CONNECTOR_TYPE_P2P):
         return worker_pb2.RegisterRequest(
-            role=role, address=address, kv_endpoint=worker_pb2.KVEndpoint(address=address),
+            role=role, address=address, kv_endpoint=worker_pb2.KVEndpoint(connector=connector, address=address),
             model_fingerprint=fingerprint, state=inference_pb2.WORKER_STATE_SERVING,
             kv_layout=worker_pb2.KVCacheLayout(num_layers=30, num_kv_heads=3, head_size=64,
                                                dtype=worker_pb2.KV_CACHE_DTYPE_FLOAT32, block_size=block_size),
@@ -442,3 +444,12 @@ def test_the_registry_servicer_converts_the_kv_layout_and_refuses_another(regist
     no_layout.ClearField("kv_layout")
     with pytest.raises(InvalidRegistration, match="kv_layout is required"):
         servicer.Register(no_layout, PlainContext())
+    # KV moves between the pools only over the same connector: another one is refused, an unset one too.
+    with pytest.raises(KVConnectorMismatch, match="moves KV over lmcache, but this cluster's prefill and decode "
+                                                  "workers use p2p"):
+        servicer.Register(request("h:5", 16, role=inference_pb2.WORKER_ROLE_PREFILL,
+                                  connector=worker_pb2.KV_CONNECTOR_TYPE_LMCACHE), PlainContext())
+    with pytest.raises(InvalidRegistration, match="connector 0 is not P2P, REDIS or LMCACHE"):
+        servicer.Register(request("h:6", 16, connector=worker_pb2.KV_CONNECTOR_TYPE_UNSPECIFIED), PlainContext())
+    assert servicer.Register(request("h:7", 16, role=inference_pb2.WORKER_ROLE_PREFILL), PlainContext()).worker_id
+    assert registry.by_address("h:7").kv_connector == "p2p"
