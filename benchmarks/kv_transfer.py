@@ -215,7 +215,7 @@ class GlooCeiling:
 
 
 class RedisCeiling:
-    """redis-py SET of the payload's pieces in the sender, then GET of them here."""
+    """redis-py SET of the payload's pieces in the sender, then GET of them here (pipelined both)."""
 
     def __init__(self, sender: Sender, url: str, piece_bytes: int) -> None:
         import redis
@@ -224,6 +224,11 @@ class RedisCeiling:
         self.client = redis.Redis.from_url(url)
 
     def once(self, num_blocks: int) -> float:
+        set_seconds, get_seconds = self.set_then_get(num_blocks)
+        return set_seconds + get_seconds
+
+    def set_then_get(self, num_blocks: int) -> tuple[float, float]:
+        """(SET seconds in the sender, GET seconds here) of one payload of ``num_blocks`` blocks."""
         num_bytes = num_blocks * LAYOUT.block_num_bytes
         num_pieces = -(-num_bytes // self.piece_bytes)
         reply = self.sender.ask(kind="raw_redis", num_blocks=num_blocks, piece_bytes=self.piece_bytes)
@@ -235,24 +240,26 @@ class RedisCeiling:
         got = time.monotonic() - started
         assert sum(len(piece) for piece in pieces) == num_bytes
         self.client.delete(*[f"raw:{index}" for index in range(num_pieces)])
-        return reply["ended"] - reply["started"] + got
+        return reply["ended"] - reply["started"], got
 
 
 def lmcache_rows(sender: Sender, url: str, args) -> list[dict]:
     """Medians of LMCache's store and retrieve against redis-py SET and GET, per prompt length."""
     try:
-        from benchmarks.lmcache_probe import LMCacheProbe, RedisPiecesCeiling
+        from benchmarks.lmcache_probe import LMCacheProbe
     except ImportError:  # run as a script: benchmarks/ is on the path
-        from lmcache_probe import LMCacheProbe, RedisPiecesCeiling
+        from lmcache_probe import LMCacheProbe
 
-    probe, ceiling, rows = LMCacheProbe(sender, url, LAYOUT, CACHE_BLOCKS), RedisPiecesCeiling(sender, url, LAYOUT), []
+    # The redis rows' ceiling: pieces of one block (11.8 MB values, an LMCache chunk, read slower through redis-py).
+    probe, rows = LMCacheProbe(sender, url, LAYOUT, CACHE_BLOCKS), []
+    ceiling = RedisCeiling(sender, url, LAYOUT.block_num_bytes)
     try:
         with tqdm(total=len(args.tokens) * (args.repeats + 1), desc="lmcache", unit="pair", file=sys.stderr) as bar:
             for tokens in args.tokens:
                 num_blocks = -(-tokens // LAYOUT.block_size)
                 timings = {"store": ([], []), "retrieve": ([], [])}
                 for repeat in range(args.repeats + 1):
-                    (store, retrieve), (set_seconds, get_seconds) = probe.once(num_blocks), ceiling.once(num_blocks)
+                    (store, retrieve), (set_seconds, get_seconds) = probe.once(num_blocks), ceiling.set_then_get(num_blocks)
                     if repeat:  # the first warms buffers and connections
                         for step, mine, raw in (("store", store, set_seconds), ("retrieve", retrieve, get_seconds)):
                             timings[step][0].append(mine)

@@ -1,4 +1,5 @@
-"""The ``lmcache`` rows of ``benchmarks/kv_transfer.py``: LMCache's store and retrieve beside raw redis-py.
+"""The ``lmcache`` rows of ``benchmarks/kv_transfer.py``: LMCache's store and retrieve beside raw redis-py
+(its ``RedisCeiling``, the redis rows' ceiling, SET and GET timed apart).
 
 LMCache moves KV in two steps, so it gets two rows, each against its own ceiling on the same bytes:
 
@@ -58,29 +59,3 @@ class LMCacheProbe:
     def close(self) -> None:
         self.store.close()
 
-
-class RedisPiecesCeiling:
-    """Raw redis-py on the same bytes, the ceiling of the ``redis`` rows too: pieces of one block (large values
-    read slowly through redis-py: 11.8 MB ones, an LMCache chunk of this model, came at about 230 MB/s here),
-    pipelined; (SET in the sender, GET here) seconds."""
-
-    def __init__(self, sender, url: str, layout) -> None:
-        import redis
-
-        self.sender, self.layout = sender, layout
-        self.piece_bytes = layout.block_num_bytes
-        self.client = redis.Redis.from_url(url)
-
-    def once(self, num_blocks: int) -> tuple[float, float]:
-        num_bytes = num_blocks * self.layout.block_num_bytes
-        num_pieces = -(-num_bytes // self.piece_bytes)
-        reply = self.sender.ask(kind="raw_redis", num_blocks=num_blocks, piece_bytes=self.piece_bytes)
-        pipeline = self.client.pipeline(transaction=False)
-        for index in range(num_pieces):
-            pipeline.get(f"raw:{index}")
-        started = time.monotonic()
-        pieces = pipeline.execute()
-        got = time.monotonic() - started
-        assert sum(len(piece) for piece in pieces) == num_bytes
-        self.client.delete(*[f"raw:{index}" for index in range(num_pieces)])
-        return reply["ended"] - reply["started"], got

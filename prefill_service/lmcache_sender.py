@@ -116,6 +116,13 @@ class LMCacheSender(KVConnectorBase):
             self._saves[request_id] = save
         return save
 
+    @staticmethod
+    def num_skip_tokens(num_destination_cached_tokens: int) -> int:
+        """0: the whole prompt is stored, even what the decode worker caches (LMCache keys chunks from the
+        prompt's start, and the stored prefix is what other prompts reuse; the decode worker retrieves only what
+        it lacks)."""
+        return 0
+
     def is_sending(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._saves

@@ -188,6 +188,11 @@ class KVSender(KVConnectorBase):
             self._transfers[request_id] = sender
         return sender
 
+    @staticmethod
+    def num_skip_tokens(num_destination_cached_tokens: int) -> int:
+        """Leading prompt tokens not to send: those the decode worker caches already."""
+        return num_destination_cached_tokens
+
     def is_sending(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._transfers

@@ -22,7 +22,7 @@ import grpc
 from splitserve.common.errors import Aborted, Cancelled, InvalidRequest
 from splitserve.common.ids import MAX_WORKER_ID_LENGTH, check_id
 from splitserve.common.log_fields import request_log
-from splitserve.common.types import FinishReason, KVConnectorKind
+from splitserve.common.types import FinishReason
 from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.prefill_service.lmcache_sender import LMCacheSender
 from splitserve.prefill_service.sender import KVSender, TransferSender
@@ -79,10 +79,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                     len(prompt), prompt_token_ids=prompt)
         completed = False
         try:
-            # The decode worker caches num_destination_cached_tokens already: their KV is not sent. LMCache stores
-            # the whole prompt (its chunks are keyed from the prompt's start; the decode worker retrieves only what
-            # it lacks).
-            skip = 0 if runtime.config.kv_transfer == KVConnectorKind.LMCACHE else request.num_destination_cached_tokens
+            # The decode worker caches num_destination_cached_tokens already: the connector says what it skips.
+            skip = self.sender.num_skip_tokens(request.num_destination_cached_tokens)
             kv_transfer = KVTransferParams(save=True, num_skip_tokens=skip)
             try:
                 stream = runtime.loop.submit(request_id, None, engine_params, prompt, kv_transfer=kv_transfer)

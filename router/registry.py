@@ -138,9 +138,7 @@ class WorkerRegistry:
                 )
             self._check_fingerprint(address, model_fingerprint, excluding=previous)
             self._check_kv_layout(address, role, kv_layout, excluding=previous)
-            if role != WorkerRole.BOTH:
-                check_kv_connector(address, kv_connector, next(
-                    (w.kv_connector for w in self._workers.values() if w.kv_connector and w is not previous), None))
+            self._check_kv_connector(address, role, kv_connector, excluding=previous)
             holder = self._workers.get(worker_id) if worker_id else None
             if holder is not None and holder is not previous:
                 if not self._may_replace(holder, previous_lease_id, identity):
@@ -362,6 +360,15 @@ class WorkerRegistry:
         cluster = next((w.kv_layout for w in self._workers.values()
                         if w.kv_layout is not None and w is not excluding), None)
         check_kv_layout(address, layout, cluster)
+
+    def _check_kv_connector(self, address: str, role: WorkerRole, connector: str | None,
+                            excluding: Worker | None) -> None:
+        """Colocated workers exchange no KV: not checked; nor is a worker that named no connector."""
+        if role == WorkerRole.BOTH:
+            return
+        cluster = next((w.kv_connector for w in self._workers.values() if w.kv_connector and w is not excluding),
+                       None)
+        check_kv_connector(address, connector, cluster)
 
     def _new_id(self, role: WorkerRole) -> str:
         while True:

@@ -59,6 +59,15 @@ def hf_reference(model_dir, prompt_token_ids):
     return [hf_greedy(str(model_dir), ids, MAX_TOKENS) for ids in prompt_token_ids]
 
 
+@pytest.fixture(scope="module")
+def client(cluster):
+    """A Client of the router of the module's ``cluster`` fixture, for the module's tests."""
+    from splitserve.client import Client
+
+    with Client(cluster.router.address) as client:
+        yield client
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A redis-server of the tests' own on a free loopback port, stopped at the end of the session."""

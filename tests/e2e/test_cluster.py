@@ -40,12 +40,6 @@ def cluster(tmp_path_factory):
     cluster.stop()
 
 
-@pytest.fixture(scope="module")
-def client(cluster):
-    with Client(cluster.router.address) as client:
-        yield client
-
-
 def decode_worker(cluster):
     return next(p for p in cluster.workers if p.name.startswith("decode"))
 

@@ -36,12 +36,6 @@ def cluster(tmp_path_factory, ledger):
 
 
 @pytest.fixture(scope="module")
-def client(cluster):
-    with Client(cluster.router.address) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def expected(cluster):
     """Undisturbed tokens, prefilled on the decode worker itself (no prefill worker yet)."""
     return expected_tokens(cluster.router.address)

@@ -40,12 +40,6 @@ def cluster(tmp_path_factory, ledger):
 
 
 @pytest.fixture(scope="module")
-def client(cluster):
-    with Client(cluster.router.address) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def expected(cluster, client):
     return expected_tokens(cluster.router.address)
 

@@ -69,12 +69,6 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(cluster):
-    with Client(cluster.router.address) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def stubs(cluster, client):
     [prefill] = [p for p in cluster.workers if p.name.startswith("prefill")]
     [decode] = [p for p in cluster.workers if p.name.startswith("decode")]
