@@ -14,9 +14,10 @@ Scheduler side (called on the engine thread while it plans requests):
 
 - :meth:`~KVConnectorBase.get_num_matched_tokens`: how many leading prompt
   tokens an external source already holds for a request the engine would
-  otherwise compute. The engine reserves blocks for them and loads them
-  first (the request waits in ``WAITING_FOR_REMOTE_KVS`` meanwhile), then
-  computes the rest.
+  otherwise compute (a saving request too). The engine reserves blocks for
+  them and loads them first (the request waits in ``WAITING_FOR_REMOTE_KVS``
+  meanwhile), then computes the rest; a saving request then saves the whole
+  prompt from its first block, loaded prefix included.
 - :meth:`~KVConnectorBase.request_finished`: a request with a transfer
   ended (finished, aborted, failed); the connector stops writing into or
   reading from its blocks, and says whether a read is still in flight, in
@@ -43,12 +44,14 @@ finished request kept.
 
 How the next connectors use it:
 
-- **LMCache** (prefix reuse across the cluster): on a prefill worker,
-  ``get_num_matched_tokens`` looks the prompt up in LMCache by token chunks
-  and returns the stored prefix; ``start_load`` retrieves those chunks into
-  the reserved blocks; ``save`` stores each completed chunk. On a decode
-  worker, ``start_load`` waits until LMCache holds the whole prompt, then
-  retrieves it; ``request_finished`` drops what it still waits for.
+- **LMCache** (prefix reuse across the cluster,
+  ``prefill_service/lmcache_sender.py`` and ``decode_service/lmcache_receiver.py``):
+  on a prefill worker, ``get_num_matched_tokens`` returns the prefix LMCache
+  holds (looked up by token chunks before the request reached the engine);
+  ``start_load`` retrieves those chunks into the reserved blocks; the last
+  ``save`` stores the chunks LMCache lacks. On a decode worker,
+  ``start_load`` waits until LMCache holds the whole prompt, then retrieves
+  it; ``request_finished`` drops what it still waits for.
 - **A layer-wise sender** (KV leaves while the forward pass still runs):
   ``save`` gets the same block ranges; a connector that sends per layer
   registers the cache once and, in a later extension of this interface,
@@ -190,7 +193,9 @@ class KVConnectorBase(ABC):
 
     def get_num_matched_tokens(self, request_id: str, prompt_token_ids: list[int]) -> int:
         """Leading prompt tokens an external source holds, counted from the prompt's start; the engine loads
-        only those past what its own prefix cache holds. Default: none."""
+        only those past what its own prefix cache holds. Called on the engine thread as the request enters:
+        an answer that needs I/O should be prepared before (the workers look up when the RPC arrives).
+        Default: none."""
         return 0
 
     @abstractmethod

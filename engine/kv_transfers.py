@@ -37,8 +37,17 @@ class LoadState:
     num_external_tokens: int
     on_failure: KVLoadFailurePolicy
     started: float
+    # Leading tokens this engine's prefix cache held: not loaded.
+    num_computed_tokens: int = 0
     outcome: KVLoadOutcome | None = None
     seconds: float = 0.0
+
+    @property
+    def num_loaded_tokens(self) -> int:
+        """Tokens the connector wrote into the request's blocks (0 unless the load was received)."""
+        if self.outcome != KVLoadOutcome.RECEIVED:
+            return 0
+        return max(self.num_external_tokens - self.num_computed_tokens, 0)
 
 
 @dataclass
@@ -71,12 +80,14 @@ class KVTransfers:
 
     def num_external_tokens(self, request: Request, params: KVTransferParams | None) -> int:
         """How many leading prompt tokens come from outside: all of them for a remote prefill, else what the
-        connector holds (LMCache: a stored prefix)."""
+        connector holds (LMCache: a stored prefix; a saving request then loads it first and saves the whole
+        prompt), at most the prompt."""
         if params is not None and params.load:
             return request.num_prompt_tokens
-        if self.connector is None or (params is not None and params.save):
+        if self.connector is None:
             return 0
-        return self.connector.get_num_matched_tokens(request.request_id, request.prompt_token_ids)
+        matched = self.connector.get_num_matched_tokens(request.request_id, request.prompt_token_ids)
+        return min(max(matched, 0), request.num_prompt_tokens)
 
     # ---- a request enters ----------------------------------------------------------------
 
@@ -88,15 +99,15 @@ class KVTransfers:
             self.saves[request.request_id] = SaveState(request.num_prompt_tokens, params.num_skip_tokens)
         if not num_external_tokens or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             return
-        self.loads[request.request_id] = LoadState(num_external_tokens, policy, time.monotonic())
+        num_cached = max(request.num_cached_tokens, 0)
+        self.loads[request.request_id] = LoadState(num_external_tokens, policy, time.monotonic(), num_cached)
         request_log(logger, request.request_id).debug(
             "WAITING -> WAITING_FOR_REMOTE_KVS (%d prompt tokens to load, %d cached here)",
-            num_external_tokens, max(request.num_cached_tokens, 0))
+            num_external_tokens, num_cached)
         if self.connector is not None:
             self.connector.start_load(KVLoad(
-                request_id=request.request_id, block_ids=tuple(block_ids),
-                num_computed_tokens=max(request.num_cached_tokens, 0), num_external_tokens=num_external_tokens,
-                num_prompt_tokens=request.num_prompt_tokens,
+                request_id=request.request_id, block_ids=tuple(block_ids), num_computed_tokens=num_cached,
+                num_external_tokens=num_external_tokens, num_prompt_tokens=request.num_prompt_tokens,
             ))
 
     # ---- a request ends -------------------------------------------------------------------

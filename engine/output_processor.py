@@ -78,4 +78,5 @@ class OutputProcessor:
             finished=finished,
             metrics=metrics,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_loaded_tokens=load.num_loaded_tokens if load is not None else 0,
         )

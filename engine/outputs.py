@@ -51,3 +51,6 @@ class RequestOutput:
     metrics: RequestMetrics
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
+    # Prompt tokens whose KV a connector loaded into the request's blocks (a remote prefill's whole prompt, or
+    # a prefix LMCache held), not counting num_cached_tokens; 0 when the load failed or nothing was loaded.
+    num_loaded_tokens: int = 0

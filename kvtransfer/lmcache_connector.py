@@ -209,24 +209,30 @@ class LMCacheKVStore:
 
     # ---- the store's API -----------------------------------------------------------------------
 
-    def store(self, token_ids: list[int], kv_cache: torch.Tensor, block_ids: list[int]) -> None:
-        """Store the KV of ``token_ids`` (positions 0..n-1, held in ``block_ids`` in order) in LMCache.
+    def store(self, token_ids: list[int], kv_cache: torch.Tensor, block_ids: list[int], *,
+              first_position: int = 0) -> None:
+        """Store the KV of ``token_ids`` (positions 0..n-1, held in ``block_ids`` in order) in LMCache, from
+        ``first_position`` on (a multiple of the chunk size: the chunks before it are stored already).
 
         Returns once the chunks are copied out of ``kv_cache`` (the blocks may then change); the writes
         to Redis land shortly after (``lookup`` tells when). Redis errors are logged once, not raised.
 
         Raises:
-            ValueError: ``block_ids`` hold fewer than ``len(token_ids)`` tokens, or the cache has another layout.
+            ValueError: ``block_ids`` hold fewer than ``len(token_ids)`` tokens, ``first_position`` is not a
+                chunk boundary within the prompt, or the cache has another layout.
         """
         num_tokens = len(token_ids)
         self._check_cache(kv_cache)
         self._check_blocks(block_ids, num_tokens)
-        if num_tokens == 0:
+        if first_position % self.chunk_size or not 0 <= first_position <= num_tokens:
+            raise ValueError(f"first_position ({first_position}) must be a multiple of the chunk size "
+                             f"({self.chunk_size}) within the prompt ({num_tokens} tokens).")
+        if num_tokens == first_position:
             return
         slots = slot_mapping(block_ids, num_tokens, self.layout.block_size, kv_cache.device)
         with self._lock:
             self._check_open()
-            for start, end in self._windows(0, num_tokens):
+            for start, end in self._windows(first_position, num_tokens):
                 self._engine.store(list(token_ids[:end]), mask=self._mask(start, end), kvcaches=kv_cache,
                                    slot_mapping=slots[:end])
 

@@ -1,10 +1,18 @@
 """The prefill worker's LMCache sender: the engine's KV connector on the saving side with ``--kv-transfer
-lmcache``.
+lmcache``, which also loads the prefix of a prompt LMCache holds (prefix reuse across the cluster).
 
 The servicer announces each request whose prompt KV goes out (:meth:`LMCacheSender.expect`, with the prompt's
-token ids). The engine calls :meth:`LMCacheSender.save` after every step with the blocks that step completed;
-they are collected in order, and the last save (the prompt's end) starts a thread that stores the whole prompt
-in LMCache (Redis) from those blocks. LMCache's ``store`` returns once it has copied the chunks out of the
+token ids). The announcement looks the prompt up in LMCache: when it holds a prefix (chunks any prefill worker
+stored before: another turn of the chat, a shared system prompt), the engine is told so
+(:meth:`LMCacheSender.get_num_matched_tokens`), reserves the request's blocks, and the sender's
+:class:`~splitserve.kvtransfer.lmcache_loads.LMCacheLoader` retrieves the prefix into them (past what this
+worker's own prefix cache holds); the engine then computes only the rest. The prefix loaded is the stored one
+cut to a block boundary and short of the prompt's last token (whose logits give the first token); a prefix
+that vanished meanwhile (keys expired, Redis down) is a failed load, and the engine computes the prompt.
+
+The engine calls :meth:`LMCacheSender.save` after every step with the blocks that step completed (the loaded
+prefix's blocks included); they are collected in order, and the last save (the prompt's end) starts a thread
+that stores in LMCache (Redis) the chunks it does not hold yet, from those blocks. LMCache's ``store`` returns once it has copied the chunks out of the
 cache: the save is then reported finished and the engine frees the blocks. The thread then polls LMCache's
 ``lookup`` until Redis holds the whole prompt (its writes land asynchronously, with no flush to wait on), and
 only then releases the servicer's wait: a store that Redis never receives (Redis down) fails the prefill with
@@ -26,6 +34,7 @@ from splitserve.common.errors import InvalidRequest
 from splitserve.common.log_fields import request_log
 from splitserve.common.types import KVConnectorKind
 from splitserve.engine.kv_connector import KVConnectorBase, KVConnectorEvents, KVLoad, KVSave
+from splitserve.kvtransfer.lmcache_loads import LMCacheLoader
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +58,8 @@ class LMCacheSave:
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_num_bytes = token_num_bytes
+        # Leading prompt tokens whose KV LMCache held when the request came (loaded, not computed).
+        self.num_matched_tokens = 0
         # The request's blocks in token order, as the engine's saves hand them over.
         self.block_ids: list[int] = []
         self.num_collected_tokens = 0
@@ -88,11 +99,18 @@ class LMCacheSender(KVConnectorBase):
 
     def __init__(self, store) -> None:
         self.store = store
-        self.token_num_bytes = store.layout.block_num_bytes // store.layout.block_size
+        self.block_size = store.layout.block_size
+        self.token_num_bytes = store.layout.block_num_bytes // self.block_size
         self._kv_cache = None
         self._saves: dict[str, LMCacheSave] = {}
         self._events = KVConnectorEvents()
         self._lock = threading.Lock()
+        # Stored prefixes on their way into the requests' blocks.
+        self._prefixes = LMCacheLoader(store)
+
+    def stop(self) -> None:
+        """End the prefix loads (the worker closes the store)."""
+        self._prefixes.stop()
 
     # ---- the servicer's side ----------------------------------------------------------------
 
@@ -114,7 +132,17 @@ class LMCacheSender(KVConnectorBase):
             if request_id in self._saves:
                 raise InvalidRequest(f"Request id {request_id!r} is already being prefilled here.")
             self._saves[request_id] = save
+        save.num_matched_tokens = self._stored_prefix(save)
         return save
+
+    def _stored_prefix(self, save: LMCacheSave) -> int:
+        """How many leading prompt tokens to load: what LMCache holds, cut to a block boundary short of the
+        prompt's last token. Looked up here, on the RPC's thread, so the engine's thread does no I/O."""
+        try:
+            held = self.store.lookup(save.prompt_token_ids)
+        except RuntimeError:  # the store closed: the worker shuts down
+            return 0
+        return min(held, save.num_prompt_tokens - 1) // self.block_size * self.block_size
 
     @staticmethod
     def num_skip_tokens(num_destination_cached_tokens: int) -> int:
@@ -128,7 +156,8 @@ class LMCacheSender(KVConnectorBase):
             return request_id in self._saves
 
     def discard(self, request_id: str) -> None:
-        """The engine refused the request: forget its save (nothing was read)."""
+        """The engine refused the request: forget its save (nothing was read) and its prefix load."""
+        self._prefixes.discard(request_id)
         with self._lock:
             save = self._saves.pop(request_id, None)
         if save is not None:
@@ -138,13 +167,28 @@ class LMCacheSender(KVConnectorBase):
 
     def register_kv_cache(self, kv_cache) -> None:
         self._kv_cache = kv_cache  # [num_blocks, layers, 2, kv_heads, block_size, head_size]
+        self._prefixes.register_kv_cache(kv_cache)
+
+    def set_wakeup(self, wakeup) -> None:
+        super().set_wakeup(wakeup)
+        self._prefixes.set_wakeup(wakeup)
+
+    def get_num_matched_tokens(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        """The stored prefix ``expect`` found for the request (0 for one it did not announce)."""
+        with self._lock:
+            save = self._saves.get(request_id)
+        return save.num_matched_tokens if save is not None else 0
 
     def start_load(self, load: KVLoad) -> None:
-        """Prefix reuse on the prefill side is not wired yet: a load asked of it fails at once (the engine applies
-        the request's failure policy: recompute, or fail)."""
+        """Retrieve the stored prefix into the request's blocks (one lookup confirms it is still there)."""
         with self._lock:
-            self._events.failed_loads[load.request_id] = "a prefill worker's LMCache sender loads no KV"
-        self.wake_engine()
+            save = self._saves.get(load.request_id)
+        if save is None:
+            self._prefixes.start_load(load)  # reported failed: nothing was announced
+            return
+        self._prefixes.expect(load.request_id, save.transfer_id, save.num_prompt_tokens, 0.0,
+                              prompt_token_ids=save.prompt_token_ids)
+        self._prefixes.start_load(load)
 
     def save(self, save: KVSave) -> None:
         """Collect the blocks a step completed; the last save starts the store."""
@@ -172,8 +216,9 @@ class LMCacheSender(KVConnectorBase):
                              daemon=True).start()
 
     def request_finished(self, request_id: str) -> bool:
-        """The request was aborted or failed: nothing more is stored. True while a store still reads its blocks
-        (the engine keeps them until it is reported)."""
+        """The request was aborted or failed: its prefix load ends (a retrieve in progress first) and nothing
+        more is stored. True while a store still reads its blocks (the engine keeps them until it is reported)."""
+        self._prefixes.request_finished(request_id)
         with self._lock:
             save = self._saves.get(request_id)
         if save is None:
@@ -185,18 +230,25 @@ class LMCacheSender(KVConnectorBase):
         return False
 
     def get_finished(self) -> KVConnectorEvents:
+        loads = self._prefixes.get_finished()
         with self._lock:
             events, self._events = self._events, KVConnectorEvents()
+        events.finished_loads, events.failed_loads = loads.finished_loads, loads.failed_loads
         return events
 
     # ---- a store's thread -------------------------------------------------------------------------
 
     def _store(self, save: LMCacheSave) -> None:
-        """Store the whole prompt from its blocks, free them, then wait until Redis holds it."""
+        """Store the chunks LMCache lacks from the prompt's blocks, free them, then wait until Redis holds the
+        whole prompt."""
         log = request_log(logger, save.request_id, save.transfer_id)
         started = time.monotonic()
         try:
-            self.store.store(save.prompt_token_ids, self._kv_cache, save.block_ids)
+            # Looked up again: chunks stored since the request came (or gone since) are counted right.
+            held = self.store.lookup(save.prompt_token_ids)
+            if held < save.num_prompt_tokens:
+                self.store.store(save.prompt_token_ids, self._kv_cache, save.block_ids,
+                                 first_position=held // self.store.chunk_size * self.store.chunk_size)
         except Exception as error:  # reported to the engine (frees the blocks) and to the waiting Prefill call
             log.warning("Storing the prompt's KV in LMCache failed: %s", error)
             self._ended(save, f"storing the prompt's KV in LMCache failed: {error}")

@@ -118,7 +118,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         response = worker_pb2.PrefillResponse(
             request_id=request.request_id, transfer_id=request.transfer_id, first_token_id=first_token,
             first_token_text=completion.text, num_cached_tokens=final.num_cached_tokens,
-            num_sent_blocks=sender.num_sent_blocks,
+            num_loaded_tokens=final.num_loaded_tokens, num_sent_blocks=sender.num_sent_blocks,
         )
         if params.logprobs is not None and completion.logprobs:
             decode = lambda token_id: self.runtime.engine.tokenizer.decode([token_id])  # noqa: E731
@@ -136,6 +136,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         response.queue_seconds = max(started - metrics.arrival_time, 0.0)
         response.prefill_seconds = max(sampled - started, 0.0)
         response.kv_send_seconds = max((sender.last_handed_over or sampled) - sampled, 0.0)
+        if final.num_loaded_tokens:
+            response.prefix_load_seconds = metrics.kv_load_seconds
         return response
 
     def Abort(self, request: worker_pb2.AbortPrefillRequest, context) -> worker_pb2.AbortPrefillResponse:

@@ -192,6 +192,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             setattr(chunk, kind, getattr(message, kind))
         if message.finish_reason:
             chunk.usage.CopyFrom(message.usage)
+            if job.prefill is not None and not message.kv_recomputed:  # the prefill worker computed the prompt
+                chunk.usage.cached_tokens = job.prefill.num_cached_tokens + job.prefill.num_loaded_tokens
+                chunk.usage.loaded_tokens = job.prefill.num_loaded_tokens
             if job.num_migrations:  # the workers saw the continuation: report the client's request
                 chunk.usage.prompt_tokens = len(job.original_prompt.token_ids)
                 chunk.usage.completion_tokens = len(progress.sent_token_ids) + len(message.token_ids)
@@ -257,6 +260,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if job.prefill is not None:
             timing.queue_seconds = job.prefill.queue_seconds
             timing.kv_transfer_seconds = job.prefill.kv_send_seconds
+            timing.prefix_load_seconds = job.prefill.prefix_load_seconds
         return timing
 
     # ---- the rest of the API ----------------------------------------------------------------
