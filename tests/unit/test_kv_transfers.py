@@ -7,7 +7,14 @@ import pytest
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.kv_connector import KVConnectorBase, KVConnectorEvents, KVLoad, KVSave, KVTransferParams
+from splitserve.engine.kv_connector import (
+    KVConnectorBase,
+    KVConnectorEvents,
+    KVLoad,
+    KVLoadOutcome,
+    KVSave,
+    KVTransferParams,
+)
 from splitserve.engine.kv_transfers import KVTransfers
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler
@@ -136,6 +143,32 @@ def test_a_prefix_an_external_source_holds_is_loaded_then_the_rest_computed():
     output = scheduler.schedule()
     assert [(item.request.request_id, item.num_new_tokens) for item in output.scheduled] == [("r", 6)]
     assert scheduler.kv_cache.block_ids("r") == [0, 1, 2, 3]
+
+
+def test_a_saving_request_loads_a_matched_prefix_then_saves_the_whole_prompt_from_its_first_block():
+    connector = RecordingConnector(matched=8)  # a prefill worker: LMCache holds the first two blocks
+    scheduler, transfers = setup(connector)
+    request = add(scheduler, transfers, "p", 14, KVTransferParams(save=True))
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert connector.loads == [KVLoad("p", (0, 1), 0, 8, 14)]
+    transfers.end_load("p", KVLoadOutcome.RECEIVED)
+    scheduler.finish_remote_kv("p", 8)
+    step(scheduler, transfers)  # the 6 tokens past the prefix: the prompt is computed, its first token sampled
+    request.append_output_token(7)
+    assert transfers.keeps_blocks(request, finished_normally=True)
+    scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH, hold_blocks=True)
+    transfers.save_completed(scheduler.requests, scheduler.held, scheduler.kv_cache.block_ids)
+    # Saves from position 0: the loaded prefix's blocks too (LMCache keys chunks from the prompt's start).
+    assert [(s.block_ids, s.first_token_position, s.num_tokens, s.is_last, s.first_token_id)
+            for s in connector.saves] == [((0, 1, 2), 0, 12, False, None), ((3,), 12, 2, True, 7)]
+    assert transfers.loads["p"].num_loaded_tokens == 8
+
+
+def test_a_matched_prefix_is_capped_at_the_prompt():
+    connector = RecordingConnector(matched=40)
+    scheduler, transfers = setup(connector)
+    request = Request("r", list(range(1, 15)), SamplingParams(max_tokens=1))
+    assert transfers.num_external_tokens(request, None) == 14
 
 
 def test_without_a_matched_prefix_a_request_is_queued_as_usual():
