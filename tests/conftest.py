@@ -13,9 +13,16 @@ Tiers are folders, and each folder's tests carry its marker:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run only through its interpreter, which must be chosen before triton is first
+# imported (its language functions are wrapped at import): set here, before any test module can import it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TIERS = ("unit", "integration", "e2e", "faults")
 
