@@ -273,16 +273,17 @@ class LMCacheSender(KVConnectorBase):
     def _wait_until_landed(self, save: LMCacheSave) -> str | None:
         """None once LMCache's lookup finds the whole prompt in Redis; else why not."""
         deadline = time.monotonic() + LANDED_TIMEOUT_SECONDS
-        while True:
+        # The deadline is checked before each lookup: one lookup against a Redis that stopped answering blocks
+        # for up to the store's socket timeout, so the whole wait is bounded by the two together.
+        while time.monotonic() < deadline:
             try:
                 if self.store.lookup(save.prompt_token_ids) >= save.num_prompt_tokens:
                     return None
             except RuntimeError as error:  # the store closed: the worker shuts down
                 return f"LMCache closed before the prompt's KV reached Redis ({error})"
-            if time.monotonic() >= deadline:
-                return (f"the prompt's KV did not reach Redis through LMCache within {LANDED_TIMEOUT_SECONDS:.0f} s "
-                        f"(is Redis at {self.store.url} up?)")
             time.sleep(LOOKUP_INTERVAL_SECONDS)
+        return (f"the prompt's KV did not reach Redis through LMCache within {LANDED_TIMEOUT_SECONDS:.0f} s "
+                f"(is Redis at {self.store.url} up?)")
 
     # ---- internals -------------------------------------------------------------------------------
 

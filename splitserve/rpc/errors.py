@@ -155,8 +155,10 @@ def _unary(behavior: Callable, method: str) -> Callable:
         except Exception as error:
             if _is_abort(error):
                 raise
-            _end_call(context, error, method)
-            return None
+            code, details = _end_call(context, error, method)
+        # Outside the except clause (no chained traceback); returning None instead would make gRPC log
+        # "Exception serializing message!" for every refused call.
+        context.abort(code, details)
 
     return handle
 
@@ -175,7 +177,7 @@ def _streaming(behavior: Callable, method: str) -> Callable:
     return handle
 
 
-def _end_call(context: grpc.ServicerContext, error: Exception, method: str) -> None:
+def _end_call(context: grpc.ServicerContext, error: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     code, details = status_of(error)
     if code == grpc.StatusCode.INTERNAL and not isinstance(error, grpc.RpcError):
         logger.error("Internal error in %s", method, exc_info=error)
@@ -183,6 +185,7 @@ def _end_call(context: grpc.ServicerContext, error: Exception, method: str) -> N
         logger.debug("%s ended with %s: %s", method, code.name, details)
     context.set_code(code)
     context.set_details(details)
+    return code, details
 
 
 def _is_abort(error: BaseException) -> bool:

@@ -114,11 +114,11 @@ class WorkerRuntime:
             self.worker_id = self.membership.worker_id
 
     def stop(self) -> None:
-        """Leave the cluster, abort what is in flight, stop the loop and the connector."""
+        """Stop the loop (aborting what is in flight: no new step starts), leave the cluster, stop the connector."""
         self.state = inference_pb2.WORKER_STATE_DRAINING
+        self.loop.stop()
         if self.membership is not None:
             self.membership.stop()
-        self.loop.stop()
         if hasattr(self.kv_connector, "stop"):
             self.kv_connector.stop()
         if self.kv_transport is not None:
