@@ -10,7 +10,10 @@ Gathering a request's blocks gives each head's keys as one contiguous
 
 A step's batch is flattened: decode tokens first (one per request), then the
 prefill chunks. :class:`AttentionMetadata` is built once per step by the model
-runner and shared by every layer.
+runner and shared by every layer. It selects one of three implementations: this
+module's torch code, the C++ CPU kernels (``kernels/cpu_ops``: KV writes and
+decodes) or the Triton kernels (``kernels/triton_attention``: KV writes, decodes
+and all prefill chunks in one varlen launch).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from splitserve.kernels import cpu_ops
+from splitserve.kernels import cpu_ops, triton_attention
 
 
 @dataclass
@@ -53,6 +56,38 @@ class DecodeGroup:
 
 
 @dataclass
+class PrefillBatch:
+    """All prefill chunks of a step as one varlen batch (the Triton path's view of ``prefills``)."""
+
+    # The chunks are rows [row_start, num_tokens) of the flattened batch (they follow the decodes).
+    row_start: int
+    # [chunks + 1] int32: chunk i is rows row_start + query_start_loc[i] ... row_start + query_start_loc[i + 1].
+    query_start_loc: torch.Tensor
+    # [chunks] int32: tokens of each request already in the cache before its chunk.
+    context_lens: torch.Tensor
+    # [chunks, max_blocks] int64: each request's blocks, padded with block 0 (never read).
+    block_tables: torch.Tensor
+    # The longest chunk, in tokens.
+    max_query_len: int
+
+    @classmethod
+    def from_spans(cls, spans: list[PrefillSpan]) -> PrefillBatch:
+        """The step's prompt chunks (consecutive rows, after the decodes; at least one) as one batch."""
+        row_start = spans[0].query_start
+        starts = [span.query_start - row_start for span in spans] + [spans[-1].query_end - row_start]
+        tables = torch.zeros(len(spans), max(len(span.block_table) for span in spans), dtype=torch.int64)
+        for row, span in enumerate(spans):
+            tables[row, : len(span.block_table)] = span.block_table
+        return cls(
+            row_start=row_start,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            context_lens=torch.tensor([span.num_context_tokens for span in spans], dtype=torch.int32),
+            block_tables=tables,
+            max_query_len=max(span.query_end - span.query_start for span in spans),
+        )
+
+
+@dataclass
 class AttentionMetadata:
     # Where each token's K/V is written: [num_tokens] int64 slot ids.
     slot_mapping: torch.Tensor
@@ -61,6 +96,10 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     # Whether the C++ kernels store K/V and attend decodes (float32), or plain torch.
     use_cpu_kernels: bool = False
+    # Whether the Triton kernels store K/V and attend decodes and prefills, and the prefills as one
+    # varlen batch for them (built once per step by the model runner; from ``prefills`` when None).
+    use_triton_kernels: bool = False
+    prefill_batch: PrefillBatch | None = None
 
 
 def write_kv(
@@ -93,6 +132,8 @@ def paged_attention(
     query: [num_tokens, q_heads, head_dim]; key, value: [num_tokens, kv_heads, head_dim].
     Returns: [num_tokens, q_heads, head_dim].
     """
+    if metadata.use_triton_kernels:
+        return _paged_attention_triton(query, key, value, key_cache, value_cache, metadata, scale)
     if metadata.use_cpu_kernels:
         cpu_ops.write_kv_(key_cache, value_cache, key, value, metadata.slot_mapping)
     else:
@@ -109,6 +150,36 @@ def paged_attention(
     for span in metadata.prefills:
         rows = slice(span.query_start, span.query_end)
         output[rows] = prefill_attention(query[rows], key[rows], value[rows], key_cache, value_cache, span, scale)
+    return output
+
+
+def _paged_attention_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """paged_attention through the Triton kernels: the KV write, one decode launch per group and one
+    varlen launch for every prefill chunk (their context read from the cache in place)."""
+    triton_attention.store_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+    output = torch.empty_like(query)
+    for group in metadata.decode_groups:
+        rows = slice(group.row_start, group.row_end)
+        output[rows] = triton_attention.paged_decode_attention(
+            query[rows], key_cache, value_cache, group.block_tables, group.seq_lens, scale
+        )
+    batch = metadata.prefill_batch
+    if batch is None and metadata.prefills:
+        batch = PrefillBatch.from_spans(metadata.prefills)
+    if batch is not None:
+        rows = slice(batch.row_start, None)
+        output[rows] = triton_attention.paged_prefill_attention(
+            query[rows], key[rows], value[rows], key_cache, value_cache, batch.query_start_loc, batch.context_lens,
+            batch.block_tables, scale, max_query_len=batch.max_query_len,
+        )
     return output
 
 

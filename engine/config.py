@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _DTYPES = ("float32", "bfloat16")
-_ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+_ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DEFAULT_KV_CACHE_BYTES = 4 * 1024**3  # like vLLM-CPU's default KV space
 
 
@@ -27,7 +27,9 @@ class EngineConfig:
         seed: seed of the random generator used by requests without their own seed.
         attention_backend: decode attention and the fused element-wise layer operations (RMSNorm
             with the residual add, rotary, SiLU-and-multiply) in "cpu" (the C++ kernels, float32),
-            "torch" (the plain-torch reference), or "auto" (the kernels when they can be built).
+            "torch" (the plain-torch reference), or "auto" (the kernels when they can be built);
+            "triton": KV writes, decode and prefill attention in the Triton kernels (element-wise
+            operations in torch), which on a CPU run only under TRITON_INTERPRET=1 (tests).
     """
 
     model: str | None = None

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.common.model_info import cache_dir
-from splitserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from splitserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.kernels import cpu_ops
+from splitserve.kernels import cpu_ops, triton_attention
 
 _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
 
@@ -56,7 +56,7 @@ def _allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
 def _use_cpu_kernel(backend: str, dtype: torch.dtype) -> bool:
     """Whether decode attention and the fused layer operations run in the C++ kernels (compiled on first
     use) or in plain torch."""
-    if backend == "torch":
+    if backend in ("torch", "triton"):
         return False
     usable = dtype == torch.float32 and cpu_ops.available(str(cache_dir()))
     if backend == "cpu" and not usable:
@@ -108,6 +108,10 @@ class ModelRunner:
         self.kv_caches = [self.kv_cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(self.kv_cache.shape[1])]
         self.use_cpu_kernel = _use_cpu_kernel(config.attention_backend, self.dtype)
         self.model.use_cpu_kernels(self.use_cpu_kernel)
+        # Triton: KV writes and all attention; the element-wise layer operations stay in torch.
+        self.use_triton_kernel = config.attention_backend == "triton"
+        if self.use_triton_kernel:
+            triton_attention.check_usable(self.kv_cache.device)
         self.sampler = Sampler(config.seed)
 
     @torch.inference_mode()
@@ -144,8 +148,9 @@ class ModelRunner:
                 sample_requests.append(request)
         decode_tables = [block_tables[item.request.request_id] for item in decodes]
         slot_mapping = [self._decode_slots(decode_tables, positions)]
-        # The C++ kernel reads each request's own blocks: one group, no padding to worry about.
-        ranges = [(0, len(decodes))] if self.use_cpu_kernel else group_by_length([p + 1 for p in positions])
+        # The C++ and Triton kernels read each request's own blocks: one group, no padding to worry about.
+        one_group = self.use_cpu_kernel or self.use_triton_kernel
+        ranges = [(0, len(decodes))] if one_group else group_by_length([p + 1 for p in positions])
         decode_groups = [
             self._decode_group(start, end, decode_tables[start:end], positions[start:end])
             for start, end in ranges
@@ -168,7 +173,9 @@ class ModelRunner:
                 sample_requests.append(request)
 
         metadata = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), decode_groups=decode_groups, prefills=spans,
-                                     use_cpu_kernels=self.use_cpu_kernel)
+                                     use_cpu_kernels=self.use_cpu_kernel, use_triton_kernels=self.use_triton_kernel)
+        if self.use_triton_kernel and spans:
+            metadata.prefill_batch = PrefillBatch.from_spans(spans)
         return _BatchInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
@@ -189,7 +196,7 @@ class ModelRunner:
         padded = [row + [0] * (max_blocks - len(row)) for row in rows]
         seq_lens = torch.tensor(positions, dtype=torch.int64) + 1
         group = DecodeGroup(start, end, torch.tensor(padded, dtype=torch.int64), seq_lens, None)
-        if not self.use_cpu_kernel:
+        if not (self.use_cpu_kernel or self.use_triton_kernel):
             padding = torch.arange(max_blocks * self.block_size).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [requests, keys]
             num_kv_heads = self.model_config.num_key_value_heads
             group.mask = padding.unsqueeze(0).expand(num_kv_heads, -1, -1).reshape(num_kv_heads * len(tables), 1, -1)

@@ -46,7 +46,7 @@ def available() -> bool:
         _import_triton()
     except RuntimeError:
         return False
-    return torch.cuda.is_available() or (interpreting() and _library_interpreted())
+    return torch.cuda.is_available() or (interpreting() and language_interpreted())
 
 
 def interpreting() -> bool:
@@ -66,8 +66,10 @@ def _import_triton() -> None:
     triton, tl = triton_module, language
 
 
-def _library_interpreted() -> bool:
-    """Whether Triton's own library functions (``tl.sum``...) were wrapped for the interpreter at its import."""
+def language_interpreted() -> bool:
+    """Whether Triton's own library functions (``tl.sum``...) were wrapped for the interpreter at its import
+    (interpreted kernels that call them need it). Imports Triton."""
+    _import_triton()
     return type(sys.modules["triton.language"].sum).__name__ == "InterpretedFunction"
 
 
@@ -87,7 +89,7 @@ def _launch(kernel, grid, *arguments, **options):
                 f"{kernel.__name__}: Triton kernels run on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1 "
                 f"set before the first call; got a tensor on {argument.device}."
             )
-    if interpret and not _library_interpreted():
+    if interpret and not language_interpreted():
         raise RuntimeError(
             f"{kernel.__name__}: TRITON_INTERPRET=1 was set after Triton was imported in this process; set it "
             "before anything imports triton."

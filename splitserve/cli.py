@@ -99,10 +99,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
     group.add_argument("--engine-seed", type=int, default=0, help="seed for requests without their own --seed (default: %(default)s)")
     group.add_argument(
-        "--attention-backend", choices=("auto", "cpu", "torch"), default="auto",
+        "--attention-backend", choices=("auto", "cpu", "torch", "triton"), default="auto",
         help="decode attention, KV writes and the fused layer operations (RMSNorm with the residual add, "
         "rotary, SiLU-and-multiply): the C++ CPU kernels (compiled on first use, float32), plain torch, "
-        "or auto (the kernels when they can be built) (default: %(default)s)",
+        "auto (the kernels when they can be built), or triton (KV writes and all attention in Triton "
+        "kernels, the rest in torch; needs splitserve[triton], and on a CPU TRITON_INTERPRET=1, a slow "
+        "interpreter for tests) (default: %(default)s)",
     )
 
 

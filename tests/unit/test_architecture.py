@@ -77,6 +77,18 @@ def test_only_the_lmcache_connector_imports_lmcache():
     assert not found, "only kvtransfer/lmcache_*.py may import lmcache (an optional extra):\n" + "\n".join(found)
 
 
+# Triton is an optional extra too: only the Triton kernel modules import it (lazily, on first use).
+TRITON_MODULES = ("kernels/triton_attention.py", "kernels/triton_ops.py")
+
+
+def test_only_the_triton_kernels_import_triton():
+    found = [violation for folder in ("splitserve", "engine", "kernels", "kvtransfer", "router", "prefill_service",
+                                      "decode_service")
+             for violation in violations(folder, ("triton",))
+             if violation.split(":")[0] not in TRITON_MODULES]
+    assert not found, "only kernels/triton_*.py may import triton (an optional extra):\n" + "\n".join(found)
+
+
 def test_the_checks_see_imports_inside_functions(tmp_path):
     module = tmp_path / "module.py"
     module.write_text("import os\n\ndef f():\n    from splitserve.engine.scheduler import Scheduler\n    import grpc\n")

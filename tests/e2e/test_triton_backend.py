@@ -1,0 +1,68 @@
+"""The engine with ``attention_backend="triton"`` (KV writes, decode and prefill attention in the Triton
+kernels) gives the torch backend's greedy tokens; on a CPU it refuses to start outside the interpreter.
+
+On a CPU the Triton engine runs in Triton's interpreter, in a process of its own started with
+``TRITON_INTERPRET=1`` (which must be set before that process imports triton, whatever this pytest
+process has imported), on a tiny KV cache: the interpreter copies every tensor argument's whole
+storage back after each launch, the cache included. It is slow (about 40 s on two idle cores, two
+minutes with other load), so the prompts are short. A budget of 16 tokens a step splits the longest
+prompt, so a later chunk attends to context already in the paged cache while the other requests decode.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from splitserve import LLM, SamplingParams
+
+# Looked up, not imported: importing triton here, before tests/integration/test_triton_attention.py sets
+# TRITON_INTERPRET=1, would build triton.language for the compiler in this pytest process.
+pytestmark = [
+    pytest.mark.timeout(400),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                       reason="the Triton backend needs triton: pip install 'splitserve[triton]'"),
+]
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, in a small village by the sea, there lived"]
+MAX_TOKENS = 8
+ENGINE_OPTIONS = {"num_kv_blocks": 16, "max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 16,
+                  "enable_prefix_caching": False}
+
+_GENERATE = """
+import json, sys
+from splitserve import LLM, SamplingParams
+model, options, prompts, max_tokens = json.loads(sys.argv[1])
+llm = LLM(model, attention_backend="triton", **options)
+assert llm.engine.model_runner.use_triton_kernel
+outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+print(json.dumps([output.outputs[0].token_ids for output in outputs]))
+"""
+
+
+def test_triton_backend_gives_the_torch_backends_greedy_tokens(model_dir):
+    arguments = json.dumps([str(model_dir), ENGINE_OPTIONS, PROMPTS, MAX_TOKENS])
+    result = subprocess.run(
+        [sys.executable, "-c", _GENERATE, arguments], env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True, text=True, timeout=380,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    triton_tokens = json.loads(result.stdout.strip().splitlines()[-1])
+
+    reference = LLM(str(model_dir), attention_backend="torch", **ENGINE_OPTIONS)
+    outputs = reference.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+    torch_tokens = [output.outputs[0].token_ids for output in outputs]
+
+    assert all(len(tokens) == MAX_TOKENS for tokens in torch_tokens)
+    assert triton_tokens == torch_tokens
+
+
+def test_triton_backend_on_a_cpu_refuses_to_start_outside_the_interpreter(model_dir, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="runs only in Triton's interpreter: set TRITON_INTERPRET=1"):
+        LLM(str(model_dir), attention_backend="triton", num_kv_blocks=16, max_model_len=256)

@@ -1,0 +1,289 @@
+"""The Triton attention kernels (store_kv, split-K paged decode, varlen paged prefill) against the
+plain-torch references in ``splitserve.engine.attention``.
+
+On a CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1``, which must be set before the
+process first imports triton (``triton.language`` is built for the compiler or the interpreter then), is set
+by ``tests/conftest.py`` before any test module is imported. With a CUDA device the same tests run
+compiled, on the GPU.
+
+Tolerances. float32: atol = rtol = 1e-5; the kernels differ from the references only in summation
+order and in exp2 against exp (observed differences under 1e-6). bfloat16: inputs are rounded to
+bfloat16 (the references then compute in float32 from those same values), and the kernels round the
+softmax weights to bfloat16 before the weighted sum of values and round the output to bfloat16:
+each rounding is at most 2^-9 (0.2%) relative, and outputs are weighted means of values drawn from
+N(0, 1), mostly below 3 in magnitude, so atol 2e-2 with rtol 1.6e-2 (torch's own bfloat16 rtol)
+allows a few units in the last place and still catches any wrong key, mask or weight (errors of
+order 0.1 to 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+
+pytest.importorskip("triton", reason="the Triton kernels need triton: pip install 'splitserve[triton]'")
+
+from splitserve.engine.attention import DecodeGroup, PrefillSpan, decode_attention, prefill_attention, write_kv  # noqa: E402
+from splitserve.kernels import triton_attention  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+if not (ON_GPU or triton_attention.language_interpreted()):
+    raise RuntimeError("Triton kernels run on CPU only under TRITON_INTERPRET=1, set before triton is first "
+                       "imported: run the tests through pytest from the repository (tests/conftest.py sets it).")
+TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 1.6e-2}}
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, dtype, generator):
+    """One layer's key and value caches [kv_heads, num_blocks, block_size, head_dim]: strided views
+    of a block-major [num_blocks, layers, 2, kv_heads, block_size, head_dim] cache, as the engine's."""
+    cache = torch.randn(num_blocks, 3, 2, num_kv_heads, block_size, head_dim, generator=generator).to(dtype)
+    layer = cache.to(DEVICE)[:, 1].permute(1, 2, 0, 3, 4)  # [2, kv_heads, num_blocks, block_size, head_dim]
+    assert not layer[0].is_contiguous()
+    return layer[0], layer[1]
+
+
+def shuffled_block_tables(lengths, block_size, num_blocks, generator):
+    """[requests, max_blocks] int64: distinct blocks in shuffled order, padded with block 0."""
+    counts = [-(-length // block_size) for length in lengths]
+    assert sum(counts) <= num_blocks
+    permutation = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(lengths), max(counts, default=1), dtype=torch.int64)
+    offset = 0
+    for row, count in enumerate(counts):
+        tables[row, :count] = permutation[offset : offset + count]
+        offset += count
+    return tables
+
+
+def reference_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """engine.attention.decode_attention in float32 on the CPU."""
+    num_requests = query.shape[0]
+    num_kv_heads, _, block_size, _ = key_cache.shape
+    block_tables, seq_lens = block_tables.cpu(), seq_lens.cpu()
+    padding = torch.arange(block_tables.shape[1] * block_size).unsqueeze(0) >= seq_lens.unsqueeze(1)
+    mask = padding.unsqueeze(0).expand(num_kv_heads, -1, -1).reshape(num_kv_heads * num_requests, 1, -1)
+    group = DecodeGroup(0, num_requests, block_tables, seq_lens, mask)
+    return decode_attention(query.float().cpu(), key_cache.float().cpu(), value_cache.float().cpu(), group, scale)
+
+
+def decode_inputs(num_q_heads, num_kv_heads, head_dim, block_size, lengths, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-length // block_size) for length in lengths) + 3
+    key_cache, value_cache = block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, dtype, generator)
+    tables = shuffled_block_tables(lengths, block_size, num_blocks, generator).to(DEVICE)
+    seq_lens = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
+    # The query is a strided view, as the engine's (queries and keys rotated together, then split).
+    query_key = torch.randn(len(lengths), num_q_heads + num_kv_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
+    query = query_key[:, :num_q_heads]
+    return query, key_cache, value_cache, tables, seq_lens
+
+
+def assert_close(actual, expected, dtype):
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), **TOLERANCES[dtype])
+
+
+# ---- store_kv -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads, head_dim, block_size", [(1, 64, 16), (3, 128, 32), (2, 64, 32)])
+def test_store_kv_writes_the_slots_write_kv_writes(num_kv_heads, head_dim, block_size, dtype):
+    generator = torch.Generator().manual_seed(1)
+    num_blocks = 6
+    key_cache, value_cache = block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, dtype, generator)
+    whole_cache = key_cache._base if key_cache._base is not None else key_cache
+    before = whole_cache.clone()
+    num_tokens = 9
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    # Edge slots: the first row of a block, the last row of a block, the cache's last slot.
+    slots[:3] = torch.tensor([block_size, block_size - 1, num_blocks * block_size - 1])
+    key_value = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
+    key, value = key_value[:, :num_kv_heads], key_value[:, num_kv_heads:]  # strided views
+    expected_key, expected_value = key_cache.clone(), value_cache.clone()
+    write_kv(expected_key, expected_value, key, value, slots.to(DEVICE))
+
+    triton_attention.store_kv(key_cache, value_cache, key, value, slots.to(DEVICE))
+
+    assert torch.equal(key_cache, expected_key)
+    assert torch.equal(value_cache, expected_value)
+    # Nothing outside this layer's K/V slots changed (the strides were followed).
+    changed = (whole_cache != before).reshape(num_blocks, 3, -1).any(dim=2)  # [blocks, layers]
+    assert not changed[:, 0].any() and not changed[:, 2].any()
+    assert changed[:, 1].sum() == len(set((slots // block_size).tolist()))
+
+
+def test_store_kv_skips_negative_slots_and_empty_steps():
+    generator = torch.Generator().manual_seed(2)
+    key_cache, value_cache = block_major_caches(2, 4, 16, 64, torch.float32, generator)
+    before_key, before_value = key_cache.clone(), value_cache.clone()
+    key = torch.randn(2, 2, 64, generator=generator).to(DEVICE)
+    triton_attention.store_kv(key_cache, value_cache, key, key, torch.tensor([-1, 5], device=DEVICE))
+    assert torch.equal(key_cache[:, 0, 5], key[1])
+    key_cache[:, 0, 5], value_cache[:, 0, 5] = before_key[:, 0, 5], before_value[:, 0, 5]
+    assert torch.equal(key_cache, before_key) and torch.equal(value_cache, before_value)
+    empty = torch.empty(0, 2, 64, device=DEVICE)
+    triton_attention.store_kv(key_cache, value_cache, empty, empty, torch.empty(0, dtype=torch.int64, device=DEVICE))
+    assert torch.equal(key_cache, before_key)
+
+
+# ---- paged decode -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads, head_dim, block_size, lengths, dtype",
+    [
+        # GQA ratio 1; lengths on and one past block boundaries.
+        (1, 1, 64, 16, [1, 15, 16, 17, 32, 33], torch.float32),
+        (2, 2, 128, 32, [31, 32, 33, 64, 65], torch.bfloat16),
+        # Ratio 3 (SmolLM's), two KV heads.
+        (6, 2, 64, 16, [1, 47, 48, 49, 200], torch.float32),
+        (3, 1, 128, 32, [96, 97, 300], torch.bfloat16),
+        # Ratio 8, one long sequence alone (a few thousand tokens, split automatically).
+        (8, 1, 64, 32, [2049], torch.float32),
+        (8, 1, 128, 16, [3000], torch.bfloat16),
+    ],
+)
+def test_decode_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, block_size, lengths, dtype):
+    query, key_cache, value_cache, tables, seq_lens = decode_inputs(
+        num_q_heads, num_kv_heads, head_dim, block_size, lengths, dtype, seed=len(lengths) + head_dim
+    )
+    scale = head_dim**-0.5
+    expected = reference_decode(query, key_cache, value_cache, tables, seq_lens, scale)
+
+    actual = triton_attention.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
+
+    assert actual.shape == (len(lengths), num_q_heads, head_dim)
+    assert_close(actual, expected, dtype)
+
+
+def test_decode_split_counts_agree():
+    """Split-K: one split, a few, and more splits than the context fills (empty splits) give the same
+    output; the long sequence beside short ones leaves the short ones' later splits empty."""
+    lengths = [1, 63, 64, 65, 700]
+    query, key_cache, value_cache, tables, seq_lens = decode_inputs(3, 1, 64, 16, lengths, torch.float32, seed=3)
+    expected = reference_decode(query, key_cache, value_cache, tables, seq_lens, 64**-0.5)
+    outputs = {}
+    for num_splits in (1, 2, 5, 16):
+        outputs[num_splits] = triton_attention.paged_decode_attention(
+            query, key_cache, value_cache, tables, seq_lens, 64**-0.5, num_splits=num_splits
+        )
+        assert_close(outputs[num_splits], expected, torch.float32)
+    for num_splits in (2, 5, 16):
+        torch.testing.assert_close(outputs[num_splits], outputs[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [10, 11, 12])
+def test_decode_random_shapes(seed):
+    generator = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[torch.randint(len(options), (1,), generator=generator).item()]
+
+    num_kv_heads, ratio, head_dim, block_size = pick([1, 2]), pick([1, 3, 8]), pick([64, 128]), pick([16, 32])
+    dtype = pick([torch.float32, torch.bfloat16])
+    lengths = torch.randint(1, 400, (pick([1, 2, 3]),), generator=generator).tolist()
+    query, key_cache, value_cache, tables, seq_lens = decode_inputs(
+        num_kv_heads * ratio, num_kv_heads, head_dim, block_size, lengths, dtype, seed
+    )
+    expected = reference_decode(query, key_cache, value_cache, tables, seq_lens, 0.1)
+    actual = triton_attention.paged_decode_attention(
+        query, key_cache, value_cache, tables, seq_lens, 0.1, num_splits=pick([None, 1, 3])
+    )
+    assert_close(actual, expected, dtype)
+
+
+def test_decode_of_an_empty_batch_is_empty():
+    query, key_cache, value_cache, tables, seq_lens = decode_inputs(3, 1, 64, 16, [5], torch.float32, seed=4)
+    actual = triton_attention.paged_decode_attention(query[:0], key_cache, value_cache, tables[:0], seq_lens[:0], 0.125)
+    assert actual.shape == (0, 3, 64)
+
+
+def test_decode_refuses_heads_that_do_not_group():
+    query, key_cache, value_cache, tables, seq_lens = decode_inputs(4, 2, 64, 16, [5], torch.float32, seed=5)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        triton_attention.paged_decode_attention(query[:, :3], key_cache, value_cache, tables, seq_lens, 0.125)
+
+
+def test_choose_num_splits_splits_long_contexts_of_small_batches_only():
+    cpu = torch.device("cpu")
+    assert triton_attention.choose_num_splits(1, 1, 100, cpu) == 1
+    assert triton_attention.choose_num_splits(1, 1, 4096, cpu) == 4096 // triton_attention.MIN_TOKENS_PER_SPLIT
+    assert triton_attention.choose_num_splits(256, 8, 4096, cpu) == 1
+    assert triton_attention.choose_num_splits(1, 1, 10**6, cpu) == triton_attention.MAX_NUM_SPLITS
+
+
+# ---- paged prefill ------------------------------------------------------------------------------
+
+
+def run_prefill_case(num_q_heads, num_kv_heads, head_dim, block_size, contexts, chunks, dtype, seed):
+    """A flattened batch of chunks, chunk i at positions contexts[i]..contexts[i] + chunks[i] of its
+    request; the context's K/V already in the cache. Compares with prefill_attention per chunk."""
+    generator = torch.Generator().manual_seed(seed)
+    totals = [context + chunk for context, chunk in zip(contexts, chunks)]
+    num_blocks = sum(-(-total // block_size) for total in totals) + 2
+    key_cache, value_cache = block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, dtype, generator)
+    tables = shuffled_block_tables(totals, block_size, num_blocks, generator)
+    num_tokens = sum(chunks)
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
+    query, key, value = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)  # strided views
+    starts = [0]
+    for chunk in chunks:
+        starts.append(starts[-1] + chunk)
+    slots = torch.cat([
+        tables[row][positions // block_size] * block_size + positions % block_size
+        for row, positions in enumerate(torch.arange(context, total) for context, total in zip(contexts, totals))
+    ]) if num_tokens else torch.empty(0, dtype=torch.int64)
+    # The engine writes the chunk's K/V before attending; the kernel reads only the context from the cache.
+    write_kv(key_cache, value_cache, key, value, slots.to(DEVICE))
+    scale = head_dim**-0.5
+
+    actual = triton_attention.paged_prefill_attention(
+        query, key, value, key_cache, value_cache, torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        torch.tensor(contexts, dtype=torch.int32, device=DEVICE), tables.to(DEVICE), scale,
+    )
+
+    assert actual.shape == (num_tokens, num_q_heads, head_dim)
+    float_caches = key_cache.float().cpu(), value_cache.float().cpu()
+    for row, (context, chunk) in enumerate(zip(contexts, chunks)):
+        if chunk == 0:
+            continue
+        rows = slice(starts[row], starts[row + 1])
+        span = PrefillSpan(rows.start, rows.stop, context, tables[row])
+        expected = prefill_attention(query[rows].float().cpu(), key[rows].float().cpu(), value[rows].float().cpu(),
+                                     *float_caches, span, scale)
+        assert_close(actual[rows], expected, dtype)
+
+
+@pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads, head_dim, block_size, contexts, chunks, dtype",
+    [
+        # Fresh prompts (no context), on and one past block and tile boundaries.
+        (3, 1, 64, 16, [0, 0, 0, 0], [1, 16, 17, 33], torch.float32),
+        # Context in the cache (prefix hits, later chunks of chunked prefill), ratio 8.
+        (8, 1, 128, 32, [32, 33, 0, 100], [5, 32, 1, 70], torch.bfloat16),
+        # Ratio 1, two KV heads.
+        (2, 2, 64, 16, [15, 16, 17], [2, 64, 65], torch.float32),
+        # Ratio 3, block size 32, float32.
+        (6, 2, 128, 32, [31, 0], [34, 40], torch.float32),
+    ],
+)
+def test_prefill_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, block_size, contexts, chunks, dtype):
+    run_prefill_case(num_q_heads, num_kv_heads, head_dim, block_size, contexts, chunks, dtype, seed=sum(chunks))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_single_chunk_after_a_long_context(dtype):
+    run_prefill_case(1, 1, 64, 16, [2000], [40], dtype, seed=7)
+
+
+def test_prefill_of_an_empty_batch_is_empty():
+    run_prefill_case(3, 1, 64, 16, [], [], torch.float32, seed=8)
+    run_prefill_case(3, 1, 64, 16, [4, 0, 9], [0, 3, 0], torch.float32, seed=9)  # chunks of no tokens
