@@ -21,13 +21,19 @@ are), nothing gathered and nothing checksummed:
              block each here, the blocks being scattered), pipelined, in the sender,
              then ``GET`` of them here.
 * ``lmcache`` (needs ``pip install 'splitserve[lmcache]'``): two rows, store (until a reader's
-             lookup sees it all in Redis) against the ``SET`` above, and retrieve against the
-             ``GET`` (``benchmarks/lmcache_probe.py``).
+             lookup sees it all in Redis) against a ``SET``, and retrieve against a ``GET``, of
+             values of exactly LMCache's chunks (256 tokens, 11.8 MB), with the client options of
+             our LMCache Redis adapter; and a line per row saying where its time goes
+             (``benchmarks/lmcache_probe.py``).
 
-Connector and ceiling transfers alternate, so drifts of the (shared, 2-core)
-machine hit both alike; the first pair of each point is a warm-up. Medians
-over ``--repeats``. The target is each connector at >= 0.8 of its ceiling.
-A private redis-server on a free port is started and stopped here.
+Connector and ceiling transfers alternate (the connector first in one repeat, the
+ceiling first in the next), so drifts of the (shared, 2-core) machine hit both
+alike; the first pair of each point is a warm-up. Medians over ``--repeats``.
+The target is each connector at >= 0.8 of its ceiling. Both processes run torch
+on ``--torch-threads`` threads (1, as the workers here run with ``--threads 1``:
+with two, on two cores shared with Redis and the other process, torch's copies
+read 5 to 10 times slower; the ceilings use no torch). A private redis-server on
+a free port is started and stopped here.
 
 Usage::
 
@@ -35,6 +41,7 @@ Usage::
     python benchmarks/kv_transfer.py --tokens 1024 4096 --repeats 7 --json kv.json
     python benchmarks/kv_transfer.py --connectors p2p --checksums xxh3 none
     python benchmarks/kv_transfer.py --connectors redis lmcache
+    python -m benchmarks.kv_transfer --connectors lmcache --tokens 1024 4096 --repeats 7
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -61,6 +69,7 @@ from splitserve.launcher import LocalCluster
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_size=64, dtype=torch.float32, block_size=16)
 CACHE_BLOCKS = 300
 TARGET = 0.8
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 SENDER = r"""
 import json, sys, time
@@ -73,7 +82,7 @@ from splitserve.kvtransfer.header import TransferHeader
 from splitserve.kvtransfer.layout import KVLayout
 layout = KVLayout(30, 3, 64, torch.float32, 16)
 cache = torch.randn(int(sys.argv[1]), 30, 2, 3, 16, 64)  # block-major, as the engine allocates it
-connectors, raw_group, raw_tensors, redis_client, lmcache_store = {}, None, {}, None, None
+connectors, raw_group, raw_tensors, redis_clients, lmcache_store = {}, None, {}, {}, None
 
 def reply(**fields):
     print(json.dumps(fields), flush=True)
@@ -85,23 +94,30 @@ for line in sys.stdin:
         host, port = command["store"].rsplit(":", 1)
         store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=30))
         raw_group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, timedelta(seconds=60))
-        if command.get("redis_url"):
-            redis_client = redis.Redis.from_url(command["redis_url"])
+        torch.set_num_threads(command["torch_threads"])
         reply(ok=True)
+        continue
+    if kind == "lmcache_intervals":
+        reply(intervals=lmcache_store.intervals())
         continue
     num_blocks = command["num_blocks"]
     # The blocks a prompt occupies: scattered over the cache, in no order.
     blocks = [(7 * index) % cache.shape[0] for index in range(num_blocks)]
     if kind in ("raw_gloo", "raw_redis") and num_blocks not in raw_tensors:
         raw_tensors[num_blocks] = cache[blocks].contiguous()  # the payload, gathered once (warm)
-    if kind == "lmcache_store" and lmcache_store is None:
-        from splitserve.kvtransfer.lmcache_connector import LMCacheKVStore
-        lmcache_store = LMCacheKVStore(command["url"], "bench", layout, chunk_size=command["chunk_tokens"],
-                                       local_cpu_bytes=256 << 20, ttl_seconds=60)
-    started = time.monotonic()
     if kind == "lmcache_store":
-        lmcache_store.store(command["token_ids"], cache, blocks)
-    elif kind == "raw_gloo":
+        if lmcache_store is None:
+            from benchmarks.lmcache_probe import SenderStore
+            lmcache_store = SenderStore(command["url"], layout)
+        reply(**lmcache_store.store_once(command["token_ids"], cache, blocks))
+        continue
+    if kind == "raw_redis":
+        options = json.dumps(command["client_options"], sort_keys=True)
+        if options not in redis_clients:
+            redis_clients[options] = redis.Redis.from_url(command["redis_url"], **command["client_options"])
+        redis_client = redis_clients[options]
+    started = time.monotonic()
+    if kind == "raw_gloo":
         raw_group.send([raw_tensors[num_blocks]], 1, 0).wait()
     elif kind == "raw_redis":
         data, piece = payload_bytes(raw_tensors[num_blocks]), command["piece_bytes"]
@@ -132,7 +148,7 @@ class Sender:
 
     def __init__(self, num_cache_blocks: int) -> None:
         self.process = subprocess.Popen([sys.executable, "-c", SENDER, str(num_cache_blocks)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
+                                        stdout=subprocess.PIPE, text=True, cwd=REPOSITORY)
 
     def ask(self, **command) -> dict:
         self.process.stdin.write(json.dumps(command) + "\n")
@@ -195,10 +211,11 @@ class ConnectorProbe:
 class GlooCeiling:
     """A bare Gloo send/recv of the payload tensor into a warm buffer here."""
 
-    def __init__(self, sender: Sender, redis_url: str | None) -> None:
+    def __init__(self, sender: Sender, torch_threads: int) -> None:
         self.sender = sender
         store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-        thread, _ = sender.ask_in_background(kind="setup", store=f"127.0.0.1:{store.port}", redis_url=redis_url)
+        thread, _ = sender.ask_in_background(kind="setup", store=f"127.0.0.1:{store.port}",
+                                             torch_threads=torch_threads)
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 1, 2, timedelta(seconds=60))
         thread.join()
         self.store = store
@@ -215,13 +232,15 @@ class GlooCeiling:
 
 
 class RedisCeiling:
-    """redis-py SET of the payload's pieces in the sender, then GET of them here (pipelined both)."""
+    """redis-py SET of the payload's pieces in the sender, then GET of them here (pipelined both), by
+    clients built with ``client_options`` in both processes."""
 
-    def __init__(self, sender: Sender, url: str, piece_bytes: int) -> None:
+    def __init__(self, sender: Sender, url: str, piece_bytes: int, client_options: dict | None = None) -> None:
         import redis
 
-        self.sender, self.piece_bytes = sender, piece_bytes
-        self.client = redis.Redis.from_url(url)
+        self.sender, self.url, self.piece_bytes = sender, url, piece_bytes
+        self.client_options = client_options or {}
+        self.client = redis.Redis.from_url(url, **self.client_options)
 
     def once(self, num_blocks: int) -> float:
         set_seconds, get_seconds = self.set_then_get(num_blocks)
@@ -231,7 +250,8 @@ class RedisCeiling:
         """(SET seconds in the sender, GET seconds here) of one payload of ``num_blocks`` blocks."""
         num_bytes = num_blocks * LAYOUT.block_num_bytes
         num_pieces = -(-num_bytes // self.piece_bytes)
-        reply = self.sender.ask(kind="raw_redis", num_blocks=num_blocks, piece_bytes=self.piece_bytes)
+        reply = self.sender.ask(kind="raw_redis", num_blocks=num_blocks, piece_bytes=self.piece_bytes,
+                                redis_url=self.url, client_options=self.client_options)
         pipeline = self.client.pipeline(transaction=False)
         for index in range(num_pieces):
             pipeline.get(f"raw:{index}")
@@ -244,37 +264,56 @@ class RedisCeiling:
 
 
 def lmcache_rows(sender: Sender, url: str, args) -> list[dict]:
-    """Medians of LMCache's store and retrieve against redis-py SET and GET, per prompt length."""
+    """Medians of LMCache's store and retrieve against redis-py SET and GET of its chunks, per prompt length,
+    with the medians of their stages."""
     try:
-        from benchmarks.lmcache_probe import LMCacheProbe
+        from benchmarks.lmcache_probe import CHUNK_TOKENS, LMCacheProbe, ceiling_client_options
     except ImportError:  # run as a script: benchmarks/ is on the path
-        from lmcache_probe import LMCacheProbe
+        from lmcache_probe import CHUNK_TOKENS, LMCacheProbe, ceiling_client_options
 
-    # The redis rows' ceiling: pieces of one block (11.8 MB values, an LMCache chunk, read slower through redis-py).
     probe, rows = LMCacheProbe(sender, url, LAYOUT, CACHE_BLOCKS), []
-    ceiling = RedisCeiling(sender, url, LAYOUT.block_num_bytes)
+    # Values of exactly LMCache's chunks: CHUNK_TOKENS tokens each, the last one partial.
+    chunk_bytes = CHUNK_TOKENS // LAYOUT.block_size * LAYOUT.block_num_bytes
+    ceiling = RedisCeiling(sender, url, chunk_bytes, ceiling_client_options(url))
     try:
         with tqdm(total=len(args.tokens) * (args.repeats + 1), desc="lmcache", unit="pair", file=sys.stderr) as bar:
             for tokens in args.tokens:
                 num_blocks = -(-tokens // LAYOUT.block_size)
-                timings = {"store": ([], []), "retrieve": ([], [])}
+                timings = {"store": ([], [], []), "retrieve": ([], [], [])}
                 for repeat in range(args.repeats + 1):
-                    (store, retrieve), (set_seconds, get_seconds) = probe.once(num_blocks), ceiling.set_then_get(num_blocks)
+                    if repeat % 2:
+                        mine, (set_seconds, get_seconds) = probe.once(num_blocks), ceiling.set_then_get(num_blocks)
+                    else:
+                        (set_seconds, get_seconds), mine = ceiling.set_then_get(num_blocks), probe.once(num_blocks)
                     if repeat:  # the first warms buffers and connections
-                        for step, mine, raw in (("store", store, set_seconds), ("retrieve", retrieve, get_seconds)):
-                            timings[step][0].append(mine)
+                        for step, raw in (("store", set_seconds), ("retrieve", get_seconds)):
+                            timings[step][0].append(mine[step])
                             timings[step][1].append(raw)
+                            timings[step][2].append(mine[f"{step}_stages"])
                     bar.update()
                 megabytes = num_blocks * LAYOUT.block_num_bytes / 1e6
-                for step, (mine, raw) in timings.items():
+                for step, (mine, raw, stages) in timings.items():
                     connector, raw_median = statistics.median(mine), statistics.median(raw)
                     rows.append({"connector": f"lmcache-{step}", "checksum": "none", "tokens": tokens,
                                  "megabytes": round(megabytes, 1), "connector_ms": connector * 1e3,
                                  "ceiling_ms": raw_median * 1e3, "connector_mb_per_s": megabytes / connector,
-                                 "ceiling_mb_per_s": megabytes / raw_median, "ratio": raw_median / connector})
+                                 "ceiling_mb_per_s": megabytes / raw_median, "ratio": raw_median / connector,
+                                 "stages_ms": {stage: statistics.median(s[stage] for s in stages) * 1e3
+                                               for stage in stages[0]}})
     finally:
         probe.close()
     return rows
+
+
+def print_stages(rows: list[dict]) -> None:
+    """Where each lmcache row's time goes: medians per stage (they need not sum to the median total)."""
+    print("where the lmcache time goes (medians, ms; stages: benchmarks/lmcache_probe.py):")
+    for row in rows:
+        if "stages_ms" in row:
+            stages = " + ".join(f"{stage} {ms:.0f}" for stage, ms in row["stages_ms"].items())
+            ceiling = "SET" if row["connector"].endswith("store") else "GET"
+            print(f"  {row['connector']:<16} {row['tokens']:>5}: {row['connector_ms']:6.0f} = {stages}"
+                  f"   (raw {ceiling} {row['ceiling_ms']:.0f})")
 
 
 def main(argv=None) -> int:
@@ -289,8 +328,11 @@ def main(argv=None) -> int:
     parser.add_argument("--checksums", nargs="+", default=["xxh3"], choices=["xxh3", "none"],
                         help="the connectors' --kv-checksum settings to measure; none shows what the wire protocol "
                         "alone reaches (default: %(default)s)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch threads in both processes (default: %(default)s, as the workers here run)")
     parser.add_argument("--json", metavar="FILE", help="also write the arguments and the rows to FILE as JSON")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
     if max(args.tokens) > CACHE_BLOCKS * LAYOUT.block_size:
         parser.error(f"--tokens at most {CACHE_BLOCKS * LAYOUT.block_size}")
 
@@ -299,7 +341,7 @@ def main(argv=None) -> int:
     sender = Sender(CACHE_BLOCKS)
     probes, ceilings, rows = {}, {}, []
     try:
-        gloo = GlooCeiling(sender, url)
+        gloo = GlooCeiling(sender, args.torch_threads)
         if "lmcache" in args.connectors:
             rows += lmcache_rows(sender, url, args)
         for kind in [kind for kind in args.connectors if kind != "lmcache"]:
@@ -332,7 +374,8 @@ def main(argv=None) -> int:
         sender.close()
         if launcher.redis is not None:
             launcher.redis.stop(5)
-    print(f"checksum xxh3: {CHECKSUM_NAME} of every payload, by the sender and the receiver; medians of {args.repeats}")
+    print(f"checksum xxh3: {CHECKSUM_NAME} of every payload, by the sender and the receiver; medians of {args.repeats}; "
+          f"torch threads {args.torch_threads}")
     print(f"{'connector':<16} {'checksum':<8} {'tokens':>6} {'MB':>6} {'connector MB/s':>15} {'ceiling MB/s':>13} "
           f"{'ratio':>6}  target >= {TARGET}")
     for row in rows:
@@ -340,6 +383,8 @@ def main(argv=None) -> int:
         print(f"{row['connector']:<16} {row['checksum']:<8} {row['tokens']:>6} {row['megabytes']:>6.1f} "
               f"{row['connector_mb_per_s']:>15,.0f} "
               f"{row['ceiling_mb_per_s']:>13,.0f} {row['ratio']:>6.2f}  {verdict}")
+    if "lmcache" in args.connectors:
+        print_stages(rows)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "checksum": CHECKSUM_NAME, "rows": rows}, handle, indent=2)
