@@ -97,7 +97,7 @@ class AttentionMetadata:
     # Whether the C++ kernels store K/V and attend decodes (float32), or plain torch.
     use_cpu_kernels: bool = False
     # Whether the Triton kernels store K/V and attend decodes and prefills, and the prefills as one
-    # varlen batch for them (built once per step by the model runner; from ``prefills`` when None).
+    # varlen batch for them (built from ``prefills`` once per step by the model runner; None: no prefills).
     use_triton_kernels: bool = False
     prefill_batch: PrefillBatch | None = None
 
@@ -171,9 +171,7 @@ def _paged_attention_triton(
         output[rows] = triton_attention.paged_decode_attention(
             query[rows], key_cache, value_cache, group.block_tables, group.seq_lens, scale
         )
-    batch = metadata.prefill_batch
-    if batch is None and metadata.prefills:
-        batch = PrefillBatch.from_spans(metadata.prefills)
+    batch = metadata.prefill_batch  # built once per step by the model runner, shared by every layer
     if batch is not None:
         rows = slice(batch.row_start, None)
         output[rows] = triton_attention.paged_prefill_attention(

@@ -17,11 +17,12 @@ ROUTER_ARGS = ["--max-model-len", "2048", "--heartbeat-seconds", "0.5", "--lease
 
 
 def start_cluster(kv_transfer: str, log_dir, prefill: int = 1, decode: int = 1, router_args=(), worker_args=(),
-                  credentials: bool = False, tls=None):
+                  credentials: bool = False, tls=None, redis_url: str | None = None):
     """A started cluster; ``credentials``: a generated cluster token and API key (``cluster.api_key``);
-    ``tls``: a ``TLSConfig`` every process serves and calls with (``cluster.tls``; None: plaintext)."""
+    ``tls``: a ``TLSConfig`` every process serves and calls with (``cluster.tls``; None: plaintext);
+    ``redis_url``: a Redis shared with others (None: the redis and lmcache connectors start one of their own)."""
     cluster = LocalCluster(kv_transfer=kv_transfer, worker_args=[*WORKER_ARGS, *worker_args],
-                           router_args=[*ROUTER_ARGS, *router_args], log_dir=log_dir,
+                           router_args=[*ROUTER_ARGS, *router_args], log_dir=log_dir, redis_url=redis_url,
                            generate_cluster_token=credentials, require_api_key=credentials, tls=tls)
     try:
         cluster.start_router()

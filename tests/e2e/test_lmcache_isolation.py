@@ -25,7 +25,7 @@ import redis
 from splitserve.client import Client
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.launcher import LocalCluster
-from tests.cluster_helpers import ROUTER_ARGS, WORKER_ARGS, all_blocks_free, stream_tokens, wait_until, worker_status
+from tests.cluster_helpers import all_blocks_free, start_cluster, stream_tokens, wait_until, worker_status
 from tests.fault_helpers import assert_redis_clean
 from tests.reference import PROMPTS, hf_greedy
 
@@ -90,17 +90,8 @@ class ModelCluster:
 def start_lmcache_cluster(log_dir: Path, model: Path, redis_url: str | None, worker_args=()) -> LocalCluster:
     """A router, one prefill and one decode worker serving ``model`` with ``--kv-transfer lmcache`` on
     ``redis_url`` (None: a redis-server of its own)."""
-    cluster = LocalCluster(kv_transfer="lmcache", redis_url=redis_url, log_dir=log_dir,
-                           worker_args=[*WORKER_ARGS, "--model", str(model), *worker_args],
-                           router_args=[*ROUTER_ARGS, "--model", str(model)])
-    try:
-        cluster.start_router()
-        cluster.start_workers("prefill", 1)
-        cluster.start_workers("decode", 1)
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+    return start_cluster("lmcache", log_dir, router_args=["--model", str(model)],
+                         worker_args=["--model", str(model), *worker_args], redis_url=redis_url)
 
 
 def assert_untouched_since(redis_url: str, keys: list[str], since: float) -> None:

@@ -11,7 +11,6 @@ prompt, so a later chunk attends to context already in the paged cache while the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,13 +20,8 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 
-# Looked up, not imported: importing triton here, before tests/integration/test_triton_attention.py sets
-# TRITON_INTERPRET=1, would build triton.language for the compiler in this pytest process.
-pytestmark = [
-    pytest.mark.timeout(400),
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                       reason="the Triton backend needs triton: pip install 'splitserve[triton]'"),
-]
+# The triton extra is installed by the test command: without it these tests fail (with the install hint).
+pytestmark = pytest.mark.timeout(400)
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, in a small village by the sea, there lived"]
 MAX_TOKENS = 8

@@ -21,14 +21,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-
-pytest.importorskip("triton", reason="the Triton kernels need triton: pip install 'splitserve[triton]'")
-
-from splitserve.engine.attention import DecodeGroup, PrefillSpan, decode_attention, prefill_attention, write_kv  # noqa: E402
-from splitserve.kernels import triton_attention  # noqa: E402
+from splitserve.engine.attention import DecodeGroup, PrefillSpan, decode_attention, prefill_attention, write_kv
+from splitserve.kernels import triton_attention
 
 pytestmark = pytest.mark.timeout(300)
+
+ON_GPU = torch.cuda.is_available()
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 if not (ON_GPU or triton_attention.language_interpreted()):
