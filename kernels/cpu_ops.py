@@ -4,15 +4,18 @@ fused element-wise operations of the Llama layer (``cpu_fused_ops.cpp``), one ex
 The sources are compiled on first use with the machine's C++ compiler into the
 cache folder the caller names (the engine passes splitserve's cache folder),
 once per torch version and source change; later processes load the built
-library in milliseconds. When no compiler is available the engine keeps the
+library in milliseconds. A compile takes about a minute and a half, so a line on
+the log says when one starts and how long it took. When no compiler is available the engine keeps the
 plain-torch paths. Each kernel's plain-torch reference is named in its source
 and compared with it in ``tests/test_kernels.py``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -20,18 +23,56 @@ import torch
 logger = logging.getLogger(__name__)
 _FOLDER = Path(__file__).parent
 _SOURCES = ("cpu_kernels.cpp", "cpu_paged_attention.cpp", "cpu_fused_ops.cpp")
+_NAME = "splitserve_cpu_kernels"
+COMPILE_MESSAGE = "Compiling the C++ CPU kernels (first start only, about a minute and a half)..."
+
+
+def build_folder(cache_folder: str) -> Path:
+    """Where the kernels are built under ``cache_folder``: one folder per torch version."""
+    return Path(cache_folder) / "kernels" / f"torch-{torch.__version__}"
+
+
+def needs_compile(build_dir: Path) -> bool:
+    """Whether loading from ``build_dir`` compiles: no built library there, or one older than a source or header.
+
+    The same test as the build's own (ninja's timestamps); a build torch redoes for a change of compiler
+    flags alone is not foreseen, and then compiles without the line.
+    """
+    built = [path.stat().st_mtime for path in build_dir.glob(f"{_NAME}*.so")]
+    if not built:
+        return True
+    newest_input = max(path.stat().st_mtime for pattern in ("*.cpp", "*.h") for path in _FOLDER.glob(pattern))
+    return max(built) < newest_input
 
 
 @functools.cache
 def load(cache_folder: str):
     """The compiled extension, built under ``cache_folder``/kernels, or None when it cannot be built here."""
+    build_dir = build_folder(cache_folder)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # One builder at a time, under a kernel lock the OS releases when its holder dies. torch's own baton
+    # (a ``lock`` file) is not: a process killed mid-compile leaves it, and every later start would wait
+    # on it forever. Whoever holds the kernel lock holds the only live baton, so one found then is stale.
+    with open(build_dir / "builder.flock", "w") as kernel_lock:
+        fcntl.flock(kernel_lock, fcntl.LOCK_EX)
+        for stale in ("lock", ".ninja_lock"):
+            if (build_dir / stale).exists():
+                logger.warning("Removing a stale build lock %s (a compile was killed).", build_dir / stale)
+                (build_dir / stale).unlink(missing_ok=True)
+        return _build(build_dir)
+
+
+def _build(build_dir: Path):
+    """Compile (when needed) and load the extension in ``build_dir``; None when it cannot be built here."""
     from torch.utils.cpp_extension import load as load_extension
 
-    build_dir = Path(cache_folder) / "kernels" / f"torch-{torch.__version__}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    compiling = needs_compile(build_dir)
+    if compiling:  # a WARNING, so it shows where no logging is configured (the offline API) too
+        logger.warning(COMPILE_MESSAGE)
+    started = time.monotonic()
     try:
-        return load_extension(
-            name="splitserve_cpu_kernels",
+        module = load_extension(
+            name=_NAME,
             sources=[str(_FOLDER / name) for name in _SOURCES],
             extra_include_paths=[str(_FOLDER)],
             # No contraction of a * b + c into one rounding: the fused operations round as torch does.
@@ -43,6 +84,10 @@ def load(cache_folder: str):
     except Exception as error:  # no compiler, no headers: the torch paths still work
         logger.warning("C++ CPU kernels unavailable (%s); using the torch implementations.", error)
         return None
+    if compiling:
+        logger.warning("C++ CPU kernels compiled in %.0f s (in %s; later starts load them at once).",
+                       time.monotonic() - started, build_dir)
+    return module
 
 
 def available(cache_folder: str) -> bool:

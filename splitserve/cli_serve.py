@@ -299,10 +299,14 @@ def _run_worker(args: argparse.Namespace) -> int:
     from splitserve.kvtransfer.redis_access import load_redis_access
     from splitserve.prefill_service.faults import KVFaults
     from splitserve.rpc.auth import load_credentials
+    from splitserve.rpc.server import CannotListen, bind_problem
     from splitserve.rpc.worker_config import WorkerConfig
     from splitserve.serve import configure_logging, run_worker
 
     configure_logging(args.log_level, args.log_format)
+    # Before the model loads (and, on a first start, the kernels compile): a taken port is said in a second.
+    if args.port and (problem := bind_problem(f"{args.host}:{args.port}")):
+        raise CannotListen(f"Cannot listen on {args.host}:{args.port}: {problem}.")
     config = WorkerConfig(
         role=args.role, host=args.host, port=args.port, worker_id=args.worker_id, router=args.router,
         kv_transfer=args.kv_transfer, kv_address=args.kv_address, kv_checksum=args.kv_checksum,
@@ -331,11 +335,14 @@ def _run_worker(args: argparse.Namespace) -> int:
 def _run_up(args: argparse.Namespace) -> int:
     from splitserve.engine.model_store import resolve_model
     from splitserve.launcher import LocalCluster
+    from splitserve.rpc.server import bind_problem
 
     if args.colocated < 0 or args.prefill < 0 or args.decode < 0:
         raise ValueError("Worker counts must be >= 0.")
     if args.colocated == 0 and args.decode == 0:
         raise ValueError("A cluster needs at least one decode worker (--decode) or colocated worker (--colocated).")
+    if args.port and (problem := bind_problem(f"{args.host}:{args.port}")):  # in a second, not after a start
+        raise ValueError(f"Cannot listen on {args.host}:{args.port}: {problem}.")
     # Convert the default model once, before any process starts: the router reads it but never converts it.
     model_dir = str(resolve_model(args.model))
     worker_args = _engine_flags(args, model_dir)
@@ -364,8 +371,10 @@ def _run_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(kv_transfer=args.kv_transfer, kv_checksum=args.kv_checksum, redis_url=args.redis_url,
                            worker_args=worker_args,
                            router_args=router_args, log_dir=args.log_dir, host=args.host, router_port=args.port,
-                           generate_cluster_token=True, tls=_tls_from_args(args))
+                           generate_cluster_token=True, tls=_tls_from_args(args),
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
     started = time.monotonic()
+    status = 1
     try:
         print(f"Starting the router on {args.host}:{args.port} (logs in {cluster.log_dir})...", file=sys.stderr)
         address = cluster.start_router()
@@ -380,14 +389,21 @@ def _run_up(args: argparse.Namespace) -> int:
         print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start).", file=sys.stderr)
         print("Processes: " + ", ".join(f"{p.name} pid {p.pid}" for p in cluster.processes()), file=sys.stderr)
         if args.prompt:
-            return _answer(address, args.prompt, args.max_tokens, _first_api_key(), cluster.tls)
+            status = _answer(address, args.prompt, args.max_tokens, _first_api_key(), cluster.tls)
+            return status
         print(f"Try: splitserve generate --server {address}{_client_tls_flags(cluster.tls)} "
               f"\"The capital of France is\"   Ctrl-C stops.", file=sys.stderr)
         print(address, flush=True)
-        return _supervise(cluster)
+        status = _supervise(cluster)
+        return status
     finally:
         print("Stopping the cluster...", file=sys.stderr)
         cluster.stop()
+        # A clean run leaves no temporary log folder behind; a failed one keeps it (and --log-dir is always kept).
+        if status == 0:
+            cluster.remove_log_dir()
+        else:
+            print(f"Logs kept in {cluster.log_dir}.", file=sys.stderr)
 
 
 def _supervise(cluster) -> int:

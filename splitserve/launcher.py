@@ -25,9 +25,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.common.errors import SplitserveError
 from splitserve.rpc.auth import API_KEYS_ENV, CLUSTER_TOKEN_ENV
 from splitserve.rpc.tls import TLSConfig
 
@@ -37,6 +39,12 @@ logger = logging.getLogger(__name__)
 _COMMANDS = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
 # The --kv-transfer connectors whose workers meet in a Redis (--kv-address is its URL).
 _REDIS_TRANSFERS = ("redis", "lmcache")
+# Log lines of a starting child that its starter shows the user (``LocalCluster.progress``): the slow first start.
+_PROGRESS_MARKERS = ("Compiling the C++ CPU kernels", "C++ CPU kernels compiled")
+
+
+class ClusterStartError(SplitserveError):
+    """A child exited, or stayed silent too long, before it served: the message says which, how, and its last error."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -122,8 +130,15 @@ class Process:
             self.popen.wait(10)
 
 
-def _wait_ready(process: Process, timeout: float) -> str:
-    """Read the child's stdout until its READY line; returns the line."""
+def _wait_ready(process: Process, timeout: float, progress: Callable[[str], None] | None = None) -> str:
+    """Read the child's stdout until its READY line; returns the line.
+
+    ``progress``: called with each new line of the child's log that starts a slow step (``_PROGRESS_MARKERS``).
+
+    Raises:
+        ClusterStartError: the child exited first (its last log line, usually its error, in one line), or
+            ``timeout`` passed (the child is killed; the tail of its log follows).
+    """
     lines: list[str] = []
     done = threading.Event()
 
@@ -136,11 +151,39 @@ def _wait_ready(process: Process, timeout: float) -> str:
         done.set()
 
     threading.Thread(target=read, daemon=True).start()
-    if not done.wait(timeout) or not lines:
-        process.kill()
-        tail = "\n".join(process.log().splitlines()[-30:])
-        raise RuntimeError(f"{process.name} did not become ready within {timeout:.0f} s. Its log:\n{tail}")
-    return lines[0]
+    deadline = time.monotonic() + timeout
+    shown = 0
+    while not done.wait(min(0.5, max(deadline - time.monotonic(), 0))) and time.monotonic() < deadline:
+        if progress is not None:
+            shown = _show_progress(process, shown, progress)
+    if progress is not None:
+        _show_progress(process, shown, progress)
+    if lines:
+        return lines[0]
+    if done.is_set():  # stdout closed: the child is exiting
+        try:
+            process.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        last = next((line.strip() for line in reversed(process.log().splitlines()) if line.strip()), "no log line")
+        raise ClusterStartError(f"{process.name} exited before serving ({process.exit_description()}): {last} "
+                                f"(its log: {process.log_path})")
+    process.kill()
+    tail = "\n".join(process.log().splitlines()[-30:])
+    raise ClusterStartError(f"{process.name} did not become ready within {timeout:.0f} s. Its log "
+                            f"({process.log_path}):\n{tail}")
+
+
+def _show_progress(process: Process, shown: int, progress: Callable[[str], None]) -> int:
+    """Pass on the child's log lines after the first ``shown`` that carry a progress marker, from the marker on
+    (no timestamp or fields); returns how many lines the log has now."""
+    log_lines = process.log().splitlines()
+    for line in log_lines[shown:]:
+        for marker in _PROGRESS_MARKERS:
+            if marker in line:
+                progress(f"{process.name}: {line[line.index(marker):]}")
+                break
+    return len(log_lines)
 
 
 @dataclass
@@ -153,7 +196,8 @@ class LocalCluster:
         redis_url: Redis for the redis and lmcache connectors (None: start a private redis-server).
         worker_args: extra flags for every worker (engine options).
         router_args: extra flags for the router.
-        log_dir: where each process logs (default: a new temporary folder).
+        log_dir: where each process logs (default: a new temporary folder, which :meth:`remove_log_dir` deletes;
+            a folder given here is never deleted).
         python: the interpreter to run (default: this one).
         env: extra environment variables of every process.
         generate_cluster_token: generate a random cluster token (the attribute ``cluster_token``) and give it
@@ -165,6 +209,8 @@ class LocalCluster:
             ``--tls-key``, ``--tls-ca`` (``--tls-server-name``), so each serves and calls with them (mutual
             with a CA); clients of the cluster use the same configuration (``Client(address, tls=cluster.tls)``).
             None: plaintext.
+        progress: called with each line of a starting child's log that says a slow step began or ended (the
+            first start's kernel compile), so a caller can show it; None: not shown.
     """
 
     kv_transfer: str = "p2p"
@@ -181,6 +227,7 @@ class LocalCluster:
     generate_cluster_token: bool = False
     require_api_key: bool = False
     tls: TLSConfig | None = None
+    progress: Callable[[str], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Secrets travel in the children's environment only; the flags above stay booleans in repr.
@@ -191,6 +238,7 @@ class LocalCluster:
         self.api_key: str | None = secrets.token_urlsafe(32) if self.require_api_key else None
         if self.api_key:
             self._secret_env[API_KEYS_ENV] = self.api_key
+        self._owns_log_dir = self.log_dir is None
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="splitserve-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.router: Process | None = None
@@ -258,7 +306,7 @@ class LocalCluster:
             prepare_default_model(self.env.get("SPLITSERVE_CACHE"))
         port = self.router_port or free_port(self.host)
         self.router = self._spawn("router", ["router", "--host", self.host, "--port", str(port), *self.router_args])
-        line = _wait_ready(self.router, self.ready_timeout)
+        line = _wait_ready(self.router, self.ready_timeout, self.progress)
         self.router.address = line.split()[1]
         return self.router.address
 
@@ -283,7 +331,7 @@ class LocalCluster:
                 args += ["--kv-address", self.redis_url]
             started.append(self._spawn(f"{role}{len(self.workers) + len(started)}", args, env))
         for process in started:
-            line = _wait_ready(process, self.ready_timeout).split()
+            line = _wait_ready(process, self.ready_timeout, self.progress).split()
             process.address, process.worker_id = line[1], line[3]
         self.workers.extend(started)
         return started
@@ -315,6 +363,17 @@ class LocalCluster:
             self.router.stop()
         if self.redis is not None:
             self.redis.stop(5)
+
+    def remove_log_dir(self) -> bool:
+        """Delete the log folder if this cluster created it (no ``log_dir`` given); call after :meth:`stop`.
+
+        Returns:
+            Whether it was deleted; a folder the caller named is kept.
+        """
+        if not self._owns_log_dir:
+            return False
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+        return True
 
     def __enter__(self) -> LocalCluster:
         return self

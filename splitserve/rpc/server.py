@@ -3,8 +3,10 @@ interceptor."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from concurrent import futures
@@ -13,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from splitserve.common.errors import SplitserveError
 from splitserve.rpc.auth import (
     API_KEYS_ENV,
     CLUSTER_PREFIXES,
@@ -33,6 +36,13 @@ _SERVER_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
 ]
+
+
+class CannotListen(SplitserveError, RuntimeError):
+    """The server's address cannot be bound: its port is taken, or the host is not an address of this machine.
+
+    A sentence for the user (the command line prints it without a traceback); also a ``RuntimeError``.
+    """
 
 
 class RunningServer:
@@ -84,7 +94,7 @@ def start_server(
         The running server; its ``port`` is the bound one.
 
     Raises:
-        RuntimeError: the address cannot be bound.
+        CannotListen: the address cannot be bound (a ``RuntimeError``); its message says why when it can tell.
         ValueError: ``tls`` has no certificate and key.
     """
     server_credentials = tls.server_credentials() if tls is not None else None
@@ -104,10 +114,10 @@ def start_server(
             port = server.add_insecure_port(address)
         else:
             port = server.add_secure_port(address, server_credentials)
-    except RuntimeError as error:
-        raise RuntimeError(f"Cannot listen on {address}: {error}") from None
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise RuntimeError(f"Cannot listen on {address}: the port is taken or the host is not local.")
+        raise CannotListen(f"Cannot listen on {address}: {bind_failure_reason(address)}.")
     server.start()
     if tls is not None:
         logger.info("Serving TLS on %s:%d (%s)", host_of(address), port,
@@ -116,6 +126,36 @@ def start_server(
     running = RunningServer(server, port, health_servicer, names)
     running.set_serving(True)
     return running
+
+
+def bind_failure_reason(address: str) -> str:
+    """Why ``address`` (host:port) cannot be listened on, as far as a socket of our own can tell now."""
+    return bind_problem(address) or "gRPC could not bind it (set GRPC_VERBOSITY=debug for its reason)"
+
+
+def bind_problem(address: str) -> str | None:
+    """What stops a listener on ``address`` (host:port) now, found by binding it with a socket of our own and
+    closing it at once; None when it binds (the port is free, for now)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, ValueError) as error:
+        return f"the address does not resolve ({error})"
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a closed port's TIME_WAIT is no obstacle
+        try:
+            probe.bind(sockaddr)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return "the port is taken (another process listens on it); pick another --port"
+            if error.errno == errno.EADDRNOTAVAIL:
+                return f"{host} is not an address of this machine"
+            if error.errno == errno.EACCES:
+                return f"port {port} needs privileges to listen on; pick a port above 1023"
+            return error.strerror or str(error)
+    return None
 
 
 def _guards(credentials: Credentials | None, service_names: list[str]) -> list[grpc.ServerInterceptor]:

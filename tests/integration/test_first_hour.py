@@ -1,0 +1,169 @@
+"""What a new user meets first (issue 18): a taken port, the first start's kernel compile, the log folders left behind.
+
+Real processes and real sockets on loopback; no compile runs to its end here (it takes a minute and a half):
+the compile test stops the process once it has said that it compiles.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from splitserve.common.model_info import cache_dir
+from splitserve.kernels import cpu_ops
+from splitserve.launcher import ClusterStartError, LocalCluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def built_kernels() -> str:
+    """splitserve's own cache folder, with the kernels built in it (a minute and a half if no test built them yet)."""
+    cache = str(cache_dir())
+    assert cpu_ops.load(cache) is not None, "the C++ kernels must build on this machine"
+    return cache
+
+
+@pytest.fixture
+def taken_port():
+    """A loopback port another socket of this test listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 90) -> tuple[subprocess.CompletedProcess, float]:
+    """Run the command line in its own session; on a timeout the whole session is killed (an `up` and its
+    children alike), so nothing it started outlives the test."""
+    started = time.monotonic()
+    process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{args[0]} did not finish within {timeout:.0f} s:\n{stderr[-3000:]}")
+    result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return result, time.monotonic() - started
+
+
+def _assert_one_line_about(stderr: str, port: int) -> None:
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if f"127.0.0.1:{port}" in line and "the port is taken" in line]
+    assert len(lines) == 1, stderr
+
+
+def test_up_on_a_taken_port_says_so_in_one_line_at_once(taken_port, tmp_path, model_dir):
+    result, seconds = _cli("up", "--port", str(taken_port), env={"TMPDIR": str(tmp_path)})
+    assert result.returncode != 0
+    _assert_one_line_about(result.stderr, taken_port)
+    assert seconds < 30, seconds
+    assert not list(tmp_path.glob("splitserve-cluster-*")), "a failed start before any process leaves no folder"
+
+
+def test_router_alone_on_a_taken_port_says_so_in_one_line(taken_port, model_dir):
+    result, _ = _cli("router", "--port", str(taken_port), "--model", str(model_dir))
+    assert result.returncode == 1, result.stderr
+    _assert_one_line_about(result.stderr, taken_port)
+
+
+def test_worker_alone_on_a_taken_port_says_so_in_one_line(taken_port, model_dir):
+    result, _ = _cli("colocated", "--port", str(taken_port), "--model", str(model_dir), "--kv-cache-gb", "0.05",
+                     "--max-model-len", "256", "--threads", "1")
+    assert result.returncode == 1, result.stderr
+    _assert_one_line_about(result.stderr, taken_port)
+
+
+def test_launcher_names_the_child_that_exited_and_why(taken_port, tmp_path, model_dir):
+    cluster = LocalCluster(router_args=["--model", str(model_dir)], router_port=taken_port, log_dir=tmp_path,
+                           ready_timeout=60)
+    started = time.monotonic()
+    with pytest.raises(ClusterStartError) as raised:
+        cluster.start_router()
+    assert time.monotonic() - started < 30, "an exited child is reported when it exits, not at the timeout"
+    message = str(raised.value)
+    assert "\n" not in message and "router exited before serving (exit code 1)" in message, message
+    assert f"127.0.0.1:{taken_port}: the port is taken" in message, message
+    cluster.stop()
+    assert not cluster.remove_log_dir() and any(tmp_path.glob("*-router.log")), "a log_dir given is never deleted"
+
+
+def test_a_cluster_deletes_only_the_log_folder_it_made(tmp_path):
+    made = LocalCluster()
+    assert made.log_dir.is_dir() and made.log_dir.name.startswith("splitserve-cluster-")
+    assert made.remove_log_dir() and not made.log_dir.exists()
+    given = LocalCluster(log_dir=tmp_path / "logs")
+    assert not given.remove_log_dir() and given.log_dir.is_dir()
+
+
+@pytest.mark.timeout(400)
+def test_up_removes_its_log_folder_after_a_clean_run_and_keeps_it_after_a_failed_one(tmp_path, model_dir,
+                                                                                  built_kernels):
+    engine = ["--colocated", "1", "--threads-per-worker", "1", "--max-model-len", "256", "--port", "0"]
+    clean_tmp, failed_tmp = tmp_path / "clean", tmp_path / "failed"
+    clean_tmp.mkdir()
+    failed_tmp.mkdir()
+    result, _ = _cli("up", *engine, "--kv-cache-gb", "0.05", "--prompt", "Hi", "--max-tokens", "2",
+                     env={"TMPDIR": str(clean_tmp)})
+    assert result.returncode == 0, result.stderr
+    assert not list(clean_tmp.glob("splitserve-cluster-*")), result.stderr
+    # A KV cache too small for one sequence: the worker exits at start, the folder stays and `up` says where.
+    result, _ = _cli("up", *engine, "--kv-cache-gb", "0.0000001", env={"TMPDIR": str(failed_tmp)})
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    [kept] = failed_tmp.glob("splitserve-cluster-*")
+    assert f"Logs kept in {kept}." in result.stderr, result.stderr
+
+
+def test_needs_compile_only_without_an_up_to_date_library(tmp_path):
+    assert cpu_ops.needs_compile(tmp_path)
+    library = tmp_path / "splitserve_cpu_kernels.so"
+    library.write_bytes(b"")
+    assert not cpu_ops.needs_compile(tmp_path)
+    os.utime(library, (0, 0))  # older than the sources: ninja would rebuild
+    assert cpu_ops.needs_compile(tmp_path)
+
+
+def test_a_compile_is_announced_before_it_starts(tmp_path):
+    code = f"from splitserve.kernels import cpu_ops; cpu_ops.load({str(tmp_path)!r})"
+    # Its own session: the compiler processes under it are stopped with it, not left compiling for a minute.
+    process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        first_line = process.stderr.readline()
+        assert cpu_ops.COMPILE_MESSAGE in first_line, first_line
+        assert process.poll() is None, "the line comes before the compile, not after it"
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+def _load_in_a_new_process(cache: str) -> subprocess.CompletedProcess:
+    code = f"from splitserve.kernels import cpu_ops; assert cpu_ops.load({cache!r}) is not None"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.timeout(400)
+def test_loading_the_built_kernels_says_nothing(built_kernels):
+    result = _load_in_a_new_process(built_kernels)
+    assert result.returncode == 0, result.stderr
+    assert "Compiling" not in result.stderr and "compiled in" not in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(400)
+def test_a_lock_left_by_a_killed_compile_is_removed_not_waited_on(built_kernels):
+    stale = cpu_ops.build_folder(built_kernels) / "lock"  # torch's baton, as a compile killed mid-way leaves it
+    stale.write_text("")
+    try:
+        result = _load_in_a_new_process(built_kernels)
+    finally:
+        stale.unlink(missing_ok=True)
+    assert result.returncode == 0, result.stderr
+    assert "Removing a stale build lock" in result.stderr, result.stderr
