@@ -2,7 +2,7 @@
 # torch is pinned to the local CPU build before anything can pull a CUDA one.
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
-PROMPT ?= The capital of France is
+PROMPT ?= What is the capital of France?
 # Equal to the pin in pyproject.toml ([build-system] requires and the test extra).
 GRPC_TOOLS = grpcio-tools==1.78.0
 
@@ -34,9 +34,9 @@ protos:
 		--pyi_out=protos protos/splitserve/v1/*.proto
 
 # Main job: a local cluster (router, one prefill and one decode worker, KV over
-# p2p) answers a request, then shuts down. The default model is converted on first use.
+# p2p) answers a chat question, then shuts down. The default model is converted on first use.
 demo: install
-	splitserve up --prefill 1 --decode 1 --kv-cache-gb 0.5 --prompt "$(PROMPT)"
+	splitserve up --prefill 1 --decode 1 --kv-cache-gb 0.5 --chat "$(PROMPT)"
 
 # The whole test suite (what CI runs): the linter, then every tier (tests/unit, tests/integration, tests/e2e).
 test: install-test lint

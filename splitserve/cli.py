@@ -246,7 +246,7 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
                         if chunk.finish_reason:
                             finish = chunk
                 except grpc.RpcError as error:
-                    print(f"\nsplitserve: error: {error.code().name}: {error.details()}", file=sys.stderr)
+                    print(f"\nsplitserve: error: {call_failure(error, args.server)}", file=sys.stderr)
                     return 1
                 reason = _FINISH_NAMES.get(finish.finish_reason, "?") if finish else "?"
                 if sink:
@@ -262,6 +262,21 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
 
 
 _FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "error"}
+
+
+def call_failure(error, address: str) -> str:
+    """A sentence for a call to the router at ``address`` that failed: where no connection could be made,
+    what to do, instead of gRPC's connection text; otherwise the status and the router's own sentence."""
+    import grpc
+
+    details = error.details() or ""
+    if error.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
+        if any(word in details.lower() for word in ("ssl", "tls", "handshake", "certificate")):
+            return (f"The TLS handshake with {address} failed: check --tls-ca, --tls-cert and --tls-key against "
+                    f"the router's ({details[:200]}).")
+        return (f"No splitserve router answers at {address} (nothing listens there, or it cannot be reached). "
+                "Start a local cluster with `splitserve up`, then pass the address it prints to --server.")
+    return f"{error.code().name}: {details}"
 
 
 def _read_prompts(args: argparse.Namespace) -> list[dict]:

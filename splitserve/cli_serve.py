@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import time
 
@@ -79,7 +80,11 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
     up.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                     help="once the cluster serves, stream a reply to this prompt through it, then shut down "
                     "(repeatable; greedy, --max-tokens 32)")
-    up.add_argument("--max-tokens", type=int, default=32, help="tokens to generate for --prompt (default: %(default)s)")
+    up.add_argument("--chat", action="append", default=[], metavar="TEXT",
+                    help="as --prompt, but TEXT is a user message put through the model's chat template, so the reply "
+                    "ends where the model ends its turn (repeatable; `make demo` asks one)")
+    up.add_argument("--max-tokens", type=int, default=32,
+                    help="most tokens to generate for --prompt and --chat (default: %(default)s)")
     up.add_argument("--prefill-policy", choices=_POLICIES, default="prefix_aware",
                     help="how the prefill pool is chosen from: prefix_aware sends prompts with the same first blocks to "
                     "the same worker (its prefix cache) unless it is overloaded (default: %(default)s)")
@@ -353,6 +358,9 @@ def _run_up(args: argparse.Namespace) -> int:
 
         public_redis_url(args.redis_url)  # a password in it would be on every worker's command line: refused
     moves_kv = args.kv_transfer in ("redis", "lmcache") and not args.colocated  # colocated workers move no KV
+    if moves_kv and not args.redis_url and shutil.which("redis-server") is None:  # before anything starts
+        raise ValueError(f"--kv-transfer {args.kv_transfer} starts a private redis-server, and none is on the PATH: "
+                         "install Redis (e.g. `apt install redis-server`) or pass --redis-url of a running one.")
     for flag, value in (("--redis-password-file", args.redis_password_file), ("--redis-tls-ca", args.redis_tls_ca)):
         if value and moves_kv:
             worker_args += [flag, value]
@@ -388,8 +396,9 @@ def _run_up(args: argparse.Namespace) -> int:
             cluster.start_workers("decode", args.decode)
         print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start).", file=sys.stderr)
         print("Processes: " + ", ".join(f"{p.name} pid {p.pid}" for p in cluster.processes()), file=sys.stderr)
-        if args.prompt:
-            status = _answer(address, args.prompt, args.max_tokens, _first_api_key(), cluster.tls)
+        if args.prompt or args.chat:
+            prompts = [*args.prompt, *([{"role": "user", "content": text}] for text in args.chat)]
+            status = _answer(address, prompts, args.max_tokens, _first_api_key(), cluster.tls)
             return status
         print(f"Try: splitserve generate --server {address}{_client_tls_flags(cluster.tls)} "
               f"\"The capital of France is\"   Ctrl-C stops.", file=sys.stderr)
@@ -444,14 +453,15 @@ def _client_tls_flags(tls) -> str:
     return "".join(f" {flag} {value}" for flag, value in flags if value)
 
 
-def _answer(address: str, prompts: list[str], max_tokens: int, api_key: str | None = None, tls=None) -> int:
-    """Stream a greedy reply to each prompt through the router; report where the prompt was prefilled."""
+def _answer(address: str, prompts: list, max_tokens: int, api_key: str | None = None, tls=None) -> int:
+    """Stream a greedy reply to each prompt (a text, or chat messages) through the router; report its usage and
+    timing."""
     from splitserve.client import Client
     from splitserve.common.sampling_params import SamplingParams
 
     with Client(address, api_key=api_key, tls=tls) as client:
         for prompt in prompts:
-            print(f"> {prompt}", file=sys.stderr)
+            print(f"> {prompt if isinstance(prompt, str) else prompt[-1]['content']}", file=sys.stderr)
             last = None
             for chunk in client.generate_stream(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
                                                 timeout=300):

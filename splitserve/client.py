@@ -20,6 +20,46 @@ from splitserve.rpc.auth import API_KEY_ENV, with_api_key
 from splitserve.rpc.tls import TLSConfig, open_channel
 from splitserve.v1 import inference_pb2, inference_pb2_grpc
 
+_STATUS_COLUMNS = ("pool", "worker", "address", "state", "running", "waiting", "remote KV", "queued tokens",
+                   "free KV blocks", "in flight", "heartbeat")
+
+
+class ClusterStatus:
+    """A ``GetClusterStatusResponse`` that prints as a table, one row per worker; every proto field reads
+    through (``status.pools``), and ``response`` is the message itself."""
+
+    def __init__(self, response: inference_pb2.GetClusterStatusResponse) -> None:
+        self.response = response
+
+    def __getattr__(self, name: str):
+        return getattr(self.response, name)
+
+    def __str__(self) -> str:
+        rows = [_STATUS_COLUMNS]
+        for pool in self.response.pools:
+            for worker in pool.workers:
+                load = worker.load
+                rows.append((
+                    _enum_label(inference_pb2.WorkerRole, pool.role, "WORKER_ROLE_"), worker.worker_id, worker.address,
+                    _enum_label(inference_pb2.WorkerState, worker.state, "WORKER_STATE_"),
+                    str(load.num_running_requests), str(load.num_waiting_requests),
+                    str(load.num_waiting_for_remote_kvs_requests), str(load.num_queued_prefill_tokens),
+                    f"{load.num_free_kv_blocks}/{load.num_total_kv_blocks} ({1 - load.kv_block_usage:.0%})",
+                    str(worker.num_router_in_flight_requests), f"{worker.seconds_since_heartbeat:.1f} s ago",
+                ))
+        if len(rows) == 1:
+            return "No workers registered."
+        widths = [max(len(row[column]) for row in rows) for column in range(len(_STATUS_COLUMNS))]
+        return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+    def __repr__(self) -> str:
+        return f"ClusterStatus({sum(len(pool.workers) for pool in self.response.pools)} workers)"
+
+
+def _enum_label(enum, value: int, prefix: str) -> str:
+    """``WORKER_ROLE_PREFILL`` -> ``prefill``."""
+    return enum.Name(value).removeprefix(prefix).lower()
+
 
 def sampling_params_to_pb(params: SamplingParams | None) -> inference_pb2.SamplingParams:
     """The proto form of the engine's SamplingParams (every field set explicitly)."""
@@ -100,8 +140,9 @@ class Client:
     def model_info(self) -> inference_pb2.GetModelInfoResponse:
         return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=10)
 
-    def cluster_status(self) -> inference_pb2.GetClusterStatusResponse:
-        return self.stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=10)
+    def cluster_status(self) -> ClusterStatus:
+        """The router's view of its workers; ``print`` shows it as a table, fields read as the proto's."""
+        return ClusterStatus(self.stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=10))
 
     def close(self) -> None:
         self.channel.close()

@@ -17,7 +17,7 @@ import pytest
 
 from splitserve.common.model_info import cache_dir
 from splitserve.kernels import cpu_ops
-from splitserve.launcher import ClusterStartError, LocalCluster
+from splitserve.launcher import ClusterStartError, LocalCluster, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,9 +112,11 @@ def test_up_removes_its_log_folder_after_a_clean_run_and_keeps_it_after_a_failed
     clean_tmp, failed_tmp = tmp_path / "clean", tmp_path / "failed"
     clean_tmp.mkdir()
     failed_tmp.mkdir()
-    result, _ = _cli("up", *engine, "--kv-cache-gb", "0.05", "--prompt", "Hi", "--max-tokens", "2",
+    # The demo's question (`make demo`): the reply ends where the model ends its turn, not at --max-tokens.
+    result, _ = _cli("up", *engine, "--kv-cache-gb", "0.05", "--chat", "What is the capital of France?",
                      env={"TMPDIR": str(clean_tmp)})
     assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "The capital of France is Paris.", result.stdout
     assert not list(clean_tmp.glob("splitserve-cluster-*")), result.stderr
     # A KV cache too small for one sequence: the worker exits at start, the folder stays and `up` says where.
     result, _ = _cli("up", *engine, "--kv-cache-gb", "0.0000001", env={"TMPDIR": str(failed_tmp)})
@@ -167,3 +169,21 @@ def test_a_lock_left_by_a_killed_compile_is_removed_not_waited_on(built_kernels)
         stale.unlink(missing_ok=True)
     assert result.returncode == 0, result.stderr
     assert "Removing a stale build lock" in result.stderr, result.stderr
+
+
+def test_generate_against_no_router_says_none_answers_and_how_to_start_one():
+    result, _ = _cli("generate", "--server", f"127.0.0.1:{free_port()}", "Hello")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "No splitserve router answers at 127.0.0.1:" in line and "splitserve up" in line, line
+    assert "failed to connect" not in line, "gRPC's own text is replaced by the sentence"
+
+
+def test_up_with_redis_transfer_and_no_redis_server_says_so_before_starting(tmp_path, model_dir):
+    # Only the interpreter's folder on the PATH: no redis-server on it.
+    result, seconds = _cli("up", "--kv-transfer", "redis", "--port", "0",
+                           env={"PATH": os.path.dirname(sys.executable), "TMPDIR": str(tmp_path)})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "none is on the PATH" in line and "--redis-url" in line, line
+    assert seconds < 30 and not list(tmp_path.glob("splitserve-cluster-*")), "nothing was started"
