@@ -163,6 +163,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 message.kv_wait_seconds = last.metrics.kv_load_seconds
                 if message.kv_recomputed:
                     self.runtime.counters.add(num_kv_recomputes=1)
+                self.runtime.metrics.observe_transfer("receive", None if message.kv_recomputed
+                                                      else message.kv_wait_seconds)
+            if outcome is None or message.kv_recomputed:  # this worker computed the prompt
+                self.runtime.metrics.observe_prompt(message.usage.prompt_tokens, message.usage.cached_tokens)
         return message
 
     def _decode_token(self, token_id: int) -> str:

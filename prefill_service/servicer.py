@@ -100,6 +100,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 raise RuntimeError(f"The prefill failed: {completion.stop_reason}")
             sampled = time.monotonic()
             if not sender.wait(_SEND_TIMEOUT_SECONDS) or not sender.succeeded:
+                runtime.metrics.observe_transfer("send", None)
                 reason = sender.error or "timed out"
                 raise Aborted(f"Cannot deliver the prompt's KV to {request.destination.address}: {reason}")
             runtime.counters.add(num_kv_transfers_sent=1, num_kv_bytes=sender.num_sent_bytes)
@@ -138,6 +139,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         response.kv_send_seconds = max((sender.last_handed_over or sampled) - sampled, 0.0)
         if final.num_loaded_tokens:
             response.prefix_load_seconds = metrics.kv_load_seconds
+        self.runtime.metrics.observe_transfer("send", response.kv_send_seconds)
+        self.runtime.metrics.observe_prompt(len(request.prompt_token_ids),
+                                            final.num_cached_tokens + final.num_loaded_tokens)
         return response
 
     def Abort(self, request: worker_pb2.AbortPrefillRequest, context) -> worker_pb2.AbortPrefillResponse:

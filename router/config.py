@@ -42,6 +42,7 @@ class RouterConfig:
         tls: the router's certificate, key and CA (``splitserve.rpc.tls``), used both for its own port (with a
             CA: workers and clients must present certificates signed by it) and for its calls to workers
             (None: plaintext).
+        metrics_port: serve Prometheus metrics over HTTP on ``host``:this port (0: a free one; None: not served).
     """
 
     host: str = "127.0.0.1"
@@ -63,6 +64,7 @@ class RouterConfig:
     drain_timeout_seconds: float = 30.0
     block_size: int = 16
     migration_limit: int = 3
+    metrics_port: int | None = None
     credentials: Credentials = field(default_factory=Credentials)
     tls: TLSConfig | None = None
 

@@ -8,6 +8,7 @@ import threading
 import grpc
 
 from splitserve.common.errors import FailedPrecondition
+from splitserve.common.metrics import RouterMetrics, serve_metrics
 from splitserve.common.types import WorkerRole
 from splitserve.router.channels import Channels
 from splitserve.router.config import RouterConfig
@@ -43,9 +44,10 @@ class Router:
             make_policy(config.decode_policy, WorkerRole.DECODE, block_size=config.block_size),
             self.channels,
         )
+        self.metrics = RouterMetrics(self.registry.pools, lambda: self.inference.num_in_flight)
         self.inference = InferenceServicer(self.frontend, self.dispatcher, self.registry,
                                            config.max_in_flight_requests, config.block_size,
-                                           config.migration_limit)
+                                           config.migration_limit, self.metrics)
         self._static: list[tuple[WorkerRole, str]] = (
             [(WorkerRole.PREFILL, a) for a in config.prefill_workers]
             + [(WorkerRole.DECODE, a) for a in config.decode_workers]
@@ -67,6 +69,13 @@ class Router:
             tls=config.tls,
         )
         self.address = f"{config.host}:{self.server.port}"
+        self.metrics_server = None
+        if config.metrics_port is not None:
+            try:
+                self.metrics_server = serve_metrics(self.metrics.registry, config.host, config.metrics_port)
+            except BaseException:
+                self.server.stop(0)
+                raise
         self._static_ids: dict[str, str] = {}
         self._left_out: set[str] = set()  # static workers refused (their refusal logged once)
         self._poll_static()
@@ -85,6 +94,8 @@ class Router:
     def stop(self) -> None:
         self._stop.set()
         self.server.stop(2.0)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         self.channels.close()
 
     def _maintain(self) -> None:

@@ -17,6 +17,7 @@ import grpc
 
 from splitserve.common.errors import InvalidRequest, Overloaded, SplitserveError, Unavailable
 from splitserve.common.ids import check_id
+from splitserve.common.metrics import RouterMetrics
 from splitserve.router.dispatch import DecodeStreamFailed, Dispatcher, RequestCancelled, RouterRequest
 from splitserve.router.frontend import Frontend
 from splitserve.router.registry import WorkerRegistry
@@ -38,8 +39,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """The public API: validates, tokenizes, dispatches and relays."""
 
     def __init__(self, frontend: Frontend, dispatcher: Dispatcher, registry: WorkerRegistry,
-                 max_in_flight_requests: int, block_size: int, migration_limit: int = 3) -> None:
+                 max_in_flight_requests: int, block_size: int, migration_limit: int = 3,
+                 metrics: RouterMetrics | None = None) -> None:
         self.frontend = frontend
+        self.metrics = metrics or RouterMetrics()
         self.dispatcher = dispatcher
         self.registry = registry
         self.max_in_flight_requests = max_in_flight_requests
@@ -54,17 +57,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     # ---- generation ------------------------------------------------------------------
 
     def GenerateStream(self, request: inference_pb2.GenerateRequest, context: grpc.ServicerContext):
-        job = self._admit(request, context)
+        job = self._counted_admit(request, context)
         try:
-            yield from self._generate(job, context)
+            yield from self._observed(job, self._generate(job, context))
         finally:
             self._release(job)
 
     def Generate(self, request: inference_pb2.GenerateRequest, context) -> inference_pb2.GenerateResponse:
-        job = self._admit(request, context)
+        job = self._counted_admit(request, context)
         try:
             response = inference_pb2.GenerateResponse(request_id=job.request_id)
-            for chunk in self._generate(job, context):
+            for chunk in self._observed(job, self._generate(job, context)):
                 response.text += chunk.text
                 response.token_ids.extend(chunk.token_ids)
                 response.logprobs.extend(chunk.logprobs)
@@ -110,6 +113,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         with self._lock:
             return len(self._in_flight)
 
+    def _counted_admit(self, request: inference_pb2.GenerateRequest, context) -> RouterRequest:
+        """:meth:`_admit`, a refusal counted in the metrics by its status code."""
+        try:
+            return self._admit(request, context)
+        except Exception as error:
+            self.metrics.requests.labels("refused", status_of(error)[0].name).inc()
+            raise
+
     def _admit(self, request: inference_pb2.GenerateRequest, context) -> RouterRequest:
         request_id = uuid.uuid4().hex
         if request.HasField("request_id"):
@@ -120,11 +131,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         job = RouterRequest(request_id, prompt, request.sampling_params)
         with self._lock:
             if self._draining:
+                self.metrics.admission_refusals.labels("draining").inc()
                 raise Unavailable("The router is draining: it is shutting down and takes no new requests; "
                                   "retry on another router.")
             if request_id in self._in_flight:
                 raise InvalidRequest(f"Request id {request_id!r} is already in flight.")
             if len(self._in_flight) >= self.max_in_flight_requests:
+                self.metrics.admission_refusals.labels("in_flight_limit").inc()
                 raise Overloaded(
                     f"The router has {len(self._in_flight)} requests in flight, its limit; retry later."
                 )
@@ -138,6 +151,36 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._in_flight.pop(job.request_id, None)
             if not self._in_flight:
                 self._idle.notify_all()
+
+    def _observed(self, job: RouterRequest, chunks):
+        """``chunks`` passed through, timed for the metrics: time to first token, the intervals between tokens,
+        end to end and queue time, and the request's outcome (its finish reason, or the status it ended with)."""
+        metrics, last_token_time, finish = self.metrics, None, None
+        outcome = ("abort", grpc.StatusCode.CANCELLED.name)  # the client went away (GeneratorExit)
+        try:
+            for chunk in chunks:
+                if chunk.token_ids:
+                    now = time.monotonic()
+                    if last_token_time is None:
+                        metrics.time_to_first_token.observe(now - job.accepted)
+                    else:
+                        share = (now - last_token_time) / len(chunk.token_ids)
+                        for _ in chunk.token_ids:
+                            metrics.inter_token_latency.observe(share)
+                    last_token_time = now
+                if chunk.finish_reason:
+                    finish = chunk
+                yield chunk
+            if finish is not None:
+                outcome = (_FINISH_LABELS.get(finish.finish_reason, "error"), grpc.StatusCode.OK.name)
+                if job.prefill is not None:
+                    metrics.queue_time.observe(finish.timing.queue_seconds)
+        except Exception as error:
+            outcome = ("refused", status_of(error)[0].name)
+            raise
+        finally:
+            metrics.requests.labels(*outcome).inc()
+            metrics.e2e_latency.observe(time.monotonic() - job.accepted)
 
     def _generate(self, job: RouterRequest, context):
         """The client's messages for ``job``. A failure before the first message raises (its status code);
@@ -213,6 +256,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if len(progress.sent_token_ids) >= max_tokens:
             return False
         job.continue_after(progress.sent_token_ids, error.worker_id, max_tokens)
+        self.metrics.migrations.inc()
         progress.num_attempt_tokens = 0
         logger.warning("Request %s: decode worker %s failed after %d tokens (%s); migrating it (%d of at most %d)",
                        job.request_id, error.worker_id, len(progress.sent_token_ids), error.reason,
@@ -328,6 +372,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     num_router_in_flight_requests=worker.num_in_flight,
                 )
         return response
+
+
+_FINISH_LABELS = {inference_pb2.FINISH_REASON_STOP: "stop", inference_pb2.FINISH_REASON_LENGTH: "length",
+                  inference_pb2.FINISH_REASON_ABORT: "abort", inference_pb2.FINISH_REASON_ERROR: "error"}
 
 
 @dataclass

@@ -148,6 +148,10 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM or SIGINT, the router stops taking requests (new ones get UNAVAILABLE, "
                         "health says NOT_SERVING) and lets those in flight finish for this long; the ones still "
                         "running then end with FINISH_REASON_ABORT and the router exits (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve Prometheus metrics over HTTP at http://HOST:PORT/metrics, on --host only (0: a free port, "
+                        "logged at start; default: not served). Read-only and unauthenticated: keep the port inside "
+                        "the cluster's network")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="text lines, or one JSON object a line; both carry the request id and the KV transfer id "
@@ -177,6 +181,10 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                        "overload is answered by this limit, never by a call left waiting (default: %(default)s)")
     group.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long in-flight requests may finish before they are aborted (default: %(default)s)")
+    group.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve Prometheus metrics over HTTP at http://HOST:PORT/metrics, on --host only (0: a free port, "
+                       "logged at start; default: not served). Read-only and unauthenticated: keep the port inside "
+                       "the cluster's network")
     group.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     group.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="text lines, or one JSON object a line; both carry the request id and the KV transfer id "
@@ -292,7 +300,7 @@ def _run_router(args: argparse.Namespace) -> int:
         max_in_flight_requests=args.max_in_flight_requests, lease_seconds=args.lease_seconds,
         heartbeat_seconds=args.heartbeat_seconds, prefill_attempts=args.prefill_attempts,
         kv_timeout_seconds=args.kv_timeout, drain_timeout_seconds=args.drain_timeout, block_size=args.block_size,
-        migration_limit=args.migration_limit,
+        migration_limit=args.migration_limit, metrics_port=args.metrics_port,
         credentials=load_credentials(args.api_key_file, args.cluster_token_file, os.environ),
         tls=_tls_from_args(args),
     )
@@ -310,8 +318,9 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level, args.log_format)
     # Before the model loads (and, on a first start, the kernels compile): a taken port is said in a second.
-    if args.port and (problem := bind_problem(f"{args.host}:{args.port}")):
-        raise CannotListen(f"Cannot listen on {args.host}:{args.port}: {problem}.")
+    for port in (args.port, args.metrics_port):
+        if port and (problem := bind_problem(f"{args.host}:{port}")):
+            raise CannotListen(f"Cannot listen on {args.host}:{port}: {problem}.")
     config = WorkerConfig(
         role=args.role, host=args.host, port=args.port, worker_id=args.worker_id, router=args.router,
         kv_transfer=args.kv_transfer, kv_address=args.kv_address, kv_checksum=args.kv_checksum,
@@ -324,7 +333,7 @@ def _run_worker(args: argparse.Namespace) -> int:
                                        args.redis_tls_cert, args.redis_tls_key),
         kv_faults=KVFaults.from_environment(os.environ) if args.role == "prefill" else None,
         lmcache_chunk_size=args.lmcache_chunk_size, lmcache_local_cpu_mb=args.lmcache_local_cpu_mb,
-        lmcache_ttl_seconds=args.lmcache_ttl,
+        lmcache_ttl_seconds=args.lmcache_ttl, metrics_port=args.metrics_port,
     )
     status = run_worker(config)
     # The worker has drained and closed everything it serves. Leave now, without interpreter teardown:

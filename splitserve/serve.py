@@ -44,7 +44,12 @@ def build_worker(config):
     server = start_worker_server(address, services, config.max_queued_requests,
                                  Credentials(cluster_token=config.cluster_token), tls=config.tls)
     bound = f"{config.host}:{server.port}"
+    runtime.metrics_server = None
     try:
+        if config.metrics_port is not None:
+            from splitserve.common.metrics import serve_metrics
+
+            runtime.metrics_server = serve_metrics(runtime.metrics.registry, config.host, config.metrics_port)
         runtime.start(bound)
     except BaseException:
         server.stop(0)

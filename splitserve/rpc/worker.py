@@ -87,6 +87,11 @@ class WorkerRuntime:
         self.kv_transport = None
         self.kv_connector = None
         self.admission = AdmissionLimit(config.max_queued_requests)
+        from splitserve.common.metrics import WorkerMetrics
+
+        colocated = config.role == "both"
+        self.metrics = WorkerMetrics("colocated" if colocated else config.role,
+                                     "none" if colocated else str(config.kv_transfer), self)
 
     # ---- life ------------------------------------------------------------------
 
@@ -123,6 +128,8 @@ class WorkerRuntime:
             self.kv_connector.stop()
         if self.kv_transport is not None:
             self.kv_transport.close()
+        if getattr(self, "metrics_server", None) is not None:
+            self.metrics_server.shutdown()
 
     def _warm_up(self) -> None:
         """One short request through the engine before serving, so the first client does not pay for

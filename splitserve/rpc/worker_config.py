@@ -54,6 +54,7 @@ class WorkerConfig:
         engine: the engine's configuration.
         kv_faults: prefill: faults injected into the KV payloads sent, for fault-injection tests only
             (``SPLITSERVE_INJECT_KV_FAULTS``, ``splitserve.prefill_service.faults``); None: none.
+        metrics_port: serve Prometheus metrics over HTTP on ``host``:this port (0: a free one; None: not served).
     """
 
     role: str = "decode"
@@ -77,6 +78,7 @@ class WorkerConfig:
     lmcache_chunk_size: int = 256
     lmcache_local_cpu_mb: int = 64
     lmcache_ttl_seconds: float = 600.0
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
