@@ -17,6 +17,7 @@ import grpc
 
 from splitserve.common.errors import InvalidRequest, Overloaded, SplitserveError, Unavailable
 from splitserve.common.ids import check_id
+from splitserve.common.log_fields import request_log
 from splitserve.common.metrics import RouterMetrics
 from splitserve.router.dispatch import DecodeStreamFailed, Dispatcher, RequestCancelled, RouterRequest
 from splitserve.router.frontend import Frontend
@@ -162,7 +163,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 if chunk.token_ids:
                     now = time.monotonic()
                     if last_token_time is None:
-                        metrics.time_to_first_token.observe(now - job.accepted)
+                        first_token_seconds = now - job.accepted
+                        metrics.time_to_first_token.observe(first_token_seconds)
                     else:
                         share = (now - last_token_time) / len(chunk.token_ids)
                         for _ in chunk.token_ids:
@@ -179,8 +181,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             outcome = ("refused", status_of(error)[0].name)
             raise
         finally:
+            seconds = time.monotonic() - job.accepted
             metrics.requests.labels(*outcome).inc()
-            metrics.e2e_latency.observe(time.monotonic() - job.accepted)
+            metrics.e2e_latency.observe(seconds)
+            request_log(logger, job.request_id).info(
+                "Request ended: %s (%s) after %.3f s; %d prompt tokens, %s", outcome[0], outcome[1], seconds,
+                len(job.original_prompt.token_ids),
+                "no token" if last_token_time is None else f"first token after {first_token_seconds:.3f} s")
 
     def _generate(self, job: RouterRequest, context):
         """The client's messages for ``job``. A failure before the first message raises (its status code);

@@ -8,6 +8,7 @@ issue names is checked to have moved as the traffic says it must.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -51,8 +52,8 @@ def metrics_url(process) -> str:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_dir):
     cluster = LocalCluster(
-        worker_args=[*WORKER_ARGS, "--metrics-port", "0"],
-        router_args=[*ROUTER_ARGS, "--metrics-port", "0", "--max-in-flight-requests", "2"],
+        worker_args=[*WORKER_ARGS, "--metrics-port", "0", "--log-format", "json"],
+        router_args=[*ROUTER_ARGS, "--metrics-port", "0", "--max-in-flight-requests", "2", "--log-format", "json"],
         log_dir=tmp_path_factory.mktemp("metrics-logs"), env={KV_FAULTS_ENV: "corrupt=0.5,seed=3"},
     )
     try:
@@ -69,6 +70,17 @@ def test_every_process_serves_metrics_on_its_host_only(cluster):
         url = metrics_url(process)
         assert url.startswith("http://127.0.0.1:"), url
         assert scrape(url), f"{process.name} serves no samples"
+
+
+def test_json_logs_carry_one_request_id_through_router_prefill_and_decode(cluster):
+    # The workers see the router's id of each attempt: the client's, then '#' and a suffix of the attempt.
+    with Client(cluster.router.address) as client:
+        client.generate("Trace me. " + PROMPT, SamplingParams(temperature=0, max_tokens=4), request_id="trace-me-1")
+    for process in [cluster.router, *cluster.workers]:
+        entries = wait_until(lambda process=process: [entry for line in process.log().splitlines() if line.startswith("{")
+                                      if (entry := json.loads(line))["request_id"].split("#")[0] == "trace-me-1"], 10,
+                             message=f"{process.name} logs a JSON line about the request")
+        assert {"time", "level", "logger", "process", "transfer_id", "message"} <= entries[0].keys(), entries[0]
 
 
 def test_metrics_move_with_the_traffic(cluster):
