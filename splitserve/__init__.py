@@ -10,7 +10,7 @@ The offline API mirrors vLLM's::
 from splitserve.common.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "Client", "__version__"]
+__all__ = ["LLM", "SamplingParams", "Client", "AsyncClient", "__version__"]
 
 
 def __getattr__(name: str):
@@ -19,8 +19,8 @@ def __getattr__(name: str):
         from splitserve.engine.llm import LLM
 
         return LLM
-    if name == "Client":
-        from splitserve.client import Client
+    if name in ("Client", "AsyncClient"):
+        from splitserve import client
 
-        return Client
+        return getattr(client, name)
     raise AttributeError(f"module 'splitserve' has no attribute {name!r}")

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     from splitserve.cli_serve import add_serving_commands
 
     add_serving_commands(commands, add_engine_arguments, engine_options)
+    from splitserve.cli_gateway import add_gateway_command
+
+    add_gateway_command(commands, add_client_tls_arguments)
     return parser
 
 

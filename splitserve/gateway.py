@@ -1,0 +1,436 @@
+"""An OpenAI-compatible HTTP gateway in front of a router: ``splitserve gateway --router ADDR``.
+
+``/v1/completions``, ``/v1/chat/completions`` (streaming as server-sent events, with ``usage`` when
+``stream_options.include_usage`` asks), ``/v1/models`` and ``/health``, on Starlette and uvicorn (FastAPI's own
+base, without its request models: the bodies are checked here, so every refusal is OpenAI's error shape with a
+sentence, never a 422 of field paths). Each HTTP request becomes one gRPC call on the router through
+:class:`splitserve.client.AsyncClient`; the gateway keeps no state and no secret. The caller's
+``Authorization: Bearer`` header is passed on as the router's API key, so the router authenticates as it does
+for gRPC clients. A caller that disconnects cancels its call, and the router aborts the request on the workers
+(its KV blocks freed).
+
+Errors: the router's status codes map to HTTP (INVALID_ARGUMENT 400, UNAUTHENTICATED 401, PERMISSION_DENIED 403,
+NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, others 500) with the router's
+sentence as the message. A body over ``max_body_bytes`` is refused (413) before it is read whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from splitserve.client import AsyncClient
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.v1 import inference_pb2
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499,
+}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+_FINISH = {inference_pb2.FINISH_REASON_STOP: "stop", inference_pb2.FINISH_REASON_LENGTH: "length",
+           inference_pb2.FINISH_REASON_ABORT: "abort", inference_pb2.FINISH_REASON_ERROR: "error"}
+# OpenAI fields the gateway cannot honour: refused with a sentence rather than silently ignored.
+_UNSUPPORTED = {"logit_bias": "logit_bias", "suffix": "suffix", "tools": "tool calls", "functions": "function calls",
+                "response_format": "response_format", "audio": "audio output"}
+
+
+class APIError(Exception):
+    """A request the gateway answers with OpenAI's error JSON: ``status`` and a sentence."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.message, self.param, self.code), status_code=self.status)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def from_rpc_error(error: grpc.RpcError) -> APIError:
+    code = error.code()
+    message = error.details() or code.name
+    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in message.lower():
+        message = "The gateway cannot reach its splitserve router; retry later."
+    return APIError(_HTTP_STATUS.get(code, 500), message, code=code.name.lower())
+
+
+@dataclass
+class GatewayConfig:
+    """Where the router is and what the gateway calls the model.
+
+    Attributes:
+        router: the router's host:port.
+        served_model_name: the model's name in ``/v1/models`` and the ``model`` field requests must name (None:
+            the router's model name); any other name gets 404.
+        tls: TLS to the router (``splitserve.rpc.tls.TLSConfig``; None: plaintext).
+        max_body_bytes: the largest request body read.
+    """
+
+    router: str
+    served_model_name: str | None = None
+    tls: object = None
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+class Gateway:
+    """The ASGI application (``.app``) and its router client."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.client: AsyncClient | None = None
+        self._model_info: inference_pb2.GetModelInfoResponse | None = None
+        routes = [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan,
+                             exception_handlers={APIError: lambda request, error: error.response(),
+                                                 404: _not_found, 405: _not_allowed})
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        # The channel belongs to the server's event loop: made when it starts, closed when it stops. No key of
+        # the gateway's own (api_key=""): each call carries its HTTP caller's, or none.
+        self.client = AsyncClient(self.config.router, api_key="", tls=self.config.tls)
+        try:
+            yield
+        finally:
+            await self.client.close()
+
+    # ---- endpoints -----------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        """200 when the router is serving (its gRPC health) and, where the caller may read the cluster's status
+        (a router without API keys, or the caller's key), has a decode worker serving; 503 with the reason."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            check = await health_pb2_grpc.HealthStub(self.client.channel).Check(health_pb2.HealthCheckRequest(),
+                                                                                 timeout=5)
+            if check.status != health_pb2.HealthCheckResponse.SERVING:
+                return JSONResponse({"status": "unavailable", "reason": "The router is not serving (draining)."},
+                                    status_code=503)
+            status = await self.client.cluster_status(api_key=_bearer(request))
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNAUTHENTICATED:  # the router is up; its pools are not ours to read
+                return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "unavailable", "reason": from_rpc_error(error).message}, status_code=503)
+        serving = [worker for pool in status.pools for worker in pool.workers
+                   if worker.state == inference_pb2.WORKER_STATE_SERVING
+                   and worker.role in (inference_pb2.WORKER_ROLE_DECODE, inference_pb2.WORKER_ROLE_BOTH)]
+        if not serving:
+            return JSONResponse({"status": "unavailable", "reason": "No decode worker is serving."}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        info = await self._info(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self._model_name(info), "object": "model", "created": 0, "owned_by": "splitserve",
+            "max_model_len": info.max_model_len,
+        }]})
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        info = await self._check_model(request, body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
+            prompt = [int(token) for token in prompt]
+        elif not isinstance(prompt, str) or not prompt:
+            raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request "
+                           "here: send a batch as separate requests).", "prompt")
+        if body.get("echo"):
+            raise APIError(400, "echo is not supported.", "echo")
+        params = self._params(body, info, default_max_tokens=16, logprobs=_completion_logprobs(body))
+        return await self._respond(request, body, prompt, params, "cmpl", "text_completion", _completion_choice)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        info = await self._check_model(request, body)
+        messages = _messages(body.get("messages"))
+        if body.get("logprobs") or body.get("top_logprobs"):
+            raise APIError(400, "logprobs are not supported on chat completions yet; use /v1/completions.", "logprobs")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        params = self._params({**body, "max_tokens": max_tokens}, info, default_max_tokens=info.max_model_len)
+        return await self._respond(request, body, messages, params, "chatcmpl", "chat.completion", _chat_choice)
+
+    # ---- one generation -------------------------------------------------------------------
+
+    async def _respond(self, request: Request, body: dict, prompt, params: SamplingParams, prefix: str, kind: str,
+                       choice) -> Response:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        model = self._model_name(self._model_info)
+        created = int(time.time())
+        call = self.client.generate_stream(prompt, params, request_id, api_key=_bearer(request))
+        chunks = _chunks(call)
+        try:
+            first = await anext(chunks)  # errors before the first token are HTTP errors
+        except StopAsyncIteration:
+            first = None
+        if not body.get("stream"):
+            return await self._whole(request, call, chunks, first, request_id, kind, model, created, choice)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        events = self._events(call, chunks, first, request_id, kind, model, created, choice, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _whole(self, request: Request, call, chunks, first, request_id, kind, model, created, choice):
+        """The non-streamed answer; the call is cancelled if the HTTP client leaves before it ends."""
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, call))
+        try:
+            collected = [first] if first is not None else []
+            collected += [chunk async for chunk in chunks]
+        finally:
+            watcher.cancel()
+        last = collected[-1] if collected else inference_pb2.GenerateStreamResponse()
+        text = "".join(chunk.text for chunk in collected)
+        logprobs = [entry for chunk in collected for entry in chunk.logprobs]
+        return JSONResponse({
+            "id": request_id, "object": kind, "created": created, "model": model,
+            "choices": [choice(text, _finish(last), logprobs, final=True)], "usage": _usage(last.usage),
+        })
+
+    async def _events(self, call, chunks, first, request_id, kind, model, created, choice,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per router message, the finish, the usage if asked, ``[DONE]``. Starlette
+        stops iterating when the client disconnects; the ``finally`` then cancels the call."""
+        chunk_kind = f"{kind}.chunk"
+        head = {"id": request_id, "object": chunk_kind, "created": created, "model": model}
+        try:
+            if kind == "chat.completion":
+                yield _event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]})
+            last = None
+            pending = [first] if first is not None else []
+            async for chunk in _chain(pending, chunks):
+                last = chunk
+                finish = _finish(chunk) if chunk.finish_reason else None
+                if chunk.text or finish:
+                    yield _event({**head, "choices": [choice(chunk.text, finish, list(chunk.logprobs), final=False)]})
+            if include_usage and last is not None:
+                yield _event({**head, "choices": [], "usage": _usage(last.usage)})
+            yield "data: [DONE]\n\n"
+        except APIError as error:  # after the headers went out: the error as a last event
+            yield _event(error_body(error.status, error.message, code=error.code))
+        finally:
+            call.cancel()
+
+    # ---- request checks ---------------------------------------------------------------------
+
+    async def _body(self, request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.config.max_body_bytes:
+            raise APIError(413, f"The request body is {int(declared)} bytes, over the limit of "
+                           f"{self.config.max_body_bytes}.")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > self.config.max_body_bytes:
+                raise APIError(413, f"The request body is over the limit of {self.config.max_body_bytes} bytes.")
+        try:
+            body = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise APIError(400, f"The request body is not valid JSON ({error}).") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "The request body must be a JSON object.")
+        for field, what in _UNSUPPORTED.items():
+            if body.get(field):
+                raise APIError(400, f"{what} is not supported by this server.", field)
+        if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
+            raise APIError(400, "Only n=1 (and best_of=1) is supported: send several requests instead.", "n")
+        return body
+
+    async def _info(self, request: Request) -> inference_pb2.GetModelInfoResponse:
+        if self._model_info is None:
+            try:
+                self._model_info = await self.client.model_info(api_key=_bearer(request))
+            except grpc.RpcError as error:
+                raise from_rpc_error(error) from None
+        return self._model_info
+
+    async def _check_model(self, request: Request, body: dict) -> inference_pb2.GetModelInfoResponse:
+        info = await self._info(request)
+        name = body.get("model")
+        if name is not None and name != self._model_name(info):
+            raise APIError(404, f"The model {str(name)[:100]!r} does not exist here; this server serves "
+                           f"{self._model_name(info)!r} (see /v1/models).", "model", "model_not_found")
+        return info
+
+    def _model_name(self, info: inference_pb2.GetModelInfoResponse | None) -> str:
+        return self.config.served_model_name or (info.model_name if info is not None else "")
+
+    @staticmethod
+    def _params(body: dict, info, default_max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+        """The request's SamplingParams (OpenAI's defaults, vLLM's extra fields); 400 for a bad value."""
+        stop = body.get("stop") or []
+        fields = {
+            "max_tokens": body.get("max_tokens") if body.get("max_tokens") is not None else default_max_tokens,
+            "temperature": body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0,
+            "top_p": body.get("top_p") if body.get("top_p") is not None else 1.0,
+            "presence_penalty": body.get("presence_penalty") or 0.0,
+            "frequency_penalty": body.get("frequency_penalty") or 0.0,
+            "seed": body.get("seed"), "stop": [stop] if isinstance(stop, str) else stop, "logprobs": logprobs,
+            # vLLM's extensions, as its OpenAI server takes them.
+            "top_k": body.get("top_k", -1), "min_p": body.get("min_p", 0.0),
+            "repetition_penalty": body.get("repetition_penalty", 1.0), "ignore_eos": body.get("ignore_eos", False),
+            "min_tokens": body.get("min_tokens", 0), "stop_token_ids": body.get("stop_token_ids") or [],
+        }
+        try:
+            return SamplingParams(**fields)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error)) from None
+
+
+def _bearer(request: Request) -> str | None:
+    """The caller's API key (``Authorization: Bearer KEY``), passed on to the router; None without one."""
+    header = request.headers.get("authorization", "")
+    if not header.startswith("Bearer "):
+        return None
+    return header[len("Bearer "):].strip() or None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    logprobs = body.get("logprobs")
+    if logprobs is None:
+        return None
+    if not _is_int(logprobs) or logprobs < 0:
+        raise APIError(400, "logprobs must be a non-negative integer on /v1/completions.", "logprobs")
+    return logprobs
+
+
+def _messages(messages) -> list[dict]:
+    """OpenAI chat messages as the router takes them (text content; a list of text parts is joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects.", "messages")
+    converted = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise APIError(400, f"messages[{index}] must be an object with a role and a content.", "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+                raise APIError(400, f"messages[{index}]: only text content parts are supported.", "messages")
+            content = "".join(str(part.get("text", "")) for part in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{index}].content must be a string or a list of text parts.", "messages")
+        converted.append({"role": message["role"], "content": content})
+    return converted
+
+
+async def _chunks(call) -> AsyncIterator:
+    """The call's messages; a gRPC error becomes the gateway's APIError."""
+    try:
+        async for chunk in call:
+            yield chunk
+    except grpc.aio.AioRpcError as error:
+        raise from_rpc_error(error) from None
+
+
+async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
+
+
+async def _cancel_on_disconnect(request: Request, call) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.1)
+    logger.info("HTTP client left; cancelling its request")
+    call.cancel()
+
+
+def _finish(chunk) -> str | None:
+    return _FINISH.get(chunk.finish_reason)
+
+
+def _usage(usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def _completion_choice(text: str, finish: str | None, logprobs: list, final: bool) -> dict:
+    return {"index": 0, "text": text, "logprobs": _openai_logprobs(logprobs), "finish_reason": finish}
+
+
+def _chat_choice(text: str, finish: str | None, logprobs: list, final: bool) -> dict:
+    if final:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+    return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+
+
+def _openai_logprobs(entries: list) -> dict | None:
+    """The legacy completions logprobs object from the router's per-position logprobs."""
+    if not entries:
+        return None
+    return {
+        "tokens": [entry.sampled.text for entry in entries],
+        "token_logprobs": [entry.sampled.logprob for entry in entries],
+        "top_logprobs": [{top.text: top.logprob for top in entry.top} for entry in entries],
+        "text_offset": [],
+    }
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def _not_found(request: Request, error) -> Response:
+    return APIError(404, f"No route {request.url.path[:200]}: this server offers /v1/completions, "
+                    "/v1/chat/completions, /v1/models and /health.").response()
+
+
+async def _not_allowed(request: Request, error) -> Response:
+    return APIError(405, f"{request.method} is not allowed on {request.url.path[:200]}.").response()
+
+
+def run_gateway(config: GatewayConfig, host: str, port: int, log_level: str = "info") -> int:
+    """Serve the gateway with uvicorn until SIGINT/SIGTERM; prints ``READY http://host:port`` once it listens."""
+    import uvicorn
+
+    gateway = Gateway(config)
+    server = uvicorn.Server(uvicorn.Config(gateway.app, host=host, port=port, log_level=log_level.lower(),
+                                           access_log=False, lifespan="on"))
+
+    async def serve() -> None:
+        task = asyncio.ensure_future(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            bound = server.servers[0].sockets[0].getsockname()
+            print(f"READY http://{host}:{bound[1]} gateway", flush=True)
+        await task
+
+    asyncio.run(serve())
+    return 0 if server.started else 1

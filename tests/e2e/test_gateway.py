@@ -1,0 +1,175 @@
+"""The OpenAI-compatible gateway, called with the official ``openai`` package, in front of a real cluster.
+
+The cluster requires an API key (the gateway passes the caller's on); greedy outputs through the gateway are
+compared with the same requests through the gRPC client, and a client that disconnects mid-stream must leave
+no block in use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from splitserve.client import Client
+from splitserve.common.sampling_params import SamplingParams
+from tests.cluster_helpers import all_blocks_free, start_cluster, wait_until
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPT = "The capital of France is"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_dir):
+    cluster = start_cluster("p2p", tmp_path_factory.mktemp("gateway-logs"), credentials=True)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, tmp_path_factory):
+    """The gateway's base URL; the process is stopped (SIGTERM) after the module."""
+    log = open(tmp_path_factory.mktemp("gateway") / "gateway.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "gateway", "--router", cluster.router.address,
+                                "--port", "0", "--max-body-bytes", "100000"],
+                               stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("READY http://127.0.0.1:"), line
+        yield line.split()[1]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def api(gateway, cluster):
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=cluster.api_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(cluster):
+    with Client(cluster.router.address, api_key=cluster.api_key) as client:
+        yield client
+
+
+def test_models_lists_the_router_model(api, grpc_client):
+    [model] = api.models.list().data
+    assert model.id == grpc_client.model_info().model_name and model.owned_by == "splitserve"
+
+
+def test_completion_is_the_grpc_paths_greedy_output(api, grpc_client):
+    model = api.models.list().data[0].id
+    expected = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))
+    completion = api.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
+    [choice] = completion.choices
+    assert choice.text == expected.text and choice.finish_reason == "length"
+    assert completion.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert completion.usage.completion_tokens == len(expected.token_ids) == 24
+    # Streamed, with the usage asked for: the same text in pieces, then the usage in a chunk of its own.
+    stream = api.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                    stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    # Token ids as a prompt, and logprobs: the sampled tokens' texts make up the text.
+    token_ids = grpc_client.tokenize(PROMPT)
+    with_logprobs = api.completions.create(model=model, prompt=token_ids, max_tokens=5, temperature=0, logprobs=2)
+    logprobs = with_logprobs.choices[0].logprobs
+    assert "".join(logprobs.tokens) == with_logprobs.choices[0].text == expected.text[:len(with_logprobs.choices[0].text)]
+    assert all(len(top) <= 3 for top in logprobs.top_logprobs) and all(lp <= 0 for lp in logprobs.token_logprobs)
+
+
+def test_chat_is_the_grpc_paths_greedy_output(api, grpc_client):
+    model = api.models.list().data[0].id
+    expected = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=64))
+    chat = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=64)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == expected.text == "The capital of France is Paris."
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == len(expected.token_ids)
+    stream = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_get_openai_errors(api, gateway, cluster):
+    model = api.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.completions.create(model=model, prompt=PROMPT, temperature=-1)
+    assert bad.value.status_code == 400 and "temperature" in bad.value.message
+    with pytest.raises(openai.NotFoundError) as unknown:
+        api.completions.create(model="gpt-4", prompt=PROMPT)
+    assert "does not exist" in unknown.value.message and unknown.value.code == "model_not_found"
+    stranger = openai.OpenAI(base_url=f"{gateway}/v1", api_key="not-the-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.completions.create(model=model, prompt=PROMPT)
+    too_long = "word " * 5000  # over the router's limit on a prompt's length: its INVALID_ARGUMENT, as 400
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model=model, prompt=too_long, max_tokens=1)
+    big = httpx.post(f"{gateway}/v1/completions", content=b"{" + b" " * 200_000 + b"}",
+                     headers={"authorization": f"Bearer {cluster.api_key}", "content-type": "application/json"})
+    assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
+    broken = httpx.post(f"{gateway}/v1/chat/completions", content=b"{not json",
+                        headers={"authorization": f"Bearer {cluster.api_key}"})
+    assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
+    assert httpx.get(f"{gateway}/v2/nothing").status_code == 404
+
+
+def test_a_client_that_disconnects_frees_its_blocks(gateway, cluster, grpc_client):
+    body = {"prompt": PROMPT * 20, "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    started = time.monotonic()
+    with httpx.stream("POST", f"{gateway}/v1/completions", json=body, headers=headers, timeout=60) as response:
+        assert response.status_code == 200
+        events = response.iter_lines()
+        first = next(line for line in events if line.startswith("data: "))
+        assert json.loads(first[len("data: "):])["choices"][0]["text"]
+        wait_until(lambda: not all_blocks_free(grpc_client), 10, message="the request holds blocks while it runs")
+    # The connection is closed: the request is aborted on the workers long before 1,500 tokens could finish.
+    wait_until(lambda: all_blocks_free(grpc_client), 20, message="every block freed after the disconnect")
+    assert time.monotonic() - started < 40
+    status = grpc_client.cluster_status()
+    assert all(worker.num_router_in_flight_requests == 0 for pool in status.pools for worker in pool.workers)
+
+
+def test_health(gateway, cluster):
+    assert httpx.get(f"{gateway}/health", headers={"authorization": f"Bearer {cluster.api_key}"}).json() == \
+        {"status": "ok"}
+    assert os.environ.get("SPLITSERVE_API_KEY") is None  # the gateway had no key of its own to fall back on
+
+
+def test_the_async_client_streams_what_the_client_streams(cluster, grpc_client):
+    import asyncio
+
+    from splitserve.client import AsyncClient
+
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = grpc_client.generate(PROMPT, params)
+
+    async def run():
+        async with AsyncClient(cluster.router.address, api_key=cluster.api_key) as client:
+            chunks = [chunk async for chunk in client.generate_stream(PROMPT, params)]
+            status = await client.cluster_status()
+            return chunks, status, await client.tokenize(PROMPT)
+
+    chunks, status, token_ids = asyncio.run(run())
+    assert [t for c in chunks for t in c.token_ids] == list(expected.token_ids)
+    assert "".join(c.text for c in chunks) == expected.text
+    assert token_ids == grpc_client.tokenize(PROMPT)
+    assert str(status).splitlines()[0].split()[:2] == ["pool", "worker"]
