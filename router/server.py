@@ -9,7 +9,7 @@ import grpc
 
 from splitserve.common.errors import FailedPrecondition
 from splitserve.common.metrics import RouterMetrics, serve_metrics
-from splitserve.common.types import WorkerRole
+from splitserve.common.types import WorkerRole, WorkerState
 from splitserve.router.channels import Channels
 from splitserve.router.config import RouterConfig
 from splitserve.router.dispatch import Dispatcher
@@ -24,6 +24,8 @@ from splitserve.rpc.server import start_server
 from splitserve.v1 import inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+INFERENCE_SERVICE = "splitserve.v1.Inference"
 
 
 class Router:
@@ -58,7 +60,7 @@ class Router:
         self.server = start_server(
             f"{config.host}:{config.port}",
             [
-                (inference_pb2_grpc.add_InferenceServicer_to_server, self.inference, "splitserve.v1.Inference"),
+                (inference_pb2_grpc.add_InferenceServicer_to_server, self.inference, INFERENCE_SERVICE),
                 (worker_pb2_grpc.add_WorkerRegistryServicer_to_server, RegistryServicer(self.registry),
                  "splitserve.v1.WorkerRegistry"),
             ],
@@ -78,13 +80,26 @@ class Router:
                 raise
         self._static_ids: dict[str, str] = {}
         self._left_out: set[str] = set()  # static workers refused (their refusal logged once)
+        self._draining = False
         self._poll_static()
+        self.update_readiness()
         self._thread.start()
+
+    def update_readiness(self) -> bool:
+        """The Inference service's health, its readiness: SERVING while the router is not draining and a decode
+        (or colocated) worker is serving, NOT_SERVING otherwise (a request would get UNAVAILABLE). The server as
+        a whole ("") stays SERVING until it stops: liveness. Returns whether it is ready."""
+        pools = self.registry.pools()
+        ready = not self._draining and any(worker.state == WorkerState.SERVING
+                                           for role in (WorkerRole.DECODE, WorkerRole.BOTH) for worker in pools[role])
+        self.server.set_service_serving(INFERENCE_SERVICE, ready)
+        return ready
 
     def drain(self, timeout: float) -> None:
         """Stop taking requests (health NOT_SERVING, new generation calls UNAVAILABLE) and let those in flight
         finish for up to ``timeout`` seconds; the ones still running then end with FINISH_REASON_ABORT."""
-        self.server.set_serving(False)
+        self._draining = True
+        self.server.set_service_serving(INFERENCE_SERVICE, False)
         num_in_flight = self.inference.num_in_flight
         logger.info("Router draining: %d requests in flight, up to %.0f s", num_in_flight, timeout)
         if not self.inference.drain(timeout):
@@ -105,6 +120,7 @@ class Router:
                 logger.warning("Worker %s at %s missed its lease and was removed", worker.worker_id, worker.address)
                 self.channels.forget(worker.address)
             self._poll_static()
+            self.update_readiness()
 
     def _poll_static(self) -> None:
         for role, address in self._static:

@@ -45,6 +45,8 @@ def build_worker(config):
                                  Credentials(cluster_token=config.cluster_token), tls=config.tls)
     bound = f"{config.host}:{server.port}"
     runtime.metrics_server = None
+    service_name = services[0][2]
+    server.set_service_serving(service_name, False)  # ready (health of the service) once warmed up and registered
     try:
         if config.metrics_port is not None:
             from splitserve.common.metrics import serve_metrics
@@ -55,6 +57,7 @@ def build_worker(config):
         server.stop(0)
         runtime.stop()
         raise
+    server.set_service_serving(service_name, True)
     return server, runtime, servicer
 
 
@@ -109,6 +112,7 @@ def run_worker(config) -> int:
         wait_for_shutdown_signal()
     finally:
         logger.info("Shutting down worker %s: draining", runtime.worker_id)
+        server.set_service_serving(server.service_names[0], False)  # not ready; alive ("") until it stops
         runtime.state = runtime.draining_state()
         if runtime.membership is not None:
             runtime.membership.drain()

@@ -56,9 +56,15 @@ class RunningServer:
 
     def set_serving(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING for every service (and the server as a whole, "")."""
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.service_names]:
-            self.health.set(name, status)
+            self.set_service_serving(name, serving)
+
+    def set_service_serving(self, name: str, serving: bool) -> None:
+        """Report SERVING or NOT_SERVING for one service name: its readiness. The server as a whole ("") stays
+        SERVING from start to stop (liveness), so an orchestrator stops routing to a draining or loading
+        process without restarting it."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set(name, status)
 
     def stop(self, grace: float = 2.0) -> None:
         self.set_serving(False)

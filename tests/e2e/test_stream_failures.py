@@ -103,12 +103,14 @@ def test_a_sigtermed_router_drains_its_streams_then_exits_0(cluster):
         token_ids = list(next(stream).token_ids)
         router.popen.send_signal(signal.SIGTERM)
         sent = time.monotonic()
-        refusals = []
+        refusals, alive = [], []
 
-        def try_a_new_request() -> None:  # while the stream runs: refused, and health says NOT_SERVING
+        def try_a_new_request() -> None:  # while the stream runs: refused, and not ready (alive until it exits)
             time.sleep(0.5)
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-            refusals.append(health.status)
+            health = health_pb2_grpc.HealthStub(channel)
+            refusals.append(health.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.Inference"),
+                                         timeout=10).status)
+            alive.append(health.Check(health_pb2.HealthCheckRequest(), timeout=10).status)
             try:
                 with Client(router.address) as other:
                     other.generate("Hello", SamplingParams(max_tokens=2), timeout=10)
@@ -124,6 +126,7 @@ def test_a_sigtermed_router_drains_its_streams_then_exits_0(cluster):
         checker.join()
     assert last.finish_reason == inference_pb2.FINISH_REASON_LENGTH and len(token_ids) == LONG.max_tokens
     assert refusals[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert alive == [health_pb2.HealthCheckResponse.SERVING]
     assert refusals[1][0] == grpc.StatusCode.UNAVAILABLE and "draining" in refusals[1][1]
     assert router.popen.wait(DRAIN_TIMEOUT) == 0
     assert time.monotonic() - sent < DRAIN_TIMEOUT
