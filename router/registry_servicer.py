@@ -8,6 +8,7 @@ is granted and, under mutual TLS, the client certificate's identity (``splitserv
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.ids import check_id
@@ -24,8 +25,11 @@ logger = logging.getLogger(__name__)
 class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
     """Workers register, heartbeat, drain and leave through here."""
 
-    def __init__(self, registry: WorkerRegistry) -> None:
+    def __init__(self, registry: WorkerRegistry, on_change: Callable[[], object] | None = None) -> None:
+        """``on_change``: called after every call that may change a worker's membership or state (the router's
+        readiness follows its decode pool at once)."""
         self.registry = registry
+        self._on_change = on_change or (lambda: None)
 
     def Register(self, request: worker_pb2.RegisterRequest, context) -> worker_pb2.RegisterResponse:
         role = worker_role_from_pb(request.role)
@@ -41,6 +45,7 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
             kv_connector=_connector_name(request.kv_endpoint.connector) if request.HasField("kv_endpoint") else None,
         )
         logger.info("Worker %s (%s) registered from %s", worker.worker_id, role.name.lower(), request.address)
+        self._on_change()
         return worker_pb2.RegisterResponse(
             worker_id=worker.worker_id, lease_id=worker.lease_id,
             lease_duration_seconds=self.registry.lease_duration_seconds,
@@ -51,16 +56,19 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
         state, lease = self.registry.heartbeat(
             request.lease_id, worker_load_from_pb(request.load), worker_state_from_pb(request.state)
         )
+        self._on_change()
         return worker_pb2.HeartbeatResponse(state=state.value, lease_duration_seconds=lease)
 
     def Deregister(self, request: worker_pb2.DeregisterRequest, context) -> worker_pb2.DeregisterResponse:
         self.registry.deregister(request.lease_id)
+        self._on_change()
         return worker_pb2.DeregisterResponse()
 
     def Drain(self, request: worker_pb2.DrainRequest, context) -> worker_pb2.DrainResponse:
         in_flight = self.registry.drain(request.lease_id, check_id(request.worker_id, "worker_id")
                                         if request.worker_id else "")
         logger.info("Worker %s is draining", request.worker_id or "(by lease)")
+        self._on_change()
         return worker_pb2.DrainResponse(num_in_flight_requests=in_flight)
 
 

@@ -61,7 +61,7 @@ class Router:
             f"{config.host}:{config.port}",
             [
                 (inference_pb2_grpc.add_InferenceServicer_to_server, self.inference, INFERENCE_SERVICE),
-                (worker_pb2_grpc.add_WorkerRegistryServicer_to_server, RegistryServicer(self.registry),
+                (worker_pb2_grpc.add_WorkerRegistryServicer_to_server, RegistryServicer(self.registry, self._on_registry_change),
                  "splitserve.v1.WorkerRegistry"),
             ],
             # Threads for every admitted generation call and every small call, and 16 more: heartbeats and
@@ -84,6 +84,10 @@ class Router:
         self._poll_static()
         self.update_readiness()
         self._thread.start()
+
+    def _on_registry_change(self) -> None:
+        if hasattr(self, "_draining"):  # once started
+            self.update_readiness()
 
     def update_readiness(self) -> bool:
         """The Inference service's health, its readiness: SERVING while the router is not draining and a decode

@@ -79,6 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     from splitserve.cli_serve import add_serving_commands
 
+    health = commands.add_parser(
+        "health", help="check a server's gRPC health (exit 0 when SERVING): a container's health check",
+        description="Ask the grpc.health.v1 service of a router or worker at --server for the status of --service "
+        "and print it; exit 0 when SERVING, 1 otherwise (NOT_SERVING, unknown service, or nothing answering). The "
+        "service '' (the default) is the process's liveness: SERVING from start to stop. The readiness of a router "
+        "is splitserve.v1.Inference (SERVING while a decode worker serves and it is not draining), of a worker "
+        "splitserve.v1.PrefillWorker or splitserve.v1.DecodeWorker (SERVING once warmed up, until it drains).",
+    )
+    health.add_argument("--server", required=True, metavar="ADDR", help="the process's gRPC host:port")
+    health.add_argument("--service", default="", metavar="NAME", help="the service to ask about (default: '', liveness)")
+    health.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="(default: %(default)s)")
+    add_client_tls_arguments(health)
+    health.set_defaults(handler=_health)
+
     add_serving_commands(commands, add_engine_arguments, engine_options)
     from splitserve.cli_gateway import add_gateway_command
 
@@ -265,6 +279,25 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
 
 
 _FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "error"}
+
+
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitserve.rpc.tls import TLSConfig, open_channel
+
+    tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+    with open_channel(args.server, tls) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                              timeout=args.timeout)
+        except grpc.RpcError as error:
+            print(f"splitserve: error: {call_failure(error, args.server)}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def call_failure(error, address: str) -> str:

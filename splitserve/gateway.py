@@ -125,26 +125,18 @@ class Gateway:
     # ---- endpoints -----------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        """200 when the router is serving (its gRPC health) and, where the caller may read the cluster's status
-        (a router without API keys, or the caller's key), has a decode worker serving; 503 with the reason."""
+        """200 while the router is ready (its gRPC health for splitserve.v1.Inference: not draining, a decode
+        worker serving), 503 with the reason otherwise. Needs no key, as an orchestrator's probe has none."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         try:
-            check = await health_pb2_grpc.HealthStub(self.client.channel).Check(health_pb2.HealthCheckRequest(),
-                                                                                 timeout=5)
-            if check.status != health_pb2.HealthCheckResponse.SERVING:
-                return JSONResponse({"status": "unavailable", "reason": "The router is not serving (draining)."},
-                                    status_code=503)
-            status = await self.client.cluster_status(api_key=_bearer(request))
+            check = await health_pb2_grpc.HealthStub(self.client.channel).Check(
+                health_pb2.HealthCheckRequest(service="splitserve.v1.Inference"), timeout=5)
         except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.UNAUTHENTICATED:  # the router is up; its pools are not ours to read
-                return JSONResponse({"status": "ok"})
             return JSONResponse({"status": "unavailable", "reason": from_rpc_error(error).message}, status_code=503)
-        serving = [worker for pool in status.pools for worker in pool.workers
-                   if worker.state == inference_pb2.WORKER_STATE_SERVING
-                   and worker.role in (inference_pb2.WORKER_ROLE_DECODE, inference_pb2.WORKER_ROLE_BOTH)]
-        if not serving:
-            return JSONResponse({"status": "unavailable", "reason": "No decode worker is serving."}, status_code=503)
+        if check.status != health_pb2.HealthCheckResponse.SERVING:
+            return JSONResponse({"status": "unavailable", "reason": "The router is not ready: no decode worker is "
+                                 "serving, or it is draining."}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:

@@ -73,6 +73,11 @@ class RouterMetrics:
                                           ["reason"], registry=registry)
         self.migrations = Counter("splitserve_router_migrations", "Requests moved to another decode worker after "
                                   "theirs failed mid-stream.", registry=registry)
+        # Every series a dashboard or alert reads exists from the start, at 0, rather than after its first event.
+        for outcome in ("stop", "length", "abort", "error"):
+            self.requests.labels(outcome, "OK")
+        for reason in ("in_flight_limit", "draining"):
+            self.admission_refusals.labels(reason)
         if pools is not None:
             registry.register(_RegistryCollector(pools, in_flight))
 
@@ -134,6 +139,10 @@ class WorkerMetrics:
         self.prefix_cache_hits = Counter(
             "splitserve_worker_prefix_cache_hits", "Prompt tokens found in the prefix cache, or loaded from the "
             "shared KV store, and not computed.", ["role"], registry=registry).labels(role)
+        direction = {"prefill": "send", "decode": "receive"}.get(role)
+        if direction is not None:  # present at 0 from the start (a colocated worker moves no KV)
+            self.kv_transfer_seconds.labels(connector, direction)
+            self.kv_transfer_failures.labels(connector, direction)
         if runtime is not None:
             registry.register(_WorkerCollector(runtime, role))
 
