@@ -1,0 +1,91 @@
+'use strict';
+// Run against a live router: SPLITSERVE_ADDRESS (host:port) and SPLITSERVE_API_KEY (when it requires one).
+// tests/e2e/test_node_client.py starts a cluster and runs this file with `node --test`.
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const { Client, status } = require('..');
+
+const address = process.env.SPLITSERVE_ADDRESS;
+const apiKey = process.env.SPLITSERVE_API_KEY;
+const PROMPT = 'The capital of France is';
+
+test('streams a greedy reply whose chunks make up the unary reply', async () => {
+  const client = new Client(address, { apiKey, timeoutSeconds: 120 });
+  try {
+    const whole = await client.generate(PROMPT, { temperature: 0, maxTokens: 12 });
+    assert.equal(whole.tokenIds.length, 12);
+    assert.equal(whole.finishReason, 'FINISH_REASON_LENGTH');
+    assert.equal(whole.usage.completionTokens, 12);
+    const ids = [];
+    let text = '';
+    for await (const chunk of client.generateStream(PROMPT, { temperature: 0, maxTokens: 12 })) {
+      ids.push(...chunk.tokenIds);
+      text += chunk.text;
+    }
+    assert.deepEqual(ids, whole.tokenIds);
+    assert.equal(text, whole.text);
+  } finally {
+    client.close();
+  }
+});
+
+test('chat messages and token ids are prompts too', async () => {
+  const client = new Client(address, { apiKey, timeoutSeconds: 120 });
+  try {
+    const chat = await client.generate([{ role: 'user', content: 'What is the capital of France?' }],
+      { temperature: 0, maxTokens: 32 });
+    assert.equal(chat.text, 'The capital of France is Paris.');
+    assert.equal(chat.finishReason, 'FINISH_REASON_STOP');
+    const tokenIds = await client.tokenize(PROMPT);
+    const byIds = await client.generate(tokenIds, { temperature: 0, maxTokens: 4 });
+    const byText = await client.generate(PROMPT, { temperature: 0, maxTokens: 4 });
+    assert.deepEqual(byIds.tokenIds, byText.tokenIds);
+  } finally {
+    client.close();
+  }
+});
+
+test('a refused request rejects with the status code and the router sentence', async () => {
+  const client = new Client(address, { apiKey });
+  try {
+    await assert.rejects(client.generate(PROMPT, { temperature: 0 }, { requestId: 'not an id!' }), (error) => {
+      assert.equal(error.code, status.INVALID_ARGUMENT);
+      assert.match(error.details, /request_id/);
+      return true;
+    });
+  } finally {
+    client.close();
+  }
+  const stranger = new Client(address, { apiKey: 'not-the-key' });
+  try {
+    await assert.rejects(stranger.generate(PROMPT, { maxTokens: 1 }), (error) => error.code === status.UNAUTHENTICATED);
+  } finally {
+    stranger.close();
+  }
+});
+
+test('a cancelled stream ends, and the cluster status shows every worker idle again', async () => {
+  const client = new Client(address, { apiKey });
+  try {
+    const stream = client.generateStream(PROMPT, { temperature: 0, maxTokens: 2000, ignoreEos: true });
+    for await (const chunk of stream) {
+      if (chunk.tokenIds.length) {
+        stream.cancel(); // the router aborts the request on the workers
+        break;
+      }
+    }
+    const deadline = Date.now() + 20000;
+    let idle = false;
+    while (!idle && Date.now() < deadline) {
+      const { pools } = await client.clusterStatus();
+      const workers = pools.flatMap((pool) => pool.workers);
+      idle = workers.length > 0 && workers.every((w) => w.load.numFreeKvBlocks === w.load.numTotalKvBlocks);
+      if (!idle) await new Promise((resolve) => setTimeout(resolve, 200));
+    }
+    assert.ok(idle, 'every KV block is free within 20 s of the cancel');
+    const info = await client.modelInfo();
+    assert.ok(info.maxModelLen > 0 && info.modelName.length > 0);
+  } finally {
+    client.close();
+  }
+});

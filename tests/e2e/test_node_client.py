@@ -1,0 +1,55 @@
+"""The Node.js client (clients/node), run by Node against a real cluster that requires an API key.
+
+Its own tests (``node --test``) stream, call, refuse and cancel; its streaming example's greedy token ids are
+compared here with the Python client's for the same request. The test command installs its npm packages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from splitserve.client import Client
+from splitserve.common.sampling_params import SamplingParams
+from tests.cluster_helpers import start_cluster
+
+NODE_CLIENT = Path(__file__).resolve().parents[2] / "clients" / "node"
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_dir):
+    if shutil.which("node") is None:
+        pytest.skip("node is not on the PATH: the Node.js client cannot run here")
+    assert (NODE_CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir(), \
+        "clients/node's packages are not installed: run `make install-test` (npm ci in clients/node)"
+    cluster = start_cluster("p2p", tmp_path_factory.mktemp("node-logs"), credentials=True)
+    yield cluster
+    cluster.stop()
+
+
+def _node(cluster, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SPLITSERVE_ADDRESS": cluster.router.address, "SPLITSERVE_API_KEY": cluster.api_key}
+    return subprocess.run(["node", *args], cwd=NODE_CLIENT, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_the_node_clients_own_tests_pass_against_the_cluster(cluster):
+    result = _node(cluster, "--test", "test/")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "# fail 0" in result.stdout and "# pass 4" in result.stdout, result.stdout[-2000:]
+
+
+def test_the_streaming_example_gives_the_python_clients_tokens(cluster):
+    prompt = "Water boils at"
+    result = _node(cluster, "examples/stream.js", cluster.router.address, prompt, "20", "--json")
+    assert result.returncode == 0, result.stderr
+    streamed = json.loads(result.stdout)
+    with Client(cluster.router.address, api_key=cluster.api_key) as client:
+        expected = client.generate(prompt, SamplingParams(temperature=0, max_tokens=20))
+    assert streamed["tokenIds"] == list(expected.token_ids) and streamed["text"] == expected.text
+    assert streamed["finishReason"] == "FINISH_REASON_LENGTH"
