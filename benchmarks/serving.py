@@ -17,14 +17,24 @@ Setups, each started fresh:
   thread each (the two cores split between the pools).
 * ``colocated``: router + 1 colocated worker with two torch threads.
 
-Prints TTFT / ITL / E2E at p50, p90, p99 and output throughput for each
-(setup, workload), the ratio disaggregated / colocated of each, and writes a
-PNG comparing the latency distributions (``--plot``).
+Goodput, as DistServe defines it: requests per second that meet both latency
+objectives, a TTFT of at most ``--slo-ttft`` seconds and a mean inter-token
+latency (DistServe's time per output token: the request's ITLs averaged) of at
+most ``--slo-itl`` seconds, over the run's span (first request sent to last
+token). ``--rates`` sweeps the arrival rate, each setup and workload run fresh
+at each rate, to find where disaggregation's goodput passes colocated's and
+where it does not.
+
+Prints TTFT / ITL / E2E at p50, p90, p99, output throughput, SLO attainment and
+goodput for each (rate, setup, workload), the ratio disaggregated / colocated
+of each, and writes PNGs: the latency distributions (``--plot``, the first
+rate) and goodput against the rate (``--goodput-plot``).
 
 Usage::
 
     python benchmarks/serving.py                       # defaults: 0.4 req/s, 32 requests per run
     python benchmarks/serving.py --rate 0.8 --num-requests 64 --plot serving.png --json serving.json
+    python benchmarks/serving.py --rates 0.2,0.5,1 --workloads long-mix --goodput-plot goodput.png
 """
 
 from __future__ import annotations
@@ -66,10 +76,15 @@ class RunResult:
     e2e: list[float]
     output_tokens_per_second: float
     num_errors: int
+    rate: float = 0.0
+    num_requests: int = 0
+    num_within_slo: int = 0
+    goodput: float = 0.0  # requests/s meeting both objectives
 
     def summary(self) -> dict:
         return {
-            "setup": self.setup, "workload": self.workload,
+            "setup": self.setup, "workload": self.workload, "rate": self.rate,
+            "num_requests": self.num_requests, "num_within_slo": self.num_within_slo, "goodput": self.goodput,
             **{f"ttft_p{p}": percentile(self.ttft, p) for p in (50, 90, 99)},
             **{f"itl_p{p}": percentile(self.itl, p) for p in (50, 90, 99)},
             **{f"e2e_p{p}": percentile(self.e2e, p) for p in (50, 90, 99)},
@@ -137,9 +152,20 @@ def run_load(address: str, prompts: list[list[int]], args, label: str) -> list[R
     return records
 
 
-def summarize(setup: str, workload: str, records: list[RequestRecord]) -> RunResult:
+def meets_slo(record: RequestRecord, slo_ttft: float, slo_itl: float) -> bool:
+    """DistServe's test: the request finished, its TTFT is within ``slo_ttft`` and its mean inter-token
+    latency (time per output token after the first) within ``slo_itl``."""
+    if record.finished is None or record.first_token is None:
+        return False
+    mean_itl = sum(record.itls) / len(record.itls) if record.itls else 0.0
+    return record.first_token - record.sent <= slo_ttft and mean_itl <= slo_itl
+
+
+def summarize(setup: str, workload: str, records: list[RequestRecord], rate: float = 0.0,
+              slo_ttft: float = float("inf"), slo_itl: float = float("inf")) -> RunResult:
     done = [r for r in records if r.finished is not None and r.first_token is not None]
-    span = max(r.finished for r in done) - min(r.sent for r in done) if done else float("nan")
+    span = max(r.finished for r in done) - min(r.sent for r in records) if done else float("nan")
+    within = sum(meets_slo(r, slo_ttft, slo_itl) for r in records)
     return RunResult(
         setup=setup, workload=workload,
         ttft=[r.first_token - r.sent for r in done],
@@ -147,6 +173,7 @@ def summarize(setup: str, workload: str, records: list[RequestRecord]) -> RunRes
         e2e=[r.finished - r.sent for r in done],
         output_tokens_per_second=sum(r.num_tokens for r in done) / span if done else 0.0,
         num_errors=len(records) - len(done),
+        rate=rate, num_requests=len(records), num_within_slo=within, goodput=within / span if done else 0.0,
     )
 
 
@@ -204,6 +231,13 @@ def plot(results: list[RunResult], path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=0.4, help="mean arrivals per second (default: %(default)s)")
+    parser.add_argument("--rates", metavar="R1,R2,...",
+                        help="sweep these arrival rates instead of --rate: every setup and workload at each")
+    parser.add_argument("--slo-ttft", type=float, default=2.0, metavar="SECONDS",
+                        help="goodput's time-to-first-token objective (default: %(default)s)")
+    parser.add_argument("--slo-itl", type=float, default=0.1, metavar="SECONDS",
+                        help="goodput's objective on a request's mean inter-token latency (default: %(default)s)")
+    parser.add_argument("--goodput-plot", metavar="PNG", help="write goodput against the arrival rate here")
     parser.add_argument("--num-requests", type=int, default=32, help="requests per run (default: %(default)s)")
     parser.add_argument("--output-len", type=int, default=48, help="output tokens per request (default: %(default)s)")
     parser.add_argument("--long-fraction", type=float, default=0.25,
@@ -217,7 +251,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="PNG", help="write the latency CDFs here")
     parser.add_argument("--json", metavar="FILE", help="write the summaries here")
     args = parser.parse_args(argv)
-    if args.plot:
+    if args.plot or args.goodput_plot:
         try:
             import matplotlib  # noqa: F401  (checked before a run of many minutes, not after it)
         except ImportError:
@@ -228,26 +262,78 @@ def main(argv=None) -> int:
     from splitserve.engine.model_store import resolve_model
 
     vocab_size = AutoConfig.from_pretrained(str(resolve_model(None))).vocab_size
+    rates = [float(rate) for rate in args.rates.split(",")] if args.rates else [args.rate]
     results: list[RunResult] = []
     for setup in args.setups.split(","):
         print(f"[bench] starting the {setup} cluster...", file=sys.stderr, flush=True)
         cluster = start_setup(setup, args)
         try:
             warm_up(cluster.router.address)
-            for workload in args.workloads.split(","):
-                prompts = make_workload(workload, args, vocab_size)
-                records = run_load(cluster.router.address, prompts, args, f"{setup}/{workload}")
-                results.append(summarize(setup, workload, records))
+            for rate in rates:
+                args.rate = rate
+                for workload in args.workloads.split(","):
+                    prompts = make_workload(workload, args, vocab_size)
+                    records = run_load(cluster.router.address, prompts, args, f"{setup}/{workload}@{rate:g}/s")
+                    results.append(summarize(setup, workload, records, rate, args.slo_ttft, args.slo_itl))
         finally:
             cluster.stop()
     print_table(results)
+    print_goodput(results, args.slo_ttft, args.slo_itl)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "results": [r.summary() for r in results]}, handle, indent=2)
     if args.plot:
-        plot(results, args.plot)
+        plot([r for r in results if r.rate == rates[0]], args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)
+    if args.goodput_plot:
+        plot_goodput(results, args.goodput_plot, args.slo_ttft, args.slo_itl)
+        print(f"goodput plot: {args.goodput_plot}", file=sys.stderr)
     return 0
+
+
+def print_goodput(results: list[RunResult], slo_ttft: float, slo_itl: float) -> None:
+    """Goodput per (workload, rate) for each setup, and disaggregated / colocated, with the verdict."""
+    print(f"\ngoodput (requests/s within TTFT <= {slo_ttft:g} s and mean ITL <= {slo_itl * 1e3:g} ms):")
+    by_key = {(r.workload, r.rate, r.setup): r for r in results}
+    for workload, rate in sorted({(r.workload, r.rate) for r in results}):
+        cells = []
+        for setup in ("disaggregated", "colocated"):
+            run = by_key.get((workload, rate, setup))
+            if run is not None:
+                cells.append(f"{setup} {run.goodput:.3f}/s ({run.num_within_slo}/{run.num_requests} within)")
+        line = f"  {workload:<9} at {rate:g} req/s: " + ", ".join(cells)
+        disaggregated, colocated = by_key.get((workload, rate, "disaggregated")), by_key.get((workload, rate, "colocated"))
+        if disaggregated and colocated:
+            if colocated.goodput > 0:
+                ratio = disaggregated.goodput / colocated.goodput
+                verdict = "disaggregation wins" if ratio > 1.05 else "colocated wins" if ratio < 0.95 else "even"
+                line += f"; disaggregated / colocated {ratio:.2f}x: {verdict}"
+            elif disaggregated.goodput > 0:
+                line += "; only disaggregated meets the objectives"
+        print(line)
+
+
+def plot_goodput(results: list[RunResult], path: str, slo_ttft: float, slo_itl: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r.workload for r in results}, key=lambda w: w != "short")
+    figure, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
+    for axis, workload in zip(axes[0], workloads):
+        for setup in sorted({r.setup for r in results}):
+            runs = sorted((r for r in results if r.workload == workload and r.setup == setup), key=lambda r: r.rate)
+            axis.plot([r.rate for r in runs], [r.goodput for r in runs], marker="o", label=setup)
+        rates = sorted({r.rate for r in results})
+        axis.plot(rates, rates, linestyle=":", color="gray", label="offered rate")
+        axis.set_xlabel("arrival rate (requests/s)")
+        axis.set_ylabel("goodput (requests/s within both objectives)")
+        axis.set_title(f"{workload}: TTFT <= {slo_ttft:g} s, mean ITL <= {slo_itl * 1e3:g} ms")
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 def print_table(results: list[RunResult]) -> None:
