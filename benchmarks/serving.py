@@ -80,11 +80,13 @@ class RunResult:
     num_requests: int = 0
     num_within_slo: int = 0
     goodput: float = 0.0  # requests/s meeting both objectives
+    signals: dict = field(default_factory=dict)  # the autoscaling signals during the run (PoolSignals.summary)
 
     def summary(self) -> dict:
         return {
             "setup": self.setup, "workload": self.workload, "rate": self.rate,
             "num_requests": self.num_requests, "num_within_slo": self.num_within_slo, "goodput": self.goodput,
+            "signals": self.signals,
             **{f"ttft_p{p}": percentile(self.ttft, p) for p in (50, 90, 99)},
             **{f"itl_p{p}": percentile(self.itl, p) for p in (50, 90, 99)},
             **{f"e2e_p{p}": percentile(self.e2e, p) for p in (50, 90, 99)},
@@ -178,7 +180,7 @@ def summarize(setup: str, workload: str, records: list[RequestRecord], rate: flo
 
 
 def start_setup(setup: str, args) -> LocalCluster:
-    common = ["--kv-cache-gb", str(args.kv_cache_gb), "--max-model-len", "4096"]
+    common = ["--kv-cache-gb", str(args.kv_cache_gb), "--max-model-len", "4096", "--metrics-port", "0"]
     threads = ["--threads", "1"] if setup == "disaggregated" else ["--threads", "2"]
     cluster = LocalCluster(kv_transfer=args.kv_transfer, worker_args=[*common, *threads],
                            router_args=["--max-model-len", "4096"])
@@ -191,10 +193,71 @@ def start_setup(setup: str, args) -> LocalCluster:
     return cluster
 
 
+# The autoscaling signals of deploy/ (per worker, as the HPAs average them), sampled during each run.
+SIGNALS = ("splitserve_worker_queued_prompt_tokens", "splitserve_worker_kv_block_usage_ratio",
+           "splitserve_worker_requests_waiting")
+
+
+class PoolSignals:
+    """Samples every worker's autoscaling signals from its metrics endpoint twice a second while a run lasts,
+    so the goodput figures come with the signal values they were reached at (deploy/README.md's targets)."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        import re
+
+        self._urls = {}
+        for process in cluster.workers:
+            found = re.search(r"Prometheus metrics on (\S+/metrics)", process.log())
+            if found:
+                self._urls[process.name.rstrip("0123456789")] = found.group(1)
+        self._samples: dict[tuple[str, str], list[float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> PoolSignals:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        while not self._stop.wait(0.5):
+            for role, url in self._urls.items():
+                try:
+                    with urllib.request.urlopen(url, timeout=2) as response:
+                        text = response.read().decode()
+                except OSError:
+                    continue
+                for family in text_string_to_metric_families(text):
+                    if family.name in SIGNALS:
+                        for sample in family.samples:
+                            self._samples.setdefault((role, family.name), []).append(sample.value)
+
+    def summary(self) -> dict:
+        """{role: {signal: {"mean", "p90", "max"}}} over the run's samples."""
+        result: dict = {}
+        for (role, name), values in sorted(self._samples.items()):
+            short = name.removeprefix("splitserve_worker_")
+            result.setdefault(role, {})[short] = {"mean": sum(values) / len(values), "p90": percentile(values, 90),
+                                                  "max": max(values)}
+        return result
+
+
 def warm_up(address: str) -> None:
+    """Requests of the workloads' lengths, several at once, before any is timed: the first use of each KV block
+    (the kernel zero-fills the cache's pages on first touch) and of each step shape is paid here."""
     with Client(address) as client:
-        for length in (16, 600):
-            list(client.generate_stream(list(range(1000, 1000 + length)), SamplingParams(max_tokens=4, temperature=0)))
+        for lengths in ((16,), (600,), (2000, 1500, 512, 256)):
+            calls = [client.generate_stream(list(range(1000 + i, 1000 + i + length)),
+                                            SamplingParams(max_tokens=8, temperature=0)) for i, length in enumerate(lengths)]
+            for call in calls:
+                list(call)
 
 
 def plot(results: list[RunResult], path: str) -> None:
@@ -233,9 +296,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rate", type=float, default=0.4, help="mean arrivals per second (default: %(default)s)")
     parser.add_argument("--rates", metavar="R1,R2,...",
                         help="sweep these arrival rates instead of --rate: every setup and workload at each")
-    parser.add_argument("--slo-ttft", type=float, default=2.0, metavar="SECONDS",
+    parser.add_argument("--slo-ttft", type=float, default=5.0, metavar="SECONDS",
                         help="goodput's time-to-first-token objective (default: %(default)s)")
-    parser.add_argument("--slo-itl", type=float, default=0.1, metavar="SECONDS",
+    parser.add_argument("--slo-itl", type=float, default=0.15, metavar="SECONDS",
                         help="goodput's objective on a request's mean inter-token latency (default: %(default)s)")
     parser.add_argument("--goodput-plot", metavar="PNG", help="write goodput against the arrival rate here")
     parser.add_argument("--num-requests", type=int, default=32, help="requests per run (default: %(default)s)")
@@ -272,9 +335,14 @@ def main(argv=None) -> int:
             for rate in rates:
                 args.rate = rate
                 for workload in args.workloads.split(","):
-                    prompts = make_workload(workload, args, vocab_size)
-                    records = run_load(cluster.router.address, prompts, args, f"{setup}/{workload}@{rate:g}/s")
-                    results.append(summarize(setup, workload, records, rate, args.slo_ttft, args.slo_itl))
+                    # Fresh prompts at each rate: a prompt seen before would be served from the prefix cache.
+                    fresh = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * rates.index(rate)})
+                    prompts = make_workload(workload, fresh, vocab_size)
+                    with PoolSignals(cluster) as signals:
+                        records = run_load(cluster.router.address, prompts, args, f"{setup}/{workload}@{rate:g}/s")
+                    result = summarize(setup, workload, records, rate, args.slo_ttft, args.slo_itl)
+                    result.signals = signals.summary()
+                    results.append(result)
         finally:
             cluster.stop()
     print_table(results)
@@ -311,6 +379,12 @@ def print_goodput(results: list[RunResult], slo_ttft: float, slo_itl: float) -> 
             elif disaggregated.goodput > 0:
                 line += "; only disaggregated meets the objectives"
         print(line)
+        for setup in ("disaggregated", "colocated"):
+            run = by_key.get((workload, rate, setup))
+            if run is not None and run.signals:
+                print(f"      {setup} signals per worker (mean/p90): " + "; ".join(
+                    f"{role} {name} {v['mean']:.2f}/{v['p90']:.2f}" for role, values in run.signals.items()
+                    for name, v in values.items()))
 
 
 def plot_goodput(results: list[RunResult], path: str, slo_ttft: float, slo_itl: float) -> None:
