@@ -75,13 +75,15 @@ class PrefillBatch:
         """The step's prompt chunks (consecutive rows, after the decodes; at least one) as one batch."""
         row_start = spans[0].query_start
         starts = [span.query_start - row_start for span in spans] + [spans[-1].query_end - row_start]
-        tables = torch.zeros(len(spans), max(len(span.block_table) for span in spans), dtype=torch.int64)
+        device = spans[0].block_table.device
+        tables = torch.zeros(len(spans), max(len(span.block_table) for span in spans), dtype=torch.int64,
+                             device=device)
         for row, span in enumerate(spans):
             tables[row, : len(span.block_table)] = span.block_table
         return cls(
             row_start=row_start,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            context_lens=torch.tensor([span.num_context_tokens for span in spans], dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens=torch.tensor([span.num_context_tokens for span in spans], dtype=torch.int32, device=device),
             block_tables=tables,
             max_query_len=max(span.query_end - span.query_start for span in spans),
         )
@@ -230,8 +232,8 @@ def prefill_attention(
         # k, v: [1, kv_heads, total, head_dim] read back from the cache (context + this chunk).
         k = _gather_blocks(key_cache, span.block_table.unsqueeze(0))[:, :, :total]
         v = _gather_blocks(value_cache, span.block_table.unsqueeze(0))[:, :, :total]
-        query_positions = torch.arange(span.num_context_tokens, total).unsqueeze(1)
-        mask = torch.arange(total).unsqueeze(0) <= query_positions  # [chunk, total]
+        query_positions = torch.arange(span.num_context_tokens, total, device=query.device).unsqueeze(1)
+        mask = torch.arange(total, device=query.device).unsqueeze(0) <= query_positions  # [chunk, total]
         out = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)
 

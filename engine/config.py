@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 _DTYPES = ("float32", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+_DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_KV_CACHE_BYTES = 4 * 1024**3  # like vLLM-CPU's default KV space
 
 
@@ -30,6 +31,9 @@ class EngineConfig:
             "torch" (the plain-torch reference), or "auto" (the kernels when they can be built);
             "triton": KV writes, decode and prefill attention in the Triton kernels (element-wise
             operations in torch), which on a CPU run only under TRITON_INTERPRET=1 (tests).
+            On CUDA, "auto" is "triton" and "cpu" is refused.
+        device: where the model, the KV cache, the step's tensors and sampling live: "cpu", "cuda" (the
+            current CUDA device), or "auto" (cuda when torch finds one, else cpu); see :func:`resolve_device`.
     """
 
     model: str | None = None
@@ -44,8 +48,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     attention_backend: str = "auto"
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {', '.join(_DEVICES)}, got {self.device!r}.")
         if self.attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(_ATTENTION_BACKENDS)}, got {self.attention_backend!r}."
@@ -92,6 +99,35 @@ class EngineConfig:
                 f"one request of max_model_len={max_model_len} needs ({blocks_needed}); raise the "
                 "KV cache budget or lower max_model_len."
             )
+
+
+def resolve_device(device: str, cuda_available: bool) -> str:
+    """The device an engine runs on: "cpu" or "cuda".
+
+    Raises:
+        ValueError: "cuda" asked for where torch finds no CUDA device (a sentence saying so).
+    """
+    if device == "auto":
+        return "cuda" if cuda_available else "cpu"
+    if device == "cuda" and not cuda_available:
+        raise ValueError("device 'cuda' was asked for, but torch finds no CUDA device here "
+                         "(torch.cuda.is_available() is False: a CPU build of torch, or no GPU); use --device cpu.")
+    return device
+
+
+def resolve_attention_backend(backend: str, device: str) -> str:
+    """The attention backend on ``device`` ("cpu" or "cuda"): "auto" stays "auto" on CPU (the C++ kernels
+    when they build) and is "triton" on CUDA; "torch" runs anywhere.
+
+    Raises:
+        ValueError: the C++ kernels ("cpu") asked for on CUDA.
+    """
+    if device == "cuda":
+        if backend == "cpu":
+            raise ValueError("attention_backend 'cpu' (the C++ kernels) runs on CPU only; on CUDA use 'triton' "
+                             "(the default there) or 'torch'.")
+        return "triton" if backend == "auto" else backend
+    return backend
 
 
 def _require_positive_int(name: str, value: object) -> None:

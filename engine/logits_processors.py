@@ -43,11 +43,13 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     row_index = torch.tensor(penalized_rows)
     result = logits.clone()
 
+    device = logits.device  # index and value tensors are built on the host, then moved there
     repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
     if bool((repetition != 1.0).any()):
         # One entry per (row, distinct token of prompt + output).
         seen = [list(set(requests[row].all_token_ids)) for row in penalized_rows]
         owners, token_ids, _ = _flatten_per_row(seen, None, vocab_size)  # [num_entries] each
+        owners, token_ids, row_index, repetition = (t.to(device) for t in (owners, token_ids, row_index, repetition))
         index = (row_index[owners], token_ids)
         values = result[index]  # [num_entries]
         penalty = repetition[owners]  # [num_entries]
@@ -63,6 +65,8 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
             [list(counter.values()) for counter in counters],
             vocab_size,
         )
+        owners, token_ids, counts = owners.to(device), token_ids.to(device), counts.to(device)
+        row_index, frequency, presence = row_index.to(device), frequency.to(device), presence.to(device)
         subtracted = frequency[owners] * counts + presence[owners]  # [num_entries]
         result.index_put_((row_index[owners], token_ids), -subtracted, accumulate=True)
     return result

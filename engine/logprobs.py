@@ -28,7 +28,7 @@ def compute_logprobs(
         return result
     # logprobs: [num_rows_asking, vocab]
     logprobs = torch.log_softmax(raw_logits[torch.tensor(rows)].float(), dim=-1)
-    sampled = torch.tensor([sampled_token_ids[row] for row in rows])
+    sampled = torch.tensor([sampled_token_ids[row] for row in rows], device=logprobs.device)
     sampled_logprobs = logprobs.gather(1, sampled[:, None]).squeeze(1).tolist()
     max_top = max(requests[row].sampling_params.logprobs for row in rows)
     top_values: list[list[float]] = [[] for _ in rows]

@@ -16,7 +16,7 @@ import torch
 
 from splitserve.common.model_info import cache_dir
 from splitserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.config import EngineConfig, resolve_attention_backend, resolve_device
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
@@ -34,8 +34,9 @@ def num_kv_blocks_for_budget(config: EngineConfig, model_config: ModelConfig) ->
     return max(1, config.kv_cache_memory_bytes // (bytes_per_token * config.block_size))
 
 
-def _allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The KV cache, all zeros, backed by a fresh anonymous mapping with huge pages.
+def _allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """The KV cache, all zeros: on CUDA one device allocation; on CPU backed by a fresh anonymous mapping
+    with huge pages.
 
     Slots past a sequence's end are read (and masked) by attention, so they must
     hold finite numbers: a zero attention weight times NaN is NaN. The kernel
@@ -44,6 +45,8 @@ def _allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     (writing gigabytes of zeros at start takes tens of seconds on a small VM).
     Huge pages make each first touch cover 2 MiB instead of 4 KiB.
     """
+    if device != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
     num_bytes = numel * torch.empty((), dtype=dtype).element_size()
     buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -93,7 +96,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str, model_config: ModelConfig, max_model_len: int) -> None:
         self.block_size = config.block_size
         self.model_config = model_config
-        self.model = load_model(model_dir, config.dtype, max_model_len)
+        self.device = resolve_device(config.device, torch.cuda.is_available())
+        backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.model = load_model(model_dir, config.dtype, max_model_len, self.device)
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.num_blocks = num_kv_blocks_for_budget(config, model_config)
         # Block-major: [num_blocks, layers, 2, kv_heads, block_size, head_dim]. One block holds its tokens'
@@ -103,13 +108,14 @@ class ModelRunner:
             (self.num_blocks, model_config.num_hidden_layers, 2, model_config.num_key_value_heads,
              self.block_size, model_config.head_dim),
             self.dtype,
+            self.device,
         )
         # Per layer, a view [2, kv_heads, num_blocks, block_size, head_dim] (strided: blocks far apart).
         self.kv_caches = [self.kv_cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(self.kv_cache.shape[1])]
-        self.use_cpu_kernel = _use_cpu_kernel(config.attention_backend, self.dtype)
+        self.use_cpu_kernel = _use_cpu_kernel(backend, self.dtype)
         self.model.use_cpu_kernels(self.use_cpu_kernel)
         # Triton: KV writes and all attention; the element-wise layer operations stay in torch.
-        self.use_triton_kernel = config.attention_backend == "triton"
+        self.use_triton_kernel = backend == "triton"
         if self.use_triton_kernel:
             triton_attention.check_usable(self.kv_cache.device)
         self.sampler = Sampler(config.seed)
@@ -164,9 +170,9 @@ class ModelRunner:
             row = len(token_ids)
             token_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
-            table = torch.tensor(block_tables[request.request_id], dtype=torch.int64)
+            table = torch.tensor(block_tables[request.request_id], dtype=torch.int64, device=self.device)
             spans.append(PrefillSpan(row, row + item.num_new_tokens, start, table))
-            chunk_positions = torch.arange(start, end)
+            chunk_positions = torch.arange(start, end, device=self.device)
             slot_mapping.append(table[chunk_positions // self.block_size] * self.block_size + chunk_positions % self.block_size)
             if item.sample:
                 sample_rows.append(row + item.num_new_tokens - 1)
@@ -177,8 +183,8 @@ class ModelRunner:
         if self.use_triton_kernel and spans:
             metadata.prefill_batch = PrefillBatch.from_spans(spans)
         return _BatchInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
             metadata=metadata,
             sample_rows=sample_rows,
             sample_requests=sample_requests,
@@ -187,17 +193,17 @@ class ModelRunner:
     def _decode_slots(self, tables: list[list[int]], positions: list[int]) -> torch.Tensor:
         size = self.block_size
         slots = [table[position // size] * size + position % size for table, position in zip(tables, positions)]
-        return torch.tensor(slots, dtype=torch.int64)
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     def _decode_group(self, start: int, end: int, tables: list[list[int]], positions: list[int]) -> DecodeGroup:
         """Padded block tables, context lengths and (torch path) the key mask of decode rows [start, end)."""
         max_blocks = max(position // self.block_size + 1 for position in positions)
         rows = [table[:max_blocks] for table in tables]
         padded = [row + [0] * (max_blocks - len(row)) for row in rows]
-        seq_lens = torch.tensor(positions, dtype=torch.int64) + 1
-        group = DecodeGroup(start, end, torch.tensor(padded, dtype=torch.int64), seq_lens, None)
+        seq_lens = torch.tensor(positions, dtype=torch.int64, device=self.device) + 1
+        group = DecodeGroup(start, end, torch.tensor(padded, dtype=torch.int64, device=self.device), seq_lens, None)
         if not (self.use_cpu_kernel or self.use_triton_kernel):
-            padding = torch.arange(max_blocks * self.block_size).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [requests, keys]
+            padding = torch.arange(max_blocks * self.block_size, device=self.device).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [requests, keys]
             num_kv_heads = self.model_config.num_key_value_heads
             group.mask = padding.unsqueeze(0).expand(num_kv_heads, -1, -1).reshape(num_kv_heads * len(tables), 1, -1)
         return group

@@ -83,7 +83,7 @@ class Sampler:
         elif not greedy_rows:
             sampled = self._sample_random(logits, requests)
         else:
-            sampled = torch.empty(len(requests), dtype=torch.long)
+            sampled = torch.empty(len(requests), dtype=torch.long, device=logits.device)
             greedy_index, random_index = torch.tensor(greedy_rows), torch.tensor(random_rows)
             sampled[greedy_index] = logits[greedy_index].argmax(dim=-1)
             sampled[random_index] = self._sample_random(
@@ -114,10 +114,11 @@ class Sampler:
         """
         vocab_size = logits.shape[-1]
         params = [request.sampling_params for request in requests]
-        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params])
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        device = logits.device  # the few per-row numbers go where the logits are (the engine's device)
+        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
 
         logits = apply_temperature(logits, temperatures)
         logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)

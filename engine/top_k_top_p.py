@@ -136,7 +136,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     """
     cumulative = probs.cumsum(dim=-1)  # [num_rows, vocab]
     totals = cumulative[:, -1:].contiguous()  # [num_rows, 1]
-    targets = uniforms.to(probs.dtype)[:, None] * totals  # [num_rows, 1]
+    targets = uniforms.to(device=probs.device, dtype=probs.dtype)[:, None] * totals  # [num_rows, 1]
     token_ids = torch.searchsorted(cumulative, targets, right=True)  # [num_rows, 1]
     last_likely_token_ids = torch.searchsorted(cumulative, totals)  # first to reach the total
     return torch.minimum(token_ids, last_likely_token_ids).squeeze(1)

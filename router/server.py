@@ -8,7 +8,6 @@ import threading
 import grpc
 
 from splitserve.common.errors import FailedPrecondition
-from splitserve.common.metrics import RouterMetrics, serve_metrics
 from splitserve.common.types import WorkerRole, WorkerState
 from splitserve.router.channels import Channels
 from splitserve.router.config import RouterConfig
@@ -20,6 +19,7 @@ from splitserve.router.registry_servicer import RegistryServicer
 from splitserve.router.servicer import MAX_CONCURRENT_SMALL_CALLS, InferenceServicer
 from splitserve.router.worker import KVCacheLayout
 from splitserve.rpc.convert import worker_load_from_pb, worker_state_from_pb
+from splitserve.rpc.metrics import RouterMetrics, serve_metrics
 from splitserve.rpc.server import start_server
 from splitserve.v1 import inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 

@@ -18,7 +18,6 @@ import grpc
 from splitserve.common.errors import InvalidRequest, Overloaded, SplitserveError, Unavailable
 from splitserve.common.ids import check_id
 from splitserve.common.log_fields import request_log
-from splitserve.common.metrics import RouterMetrics
 from splitserve.router.dispatch import DecodeStreamFailed, Dispatcher, RequestCancelled, RouterRequest
 from splitserve.router.frontend import Frontend
 from splitserve.router.registry import WorkerRegistry
@@ -27,6 +26,7 @@ from splitserve.rpc.convert import (
     worker_load_to_pb,
 )
 from splitserve.rpc.errors import status_of
+from splitserve.rpc.metrics import RouterMetrics
 from splitserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)

@@ -121,7 +121,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "rotary, SiLU-and-multiply): the C++ CPU kernels (compiled on first use, float32), plain torch, "
         "auto (the kernels when they can be built), or triton (KV writes and all attention in Triton "
         "kernels, the rest in torch; needs splitserve[triton], and on a CPU TRITON_INTERPRET=1, a slow "
-        "interpreter for tests) (default: %(default)s)",
+        "interpreter for tests); on CUDA, auto means triton and cpu is refused (default: %(default)s)",
+    )
+    group.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="where the model, the KV cache and sampling run: cuda (the current CUDA device), cpu, or auto "
+        "(cuda when torch finds one, else cpu); cuda without a CUDA device is refused with a sentence "
+        "(default: %(default)s)",
     )
 
 
@@ -153,6 +159,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.engine_seed,
         attention_backend=args.attention_backend,
+        device=args.device,
     )
 
 

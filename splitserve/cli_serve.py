@@ -489,7 +489,8 @@ def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
     flags = ["--model", model_dir, "--dtype", args.dtype, "--block-size", str(args.block_size),
              "--kv-cache-gb", str(args.kv_cache_gb), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--engine-seed", str(args.engine_seed), "--attention-backend", args.attention_backend]
+             "--engine-seed", str(args.engine_seed), "--attention-backend", args.attention_backend,
+             "--device", args.device]
     if args.max_model_len:
         flags += ["--max-model-len", str(args.max_model_len)]
     if args.no_chunked_prefill:

@@ -49,7 +49,7 @@ def build_worker(config):
     server.set_service_serving(service_name, False)  # ready (health of the service) once warmed up and registered
     try:
         if config.metrics_port is not None:
-            from splitserve.common.metrics import serve_metrics
+            from splitserve.rpc.metrics import serve_metrics
 
             runtime.metrics_server = serve_metrics(runtime.metrics.registry, config.host, config.metrics_port)
         runtime.start(bound)

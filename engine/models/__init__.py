@@ -31,8 +31,9 @@ def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
                 yield name, handle.get_tensor(name)
 
 
-def load_model(model_dir: str | Path, dtype: str, max_positions: int) -> LlamaForCausalLM:
-    """Build the model for ``config.json`` and load its safetensors weights in ``dtype``."""
+def load_model(model_dir: str | Path, dtype: str, max_positions: int, device: str = "cpu") -> LlamaForCausalLM:
+    """Build the model for ``config.json`` and load its safetensors weights in ``dtype``, on ``device`` ("cpu" or
+    "cuda": loaded on the host, then moved once; oneDNN's weight packing is for CPU only)."""
     config = ModelConfig.from_model_dir(model_dir)
     torch_dtype = _DTYPES[dtype]
     with torch.device("meta"):
@@ -42,7 +43,9 @@ def load_model(model_dir: str | Path, dtype: str, max_positions: int) -> LlamaFo
     model.to(torch_dtype)
     model.model.rotary.float()
     model.load_weights(iterate_safetensors(model_dir))
-    if can_pack_linear_weights(torch_dtype):
+    if device != "cpu":
+        model.to(device)
+    elif can_pack_linear_weights(torch_dtype):
         model.pack_linear_weights()
     model.eval()
     model.requires_grad_(False)

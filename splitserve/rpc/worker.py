@@ -74,6 +74,11 @@ class WorkerRuntime:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.engine = LLMEngine(config.engine)
+        on_device = self.engine.kv_cache_tensor.device.type != "cpu"
+        if on_device and config.role != "both" and config.kv_transfer != KVConnectorKind.LMCACHE:
+            raise ValueError(f"--kv-transfer {config.kv_transfer} moves KV between CPU caches only; this worker's "
+                             "cache is on CUDA (NCCL pairs are not built yet): use --kv-transfer lmcache, colocated "
+                             "workers, or --device cpu.")
         self.loop = EngineLoop(self.engine)
         self.model_fingerprint = model_fingerprint(self.engine.model_dir, config.engine.dtype)
         self.counters = Counters()
@@ -87,7 +92,7 @@ class WorkerRuntime:
         self.kv_transport = None
         self.kv_connector = None
         self.admission = AdmissionLimit(config.max_queued_requests)
-        from splitserve.common.metrics import WorkerMetrics
+        from splitserve.rpc.metrics import WorkerMetrics
 
         colocated = config.role == "both"
         self.metrics = WorkerMetrics("colocated" if colocated else config.role,

@@ -1,0 +1,85 @@
+"""--device: where the engine runs. The resolution rules are checked for both devices here (pure functions);
+the engine on CPU by device name; the engine on CUDA wherever torch finds a GPU (CI has none: those tests say
+so in their skip reason)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.config import EngineConfig, resolve_attention_backend, resolve_device
+from tests.reference import MAX_TOKENS
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False: a CPU build of torch, or no GPU)"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+
+
+@pytest.mark.parametrize(("asked", "cuda_available", "resolved"), [
+    ("auto", False, "cpu"), ("auto", True, "cuda"), ("cpu", True, "cpu"), ("cpu", False, "cpu"),
+    ("cuda", True, "cuda"),
+])
+def test_the_device_resolves(asked, cuda_available, resolved):
+    assert resolve_device(asked, cuda_available) == resolved
+
+
+def test_cuda_without_a_cuda_device_is_refused_with_a_sentence():
+    with pytest.raises(ValueError, match="torch finds no CUDA device here"):
+        resolve_device("cuda", False)
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda"):
+        EngineConfig(device="gpu")
+
+
+@pytest.mark.parametrize(("backend", "device", "resolved"), [
+    ("auto", "cpu", "auto"), ("auto", "cuda", "triton"), ("torch", "cuda", "torch"), ("triton", "cuda", "triton"),
+    ("cpu", "cpu", "cpu"), ("torch", "cpu", "torch"),
+])
+def test_the_attention_backend_follows_the_device(backend, device, resolved):
+    assert resolve_attention_backend(backend, device) == resolved
+
+
+def test_the_cpp_kernels_are_refused_on_cuda():
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        resolve_attention_backend("cpu", "cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda is valid here")
+def test_the_command_line_refuses_cuda_here_in_one_line(model_dir):
+    result = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "Hi", "--device", "cuda",
+                             "--model", str(model_dir)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "torch finds no CUDA device here" in result.stderr
+
+
+def test_the_engine_on_cpu_by_name_gives_transformers_tokens(model_dir, prompt_token_ids, hf_reference):
+    llm = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, device="cpu")
+    runner = llm.engine.model_runner
+    assert runner.device == "cpu" and runner.kv_cache.device.type == "cpu"
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids[:3]], GREEDY)
+    assert [output.outputs[0].token_ids for output in outputs] == hf_reference[:3]
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_engine_on_cuda_gives_transformers_tokens(model_dir, prompt_token_ids, hf_reference, backend):
+    llm = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, device="cuda", dtype="float32",
+              attention_backend=backend)
+    runner = llm.engine.model_runner
+    assert runner.kv_cache.device.type == "cuda"
+    assert all(parameter.device.type == "cuda" for parameter in runner.model.parameters())
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], GREEDY)
+    assert [output.outputs[0].token_ids for output in outputs] == hf_reference
+
+
+@needs_cuda
+def test_sampling_on_cuda_with_every_filter_and_penalty(model_dir):
+    llm = LLM(str(model_dir), num_kv_blocks=128, max_model_len=1024, device="cuda", dtype="bfloat16")
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=3,
+                            repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3, logprobs=2)
+    first, again = (llm.generate(["The capital of France is"], params)[0].outputs[0] for _ in range(2))
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 16  # a seed gives its tokens again
+    assert all(len(position) >= 2 for position in first.logprobs)
