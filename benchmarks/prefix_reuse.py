@@ -285,6 +285,8 @@ def run_side_by_side(transports: list[str], policy: str, args, vocab_size: int) 
             client.close()
         for cluster in clusters.values():
             cluster.stop()
+    for cluster in clusters.values():  # reached after a clean run only: a failed one keeps its logs
+        cluster.remove_log_dir()
     return samples
 
 

@@ -345,6 +345,7 @@ def main(argv=None) -> int:
                     results.append(result)
         finally:
             cluster.stop()
+        cluster.remove_log_dir()  # reached after a clean run only: a failed one keeps its logs
     print_table(results)
     print_goodput(results, args.slo_ttft, args.slo_itl)
     if args.json:
