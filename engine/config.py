@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_DTYPES = ("float32", "bfloat16")
+_DTYPES = ("auto", "float32", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 _DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_KV_CACHE_BYTES = 4 * 1024**3  # like vLLM-CPU's default KV space
@@ -16,7 +16,8 @@ class EngineConfig:
 
     Attributes:
         model: path to a local Hugging Face model directory (None: the default model).
-        dtype: weights, activations and KV cache dtype: "float32" or "bfloat16".
+        dtype: weights, activations and KV cache dtype: "float32", "bfloat16", or "auto" (bfloat16 on CUDA,
+            float32 on CPU, where bfloat16 matmuls are slower without AMX; see :func:`resolve_dtype`).
         block_size: tokens per KV cache block.
         kv_cache_memory_bytes: KV cache budget in bytes (used when num_kv_blocks is None).
         num_kv_blocks: KV cache size in blocks; overrides the byte budget.
@@ -37,7 +38,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     num_kv_blocks: int | None = None
@@ -113,6 +114,14 @@ def resolve_device(device: str, cuda_available: bool) -> str:
         raise ValueError("device 'cuda' was asked for, but torch finds no CUDA device here "
                          "(torch.cuda.is_available() is False: a CPU build of torch, or no GPU); use --device cpu.")
     return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The dtype an engine on ``device`` ("cpu" or "cuda") runs in: "auto" is bfloat16 on CUDA (what vLLM and
+    SGLang serve in there: half the bytes of every weight and KV read) and float32 on CPU."""
+    if dtype == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    return dtype
 
 
 def resolve_attention_backend(backend: str, device: str) -> str:

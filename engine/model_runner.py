@@ -16,7 +16,7 @@ import torch
 
 from splitserve.common.model_info import cache_dir
 from splitserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan
-from splitserve.engine.config import EngineConfig, resolve_attention_backend, resolve_device
+from splitserve.engine.config import EngineConfig, resolve_attention_backend, resolve_device, resolve_dtype
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
@@ -26,11 +26,12 @@ from splitserve.kernels import cpu_ops, triton_attention
 _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
 
 
-def num_kv_blocks_for_budget(config: EngineConfig, model_config: ModelConfig) -> int:
-    """KV blocks that fit the configured budget (or the explicit block count)."""
+def num_kv_blocks_for_budget(config: EngineConfig, model_config: ModelConfig, dtype: str) -> int:
+    """KV blocks of ``dtype`` (resolved: "float32" or "bfloat16") that fit the configured budget (or the
+    explicit block count)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    bytes_per_token = model_config.kv_bytes_per_token // 4 * _ELEMENT_SIZE[config.dtype]
+    bytes_per_token = model_config.kv_bytes_per_token // 4 * _ELEMENT_SIZE[dtype]
     return max(1, config.kv_cache_memory_bytes // (bytes_per_token * config.block_size))
 
 
@@ -98,9 +99,10 @@ class ModelRunner:
         self.model_config = model_config
         self.device = resolve_device(config.device, torch.cuda.is_available())
         backend = resolve_attention_backend(config.attention_backend, self.device)
-        self.model = load_model(model_dir, config.dtype, max_model_len, self.device)
+        self.dtype_name = resolve_dtype(config.dtype, self.device)
+        self.model = load_model(model_dir, self.dtype_name, max_model_len, self.device)
         self.dtype = self.model.model.embed_tokens.weight.dtype
-        self.num_blocks = num_kv_blocks_for_budget(config, model_config)
+        self.num_blocks = num_kv_blocks_for_budget(config, model_config, self.dtype_name)
         # Block-major: [num_blocks, layers, 2, kv_heads, block_size, head_dim]. One block holds its tokens'
         # KV for every layer in one contiguous piece, so KV connectors send and receive whole blocks
         # straight from and into the cache, without gathering (as SGLang's "page_first" host layout).

@@ -18,7 +18,8 @@ class RouterConfig:
         host, port: where the router listens (port 0: a free one).
         model: model directory the router reads tokenizer files and config.json from, never weights
             (None: the default model's converted directory, which ``splitserve prepare-model`` writes).
-        dtype: the workers' dtype (part of the model fingerprint they must share).
+        dtype: the workers' dtype (part of the model fingerprint they must share); "auto": float32 or
+            bfloat16, whichever the first worker to register serves.
         max_model_len: context limit enforced at the door (None: the model's).
         prefill_workers, decode_workers, colocated_workers: static worker addresses
             (workers may also register themselves with ``--router``).
@@ -48,7 +49,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 0
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_model_len: int | None = None
     prefill_workers: list[str] = field(default_factory=list)
     decode_workers: list[str] = field(default_factory=list)

@@ -47,21 +47,27 @@ class Frontend:
 
     Args:
         model: model directory (None: the default model's converted directory).
-        dtype: the workers' dtype, part of the model fingerprint.
+        dtype: the workers' dtype, part of the model fingerprint ("auto": float32 or bfloat16, whichever the
+            first worker to register serves).
         max_model_len: the cluster's context limit (None: the model's).
 
     Raises:
         FileNotFoundError: no such directory, or the default model is not prepared yet.
     """
 
-    def __init__(self, model: str | None, dtype: str = "float32", max_model_len: int | None = None) -> None:
+    def __init__(self, model: str | None, dtype: str = "auto", max_model_len: int | None = None) -> None:
         self.model_dir = find_model_dir(model)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.max_model_len = min(max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
         self.max_token_bytes = max_token_bytes(self.tokenizer)
         # None for a directory without weights: the registered workers then say which weights the cluster serves.
-        self.model_fingerprint = model_fingerprint(self.model_dir, dtype) if has_weights(self.model_dir) else None
+        # With dtype auto: None, and the fingerprints a worker may serve are those of either dtype.
+        dtypes = ("float32", "bfloat16") if dtype == "auto" else (dtype,)
+        self.allowed_fingerprints = (frozenset(model_fingerprint(self.model_dir, name) for name in dtypes)
+                                     if has_weights(self.model_dir) else None)
+        self.model_fingerprint = next(iter(self.allowed_fingerprints)) if dtype != "auto" and has_weights(
+            self.model_dir) else None
         self.model_name = self.model_dir.name
 
     def prompt_of(self, request) -> Prompt:

@@ -57,7 +57,9 @@ class WorkerRegistry:
         unreachable_after_seconds: silence after which a worker is not routed to
             (default: two heartbeat intervals).
         model_fingerprint: the weights every worker must serve (None: those of the
-            workers already registered; an empty registry accepts any).
+            workers already registered; an empty registry accepts any of ``allowed_fingerprints``).
+        allowed_fingerprints: with no fixed fingerprint, those the first worker may serve (the router's
+            model in either dtype under --dtype auto; None: any).
         clock: monotonic seconds (injectable for tests).
     """
 
@@ -68,6 +70,7 @@ class WorkerRegistry:
         unreachable_after_seconds: float | None = None,
         model_fingerprint: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        allowed_fingerprints: frozenset[str] | None = None,
     ) -> None:
         if not lease_duration_seconds > 0 or not heartbeat_interval_seconds > 0:
             raise ValueError("lease_duration_seconds and heartbeat_interval_seconds must be > 0.")
@@ -77,6 +80,7 @@ class WorkerRegistry:
             unreachable_after_seconds if unreachable_after_seconds is not None else 2 * heartbeat_interval_seconds
         )
         self._fixed_fingerprint = model_fingerprint
+        self._allowed_fingerprints = allowed_fingerprints
         self._clock = clock
         self._workers: dict[str, Worker] = {}  # insertion order = registration order
         self._leases: dict[str, str] = {}  # lease id -> worker id
@@ -346,6 +350,11 @@ class WorkerRegistry:
     def _check_fingerprint(self, address: str, fingerprint: str, excluding: Worker | None) -> None:
         """An empty fingerprint is not checked (the worker did not say)."""
         cluster = self._cluster_fingerprint(excluding)
+        if fingerprint and not cluster and self._allowed_fingerprints and fingerprint not in self._allowed_fingerprints:
+            raise FingerprintMismatch(
+                f"The worker at {address} serves model {fingerprint}, which is not the router's model in float32 or "
+                f"bfloat16 ({', '.join(sorted(self._allowed_fingerprints))}): start it with the router's --model."
+            )
         if fingerprint and cluster and fingerprint != cluster:
             raise FingerprintMismatch(
                 f"The worker at {address} serves model {fingerprint}, but this cluster serves {cluster}: "

@@ -37,7 +37,7 @@ class Router:
         self.frontend = Frontend(config.model, config.dtype, config.max_model_len)
         self.registry = WorkerRegistry(
             lease_duration_seconds=config.lease_seconds, heartbeat_interval_seconds=config.heartbeat_seconds,
-            model_fingerprint=self.frontend.model_fingerprint,
+            model_fingerprint=self.frontend.model_fingerprint, allowed_fingerprints=self.frontend.allowed_fingerprints,
         )
         self.channels = Channels(config.credentials.cluster_token, config.tls)
         self.dispatcher = Dispatcher(

@@ -103,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", help="local Hugging Face Llama-family model directory (default: SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and KV cache dtype (default: %(default)s)")
+    group.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+        help="weights, activations and KV cache dtype; auto is bfloat16 on CUDA and float32 on CPU "
+        "(default: %(default)s)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     group.add_argument(
         "--kv-cache-gb", type=float, default=DEFAULT_KV_CACHE_BYTES / 1024**3,

@@ -108,8 +108,9 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model directory to read the tokenizer files and config.json from; no weights are "
                         "loaded, and a directory without them is enough (default: SmolLM2-135M-Instruct, converted "
                         "beforehand by `splitserve prepare-model`)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the workers' dtype, part of the model fingerprint (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="the workers' dtype, part of the model fingerprint; auto accepts either, and the first "
+                        "worker to register sets it for the rest (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output accepted (default: the model's)")
     parser.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (default: %(default)s)")
     parser.add_argument("--prefill-worker", action="append", default=[], metavar="ADDR",
@@ -380,7 +381,7 @@ def _run_up(args: argparse.Namespace) -> int:
             raise ValueError(str(error)) from None
         worker_args += ["--lmcache-chunk-size", str(args.lmcache_chunk_size), "--lmcache-local-cpu-mb",
                         str(args.lmcache_local_cpu_mb), "--lmcache-ttl", str(args.lmcache_ttl)]
-    router_args = ["--model", model_dir, "--dtype", args.dtype, "--block-size", str(args.block_size),
+    router_args = ["--model", model_dir, "--dtype", _resolved_dtype(args), "--block-size", str(args.block_size),
                    "--local-prefill-threshold", str(args.local_prefill_threshold),
                    "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
     if args.max_model_len:
@@ -484,9 +485,21 @@ def _answer(address: str, prompts: list, max_tokens: int, api_key: str | None = 
     return 0
 
 
+def _resolved_dtype(args: argparse.Namespace) -> str:
+    """``up``'s --dtype as its workers on this machine will resolve it (auto: bfloat16 on CUDA, float32 on CPU),
+    so that the router pins the same fingerprint."""
+    if args.dtype != "auto":
+        return args.dtype
+    import torch
+
+    from splitserve.engine.config import resolve_device, resolve_dtype
+
+    return resolve_dtype("auto", resolve_device(args.device, torch.cuda.is_available()))
+
+
 def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
     """The engine flags of ``up``, passed on to every worker."""
-    flags = ["--model", model_dir, "--dtype", args.dtype, "--block-size", str(args.block_size),
+    flags = ["--model", model_dir, "--dtype", _resolved_dtype(args), "--block-size", str(args.block_size),
              "--kv-cache-gb", str(args.kv_cache_gb), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--engine-seed", str(args.engine_seed), "--attention-backend", args.attention_backend,

@@ -80,7 +80,7 @@ class WorkerRuntime:
                              "cache is on CUDA (NCCL pairs are not built yet): use --kv-transfer lmcache, colocated "
                              "workers, or --device cpu.")
         self.loop = EngineLoop(self.engine)
-        self.model_fingerprint = model_fingerprint(self.engine.model_dir, config.engine.dtype)
+        self.model_fingerprint = model_fingerprint(self.engine.model_dir, self.engine.model_runner.dtype_name)
         self.counters = Counters()
         self.state = inference_pb2.WORKER_STATE_STARTING
         self.address = ""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.config import EngineConfig, resolve_attention_backend, resolve_device
+from splitserve.engine.config import EngineConfig, resolve_attention_backend, resolve_device, resolve_dtype
 from tests.reference import MAX_TOKENS
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -42,6 +42,15 @@ def test_the_attention_backend_follows_the_device(backend, device, resolved):
     assert resolve_attention_backend(backend, device) == resolved
 
 
+@pytest.mark.parametrize(("dtype", "device", "resolved"), [
+    ("auto", "cpu", "float32"), ("auto", "cuda", "bfloat16"), ("float32", "cuda", "float32"),
+    ("bfloat16", "cpu", "bfloat16"),
+])
+def test_the_dtype_follows_the_device(dtype, device, resolved):
+    assert resolve_dtype(dtype, device) == resolved
+    assert EngineConfig().dtype == "auto"
+
+
 def test_the_cpp_kernels_are_refused_on_cuda():
     with pytest.raises(ValueError, match="runs on CPU only"):
         resolve_attention_backend("cpu", "cuda")
@@ -59,6 +68,7 @@ def test_the_engine_on_cpu_by_name_gives_transformers_tokens(model_dir, prompt_t
     llm = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, device="cpu")
     runner = llm.engine.model_runner
     assert runner.device == "cpu" and runner.kv_cache.device.type == "cpu"
+    assert runner.dtype_name == "float32" and runner.kv_cache.dtype == torch.float32  # dtype auto on CPU
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids[:3]], GREEDY)
     assert [output.outputs[0].token_ids for output in outputs] == hf_reference[:3]
 
@@ -83,3 +93,13 @@ def test_sampling_on_cuda_with_every_filter_and_penalty(model_dir):
     first, again = (llm.generate(["The capital of France is"], params)[0].outputs[0] for _ in range(2))
     assert first.token_ids == again.token_ids and len(first.token_ids) == 16  # a seed gives its tokens again
     assert all(len(position) >= 2 for position in first.logprobs)
+
+
+@needs_cuda
+def test_the_engine_on_cuda_defaults_to_bfloat16(model_dir):
+    llm = LLM(str(model_dir), num_kv_blocks=64, max_model_len=1024)  # device auto, dtype auto
+    runner = llm.engine.model_runner
+    assert runner.device == "cuda" and runner.dtype_name == "bfloat16"
+    assert runner.kv_cache.dtype == torch.bfloat16 and runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    output = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert len(output.outputs[0].token_ids) == 8

@@ -129,6 +129,19 @@ def test_without_a_fixed_fingerprint_the_registered_workers_set_it(clock):
     assert first.lease_id != registry.by_address("h:2").lease_id
 
 
+def test_with_dtype_auto_the_first_worker_picks_one_of_the_models_fingerprints(clock):
+    # A router started with --dtype auto allows its model in float32 or bfloat16; the first worker picks one.
+    registry = WorkerRegistry(clock=clock, allowed_fingerprints=frozenset({"m-f32", "m-bf16"}))
+    with pytest.raises(FingerprintMismatch) as refused:
+        registry.register(DECODE, "h:1", model_fingerprint="other", kv_layout=LAYOUT)
+    assert str(refused.value) == ("The worker at h:1 serves model other, which is not the router's model in float32 "
+                                  "or bfloat16 (m-bf16, m-f32): start it with the router's --model.")
+    registry.register(DECODE, "h:1", model_fingerprint="m-bf16", kv_layout=LAYOUT)
+    assert registry.model_fingerprint == "m-bf16"
+    with pytest.raises(FingerprintMismatch, match="serves model m-f32, but this cluster serves m-bf16"):
+        registry.register(PREFILL, "h:2", model_fingerprint="m-f32", kv_layout=LAYOUT)
+
+
 def layout(block_size: int = 16, dtype: str = "float32") -> KVCacheLayout:
     return KVCacheLayout(num_layers=30, num_kv_heads=3, head_size=64, dtype=dtype, block_size=block_size)
 
