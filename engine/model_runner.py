@@ -21,7 +21,7 @@ from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.kernels import cpu_ops, triton_attention
+from splitserve.kernels import cpu_ops, triton_attention, triton_ops
 
 _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
 
@@ -115,11 +115,11 @@ class ModelRunner:
         # Per layer, a view [2, kv_heads, num_blocks, block_size, head_dim] (strided: blocks far apart).
         self.kv_caches = [self.kv_cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(self.kv_cache.shape[1])]
         self.use_cpu_kernel = _use_cpu_kernel(backend, self.dtype)
-        self.model.use_cpu_kernels(self.use_cpu_kernel)
-        # Triton: KV writes and all attention; the element-wise layer operations stay in torch.
+        # Triton: KV writes, all attention and the fused element-wise layer operations.
         self.use_triton_kernel = backend == "triton"
         if self.use_triton_kernel:
             triton_attention.check_usable(self.kv_cache.device)
+        self.model.use_kernels(cpu_ops if self.use_cpu_kernel else triton_ops if self.use_triton_kernel else None)
         self.sampler = Sampler(config.seed)
 
     @torch.inference_mode()

@@ -142,9 +142,12 @@ def verify(header: TransferHeader, payload: torch.Tensor | Buffer, model_fingerp
     if header.first_token_position % layout.block_size:
         raise KVVerificationError(f"The payload starts at token {header.first_token_position}, not at a block "
                                   f"boundary (block size {layout.block_size}).")
-    data = payload_bytes(payload) if isinstance(payload, torch.Tensor) else memoryview(payload).cast("B")
-    if len(data) != header.payload_num_bytes:
-        raise KVVerificationError(f"The payload has {len(data)} bytes, header says {header.payload_num_bytes}.")
+    on_host = not isinstance(payload, torch.Tensor) or payload.device.type == "cpu"
+    data = (payload_bytes(payload) if isinstance(payload, torch.Tensor) else memoryview(payload).cast("B")) if on_host \
+        else None  # a tensor on a GPU: its size is checked, its bytes stay there
+    num_bytes = len(data) if on_host else payload.numel() * payload.element_size()
+    if num_bytes != header.payload_num_bytes:
+        raise KVVerificationError(f"The payload has {num_bytes} bytes, header says {header.payload_num_bytes}.")
     expected = header.num_blocks * layout.block_num_bytes
     if header.payload_num_bytes != expected:
         raise KVVerificationError(f"The header says {header.payload_num_bytes} payload bytes, but {header.num_tokens} "
@@ -154,13 +157,20 @@ def verify(header: TransferHeader, payload: torch.Tensor | Buffer, model_fingerp
     if header.checksum_type != "xxh3":
         raise KVVerificationError("The sender sent this KV without a checksum (--kv-checksum none) and this worker "
                                   "requires one (--kv-checksum xxh3): start both with the same --kv-checksum.")
+    if data is None:
+        raise KVVerificationError("A KV payload on a GPU cannot be checksummed on the host: receive it with "
+                                  "--kv-checksum none (the p2p connector does so for CUDA caches).")
     actual = checksum(data)
     if actual != header.checksum:
         raise KVVerificationError(f"Checksum mismatch: the payload's XXH3-64 is {actual:016x}, the header says "
                                   f"{(header.checksum or 0):016x}.")
 
 
-def payload_tensor(header: TransferHeader, data: Buffer) -> torch.Tensor:
-    """A verified payload's bytes as ``[n, layers, 2, kv_heads, block_size, head_size]`` (no copy when writable)."""
-    flat = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+def payload_tensor(header: TransferHeader, data: Buffer | torch.Tensor) -> torch.Tensor:
+    """A verified payload's bytes (a buffer, or a contiguous uint8 tensor on any device) as
+    ``[n, layers, 2, kv_heads, block_size, head_size]`` (no copy when writable)."""
+    if isinstance(data, torch.Tensor):
+        flat = data.view(-1)
+    else:
+        flat = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     return flat.view(header.layout.dtype).view(header.layout.payload_shape(header.num_blocks))

@@ -3,7 +3,9 @@
 No global process group and nothing external: the decode worker's KV endpoint
 is a rendezvous server bound to its host, where each prefill worker that sends
 to it proves the cluster token and gets a store of its own, over which the two
-build a two-rank Gloo group (``p2p_pairs.py``, ``rendezvous_protocol.py``).
+build a two-rank Gloo group for control and, for the blocks, the same group
+(CPU caches) or an NCCL group (CUDA caches) (``p2p_pairs.py``,
+``p2p_channels.py``, ``rendezvous_protocol.py``).
 A send moves the payload's blocks straight from the cache in chunks of whole
 blocks, each with its own header, and waits for the receiver's
 acknowledgement (``p2p_wire.py``, which describes the messages). On the decode
@@ -37,6 +39,7 @@ from splitserve.kvtransfer.connector import (
 from splitserve.kvtransfer.errors import KVTransferError
 from splitserve.kvtransfer.header import TransferHeader, payload_tensor, verify
 from splitserve.kvtransfer.layout import KVLayout
+from splitserve.kvtransfer.p2p_channels import plane_name
 from splitserve.kvtransfer.p2p_pairs import RECEIVER, SenderPair, accept_pair, connect_pair
 from splitserve.kvtransfer.p2p_receiver import PairReceiver
 from splitserve.kvtransfer.p2p_wire import FLAG_GOODBYE, TAG_META, PairBroken, send_on_pair
@@ -58,7 +61,13 @@ class P2PConnector(KVConnector):
     def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout, host: str = "127.0.0.1",
                  connect_timeout_seconds: float = 10.0, send_timeout_seconds: float = 120.0,
                  receive_timeout_seconds: float = 60.0, chunk_bytes: int = 4 << 20, receive_slots: int = 8,
-                 checksum: str = "xxh3", cluster_token: str | None = None, max_pairs: int = 64) -> None:
+                 checksum: str = "xxh3", cluster_token: str | None = None, max_pairs: int = 64,
+                 device: str = "cpu", separate_data_group: bool = False) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            checksum = "none"
+        self.separate_data_group = bool(separate_data_group)
+        self.plane = plane_name(self.device, self.separate_data_group)  # refuses other devices
         super().__init__(worker_id, model_fingerprint, layout, checksum)
         self.host = host
         self._cluster_token = cluster_token
@@ -87,7 +96,7 @@ class P2PConnector(KVConnector):
         host = self.host if self.host not in ("0.0.0.0", "::", "") else socket.getfqdn()
         port = self._rendezvous_server().port
         return KVEndpointInfo("p2p", f"[{host}]:{port}" if ":" in host else f"{host}:{port}", self.worker_id,
-                              {"backend": "gloo"})
+                              {"backend": self.plane})
 
     def _rendezvous_server(self) -> RendezvousServer:
         """The rendezvous server at the KV endpoint (started on first use); pairs are accepted once
@@ -113,23 +122,23 @@ class P2PConnector(KVConnector):
     def _receive_pair(self, index: int, peer: str, store: dist.Store, local_host: str) -> None:
         """One pair's receive thread (started by the rendezvous server): build this end, receive until it ends."""
         try:
-            group = accept_pair(store, index, local_host, self.connect_timeout)
-            self._receive_groups.append(group)
+            channels = accept_pair(store, index, local_host, self.connect_timeout, self.device,
+                                   self.separate_data_group)
+            self._receive_groups.append(channels)
         except Exception as error:
             logger.warning("KV pair %d could not be set up: %s", index, error)
             return
-        logger.info("KV pair %d with %s ready", index, peer)
-        PairReceiver(self, group, f"{peer} (pair {index})").run()
+        logger.info("KV pair %d with %s ready (%s)", index, peer, self.plane)
+        PairReceiver(self, channels, f"{peer} (pair {index})").run()
 
     def _deliver(self, header: TransferHeader, data: torch.Tensor) -> None:
-        """Verify one received payload (uint8 ``data``) and hand it to the callback; refusals go to on_error,
-        once per transfer."""
+        """Verify one received payload (uint8 ``data``, on the cache's device) and hand it to the callback;
+        refusals go to on_error, once per transfer."""
         if header.transfer_id in self._dropped or self._closed.is_set():
             return
         try:
-            view = memoryview(data.numpy())
-            verify(header, view, self.model_fingerprint, self.layout, checksum_type=self.checksum_type)
-            payload = payload_tensor(header, view)
+            verify(header, data, self.model_fingerprint, self.layout, checksum_type=self.checksum_type)
+            payload = payload_tensor(header, data)
         except KVTransferError as error:
             self._dropped.add(header.transfer_id)
             self._on_error(header.transfer_id, error)
@@ -181,7 +190,7 @@ class P2PConnector(KVConnector):
                 if address in self._pairs:
                     return self._pairs[address], True
             pair = connect_pair(address, self.worker_id, self._cluster_token, self.connect_timeout,
-                                self.send_timeout)
+                                self.send_timeout, self.device, self.separate_data_group)
             with self._pairs_lock:
                 self._pairs[address] = pair
             return pair, False
@@ -203,7 +212,7 @@ class P2PConnector(KVConnector):
             if pair.lock.acquire(timeout=0.5):
                 try:
                     goodbye = torch.tensor([0, 0, 0, 0, FLAG_GOODBYE], dtype=torch.int64)
-                    pair.group.send([goodbye], RECEIVER, TAG_META).wait(timedelta(seconds=0.5))
+                    pair.channels.control.send([goodbye], RECEIVER, TAG_META).wait(timedelta(seconds=0.5))
                 except Exception:
                     pass
                 finally:

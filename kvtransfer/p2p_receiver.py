@@ -1,6 +1,9 @@
 """The decode end of one ``p2p`` pair: a thread that receives its sends through a ring of chunks.
 
-Gloo moves a message only once the receiver has posted a buffer for it, so
+META, header frames and the acknowledgement go on the pair's control group,
+the blocks on its data group, into a ring where the cache is (host memory,
+or the GPU for a CUDA cache: ``p2p_channels.py``). Gloo (and NCCL) move a
+message only once the receiver has posted a buffer for it, so
 the receiver posts a ring of chunks ahead (``receive_slots``) as soon as META
 (``p2p_wire.py``) tells their sizes (its own layout never sizes a receive: a
 mismatched size would abort the process inside Gloo; the header check refuses
@@ -38,6 +41,7 @@ from splitserve.kvtransfer.p2p_wire import (
 
 if TYPE_CHECKING:
     from splitserve.kvtransfer.p2p import P2PConnector
+    from splitserve.kvtransfer.p2p_channels import PairChannels
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +49,12 @@ logger = logging.getLogger(__name__)
 class PairReceiver:
     """The decode end of one pair: receives sends in order on its own thread until the pair ends."""
 
-    def __init__(self, connector: P2PConnector, group, peer: str) -> None:
+    def __init__(self, connector: P2PConnector, channels: PairChannels, peer: str) -> None:
         self.connector = connector
-        self.group = group
+        self.channels = channels
+        self.group = channels.control
         self.peer = peer
-        self.ring = torch.empty(0, dtype=torch.uint8)  # receive_slots chunks, reused
+        self.ring = channels.buffer(0)  # receive_slots chunks, reused, on the cache's device
         self.frames = torch.empty(0, dtype=torch.uint8)
         self.open_transfers: set[str] = set()  # seen on this pair, last payload not yet
         self.in_send = False  # between a META and the last chunk of its send
@@ -76,7 +81,8 @@ class PairReceiver:
                 next_meta = torch.empty(5, dtype=torch.int64)
                 meta_work = self.group.recv([next_meta], SENDER, TAG_META)  # posted ahead: no bubble
                 self.in_send = True
-                self._receive_send(num_blocks, blocks_per_chunk, block_bytes, frame_bytes)
+                with self.channels.device_scope():
+                    self._receive_send(num_blocks, blocks_per_chunk, block_bytes, frame_bytes)
                 self.in_send = False
                 meta = next_meta
             except Exception as error:
@@ -96,7 +102,7 @@ class PairReceiver:
         chunk_bytes = blocks_per_chunk * block_bytes
         num_slots = min(self.connector.receive_slots, num_chunks)
         if self.ring.numel() < num_slots * chunk_bytes:
-            self.ring = torch.empty(num_slots * chunk_bytes, dtype=torch.uint8)
+            self.ring = self.channels.buffer(num_slots * chunk_bytes)
         if self.frames.numel() < num_slots * frame_bytes:
             self.frames = torch.empty(num_slots * frame_bytes, dtype=torch.uint8)
 
@@ -108,8 +114,8 @@ class PairReceiver:
             frame = self.frames[slot * frame_bytes : (slot + 1) * frame_bytes]
             data = self.ring[slot * chunk_bytes : slot * chunk_bytes + chunk_blocks * block_bytes]
             frame_work = self.group.recv([frame], SENDER, TAG_HEADER)
-            block_works = [self.group.recv([data[block * block_bytes : (block + 1) * block_bytes]], SENDER,
-                                           TAG_PAYLOAD) for block in range(chunk_blocks)]
+            block_works = [self.channels.data.recv([data[block * block_bytes : (block + 1) * block_bytes]], SENDER,
+                                                   TAG_PAYLOAD) for block in range(chunk_blocks)]
             return frame, frame_work, data, block_works
 
         posted = [post(index) for index in range(num_slots)]
@@ -121,7 +127,7 @@ class PairReceiver:
             if header is not None:  # known before its blocks land: a peer lost mid-chunk fails this transfer
                 self.open_transfers.add(header.transfer_id)
             for work in block_works:
-                work.wait(timeout)
+                self.channels.wait_data(work, timeout)
             if index == num_chunks - 1:
                 closing = self.connector._closed.is_set()
                 status = torch.tensor([ACK_CLOSING if closing else ACK_OK], dtype=torch.int64)

@@ -9,10 +9,14 @@ One send on a pair: the payload's blocks, grouped in chunks of whole blocks
                BLOCK   uint8[block_bytes]         one message per block, straight from the cache
     ACK      int64[1]  from the decode side once every chunk is in its memory: 0, or 1 if it is closing
 
-A block of the block-major cache is one contiguous piece, so the sender hands
-Gloo the cache's own memory: nothing is gathered or copied on the prefill
-side. The sender checksums chunk i+1 while chunk i's blocks are on the wire.
-The receiving end is ``p2p_receiver.py``.
+META, HEADER and ACK go on the pair's control group (Gloo, on the host), the
+blocks on its data group (the same Gloo group for CPU caches, NCCL for CUDA
+ones: ``p2p_channels.py``). A block of the block-major cache is one contiguous
+piece, so the sender hands the group the cache's own memory: nothing is
+gathered or copied on the prefill side. The sender checksums chunk i+1 while
+chunk i's blocks are on the wire (CPU caches; on CUDA the blocks never reach
+the host, and the connector sends without checksums). The receiving end is
+``p2p_receiver.py``.
 """
 
 from __future__ import annotations
@@ -55,25 +59,29 @@ def send_on_pair(pair: SenderPair, header: TransferHeader, source: BlockSource, 
     flags = PROTOCOL_VERSION << 8
     meta = torch.tensor([source.num_blocks, blocks_per_chunk, source.block_num_bytes, frame_bytes, flags],
                         dtype=torch.int64)
+    channels = pair.channels
     try:
-        pair.group.send([meta], RECEIVER, TAG_META).wait()
+        channels.control.send([meta], RECEIVER, TAG_META).wait()
     except Exception as error:
         raise PairBroken(error, data_sent=False) from None
     try:
-        works, keep = [], []  # frames and blocks stay referenced until their sends complete
-        for index, chunk in enumerate(headers):
-            first_block = index * blocks_per_chunk
-            blocks = [source.block(first_block + offset).contiguous().view(-1).view(torch.uint8)
-                      for offset in range(chunk.num_blocks)]
-            if compute_checksums:  # while the previous chunk's blocks are on the wire
-                chunk.checksum = checksum_of_pieces(memoryview(block.numpy()) for block in blocks)
-            keep.append((header_frame(chunk, frame_bytes), blocks))
-            works.append(pair.group.send([keep[-1][0]], RECEIVER, TAG_HEADER))
-            works.extend(pair.group.send([block], RECEIVER, TAG_PAYLOAD) for block in blocks)
-        for work in works:
-            work.wait()
+        with channels.device_scope():
+            control_works, data_works, keep = [], [], []  # frames and blocks stay referenced until sent
+            for index, chunk in enumerate(headers):
+                first_block = index * blocks_per_chunk
+                blocks = [source.block(first_block + offset).contiguous().view(-1).view(torch.uint8)
+                          for offset in range(chunk.num_blocks)]
+                if compute_checksums:  # while the previous chunk's blocks are on the wire
+                    chunk.checksum = checksum_of_pieces(memoryview(block.numpy()) for block in blocks)
+                keep.append((header_frame(chunk, frame_bytes), blocks))
+                control_works.append(channels.control.send([keep[-1][0]], RECEIVER, TAG_HEADER))
+                data_works.extend(channels.data.send([block], RECEIVER, TAG_PAYLOAD) for block in blocks)
+            for work in control_works:
+                work.wait()
+            for work in data_works:
+                channels.wait_data(work, timeout)
         status = torch.empty(1, dtype=torch.int64)
-        pair.group.recv([status], RECEIVER, TAG_ACK).wait(timeout)
+        channels.control.recv([status], RECEIVER, TAG_ACK).wait(timeout)
     except Exception as error:
         raise PairBroken(error, data_sent=True) from None
     if int(status) == ACK_CLOSING:

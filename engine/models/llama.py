@@ -18,7 +18,6 @@ from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.models.packed_linear import PackedLinear
 from splitserve.engine.models.rms_norm import RMSNorm
 from splitserve.engine.models.rotary_embedding import RotaryEmbedding, apply_rotary
-from splitserve.kernels import cpu_ops
 
 # Up to this many rows, logits use the transposed copy of the head (decode of small batches).
 _SMALL_BATCH_ROWS = 4
@@ -35,7 +34,7 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
-        self.use_cpu_kernel = False  # set by LlamaForCausalLM.use_cpu_kernels
+        self.kernels = None  # set by LlamaForCausalLM.use_kernels
 
     def forward(
         self,
@@ -49,8 +48,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # Queries and keys are rotated together: [tokens, q_heads + kv_heads, head_dim].
         query_key = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.use_cpu_kernel:
-            cpu_ops.rotary_(query_key, rotary_tables[0].squeeze(1), rotary_tables[1].squeeze(1))
+        if self.kernels is not None:
+            self.kernels.rotary_(query_key, rotary_tables[0].squeeze(1), rotary_tables[1].squeeze(1))
         else:
             query_key = apply_rotary(query_key, *rotary_tables)
         query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -65,12 +64,12 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.use_cpu_kernel = False  # set by LlamaForCausalLM.use_cpu_kernels
+        self.kernels = None  # set by LlamaForCausalLM.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [tokens, 2 * intermediate]
-        if self.use_cpu_kernel:
-            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -146,13 +145,14 @@ class LlamaForCausalLM(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(hidden, self._packed_head, None, "none", [], "")
         return F.linear(hidden, self._head_weight()).float()
 
-    def use_cpu_kernels(self, enabled: bool) -> None:
-        """Run RMSNorm (fused with the residual add), rotary and SiLU-and-multiply through the C++
-        kernels of ``splitserve.kernels.cpu_ops`` (float32; call ``cpu_ops.available`` first), or
-        through the plain-torch code here, their reference."""
+    def use_kernels(self, kernels) -> None:
+        """Run RMSNorm (fused with the residual add), rotary and SiLU-and-multiply through ``kernels``: the
+        C++ kernels (``splitserve.kernels.cpu_ops``, float32; call ``cpu_ops.available`` first), the Triton
+        kernels (``splitserve.kernels.triton_ops``: the same functions and contracts), or None: the
+        plain-torch code here, their reference."""
         for module in self.modules():
-            if hasattr(module, "use_cpu_kernel"):
-                module.use_cpu_kernel = enabled
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
 
     def pack_linear_weights(self) -> None:
         """Replace every projection of every layer by a :class:`PackedLinear` (frees the dense weights)

@@ -1,29 +1,28 @@
-"""RMSNorm, optionally fused with the residual add: plain torch, or the C++ kernel it is the reference of."""
+"""RMSNorm, optionally fused with the residual add: plain torch, or the C++ or Triton kernel it is the reference
+of."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from splitserve.kernels import cpu_ops
-
 
 class RMSNorm(nn.Module):
-    """RMSNorm, optionally after adding ``x`` into the residual stream (one pass in the C++ kernel)."""
+    """RMSNorm, optionally after adding ``x`` into the residual stream (one pass in a kernel)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
-        self.use_cpu_kernel = False  # set by LlamaForCausalLM.use_cpu_kernels
+        self.kernels = None  # cpu_ops or triton_ops: set by LlamaForCausalLM.use_kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x: [tokens, hidden]. Without ``residual``: returns norm(x). With it: ``residual + x`` becomes the
-        new residual (the C++ kernel adds in place) and returns (norm(residual + x), residual + x)."""
-        if self.use_cpu_kernel:
+        new residual (a kernel adds in place) and returns (norm(residual + x), residual + x)."""
+        if self.kernels is not None:
             if residual is None:
-                return cpu_ops.rms_norm(x, self.weight, self.eps)
-            return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps), residual
+                return self.kernels.rms_norm(x, self.weight, self.eps)
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
         if residual is None:
             return self._normalize(x)
         residual = residual + x

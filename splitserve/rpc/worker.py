@@ -75,10 +75,10 @@ class WorkerRuntime:
         self.config = config
         self.engine = LLMEngine(config.engine)
         on_device = self.engine.kv_cache_tensor.device.type != "cpu"
-        if on_device and config.role != "both" and config.kv_transfer != KVConnectorKind.LMCACHE:
-            raise ValueError(f"--kv-transfer {config.kv_transfer} moves KV between CPU caches only; this worker's "
-                             "cache is on CUDA (NCCL pairs are not built yet): use --kv-transfer lmcache, colocated "
-                             "workers, or --device cpu.")
+        if on_device and config.role != "both" and config.kv_transfer == "redis":
+            raise ValueError("--kv-transfer redis moves KV between CPU caches only; this worker's cache is on CUDA: "
+                             "use --kv-transfer p2p (NCCL between GPU caches), lmcache, colocated workers, or "
+                             "--device cpu.")
         self.loop = EngineLoop(self.engine)
         self.model_fingerprint = model_fingerprint(self.engine.model_dir, self.engine.model_runner.dtype_name)
         self.counters = Counters()
@@ -167,7 +167,8 @@ class WorkerRuntime:
         self.kv_layout = layout
         if self.config.kv_transfer == KVConnectorKind.LMCACHE:
             return self._create_lmcache_store(layout)
-        options = {"host": self.config.kv_address or self.config.host, "cluster_token": self.config.cluster_token}
+        options = {"host": self.config.kv_address or self.config.host, "cluster_token": self.config.cluster_token,
+                   "device": str(self.engine.kv_cache_tensor.device)}
         if self.config.kv_transfer == "redis":
             options = {"url": self.config.kv_address, **self.config.redis_access.connector_options()}
         options["checksum"] = self.config.kv_checksum

@@ -1,5 +1,6 @@
-"""The engine with ``attention_backend="triton"`` (KV writes, decode and prefill attention in the Triton
-kernels) gives the torch backend's greedy tokens; on a CPU it refuses to start outside the interpreter.
+"""The engine with ``attention_backend="triton"`` (KV writes, decode and prefill attention, RMSNorm with the
+residual add, rotary and SiLU-and-multiply in the Triton kernels) gives the torch backend's greedy tokens; on a
+CPU it refuses to start outside the interpreter.
 
 On a CPU the Triton engine runs in Triton's interpreter, in a process of its own started with
 ``TRITON_INTERPRET=1`` (which must be set before that process imports triton, whatever this pytest
@@ -34,6 +35,8 @@ from splitserve import LLM, SamplingParams
 model, options, prompts, max_tokens = json.loads(sys.argv[1])
 llm = LLM(model, attention_backend="triton", **options)
 assert llm.engine.model_runner.use_triton_kernel
+from splitserve.kernels import triton_ops
+assert all(module.kernels is triton_ops for module in llm.engine.model_runner.model.modules() if hasattr(module, "kernels"))
 outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
 print(json.dumps([output.outputs[0].token_ids for output in outputs]))
 """

@@ -1,0 +1,150 @@
+"""The two channels of a ``p2p`` pair: control on the host, block data where the caches are.
+
+Control (META, header frames, acknowledgements: small host tensors, matched by
+tag) always runs on a Gloo group. The blocks run on the data group:
+
+- CPU caches: the control group itself (one Gloo group, nothing extra), or with
+  ``separate_data_group`` a second Gloo group, which is how the tests run the
+  CUDA path's two-group protocol on CPU;
+- CUDA caches: a ``ProcessGroupNCCL`` over the same pair store, so the blocks go
+  from one GPU's cache to the other's without touching either host.
+
+Everything else (rendezvous, META, headers, chunking, the receive ring, failure
+handling) is the same code for both; what differs is here: how a group is
+built, where buffers live, and how a data operation is waited for. NCCL matches
+sends to receives by order, not by tag, so only blocks ever travel on the data
+group (in order on both ends). NCCL refuses two ranks on one GPU, so a pair's two
+workers run on two GPUs.
+
+Both ends publish their plane's name in the pair store before building groups;
+a pair whose ends differ (a CPU cache on one side, a CUDA cache on the other) is
+refused with a sentence instead of hanging in a group that can never form.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from splitserve.kvtransfer.errors import KVTransferError
+
+_POLL_SECONDS = 0.0002  # between completion checks of a data operation on a CUDA cache
+
+
+def plane_name(device: torch.device, separate_data_group: bool) -> str:
+    """The name of a pair's data plane: "gloo" (one group), "gloo+gloo" or "gloo+nccl" (control + data)."""
+    if device.type == "cuda":
+        return "gloo+nccl"
+    if device.type != "cpu":
+        raise KVTransferError(f"The p2p connector moves KV between CPU or CUDA caches, not {device} ones.")
+    return "gloo+gloo" if separate_data_group else "gloo"
+
+
+class PairChannels:
+    """One end of a pair: ``control`` (Gloo) and ``data`` (Gloo or NCCL; maybe ``control`` itself)."""
+
+    def __init__(self, control, data, device: torch.device) -> None:
+        self.control = control
+        self.data = data
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+
+    def buffer(self, num_bytes: int) -> torch.Tensor:
+        """A uint8 buffer for received blocks, where the data group writes them."""
+        return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+
+    def wait_data(self, work, timeout: timedelta) -> None:
+        """Wait for a data-group operation. A Gloo work waits itself; an NCCL work is polled (its own wait only
+        orders the CUDA streams) until its kernel has finished, so that the bytes are in place when this
+        returns and a peer that stalls is seen within ``timeout``.
+
+        Raises:
+            TimeoutError: the NCCL operation did not finish in time (its communicator is aborted).
+        """
+        if not self.on_cuda:
+            work.wait(timeout)
+            return
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self.abort()
+                raise TimeoutError(f"an NCCL block transfer did not finish within {timeout.total_seconds():g} s")
+            time.sleep(_POLL_SECONDS)
+        work.wait()  # raises the communicator's error, if it failed
+
+    def abort(self) -> None:
+        """Abort an NCCL data group (its pending operations end; the process goes on)."""
+        abort = getattr(self.data, "abort", None)
+        if self.on_cuda and abort is not None:
+            try:
+                abort()
+            except Exception:  # already aborted or torn down
+                pass
+
+    def device_scope(self):
+        """A context in which this thread's CUDA operations run on the cache's device (nothing on CPU)."""
+        return torch.cuda.device(self.device) if self.on_cuda else _NoScope()
+
+
+class _NoScope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        return None
+
+
+def build_channels(store: dist.Store, index: int, rank: int, timeout: timedelta, device: torch.device,
+                   host: str | None, separate_data_group: bool = False) -> PairChannels:
+    """This end's channels of pair ``index`` over the pair's ``store``: publish this end's plane, check the
+    peer's, then build the groups (Gloo sockets bound to ``host``; None: Gloo's default, the hostname).
+
+    Raises:
+        KVTransferError: the peer's plane differs from this end's (a sentence naming both), or this build of
+            torch has no NCCL for a CUDA cache.
+        Whatever Gloo or the store raise when the peer does not come within ``timeout``.
+    """
+    plane = plane_name(device, separate_data_group)
+    prefix = f"splitserve/kv/pair/{index}"
+    store.set(f"{prefix}/plane/{rank}", plane)
+    peer_key = f"{prefix}/plane/{1 - rank}"
+    store.wait([peer_key], timeout)
+    peer_plane = store.get(peer_key).decode(errors="replace")[:32]
+    if peer_plane != plane:
+        raise KVTransferError(
+            f"The KV peer moves blocks over {peer_plane}, this worker over {plane}: both ends of a p2p pair need "
+            "their KV caches on the same kind of device (CPU: Gloo; CUDA: NCCL) and the same options."
+        )
+    control = _gloo_group(dist.PrefixStore(prefix, store), rank, timeout, host)
+    if plane == "gloo":
+        return PairChannels(control, control, device)
+    if plane == "gloo+gloo":
+        return PairChannels(control, _gloo_group(dist.PrefixStore(f"{prefix}/data", store), rank, timeout, host),
+                            device)
+    return PairChannels(control, _nccl_group(dist.PrefixStore(f"{prefix}/data", store), rank, timeout, device),
+                        device)
+
+
+def _gloo_group(store: dist.Store, rank: int, timeout: timedelta, host: str | None):
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host
+                        else dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def _nccl_group(store: dist.Store, rank: int, timeout: timedelta, device: torch.device):
+    """A two-rank NCCL group for the blocks. A failed or timed-out operation aborts the communicator and
+    raises; it must not take the worker down with it (TORCH_NCCL_ASYNC_ERROR_HANDLING=2: clean up only,
+    unless the operator set it otherwise)."""
+    if not (dist.is_nccl_available() and hasattr(dist, "ProcessGroupNCCL")):
+        raise KVTransferError("This build of torch has no NCCL: p2p between CUDA caches needs a CUDA build of torch.")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    with torch.cuda.device(device):
+        return dist.ProcessGroupNCCL(store, rank, 2, options)

@@ -1,0 +1,115 @@
+"""The p2p connector between CUDA caches: NCCL carries the blocks, Gloo the rest (``kvtransfer/p2p_channels.py``).
+
+The protocol these tests share with the CPU path runs in CI on CPU (tests/integration/test_kvtransfer.py, with
+the blocks on a second Gloo group). These need CUDA: a pair needs two GPUs (NCCL refuses two ranks on one
+device); the checks on one GPU need one. CI has none: each test says so in its skip reason.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from splitserve.kvtransfer import create_connector
+from splitserve.kvtransfer.blocks import scatter_blocks
+from splitserve.kvtransfer.errors import KVVerificationError
+from splitserve.kvtransfer.header import payload_tensor, verify
+from tests.kv_helpers import FINGERPRINT, LAYOUT, SHAPE, header_for, seeded_cache
+
+pytestmark = pytest.mark.timeout(180)
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_one_gpu = pytest.mark.skipif(GPUS < 1, reason="no CUDA device here (torch.cuda.is_available() is False)")
+needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"an NCCL pair needs two GPUs (NCCL refuses two ranks on one "
+                                                     f"device); this machine has {GPUS}")
+
+CUDA_SENDER = r"""
+import sys, torch
+from splitserve.kvtransfer import create_connector
+from splitserve.kvtransfer.blocks import BlockSource
+from splitserve.kvtransfer.connector import KVEndpointInfo
+from splitserve.kvtransfer.header import TransferHeader
+from splitserve.kvtransfer.layout import KVLayout
+address, device, seed, transfer_id = sys.argv[1:5]
+layout = KVLayout(4, 2, 8, torch.float32, 4)
+cache = torch.randn((16, 4, 2, 2, 4, 8), generator=torch.Generator().manual_seed(int(seed))).to(device)
+connector = create_connector("p2p", "prefill-cuda", "model-a", layout, device=device, chunk_bytes=layout.block_num_bytes)
+destination = KVEndpointInfo("p2p", address, "receiver")
+for blocks, position, num_tokens, last in (([3, 7], 0, 8, False), ([1], 8, 3, True)):
+    header = TransferHeader(transfer_id, "model-a", layout, position, num_tokens, 11,
+                            len(blocks) * layout.block_num_bytes, None, last, 99 if last else None)
+    connector.send(destination, header, BlockSource(cache, blocks))
+print("SENT", flush=True)
+connector.close()
+"""
+
+
+class DeviceInbox:
+    """Scatters each delivered payload into a CUDA cache, as the decode worker's receiver does."""
+
+    def __init__(self, device: str) -> None:
+        self.cache = torch.zeros(SHAPE, device=device)
+        self.blocks = {0: [10, 2], 8: [5]}  # by first token position
+        self.payloads, self.errors = [], []
+        self.done = threading.Event()
+
+    def on_payload(self, received) -> None:
+        assert received.payload.device == self.cache.device
+        scatter_blocks(self.cache, self.blocks[received.header.first_token_position], received.payload)
+        self.payloads.append(received.header)
+        if received.header.is_last:
+            self.done.set()
+
+    def on_error(self, transfer_id, error) -> None:
+        self.errors.append((transfer_id, error))
+        self.done.set()
+
+
+@needs_two_gpus
+def test_nccl_pair_moves_blocks_gpu_to_gpu_bit_exact():
+    receiver = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT, device="cuda:0")
+    assert receiver.endpoint().options == {"backend": "gloo+nccl"} and receiver.checksum_type == "none"
+    inbox = DeviceInbox("cuda:0")
+    receiver.start_receiving(inbox.on_payload, inbox.on_error)
+    try:
+        sender = subprocess.run([sys.executable, "-c", CUDA_SENDER, receiver.endpoint().address, "cuda:1", "31",
+                                 "gpu-transfer"], capture_output=True, text=True, timeout=150)
+        assert "SENT" in sender.stdout, sender.stderr
+        assert inbox.done.wait(30) and not inbox.errors, inbox.errors
+        # Chunks of one block: three payloads, each landed in the decode cache's own blocks.
+        assert [(h.first_token_position, h.num_tokens) for h in inbox.payloads] == [(0, 4), (4, 4), (8, 3)]
+        expected = seeded_cache(31)[[3, 7, 1]]
+        torch.cuda.synchronize()
+        assert torch.equal(inbox.cache[[10, 2, 5]].cpu(), expected)
+    finally:
+        receiver.close()
+
+
+@needs_one_gpu
+def test_a_cuda_sender_and_a_cpu_receiver_are_refused_with_a_sentence():
+    receiver = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT)  # a CPU cache: plane "gloo"
+    receiver.start_receiving(lambda received: None, lambda transfer_id, error: None)
+    try:
+        sender = subprocess.run([sys.executable, "-c", CUDA_SENDER, receiver.endpoint().address, "cuda:0", "32",
+                                 "refused"], capture_output=True, text=True, timeout=150)
+        assert "SENT" not in sender.stdout
+        assert "moves blocks over gloo, this worker over gloo+nccl" in sender.stderr, sender.stderr
+    finally:
+        receiver.close()
+
+
+@needs_one_gpu
+def test_payloads_on_a_gpu_are_verified_without_leaving_it():
+    cache = seeded_cache(33).cuda()
+    payload = cache[[3, 7]].contiguous()
+    header = header_for(payload.cpu(), "t", 0, 8, 11, False)
+    data = payload.view(-1).view(torch.uint8)
+    verify(header, data, FINGERPRINT, LAYOUT, checksum_type="none")  # sizes, layout, fingerprint: on the host
+    assert torch.equal(payload_tensor(header, data), payload)
+    with pytest.raises(KVVerificationError, match="cannot be checksummed on the host"):
+        verify(header, data, FINGERPRINT, LAYOUT, checksum_type="xxh3")
+    with pytest.raises(KVVerificationError, match="header says"):
+        verify(header, data[:-4], FINGERPRINT, LAYOUT, checksum_type="none")
