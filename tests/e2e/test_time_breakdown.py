@@ -1,0 +1,51 @@
+"""benchmarks/time_breakdown.py on a tiny workload: its clocks cover the engine's parts without changing its
+tokens, and the GEMM work it counts is exactly what the workload's shape implies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import time_breakdown
+from splitserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_clocked_engine_gives_the_same_tokens_and_counts_every_gemm_flop(model_dir):
+    llm = LLM(str(model_dir), num_kv_blocks=64, max_model_len=512, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(100, 100 + length))} for length in (7, 23, 40)]
+    plain = [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+    clocks = time_breakdown.Clocks()
+    with time_breakdown.clocked_engine(clocks):
+        clocked = [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+    assert clocked == plain
+    # Every prompt token and every output token but the last goes through each projection once; each output
+    # token is sampled from one row of logits.
+    config = llm.engine.model_config
+    hidden, inter, heads, kv_heads, head_dim = (config.hidden_size, config.intermediate_size,
+                                                config.num_attention_heads, config.num_key_value_heads,
+                                                config.head_dim)
+    per_token = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+    tokens = (7 + 23 + 40) + 3 * (5 - 1)
+    expected = 2 * tokens * per_token * config.num_hidden_layers + 2 * 3 * 5 * hidden * config.vocab_size
+    assert clocks.gemm_flops == expected
+    for part in ("projections (GEMM)", "logits (GEMM)", "prompt attention", "decode attention", "KV write",
+                 "norms, rotary, SiLU", "forward", "step inputs", "sampling"):
+        assert clocks.seconds[part] > 0, part
+    parts = time_breakdown.breakdown(clocks, wall=sum(clocks.seconds.values()))
+    assert set(parts) == set(time_breakdown.CATEGORIES)
+
+
+def test_the_benchmark_runs_and_writes_its_report(model_dir, tmp_path, capsys):
+    out = tmp_path / "breakdown.json"
+    assert time_breakdown.main(["--model", str(model_dir), "--num-requests", "3", "--min-prompt", "20",
+                                "--max-prompt", "40", "--output-len", "4", "--repeats", "1", "--ceiling-rows", "64",
+                                "--vllm-tok-s", "50", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["workload"]["output_tokens"] == 12 and report["gemm_ceiling_seconds"] > 0
+    assert sum(report["parts_seconds"].values()) == pytest.approx(report["clocked_seconds"][0], rel=0.02)
+    printed = capsys.readouterr().out
+    assert "GEMM ceiling" in printed and "1.2x vLLM (50.0 tok/s) needs" in printed
