@@ -30,10 +30,13 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.offline_throughput import engine_kwargs, make_workload, resolve_model
+if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.offline_throughput import engine_kwargs, make_workload, resolve_model  # noqa: E402
 
 TARGET_OVER_VLLM = 1.2
 
@@ -127,9 +130,9 @@ def measure_gemm_ceiling(llm, rows: int, repeats: int = 7) -> dict[str, float]:
     with torch.inference_mode():
         for (n_in, n_out), module in sorted(shapes.items()):
             x = torch.randn(rows, n_in)
-            rates[f"{n_in}x{n_out}"] = _best_rate(lambda: module(x), 2 * rows * n_in * n_out, repeats)
+            rates[f"{n_in}x{n_out}"] = _best_rate(functools.partial(module, x), 2 * rows * n_in * n_out, repeats)
         hidden = torch.randn(rows, model.config.hidden_size)
-        rates["logits"] = _best_rate(lambda: model.compute_logits(hidden),
+        rates["logits"] = _best_rate(functools.partial(model.compute_logits, hidden),
                                      2 * rows * model.config.hidden_size * model.config.vocab_size, repeats)
     return rates
 
