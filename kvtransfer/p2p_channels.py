@@ -115,6 +115,13 @@ def build_channels(store: dist.Store, index: int, rank: int, timeout: timedelta,
     store.wait([peer_key], timeout)
     peer_plane = store.get(peer_key).decode(errors="replace")[:32]
     if peer_plane != plane:
+        # Each end says it has read the other's plane, and waits (briefly) to hear the same, so that the decode
+        # end, which serves the store and drops it as it gives up, does not take it away before the peer read.
+        try:
+            store.set(f"{prefix}/plane-read/{rank}", "1")
+            store.wait([f"{prefix}/plane-read/{1 - rank}"], timeout)
+        except Exception:  # the peer gave up (and the store went) first: its plane was read all the same
+            pass
         raise KVTransferError(
             f"The KV peer moves blocks over {peer_plane}, this worker over {plane}: both ends of a p2p pair need "
             "their KV caches on the same kind of device (CPU: Gloo; CUDA: NCCL) and the same options."
