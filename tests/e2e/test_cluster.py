@@ -69,8 +69,10 @@ def test_disaggregated_greedy_is_token_identical_to_transformers(cluster, client
     log = decode_worker(cluster).log()
     assert log.count("tokens received (") >= len(prompt_token_ids)
     # The 1,111-token prompt was prefilled in 512-token chunks, each chunk's KV sent as it was computed
-    # (the connector splits each send into wire payloads of a few MB).
-    sent_line = re.search(r"request=(\S+) transfer=(\S+) KV of 1111 prompt tokens sent in 3 sends", prefill_worker(cluster).log())
+    # (the connector splits each send into wire payloads of a few MB); chunks that complete while the previous
+    # send is still on the wire go out together, so a fast machine makes 2 sends of the 3 chunks.
+    sent_line = re.search(r"request=(\S+) transfer=(\S+) KV of 1111 prompt tokens sent in [23] sends",
+                          prefill_worker(cluster).log())
     assert sent_line is not None
     # Both workers' lines about the request carry its ids as fields.
     assert re.search(rf"request={sent_line[1]} transfer={sent_line[2]} KV of 1111 tokens received \(", log)
