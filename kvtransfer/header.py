@@ -142,10 +142,11 @@ def verify(header: TransferHeader, payload: torch.Tensor | Buffer, model_fingerp
     if header.first_token_position % layout.block_size:
         raise KVVerificationError(f"The payload starts at token {header.first_token_position}, not at a block "
                                   f"boundary (block size {layout.block_size}).")
-    on_host = not isinstance(payload, torch.Tensor) or payload.device.type == "cpu"
-    data = (payload_bytes(payload) if isinstance(payload, torch.Tensor) else memoryview(payload).cast("B")) if on_host \
-        else None  # a tensor on a GPU: its size is checked, its bytes stay there
-    num_bytes = len(data) if on_host else payload.numel() * payload.element_size()
+    if isinstance(payload, torch.Tensor) and payload.device.type != "cpu":
+        data, num_bytes = None, payload.numel() * payload.element_size()  # on a GPU: its bytes stay there
+    else:
+        data = payload_bytes(payload) if isinstance(payload, torch.Tensor) else memoryview(payload).cast("B")
+        num_bytes = len(data)
     if num_bytes != header.payload_num_bytes:
         raise KVVerificationError(f"The payload has {num_bytes} bytes, header says {header.payload_num_bytes}.")
     expected = header.num_blocks * layout.block_num_bytes

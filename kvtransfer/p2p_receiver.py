@@ -52,7 +52,6 @@ class PairReceiver:
     def __init__(self, connector: P2PConnector, channels: PairChannels, peer: str) -> None:
         self.connector = connector
         self.channels = channels
-        self.group = channels.control
         self.peer = peer
         self.ring = channels.buffer(0)  # receive_slots chunks, reused, on the cache's device
         self.frames = torch.empty(0, dtype=torch.uint8)
@@ -62,7 +61,7 @@ class PairReceiver:
     def run(self) -> None:
         connector = self.connector
         meta = torch.empty(5, dtype=torch.int64)
-        meta_work = self.group.recv([meta], SENDER, TAG_META)
+        meta_work = self.channels.control.recv([meta], SENDER, TAG_META)
         while True:
             try:
                 meta_work.wait()  # idle: as long as the peer lives
@@ -79,7 +78,7 @@ class PairReceiver:
                                           f"of {block_bytes} bytes, {blocks_per_chunk} a chunk, headers of "
                                           f"{frame_bytes} bytes.")
                 next_meta = torch.empty(5, dtype=torch.int64)
-                meta_work = self.group.recv([next_meta], SENDER, TAG_META)  # posted ahead: no bubble
+                meta_work = self.channels.control.recv([next_meta], SENDER, TAG_META)  # posted ahead: no bubble
                 self.in_send = True
                 with self.channels.device_scope():
                     self._receive_send(num_blocks, blocks_per_chunk, block_bytes, frame_bytes)
@@ -113,7 +112,7 @@ class PairReceiver:
             chunk_blocks = min(blocks_per_chunk, num_blocks - index * blocks_per_chunk)
             frame = self.frames[slot * frame_bytes : (slot + 1) * frame_bytes]
             data = self.ring[slot * chunk_bytes : slot * chunk_bytes + chunk_blocks * block_bytes]
-            frame_work = self.group.recv([frame], SENDER, TAG_HEADER)
+            frame_work = self.channels.control.recv([frame], SENDER, TAG_HEADER)
             block_works = [self.channels.data.recv([data[block * block_bytes : (block + 1) * block_bytes]], SENDER,
                                                    TAG_PAYLOAD) for block in range(chunk_blocks)]
             return frame, frame_work, data, block_works
@@ -131,7 +130,7 @@ class PairReceiver:
             if index == num_chunks - 1:
                 closing = self.connector._closed.is_set()
                 status = torch.tensor([ACK_CLOSING if closing else ACK_OK], dtype=torch.int64)
-                self.group.send([status], SENDER, TAG_ACK).wait(timeout)
+                self.channels.control.send([status], SENDER, TAG_ACK).wait(timeout)
             if header is not None:
                 if header.is_last:
                     self.open_transfers.discard(header.transfer_id)

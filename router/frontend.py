@@ -63,11 +63,11 @@ class Frontend:
         self.max_token_bytes = max_token_bytes(self.tokenizer)
         # None for a directory without weights: the registered workers then say which weights the cluster serves.
         # With dtype auto: None, and the fingerprints a worker may serve are those of either dtype.
-        dtypes = ("float32", "bfloat16") if dtype == "auto" else (dtype,)
-        self.allowed_fingerprints = (frozenset(model_fingerprint(self.model_dir, name) for name in dtypes)
-                                     if has_weights(self.model_dir) else None)
-        self.model_fingerprint = next(iter(self.allowed_fingerprints)) if dtype != "auto" and has_weights(
-            self.model_dir) else None
+        fingerprints = ([model_fingerprint(self.model_dir, name) for name in
+                         (("float32", "bfloat16") if dtype == "auto" else (dtype,))]
+                        if has_weights(self.model_dir) else None)
+        self.allowed_fingerprints = frozenset(fingerprints) if fingerprints else None
+        self.model_fingerprint = fingerprints[0] if fingerprints and dtype != "auto" else None
         self.model_name = self.model_dir.name
 
     def prompt_of(self, request) -> Prompt:
