@@ -11,8 +11,8 @@ Gathering a request's blocks gives each head's keys as one contiguous
 A step's batch is flattened: decode tokens first (one per request), then the
 prefill chunks. :class:`AttentionMetadata` is built once per step by the model
 runner and shared by every layer. It selects one of three implementations: this
-module's torch code, the C++ CPU kernels (``kernels/cpu_ops``: KV writes and
-decodes) or the Triton kernels (``kernels/triton_attention``: KV writes, decodes
+module's torch code, the C++ CPU kernels (``kernels/cpu_ops``: KV writes, decodes
+and all prefill chunks in one call) or the Triton kernels (``kernels/triton_attention``: KV writes, decodes
 and all prefill chunks in one varlen launch).
 """
 
@@ -99,7 +99,8 @@ class AttentionMetadata:
     # Whether the C++ kernels store K/V and attend decodes (float32), or plain torch.
     use_cpu_kernels: bool = False
     # Whether the Triton kernels store K/V and attend decodes and prefills, and the prefills as one
-    # varlen batch for them (built from ``prefills`` once per step by the model runner; None: no prefills).
+    # varlen batch for them or the C++ prefill kernel (built from ``prefills`` once per step by the model
+    # runner; None: no prefills, or the C++ kernels do not take this head size and torch attends them).
     use_triton_kernels: bool = False
     prefill_batch: PrefillBatch | None = None
 
@@ -149,6 +150,13 @@ def paged_attention(
             )
         else:
             output[rows] = decode_attention(query[rows], key_cache, value_cache, group, scale)
+    batch = metadata.prefill_batch
+    if metadata.use_cpu_kernels and batch is not None:
+        output[batch.row_start:] = cpu_ops.paged_prefill_attention(
+            query[batch.row_start:], key_cache, value_cache, batch.query_start_loc, batch.context_lens,
+            batch.block_tables, scale,
+        )
+        return output
     for span in metadata.prefills:
         rows = slice(span.query_start, span.query_end)
         output[rows] = prefill_attention(query[rows], key[rows], value[rows], key_cache, value_cache, span, scale)

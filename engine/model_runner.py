@@ -115,6 +115,8 @@ class ModelRunner:
         # Per layer, a view [2, kv_heads, num_blocks, block_size, head_dim] (strided: blocks far apart).
         self.kv_caches = [self.kv_cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(self.kv_cache.shape[1])]
         self.use_cpu_kernel = _use_cpu_kernel(backend, self.dtype)
+        # Prompt chunks attend in one C++ call over the paged cache where the kernel takes the head size.
+        self.use_cpu_prefill_kernel = self.use_cpu_kernel and cpu_ops.prefill_supports(model_config.head_dim)
         # Triton: KV writes, all attention and the fused element-wise layer operations.
         self.use_triton_kernel = backend == "triton"
         if self.use_triton_kernel:
@@ -182,7 +184,7 @@ class ModelRunner:
 
         metadata = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), decode_groups=decode_groups, prefills=spans,
                                      use_cpu_kernels=self.use_cpu_kernel, use_triton_kernels=self.use_triton_kernel)
-        if self.use_triton_kernel and spans:
+        if (self.use_triton_kernel or self.use_cpu_prefill_kernel) and spans:
             metadata.prefill_batch = PrefillBatch.from_spans(spans)
         return _BatchInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),

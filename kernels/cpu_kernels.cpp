@@ -4,6 +4,9 @@
 namespace splitserve {
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                      torch::Tensor query_start_loc, torch::Tensor context_lens,
+                                      torch::Tensor block_tables, double scale);
 void write_kv_(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
                torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -14,6 +17,8 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &splitserve::paged_decode_attention, "Paged decode attention (float32)");
+  m.def("paged_prefill_attention", &splitserve::paged_prefill_attention,
+        "Paged causal attention of prompt chunks over their cached context (float32)");
   m.def("write_kv_", &splitserve::write_kv_, "store keys and values into their cache slots (float32)");
   m.def("rms_norm", &splitserve::rms_norm, "RMSNorm of rows (float32)");
   m.def("add_rms_norm", &splitserve::add_rms_norm, "residual += x, then RMSNorm of residual (float32)");

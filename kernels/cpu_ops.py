@@ -1,5 +1,5 @@
-"""Loads splitserve's C++ CPU kernels: paged decode attention (``cpu_paged_attention.cpp``) and the
-fused element-wise operations of the Llama layer (``cpu_fused_ops.cpp``), one extension.
+"""Loads splitserve's C++ CPU kernels: paged decode attention (``cpu_paged_attention.cpp``), paged
+prefill attention (``cpu_prefill_attention.cpp``) and the fused element-wise operations of the Llama layer (``cpu_fused_ops.cpp``), one extension.
 
 The sources are compiled on first use with the machine's C++ compiler into the
 cache folder the caller names (the engine passes splitserve's cache folder),
@@ -22,7 +22,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 _FOLDER = Path(__file__).parent
-_SOURCES = ("cpu_kernels.cpp", "cpu_paged_attention.cpp", "cpu_fused_ops.cpp")
+_SOURCES = ("cpu_kernels.cpp", "cpu_paged_attention.cpp", "cpu_prefill_attention.cpp", "cpu_fused_ops.cpp")
 _NAME = "splitserve_cpu_kernels"
 COMPILE_MESSAGE = "Compiling the C++ CPU kernels (first start only, about a minute and a half)..."
 
@@ -114,6 +114,32 @@ def paged_decode_attention(
     Returns: [requests, q_heads, head_dim]. float32 only. Call :func:`available` first.
     """
     return _module.paged_decode_attention(query.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+def prefill_supports(head_dim: int) -> bool:
+    """Whether :func:`paged_prefill_attention` takes this head size (its micro-kernels work on 64 lanes)."""
+    return head_dim % 64 == 0
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a batch of prompt chunks over their requests' cached KV (the chunks' own K/V
+    already written), read from the cache in place.
+
+    query: [rows, q_heads, head_dim], the chunks back to back; caches: [kv_heads, num_blocks, block_size,
+    head_dim]; query_start_loc: [chunks + 1] int32 row offsets; context_lens: [chunks] int32 tokens cached
+    before each chunk; block_tables: [chunks, max_blocks] int64. Returns: [rows, q_heads, head_dim].
+    float32, head_dim a multiple of 64 (:func:`prefill_supports`). Call :func:`available` first.
+    """
+    return _module.paged_prefill_attention(query.contiguous(), key_cache, value_cache, query_start_loc,
+                                           context_lens, block_tables, scale)
 
 
 def write_kv_(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (paged decode attention, fused layer operations) against their plain-torch references."""
+"""The C++ CPU kernels (paged decode and prefill attention, fused layer operations) against their plain-torch
+references."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.common.model_info import cache_dir
-from splitserve.engine.attention import DecodeGroup, decode_attention
+from splitserve.engine.attention import (
+    DecodeGroup,
+    PrefillBatch,
+    PrefillSpan,
+    decode_attention,
+    prefill_attention,
+    write_kv,
+)
 from splitserve.kernels import cpu_ops
 
 
@@ -71,6 +79,120 @@ def test_kernel_refuses_bad_block_ids():
         )
 
 
+# ---- paged prefill attention ----------------------------------------------------------------------
+
+
+def prefill_case(num_q_heads, num_kv_heads, head_dim, block_size, chunks, seed=0):
+    """A step's prompt chunks, each ``(context, length)``, over shuffled blocks of a block-major cache whose
+    slots already hold every chunk's keys and values (as the engine writes them before it attends).
+
+    Returns the query, the chunks' own keys and values, both caches, the spans and the scale."""
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(context + length) // block_size) for context, length in chunks) + 3
+    key_cache, value_cache = block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, generator)
+    permutation = torch.randperm(num_blocks, generator=generator)
+    spans, row, used = [], 0, 0
+    for context, length in chunks:
+        count = -(-(context + length) // block_size)
+        spans.append(PrefillSpan(row, row + length, context, permutation[used : used + count].clone()))
+        row, used = row + length, used + count
+    query = torch.randn(row, num_q_heads, head_dim, generator=generator)
+    key = torch.randn(row, num_kv_heads, head_dim, generator=generator)
+    value = torch.randn(row, num_kv_heads, head_dim, generator=generator)
+    for span in spans:
+        positions = torch.arange(span.num_context_tokens, span.num_context_tokens + span.query_end - span.query_start)
+        slots = span.block_table[positions // block_size] * block_size + positions % block_size
+        rows = slice(span.query_start, span.query_end)
+        write_kv(key_cache, value_cache, key[rows], value[rows], slots)
+    return query, key, value, key_cache, value_cache, spans, head_dim**-0.5
+
+
+def prefill_reference(query, key, value, key_cache, value_cache, spans, scale):
+    """The torch backend's prefill attention, chunk by chunk."""
+    return torch.cat([
+        prefill_attention(query[rows], key[rows], value[rows], key_cache, value_cache, span, scale)
+        for span in spans
+        for rows in [slice(span.query_start, span.query_end)]
+    ])
+
+
+def run_prefill_kernel(query, key_cache, value_cache, spans, scale):
+    batch = PrefillBatch.from_spans(spans)
+    return _kernels().paged_prefill_attention(query, key_cache, value_cache, batch.query_start_loc,
+                                              batch.context_lens, batch.block_tables, scale)
+
+
+@pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads, head_dim, block_size, chunks",
+    [
+        # SmolLM's shape: whole prompts of 1 token, one short of, exactly on and one past a block boundary.
+        (9, 3, 64, 16, [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33)]),
+        # Chunked prefill and prefix hits: context on and off block boundaries, single-token chunks.
+        (9, 3, 64, 16, [(16, 16), (17, 1), (5, 30), (32, 64), (100, 7)]),
+        # No grouping, head size 128, blocks of 32.
+        (4, 4, 128, 32, [(0, 65), (31, 2), (64, 64)]),
+        # Eight query heads per KV head.
+        (16, 2, 64, 32, [(0, 96), (40, 25)]),
+        # A block size that is not a multiple of the kernel's 16 lanes.
+        (6, 2, 64, 24, [(0, 49), (23, 26)]),
+        # One long prompt past a thousand tokens (many query and key tiles), and a long chunk after a long context.
+        (9, 3, 64, 16, [(0, 1100)]),
+        (8, 1, 128, 16, [(1500, 300)]),
+    ],
+)
+def test_prefill_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, block_size, chunks):
+    case = prefill_case(num_q_heads, num_kv_heads, head_dim, block_size, chunks)
+    query, key, value, key_cache, value_cache, spans, scale = case
+    assert not key_cache.is_contiguous()
+    expected = prefill_reference(*case)
+    actual = run_prefill_kernel(query, key_cache, value_cache, spans, scale)
+    assert actual.shape == expected.shape
+    # float32 both ways; the kernel sums in another order and fuses multiply-adds (as SDPA's BLAS does):
+    # differences stay within a few units in the last place of scores near 1.
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=2e-5)
+
+
+def test_prefill_kernel_reads_only_visible_keys():
+    """Slots past each chunk's last token (and future tokens of the chunk) hold huge values: any leak past
+    the causal mask or the request's end would show."""
+    query, key, value, key_cache, value_cache, spans, scale = prefill_case(9, 3, 64, 16, [(3, 20), (0, 17)], seed=1)
+    expected = prefill_reference(query, key, value, key_cache, value_cache, spans, scale)
+    for span in spans:
+        end = span.num_context_tokens + span.query_end - span.query_start
+        last_block = span.block_table[(end - 1) // 16]
+        key_cache[:, last_block, (end - 1) % 16 + 1 :] = 1e4
+        value_cache[:, last_block, (end - 1) % 16 + 1 :] = 1e4
+    actual = run_prefill_kernel(query, key_cache, value_cache, spans, scale)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=2e-5)
+    # The first token of a fresh prompt sees only itself: its output is its own value row, exactly weighted 1.
+    first = spans[1].query_start
+    torch.testing.assert_close(actual[first], value[first].repeat_interleave(3, dim=0), rtol=1e-6, atol=1e-6)
+
+
+def test_prefill_kernel_takes_an_empty_batch_and_refuses_bad_input():
+    kernels = _kernels()
+    key_cache, value_cache = block_major_caches(3, 4, 16, 64)
+    empty = kernels.paged_prefill_attention(torch.zeros(0, 9, 64), key_cache, value_cache,
+                                            torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                                            torch.zeros(0, 1, dtype=torch.int64), 0.125)
+    assert empty.shape == (0, 9, 64)
+    query = torch.zeros(5, 9, 64)
+    starts, contexts = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernels.paged_prefill_attention(query, key_cache, value_cache, starts, contexts, torch.tensor([[9]]), 0.125)
+    with pytest.raises(RuntimeError, match="context exceeds the block table"):
+        kernels.paged_prefill_attention(query, key_cache, value_cache, starts, torch.tensor([12], dtype=torch.int32),
+                                        torch.tensor([[1]]), 0.125)
+    with pytest.raises(RuntimeError, match="must cover the query rows"):
+        kernels.paged_prefill_attention(query, key_cache, value_cache, torch.tensor([0, 4], dtype=torch.int32),
+                                        contexts, torch.tensor([[1]]), 0.125)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        small_k, small_v = block_major_caches(3, 4, 16, 32)
+        kernels.paged_prefill_attention(torch.zeros(5, 9, 32), small_k, small_v, starts, contexts,
+                                        torch.tensor([[1]]), 0.125)
+    assert not kernels.prefill_supports(32) and kernels.prefill_supports(64) and kernels.prefill_supports(128)
+
+
 # ---- fused element-wise operations of the Llama layer --------------------------------------------
 
 
@@ -129,8 +251,6 @@ def test_rotary_matches_torch_bit_for_bit():
 
 
 def test_write_kv_matches_index_copy():
-    from splitserve.engine.attention import write_kv
-
     kernels = _kernels()
     generator = torch.Generator().manual_seed(4)
     qkv = torch.randn(40, (9 + 3 + 3) * 8, generator=generator)

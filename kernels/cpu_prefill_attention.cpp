@@ -1,0 +1,286 @@
+// Paged prefill attention for CPUs: a flattened batch of prompt chunks, each token
+// causally over its request's context and its own chunk, keys and values read
+// straight from the paged KV cache (no gathered copy) in flash-attention style:
+// scores for a tile of queries against a tile of keys, an online softmax, and the
+// weighted values accumulated tile by tile, so no [queries, keys] matrix is ever
+// materialized. The chunk's own keys and values are already in the cache (the
+// engine writes a step's K/V before it attends).
+//
+// Layouts (float32):
+//   query            [rows, q_heads, head_dim], rows of head_dim contiguous (the chunks' rows, back to back)
+//   key/value        [kv_heads, num_blocks, block_size, head_dim]  (one layer; as in cpu_paged_attention.cpp)
+//   query_start_loc  [chunks + 1] int32: chunk c is rows query_start_loc[c] .. query_start_loc[c + 1]
+//   context_lens     [chunks] int32: tokens of chunk c's request already cached before the chunk
+//   block_tables     [chunks, max_blocks] int64: each request's blocks (entries past its end unused)
+// Returns [rows, q_heads, head_dim].
+//
+// Work item: one (chunk, KV head, tile of query tokens). The tile's rows are its
+// tokens times the query heads sharing the KV head (grouped-query attention), so a
+// key row is loaded once for the whole group. Keys are walked in tiles of whole
+// cache blocks (64 keys or one block), up to the tile's last query position only:
+// the causal upper triangle beyond it is never computed.
+//
+// The micro-kernels are written with GCC's vector extensions on 16 floats, which
+// compile to AVX-512 where the machine has it and to pairs of AVX2 (or narrower)
+// registers where not. This file fuses multiply-adds (fp-contract=fast below), as
+// BLAS does for torch's scaled_dot_product_attention; the sums run in a different
+// order than the reference's, and tests/integration/test_kernels.py bounds the
+// difference. The plain-torch reference is splitserve.engine.attention.prefill_attention.
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#pragma GCC optimize("fp-contract=fast")
+
+namespace splitserve {
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+constexpr int64_t kKeysPerTile = 64;   // keys per online-softmax step
+constexpr int64_t kRowsPerTile = 64;   // score rows per work item (at most): query tokens x group
+constexpr int64_t kRowsPerPass = 4;    // query rows the value micro-kernel holds in registers
+constexpr int64_t kKeysPerPass = 4;    // keys the score micro-kernel holds in registers
+constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline f32x16 splat(float x) { return f32x16{} + x; }
+
+// e^x for 16 floats, the method of cpu_vector_math.h's exp8 (Cephes' polynomial,
+// 2^n through the exponent bits); x = -inf gives exactly 0.
+inline f32x16 exp16(f32x16 x) {
+  const f32x16 lower = splat(-87.3f), upper = splat(88.3f);
+  const i32x16 is_minus_infinity = x == splat(kNegativeInfinity);
+  x = x < lower ? lower : x;
+  x = x > upper ? upper : x;
+  const f32x16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
+  const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
+  f32x16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f32x16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + (r + 1.0f);
+  const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  const f32x16 result = p * (f32x16)exponent;
+  return is_minus_infinity ? splat(0.0f) : result;
+}
+
+struct Shape {
+  int64_t num_q_heads, group, head_dim, block_size, head_stride, block_stride;
+};
+
+// scores_t[k][0 .. 16 * ROW_VECTORS) = keys[k] . q_t[:, rows ...] for the kKeysPerPass keys (k < count
+// stored; the others repeat key 0 and are dropped); q_t is the tile's queries transposed, [head_dim][rows].
+template <int ROW_VECTORS>
+void score_keys(const float* const* keys, int64_t count, const float* q_t, int64_t q_stride, int64_t head_dim,
+                float* scores_t, int64_t scores_stride) {
+  const float* key[kKeysPerPass];
+  for (int64_t k = 0; k < kKeysPerPass; ++k) key[k] = keys[k < count ? k : 0];
+  f32x16 acc[kKeysPerPass][ROW_VECTORS] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    f32x16 q[ROW_VECTORS];
+    for (int v = 0; v < ROW_VECTORS; ++v) q[v] = load16(q_t + d * q_stride + v * kLanes);
+    for (int64_t k = 0; k < kKeysPerPass; ++k) {
+      const float x = key[k][d];
+      for (int v = 0; v < ROW_VECTORS; ++v) acc[k][v] += x * q[v];
+    }
+  }
+  for (int64_t k = 0; k < count; ++k)
+    for (int v = 0; v < ROW_VECTORS; ++v) store16(scores_t + k * scores_stride + v * kLanes, acc[k][v]);
+}
+
+// out[r][d .. d + 64) = out[r][...] * correction[r] + sum_t p_t[t][r] * values[t][d ...] for kRowsPerPass
+// rows (r < rows stored).
+void accumulate_values(const float* p_t, int64_t p_stride, int64_t count, const float* const* values, int64_t d,
+                       const float* correction, int64_t head_dim, int64_t rows, float* out) {
+  constexpr int kVectors = 4;
+  f32x16 acc[kRowsPerPass][kVectors];
+  for (int64_t r = 0; r < kRowsPerPass; ++r)
+    for (int v = 0; v < kVectors; ++v)
+      acc[r][v] = r < rows ? load16(out + r * head_dim + d + v * kLanes) * correction[r] : splat(0.0f);
+  for (int64_t t = 0; t < count; ++t) {
+    const float* value = values[t] + d;
+    f32x16 x[kVectors];
+    for (int v = 0; v < kVectors; ++v) x[v] = load16(value + v * kLanes);
+    for (int64_t r = 0; r < kRowsPerPass; ++r) {
+      const float weight = p_t[t * p_stride + r];
+      for (int v = 0; v < kVectors; ++v) acc[r][v] += weight * x[v];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int v = 0; v < kVectors; ++v) store16(out + r * head_dim + d + v * kLanes, acc[r][v]);
+}
+
+// One work item: query tokens [first, last) of a chunk (positions context + first ...), KV head h.
+//
+// Scores are kept transposed, [key][row]: the key rows are read in place from the cache (only the queries
+// are transposed, once per item), and the softmax's maxima and sums run across rows in vector lanes, with
+// no horizontal reductions.
+void attend_tile(const float* query, const float* k_head, const float* v_head, const int64_t* table,
+                 int64_t context, int64_t first, int64_t last, int64_t h, const Shape& s, float scale,
+                 float* out) {
+  const int64_t group = s.group, head_dim = s.head_dim;
+  const int64_t rows = (last - first) * group;
+  const int64_t row_vectors = (rows + kLanes - 1) / kLanes, stride = row_vectors * kLanes;
+  // Row m is query token first + m / group, query head h * group + m % group; scaled once here.
+  std::vector<float> q_t(head_dim * stride, 0.0f), acc(stride * head_dim, 0.0f);
+  std::vector<float> scores_t(kKeysPerTile * stride);
+  std::vector<float> running_max(stride, kNegativeInfinity), denominator(stride, 0.0f), correction(stride);
+  const float* keys[kKeysPerTile];
+  const float* values[kKeysPerTile];
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* source = query + ((first + m / group) * s.num_q_heads + h * group + m % group) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) q_t[d * stride + m] = source[d] * scale;
+  }
+  const int64_t num_keys = context + last;  // the last query token sees keys 0 .. context + last - 1
+  for (int64_t start = 0; start < num_keys; start += kKeysPerTile) {
+    const int64_t count = std::min(kKeysPerTile, num_keys - start);
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t key = start + t;
+      const int64_t offset = table[key / s.block_size] * s.block_stride + (key % s.block_size) * head_dim;
+      keys[t] = k_head + offset;
+      values[t] = v_head + offset;
+    }
+    for (int64_t t = 0; t < count; t += kKeysPerPass) {
+      const int64_t n = std::min(kKeysPerPass, count - t);
+      float* target = scores_t.data() + t * stride;
+      for (int64_t v = 0; v < row_vectors; v += 4) {
+        const int64_t width = std::min<int64_t>(4, row_vectors - v);
+        const float* q = q_t.data() + v * kLanes;
+        if (width == 4) score_keys<4>(keys + t, n, q, stride, head_dim, target + v * kLanes, stride);
+        else if (width == 3) score_keys<3>(keys + t, n, q, stride, head_dim, target + v * kLanes, stride);
+        else if (width == 2) score_keys<2>(keys + t, n, q, stride, head_dim, target + v * kLanes, stride);
+        else score_keys<1>(keys + t, n, q, stride, head_dim, target + v * kLanes, stride);
+      }
+    }
+    // Causal mask: key start + t is hidden from the rows of earlier tokens, a prefix of the rows.
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t hidden = std::clamp<int64_t>((start + t - context - first) * group, 0, rows);
+      std::fill(scores_t.data() + t * stride, scores_t.data() + t * stride + hidden, kNegativeInfinity);
+    }
+    // Online softmax, 16 rows per vector: rescale what was accumulated when a row's maximum grows. Key 0
+    // is in every row's first tile, so every maximum is finite from then on.
+    for (int64_t v = 0; v < row_vectors; ++v) {
+      const f32x16 old_max = load16(running_max.data() + v * kLanes);
+      f32x16 new_max = old_max;
+      for (int64_t t = 0; t < count; ++t) {
+        const f32x16 x = load16(scores_t.data() + t * stride + v * kLanes);
+        new_max = x > new_max ? x : new_max;
+      }
+      f32x16 sum = splat(0.0f);
+      for (int64_t t = 0; t < count; ++t) {
+        float* row = scores_t.data() + t * stride + v * kLanes;
+        const f32x16 p = exp16(load16(row) - new_max);
+        store16(row, p);
+        sum += p;
+      }
+      const f32x16 rescale = exp16(old_max - new_max);  // 0 on the first tile (old_max = -inf)
+      store16(correction.data() + v * kLanes, rescale);
+      store16(denominator.data() + v * kLanes, load16(denominator.data() + v * kLanes) * rescale + sum);
+      store16(running_max.data() + v * kLanes, new_max);
+    }
+    for (int64_t m = 0; m < rows; m += kRowsPerPass) {
+      const int64_t pass_rows = std::min(kRowsPerPass, rows - m);
+      for (int64_t d = 0; d < head_dim; d += 4 * kLanes)
+        accumulate_values(scores_t.data() + m, stride, count, values, d, correction.data() + m, head_dim,
+                          pass_rows, acc.data() + m * head_dim);
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    const float inverse = 1.0f / denominator[m];
+    float* target = out + ((first + m / group) * s.num_q_heads + h * group + m % group) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) target[d] = acc[m * head_dim + d] * inverse;
+  }
+}
+
+struct WorkItem {
+  int64_t chunk, head, first, last;
+};
+
+}  // namespace
+
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                      torch::Tensor query_start_loc, torch::Tensor context_lens,
+                                      torch::Tensor block_tables, double scale) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && key_cache.scalar_type() == torch::kFloat32 &&
+                  value_cache.scalar_type() == torch::kFloat32,
+              "paged_prefill_attention: float32 only");
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "paged_prefill_attention: query must be contiguous [rows, heads, head_dim]");
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32 &&
+                  block_tables.scalar_type() == torch::kInt64,
+              "paged_prefill_attention: query_start_loc and context_lens int32, block_tables int64");
+  TORCH_CHECK(query_start_loc.is_contiguous() && context_lens.is_contiguous() && block_tables.is_contiguous(),
+              "paged_prefill_attention: query_start_loc, context_lens and block_tables must be contiguous");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides() &&
+                  key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3),
+              "paged_prefill_attention: each cache block's rows must be contiguous, keys and values alike");
+  const int64_t num_rows = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(0), num_blocks = key_cache.size(1), block_size = key_cache.size(2);
+  const int64_t num_chunks = context_lens.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(key_cache.size(3) == head_dim, "paged_prefill_attention: query and cache head sizes differ");
+  TORCH_CHECK(head_dim % 64 == 0, "paged_prefill_attention: head_dim must be a multiple of 64");
+  TORCH_CHECK(num_q_heads % num_kv_heads == 0, "paged_prefill_attention: q_heads must be a multiple of kv_heads");
+  TORCH_CHECK(query_start_loc.size(0) == num_chunks + 1 && block_tables.size(0) == num_chunks,
+              "paged_prefill_attention: one start per chunk plus the end, one block table per chunk");
+  const int64_t group = num_q_heads / num_kv_heads;
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* contexts = context_lens.data_ptr<int32_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  TORCH_CHECK(num_chunks == 0 || (starts[0] == 0 && starts[num_chunks] == num_rows),
+              "paged_prefill_attention: the chunks must cover the query rows");
+  // Checked here, not inside the parallel loop (an exception must not leave an OpenMP region).
+  std::vector<WorkItem> items;
+  const int64_t tokens_per_tile = std::max<int64_t>(1, kRowsPerTile / group);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t length = starts[c + 1] - starts[c], total = contexts[c] + length;
+    TORCH_CHECK(length >= 0 && contexts[c] >= 0, "paged_prefill_attention: negative chunk or context length");
+    TORCH_CHECK(total <= max_blocks * block_size, "paged_prefill_attention: context exceeds the block table");
+    for (int64_t i = 0; i < (total + block_size - 1) / block_size; ++i) {
+      const int64_t block = tables[c * max_blocks + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill_attention: block id out of range");
+    }
+    // Last tiles first: they see the most keys, so the dynamic schedule ends with the short ones.
+    for (int64_t last = length; last > 0; last -= tokens_per_tile)
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({c, h, std::max<int64_t>(0, last - tokens_per_tile), last});
+  }
+  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
+    return contexts[a.chunk] + a.last > contexts[b.chunk] + b.last;
+  });
+  auto out = torch::empty_like(query);
+  const Shape shape{num_q_heads, group, head_dim, block_size, key_cache.stride(0), key_cache.stride(1)};
+  const float* q_ptr = query.data_ptr<float>();
+  const float* k_ptr = key_cache.data_ptr<float>();
+  const float* v_ptr = value_cache.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const float scale_f = static_cast<float>(scale);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < num_items; ++i) {
+    const WorkItem& item = items[i];
+    const int64_t row0 = starts[item.chunk];
+    attend_tile(q_ptr + row0 * num_q_heads * head_dim, k_ptr + item.head * shape.head_stride,
+                v_ptr + item.head * shape.head_stride, tables + item.chunk * max_blocks, contexts[item.chunk],
+                item.first, item.last, item.head, shape, scale_f, out_ptr + row0 * num_q_heads * head_dim);
+  }
+  return out;
+}
+
+}  // namespace splitserve
