@@ -85,6 +85,7 @@ def clocked_engine(clocks: Clocks):
         (PackedLinear, "forward", "projections (GEMM)", linear_flops),
         (llama.LlamaForCausalLM, "compute_logits", "logits (GEMM)", logits_flops),
         (attention, "prefill_attention", "prompt attention", None),
+        (cpu_ops, "paged_prefill_attention", "prompt attention", None),
         (cpu_ops, "paged_decode_attention", "decode attention", None),
         (cpu_ops, "write_kv_", "KV write", None),
         (cpu_ops, "rms_norm", "norms, rotary, SiLU", None),

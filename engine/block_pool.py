@@ -3,9 +3,13 @@
 Plain Python over block ids; the KV tensors themselves live in the model runner.
 A block is *free* when no request references it (``ref_count == 0``). A free
 block may still be *cached*: it keeps its hash and contents so that a later
-request with the same prefix can take it back (:meth:`BlockPool.touch`). Free
-blocks are handed out least recently freed first; a cached block that is handed
-out loses its hash (eviction).
+request with the same prefix can take it back (:meth:`BlockPool.touch`). A freed
+block that holds nothing to reuse (no hash: a partial block, or caching is off)
+is handed out again first, before never-used blocks: its memory is already
+mapped and likely still in the CPU's caches, where a never-used block of a lazily
+mapped cache costs a page fault on its first write. Cached blocks come next,
+least recently freed first; a cached block that is handed out loses its hash
+(eviction).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
-        # Free blocks, least recently freed first (the next ones handed out).
+        # Free blocks in the order they are handed out: freed blocks without a hash (most recently freed
+        # first), then never-used blocks and cached blocks (least recently freed first).
         self._free: OrderedDict[int, None] = OrderedDict((block_id, None) for block_id in range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self.num_evictions = 0
@@ -89,7 +94,8 @@ class BlockPool:
             block.ref_count += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference on each block; blocks reaching zero join the free list's tail.
+        """Drop one reference on each block; blocks reaching zero join the free list: a cached block at its
+        tail, a block without a hash at its head (handed out next).
 
         Pass a request's blocks last-first, so that its tail blocks (least likely
         to be shared) are evicted before its prefix.
@@ -101,6 +107,8 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
 
     def cache_block(self, block_id: int, block_hash: bytes) -> int:
         """Register a full block under its hash.

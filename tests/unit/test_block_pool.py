@@ -26,8 +26,8 @@ def test_allocate_hands_out_lowest_ids_first_and_free_returns_them():
     assert [pool.blocks[i].ref_count for i in range(4)] == [1, 1, 1, 0]
     pool.free([2, 1, 0])
     assert pool.free_block_count == 4
-    # Freed blocks join the tail: block 3 (never used) comes first, then 2, 1, 0.
-    assert pool.allocate(4) == [3, 2, 1, 0]
+    # Freed blocks without a hash come back first, the last freed first (0, 1, 2), before never-used block 3.
+    assert pool.allocate(4) == [0, 1, 2, 3]
 
 
 def test_allocate_more_than_free_raises_and_changes_nothing():
@@ -44,6 +44,16 @@ def test_double_free_is_refused():
     pool.free([block])
     with pytest.raises(RuntimeError, match="freed more often"):
         pool.free([block])
+
+
+def test_uncached_blocks_are_reused_before_cached_and_never_used_ones():
+    pool = BlockPool(6)
+    blocks = pool.allocate(4)
+    pool.cache_block(blocks[0], b"prefix")
+    pool.free([3, 2, 1, 0])  # block 0 cached, 1..3 hold nothing
+    # 1, 2, 3 (most recently freed first), then never-used 4, 5, and the cached block 0 last.
+    assert pool.allocate(6) == [1, 2, 3, 4, 5, 0]
+    assert pool.lookup(b"prefix") is None and pool.num_evictions == 1
 
 
 def test_cached_block_survives_free_and_is_evicted_in_lru_order():
@@ -116,8 +126,8 @@ def test_manager_allocates_block_table_and_frees_tail_first():
     assert manager.block_ids("r") == [0, 1, 2, 3]
     manager.free(request)
     assert manager.free_block_count == 8
-    # Free order was tail first: 3, 2, 1, 0 follow the never-used 4..7.
-    assert manager.pool.allocate(8) == [4, 5, 6, 7, 3, 2, 1, 0]
+    # Freed tail first (3, 2, 1, 0) and cached by nothing: they are handed out again before the never-used 4..7.
+    assert manager.pool.allocate(8) == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
 def test_manager_refuses_when_pool_is_short_and_changes_nothing():
