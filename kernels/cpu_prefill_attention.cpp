@@ -20,9 +20,8 @@
 // cache blocks (64 keys or one block), up to the tile's last query position only:
 // the causal upper triangle beyond it is never computed.
 //
-// The micro-kernels are written with GCC's vector extensions on 16 floats, which
-// compile to AVX-512 where the machine has it and to pairs of AVX2 (or narrower)
-// registers where not. This file fuses multiply-adds (fp-contract=fast below), as
+// The micro-kernels are written on 16-float vectors (cpu_vector16.h: AVX-512 where
+// the machine has it, pairs of AVX2 registers where not). This file fuses multiply-adds (fp-contract=fast below), as
 // BLAS does for torch's scaled_dot_product_attention; the sums run in a different
 // order than the reference's, and tests/integration/test_kernels.py bounds the
 // difference. The plain-torch reference is splitserve.engine.attention.prefill_attention.
@@ -35,53 +34,20 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_vector16.h"
+
 #pragma GCC optimize("fp-contract=fast")
 
 namespace splitserve {
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+using namespace vec16;
+
 constexpr int64_t kKeysPerTile = 64;   // keys per online-softmax step
 constexpr int64_t kRowsPerTile = 64;   // score rows per work item (at most): query tokens x group
 constexpr int64_t kRowsPerPass = 4;    // query rows the value micro-kernel holds in registers
 constexpr int64_t kKeysPerPass = 4;    // keys the score micro-kernel holds in registers
-constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline f32x16 splat(float x) { return f32x16{} + x; }
-
-// e^x for 16 floats, the method of cpu_vector_math.h's exp8 (Cephes' polynomial,
-// 2^n through the exponent bits); x = -inf gives exactly 0.
-inline f32x16 exp16(f32x16 x) {
-  const f32x16 lower = splat(-87.3f), upper = splat(88.3f);
-  const i32x16 is_minus_infinity = x == splat(kNegativeInfinity);
-  x = x < lower ? lower : x;
-  x = x > upper ? upper : x;
-  const f32x16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
-  const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
-  f32x16 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  f32x16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + (r + 1.0f);
-  const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  const f32x16 result = p * (f32x16)exponent;
-  return is_minus_infinity ? splat(0.0f) : result;
-}
 
 struct Shape {
   int64_t num_q_heads, group, head_dim, block_size, head_stride, block_stride;
@@ -183,7 +149,7 @@ void attend_tile(const float* query, const float* k_head, const float* v_head, c
       f32x16 new_max = old_max;
       for (int64_t t = 0; t < count; ++t) {
         const f32x16 x = load16(scores_t.data() + t * stride + v * kLanes);
-        new_max = x > new_max ? x : new_max;
+        new_max = maximum(x, new_max);
       }
       f32x16 sum = splat(0.0f);
       for (int64_t t = 0; t < count; ++t) {
