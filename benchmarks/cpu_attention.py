@@ -1,0 +1,187 @@
+"""The C++ CPU attention kernels against their torch references, timed in the same run.
+
+Prefill: ``kernels/cpu_prefill_attention.cpp`` (all of a step's prompt chunks in one call, keys and
+values read from the paged cache in place) against the torch backend's ``prefill_attention`` (SDPA
+per chunk; a chunk with cached context first gathers its blocks and builds a mask). Decode:
+``kernels/cpu_paged_attention.cpp`` against ``decode_attention`` (gathered blocks, two batched matmuls).
+Each case runs all the model's layers, alternating kernel and reference, and prints medians, the
+reference/kernel ratio (above 1: the kernel is faster), the kernel's rate (GFLOP/s for prefill, the
+causal FLOPs only; GB/s of KV read for decode) and the largest difference between the two outputs.
+
+    python benchmarks/cpu_attention.py                      # SmolLM2-135M's shape, default cases
+    python benchmarks/cpu_attention.py --prefill 0:2048 --prefill 1024:512 0:64 --decode 64x320 --repeats 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable as splitserve
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from splitserve.common.model_info import cache_dir
+from splitserve.engine.attention import (
+    DecodeGroup,
+    PrefillBatch,
+    PrefillSpan,
+    decode_attention,
+    prefill_attention,
+    write_kv,
+)
+from splitserve.kernels import cpu_ops
+
+
+@dataclass
+class Shape:
+    layers: int = 30
+    q_heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    block_size: int = 16
+
+
+def _parse_chunks(text: str) -> tuple[int, int]:
+    context, _, length = text.partition(":")
+    return int(context), int(length)
+
+
+def _parse_decode(text: str) -> tuple[int, int]:
+    requests, _, context = text.partition("x")
+    return int(requests), int(context)
+
+
+def _layer_caches(shape: Shape, num_blocks: int, generator: torch.Generator):
+    """Per layer, key and value views [kv_heads, blocks, block_size, head_dim] of one block-major cache."""
+    cache = torch.randn(num_blocks, shape.layers, 2, shape.kv_heads, shape.block_size, shape.head_dim,
+                        generator=generator)
+    return [cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(shape.layers)]
+
+
+def _median_pair(kernel, reference, repeats: int) -> tuple[float, float]:
+    kernel(), reference()  # warm-up (and first touches)
+    kernel_times, reference_times = [], []
+    for _ in range(repeats):
+        for function, times in ((kernel, kernel_times), (reference, reference_times)):
+            start = time.perf_counter()
+            function()
+            times.append(time.perf_counter() - start)
+    return statistics.median(kernel_times), statistics.median(reference_times)
+
+
+def prefill_case(shape: Shape, chunks: list[tuple[int, int]], repeats: int, seed: int = 0) -> dict:
+    """One step of prompt chunks ``(context, length)`` through every layer."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_chunk = [-(-(context + length) // shape.block_size) for context, length in chunks]
+    layers = _layer_caches(shape, sum(blocks_per_chunk), generator)
+    permutation = torch.randperm(sum(blocks_per_chunk), generator=generator)
+    spans, row, used = [], 0, 0
+    for (context, length), count in zip(chunks, blocks_per_chunk):
+        spans.append(PrefillSpan(row, row + length, context, permutation[used:used + count].clone()))
+        row, used = row + length, used + count
+    query = torch.randn(row, shape.q_heads, shape.head_dim, generator=generator)
+    key = torch.randn(row, shape.kv_heads, shape.head_dim, generator=generator)
+    value = torch.randn(row, shape.kv_heads, shape.head_dim, generator=generator)
+    for span in spans:  # the chunks' own K/V are in the cache before attention, as the engine writes them
+        positions = torch.arange(span.num_context_tokens, span.num_context_tokens + span.query_end - span.query_start)
+        slots = span.block_table[positions // shape.block_size] * shape.block_size + positions % shape.block_size
+        for key_cache, value_cache in layers:
+            write_kv(key_cache, value_cache, key[span.query_start:span.query_end],
+                     value[span.query_start:span.query_end], slots)
+    batch = PrefillBatch.from_spans(spans)
+    scale = shape.head_dim**-0.5
+
+    def kernel():
+        return [cpu_ops.paged_prefill_attention(query, k, v, batch.query_start_loc, batch.context_lens,
+                                                batch.block_tables, scale) for k, v in layers]
+
+    def reference():
+        return [torch.cat([prefill_attention(query[s.query_start:s.query_end], key[s.query_start:s.query_end],
+                                             value[s.query_start:s.query_end], k, v, s, scale) for s in spans])
+                for k, v in layers]
+
+    difference = (kernel()[0] - reference()[0]).abs().max().item()
+    kernel_s, reference_s = _median_pair(kernel, reference, repeats)
+    # Causal FLOPs: each query token against its visible keys, QK^T and PV, every query head and layer.
+    visible = sum(length * context + length * (length + 1) / 2 for context, length in chunks)
+    flops = 4 * visible * shape.head_dim * shape.q_heads * shape.layers
+    label = " ".join(f"{context}:{length}" for context, length in chunks)
+    return {"kind": "prefill", "case": label, "kernel_s": kernel_s, "reference_s": reference_s,
+            "rate": flops / kernel_s / 1e9, "unit": "GFLOP/s", "difference": difference}
+
+
+def decode_case(shape: Shape, requests: int, context: int, repeats: int, seed: int = 0) -> dict:
+    """One decode step of ``requests`` requests of ``context`` tokens through every layer."""
+    generator = torch.Generator().manual_seed(seed)
+    per_request = -(-context // shape.block_size)
+    layers = _layer_caches(shape, requests * per_request, generator)
+    tables = torch.randperm(requests * per_request, generator=generator).view(requests, per_request).contiguous()
+    seq_lens = torch.full((requests,), context, dtype=torch.int64)
+    query = torch.randn(requests, shape.q_heads, shape.head_dim, generator=generator)
+    padding = torch.arange(per_request * shape.block_size).unsqueeze(0) >= seq_lens.unsqueeze(1)
+    mask = padding.unsqueeze(0).expand(shape.kv_heads, -1, -1).reshape(shape.kv_heads * requests, 1, -1)
+    group = DecodeGroup(0, requests, tables, seq_lens, mask)
+    scale = shape.head_dim**-0.5
+
+    def kernel():
+        return [cpu_ops.paged_decode_attention(query, k, v, tables, seq_lens, scale) for k, v in layers]
+
+    def reference():
+        return [decode_attention(query, k, v, group, scale) for k, v in layers]
+
+    difference = (kernel()[0] - reference()[0]).abs().max().item()
+    kernel_s, reference_s = _median_pair(kernel, reference, repeats)
+    kv_bytes = 2 * requests * context * shape.kv_heads * shape.head_dim * 4 * shape.layers
+    return {"kind": "decode", "case": f"{requests}x{context}", "kernel_s": kernel_s, "reference_s": reference_s,
+            "rate": kv_bytes / kernel_s / 1e9, "unit": "GB/s", "difference": difference}
+
+
+def run(args) -> list[dict]:
+    """Every case of ``args``, in order: the prefill cases, then the decode cases."""
+    shape = Shape(args.layers, args.q_heads, args.kv_heads, args.head_dim, args.block_size)
+    prefill_cases = args.prefill or [[(0, 512), (0, 300), (200, 100)], [(0, 2048)], [(1536, 512)]]
+    results = [prefill_case(shape, chunks, args.repeats) for chunks in prefill_cases]
+    return results + [decode_case(shape, requests, context, args.repeats) for requests, context in args.decode or []]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefill", nargs="+", type=_parse_chunks, action="append", metavar="CONTEXT:LENGTH",
+                        help="one prefill case: its step's prompt chunks, each as tokens already cached:new tokens; "
+                             "repeat the flag for more cases (default: 0:512 0:300 200:100, then 0:2048, "
+                             "then 1536:512)")
+    parser.add_argument("--decode", nargs="*", type=_parse_decode, metavar="REQUESTSxCONTEXT",
+                        default=[(64, 320), (8, 2048)], help="decode cases, each requests x context tokens; "
+                                                             "the flag alone: none (default: 64x320 8x2048)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each side, alternating; medians (default: 5)")
+    parser.add_argument("--layers", type=int, default=30, help="layers per run (default: 30, as SmolLM2-135M)")
+    parser.add_argument("--q-heads", type=int, default=9, help="query heads (default: 9)")
+    parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads (default: 3)")
+    parser.add_argument("--head-dim", type=int, default=64, help="head size; the prefill kernel takes multiples of 64 (default: 64)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    args = parser.parse_args(argv)
+    if not cpu_ops.prefill_supports(args.head_dim):
+        parser.error(f"--head-dim {args.head_dim}: the C++ prefill kernel takes multiples of 64")
+    if not cpu_ops.available(str(cache_dir())):
+        print("The C++ CPU kernels could not be built here: nothing to time.", file=sys.stderr)
+        return 1
+    results = run(args)
+    print(f"{torch.get_num_threads()} threads, {args.layers} layers, {args.q_heads}/{args.kv_heads} heads, "
+          f"head_dim {args.head_dim}, blocks of {args.block_size}; medians of {args.repeats}")
+    print(f"{'kind':8} {'case':28} {'kernel ms':>10} {'torch ms':>10} {'torch/kernel':>13} {'kernel rate':>16} "
+          f"{'max diff':>9}")
+    for r in results:
+        print(f"{r['kind']:8} {r['case']:28} {r['kernel_s'] * 1e3:10.2f} {r['reference_s'] * 1e3:10.2f} "
+              f"{r['reference_s'] / r['kernel_s']:12.2f}x {r['rate']:10.1f} {r['unit']:>5} {r['difference']:9.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
