@@ -22,7 +22,10 @@ Target: paged decode attention at 70% of peak or more for contexts of 4k tokens 
 
 Without a CUDA GPU it says so and prints the bytes each kernel must move per shape, and the time they
 take at the peak of ``--peak-gbps`` (default an H100 SXM's 3.35 TB/s): the model a GPU run is judged by.
-``--interpret`` also runs each kernel once on tiny shapes through Triton's CPU interpreter against its
+Then it compiles every kernel for the GPU of ``--compile-for`` (default an H100; Triton's compiler and
+NVIDIA's ptxas come with the triton wheel, see ``splitserve.kernels.triton_aot``) and prints what each
+would cost an SM: registers, spills, shared memory, programs resident per SM, share of 16-byte loads.
+``--interpret`` instead runs each kernel once on tiny shapes through Triton's CPU interpreter against its
 reference (a check that it runs, not a timing).
 
 Usage::
@@ -477,6 +480,19 @@ def print_bytes_model(args, model: ModelShape, element_size: int) -> list[dict]:
     return rows
 
 
+def print_compiled(args) -> None:
+    """Every kernel compiled for ``--compile-for`` at the default model's shape, and what each costs an SM."""
+    try:
+        triton_aot = importlib.import_module("splitserve.kernels.triton_aot")
+        importlib.import_module("triton")
+    except ImportError:
+        print("\nTriton is not installed (pip install 'splitserve[triton]'): nothing is compiled.")
+        return
+    print()
+    triton_aot.print_table(triton_aot.compile_engine_kernels(args.compile_for, "smollm2-135m", args.dtype),
+                           triton_aot.GPUS[args.compile_for])
+
+
 def check_interpreted(args, dtype) -> bool:
     """Each kernel once on tiny shapes, in Triton's CPU interpreter, against its reference."""
     tiny = ModelShape(layers=2, hidden=40, intermediate=24, q_heads=6, kv_heads=2, head_dim=8, block_size=4)
@@ -531,6 +547,10 @@ def main(argv=None) -> int:
                         help="print the bytes table and run each kernel once on tiny shapes in Triton's CPU "
                              "interpreter against its reference, even on a GPU machine (nothing is timed then; "
                              "needs triton and numpy: pip install 'splitserve[triton]')")
+    parser.add_argument("--compile-for", default="h100", choices=["h100", "a100", "none"],
+                        help="without a GPU (and without --interpret): compile every kernel for this GPU, the "
+                             "default model's shape, and print each one's registers, spills, shared memory and "
+                             "programs per SM (default h100; none skips it)")
     parser.add_argument("--json", metavar="FILE", help="also write the arguments and the rows to FILE as JSON")
     args = parser.parse_args(argv)
 
@@ -547,6 +567,8 @@ def main(argv=None) -> int:
         rows = print_bytes_model(args, model, torch.empty((), dtype=dtype).element_size())
         if args.interpret:
             all_right = check_interpreted(args, dtype)
+        elif args.compile_for != "none":
+            print_compiled(args)
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"arguments": vars(args), "rows": rows}, file, indent=1)

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
-from splitserve.kernels.triton_ops import interpreting, language_interpreted
+from splitserve.kernels.triton_ops import interpreting, language_interpreted, launch
 
 triton = None  # the triton module and triton.language, imported by _triton() on first use
 tl = None
@@ -35,17 +36,50 @@ tl = None
 MIN_TOKENS_PER_SPLIT = 256
 # ...and a decode launch has at most this many splits per (request, KV head).
 MAX_NUM_SPLITS = 64
-# Keys (and values) attended per loop iteration; a tile may span several cache blocks.
-KEY_TILE = 64
-# Rows (query token x query head of one KV head) per prefill program: 64 tokens without grouping,
-# 8 with 8 query heads per KV head.
-PREFILL_ROWS = 64
 # Rows (token x KV head) per store_kv program.
 STORE_ROWS = 64
 # tl.dot needs every dimension of at least 16 on GPUs: smaller GQA groups are padded to this.
 MIN_DOT_ROWS = 16
 
 _INSTALL_HINT = "pip install 'splitserve[triton]' (a CUDA build of torch brings its own triton)"
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How an attention launch cuts its work, and the GPU resources of each program. A key tile may span
+    several cache blocks."""
+
+    rows: int  # query rows (token x query head of one KV head) per prefill program, a power of 2 >= 16
+    key_tile: int  # keys (and values) attended per loop iteration, a power of 2 >= 16
+    num_warps: int
+    num_stages: int  # depth of the software pipeline of the key/value loads
+
+
+def decode_tiles(dtype: torch.dtype) -> Tiles:
+    """The decode tiles that compile without register spills for sm_80 and sm_90, as :func:`prefill_tiles`.
+
+    A decode program's rows are the query heads of one KV head (``rows`` is unused). Half precision:
+    64 keys, 4 warps. Float32 at head size 128 spills with those (and with 32 keys on 4 warps): 32 keys
+    on 8 warps do not.
+    """
+    if dtype == torch.float32:
+        return Tiles(rows=0, key_tile=32, num_warps=8, num_stages=3)
+    return Tiles(rows=0, key_tile=64, num_warps=4, num_stages=3)
+
+
+def prefill_tiles(dtype: torch.dtype, head_dim: int) -> Tiles:
+    """The tiles that compile without register spills for sm_80 and sm_90 (``python -m
+    splitserve.kernels.triton_aot``; ``tests/integration/test_triton_compile.py`` holds them to it).
+
+    Half-precision products run on tensor cores with 64 x 64 tiles, 8 warps from head size 128 up (4
+    warps spill there). Float32 products run in full precision on the CUDA cores, each thread holding a
+    share of both operands: tiles of 16 rows by 16 keys keep them in registers with the loads
+    pipelined (64 x 64 spills hundreds of registers at head size 64, thousands at 128; 32 x 16 still
+    spills at 128 unless unpipelined).
+    """
+    if dtype == torch.float32:
+        return Tiles(rows=16, key_tile=16, num_warps=4, num_stages=2)
+    return Tiles(rows=64, key_tile=64, num_warps=8 if head_dim >= 128 else 4, num_stages=3)
 
 
 def check_usable(device: torch.device) -> None:
@@ -85,7 +119,8 @@ def store_kv(
     heads_padded = _next_power_of_2(num_kv_heads)
     tokens_per_program = max(1, STORE_ROWS // heads_padded)
     kernels = _kernels(interpreting())
-    kernels.store_kv[(-(-num_tokens // tokens_per_program),)](
+    launch(
+        kernels.store_kv, (-(-num_tokens // tokens_per_program),),
         key, value, key_cache, value_cache, slot_mapping,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         num_tokens, num_kv_heads, head_dim, key_cache.shape[2],
@@ -102,6 +137,7 @@ def paged_decode_attention(
     scale: float,
     *,
     num_splits: int | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """One new token per request attending to its whole paged context, split-K over the context.
 
@@ -113,7 +149,7 @@ def paged_decode_attention(
     head_dim] (any strides); block_tables: [requests, max_blocks] int (entries past a request's
     blocks are never read); seq_lens: [requests] int, context lengths with the new token, each at
     least 1 and at most max_blocks * block_size. num_splits: None chooses from the context length
-    (:func:`choose_num_splits`); tests set it.
+    (:func:`choose_num_splits`); tests set it. tiles: None chooses by dtype (:func:`decode_tiles`).
 
     Returns: a new [requests, q_heads, head_dim] tensor in query's dtype.
     """
@@ -126,7 +162,8 @@ def paged_decode_attention(
     max_context = block_tables.shape[1] * block_size  # an upper bound known without reading seq_lens
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, query.device)
-    tokens_per_split = _round_up(-(-max_context // num_splits), KEY_TILE)
+    tiles = tiles or decode_tiles(query.dtype)
+    tokens_per_split = _round_up(-(-max_context // num_splits), tiles.key_tile)
     group_size = num_q_heads // num_kv_heads
     # Partial outputs [requests, q_heads, splits, head_dim] and their log2-sum-exp2 [requests, q_heads, splits].
     # With one split the partial output is the output: no second kernel.
@@ -137,16 +174,18 @@ def paged_decode_attention(
     partial_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=query.device)
     head_dim_padded = _next_power_of_2(head_dim)
     kernels = _kernels(interpreting())
-    kernels.decode_partial[(num_seqs, num_kv_heads, num_splits)](
+    launch(
+        kernels.decode_partial, (num_seqs, num_kv_heads, num_splits),
         query, key_cache, value_cache, block_tables, seq_lens, partial_out, partial_lse,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *partial_out.stride(),
         scale * _LOG2_E, head_dim, block_size, group_size, num_q_heads, num_splits, tokens_per_split,
-        GROUP=max(MIN_DOT_ROWS, _next_power_of_2(group_size)), HEAD_DIM=head_dim_padded, KEY_TILE=KEY_TILE,
-        FP32_DOT=_fp32_dot(query.dtype),
+        GROUP=max(MIN_DOT_ROWS, _next_power_of_2(group_size)), HEAD_DIM=head_dim_padded, KEY_TILE=tiles.key_tile,
+        FP32_DOT=_fp32_dot(query.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if num_splits == 1:
         return output
-    kernels.decode_reduce[(num_seqs, num_q_heads)](
+    launch(
+        kernels.decode_reduce, (num_seqs, num_q_heads),
         partial_out, partial_lse, output, *output.stride(), num_q_heads, num_splits, head_dim,
         SPLITS=_next_power_of_2(num_splits), HEAD_DIM=head_dim_padded,
     )
@@ -165,6 +204,7 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened batch of prompt chunks over their cached context and themselves.
 
@@ -178,7 +218,8 @@ def paged_prefill_attention(
     caches: [kv_heads, num_blocks, block_size, head_dim] (any strides); query_start_loc:
     [chunks + 1] int, ascending from 0; context_lens: [chunks] int; block_tables: [chunks,
     max_blocks] int, covering each chunk's context. max_query_len: the longest chunk, when the
-    caller knows it (else read from query_start_loc, a device sync on GPUs).
+    caller knows it (else read from query_start_loc, a device sync on GPUs). tiles: None chooses by
+    dtype and head size (:func:`prefill_tiles`); tests set it.
 
     Returns: a new [tokens, q_heads, head_dim] tensor in query's dtype.
     """
@@ -193,16 +234,18 @@ def paged_prefill_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     group_size = num_q_heads // num_kv_heads
     group_padded = _next_power_of_2(group_size)
-    rows = max(PREFILL_ROWS, group_padded)
+    tiles = tiles or prefill_tiles(query.dtype, head_dim)
+    rows = max(tiles.rows, group_padded)
     tokens_per_tile = rows // group_padded
     kernels = _kernels(interpreting())
-    kernels.prefill[(-(-max_query_len // tokens_per_tile), num_chunks, num_kv_heads)](
+    launch(
+        kernels.prefill, (-(-max_query_len // tokens_per_tile), num_chunks, num_kv_heads),
         query, key, value, key_cache, value_cache, output, query_start_loc, context_lens, block_tables,
         *query.stride(), *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         *output.stride(), block_tables.stride(0),
         scale * _LOG2_E, head_dim, key_cache.shape[2], group_size,
-        ROWS=rows, GROUP=group_padded, KEY_TILE=KEY_TILE, HEAD_DIM=_next_power_of_2(head_dim),
-        FP32_DOT=_fp32_dot(query.dtype),
+        ROWS=rows, GROUP=group_padded, KEY_TILE=tiles.key_tile, HEAD_DIM=_next_power_of_2(head_dim),
+        FP32_DOT=_fp32_dot(query.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return output
 

@@ -80,9 +80,25 @@ def _jit(kernel, interpret: bool):
     return triton.jit(kernel)
 
 
+# Set by ``triton_aot.compiling_for`` while it compiles the kernels for a GPU that is not here: a callable
+# (jitted kernel, grid, arguments, options) that compiles each launch instead of running it.
+_compile_instead = None
+
+
+def launch(jitted, grid, *arguments, **options) -> None:
+    """Run a jitted kernel over ``grid`` (or, inside ``triton_aot.compiling_for``, compile it for that GPU)."""
+    if _compile_instead is not None:
+        _compile_instead(jitted, grid, arguments, options)
+    else:
+        jitted[grid](*arguments, **options)
+
+
 def _launch(kernel, grid, *arguments, **options):
     """Run ``kernel`` over ``grid``, after checking that its tensors can be reached from where it runs."""
     interpret = interpreting()
+    if _compile_instead is not None:
+        launch(_jit(kernel, interpret), grid, *arguments, **options)
+        return
     for argument in arguments:
         if isinstance(argument, torch.Tensor) and argument.device.type != "cuda" and not interpret:
             raise RuntimeError(
@@ -94,7 +110,7 @@ def _launch(kernel, grid, *arguments, **options):
             f"{kernel.__name__}: TRITON_INTERPRET=1 was set after Triton was imported in this process; set it "
             "before anything imports triton."
         )
-    _jit(kernel, interpret)[grid](*arguments, **options)
+    launch(_jit(kernel, interpret), grid, *arguments, **options)
 
 
 def _check_rows(tensor: torch.Tensor, name: str) -> None:

@@ -78,7 +78,7 @@ def test_only_the_lmcache_connector_imports_lmcache():
 
 
 # Triton is an optional extra too: only the Triton kernel modules import it (lazily, on first use).
-TRITON_MODULES = ("kernels/triton_attention.py", "kernels/triton_ops.py")
+TRITON_MODULES = ("kernels/triton_attention.py", "kernels/triton_ops.py", "kernels/triton_aot.py")
 
 
 def test_only_the_triton_kernels_import_triton():
