@@ -149,7 +149,8 @@ def paged_decode_attention(
     head_dim] (any strides); block_tables: [requests, max_blocks] int (entries past a request's
     blocks are never read); seq_lens: [requests] int, context lengths with the new token, each at
     least 1 and at most max_blocks * block_size. num_splits: None chooses from the context length
-    (:func:`choose_num_splits`); tests set it. tiles: None chooses by dtype (:func:`decode_tiles`).
+    (:func:`choose_num_splits`); tests set it. tiles: None chooses by dtype (:func:`decode_tiles`); tests
+    set it.
 
     Returns: a new [requests, q_heads, head_dim] tensor in query's dtype.
     """

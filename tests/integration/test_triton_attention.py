@@ -178,6 +178,22 @@ def test_decode_split_counts_agree():
         torch.testing.assert_close(outputs[num_splits], outputs[1], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_tile_shapes_agree(dtype):
+    """The key tiles the launch chooses from (32 keys for float32, 64 for half precision; see
+    decode_tiles, sized so they compile without spills) give the reference's output in either dtype,
+    with one split and with splits cut at tile multiples."""
+    lengths = [1, 31, 32, 33, 64, 65, 300]
+    query, key_cache, value_cache, tables, seq_lens = decode_inputs(6, 2, 64, 16, lengths, dtype, seed=5)
+    expected = reference_decode(query, key_cache, value_cache, tables, seq_lens, 0.125)
+    for tiles in (triton_attention.decode_tiles(torch.float32), triton_attention.decode_tiles(torch.bfloat16)):
+        for num_splits in (1, 3):
+            actual = triton_attention.paged_decode_attention(
+                query, key_cache, value_cache, tables, seq_lens, 0.125, num_splits=num_splits, tiles=tiles
+            )
+            assert_close(actual, expected, dtype)
+
+
 @pytest.mark.parametrize("seed", [10, 11, 12])
 def test_decode_random_shapes(seed):
     generator = torch.Generator().manual_seed(seed)
@@ -221,7 +237,7 @@ def test_choose_num_splits_splits_long_contexts_of_small_batches_only():
 # ---- paged prefill ------------------------------------------------------------------------------
 
 
-def run_prefill_case(num_q_heads, num_kv_heads, head_dim, block_size, contexts, chunks, dtype, seed):
+def run_prefill_case(num_q_heads, num_kv_heads, head_dim, block_size, contexts, chunks, dtype, seed, tiles=None):
     """A flattened batch of chunks, chunk i at positions contexts[i]..contexts[i] + chunks[i] of its
     request; the context's K/V already in the cache. Compares with prefill_attention per chunk."""
     generator = torch.Generator().manual_seed(seed)
@@ -245,7 +261,7 @@ def run_prefill_case(num_q_heads, num_kv_heads, head_dim, block_size, contexts, 
 
     actual = triton_attention.paged_prefill_attention(
         query, key, value, key_cache, value_cache, torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        torch.tensor(contexts, dtype=torch.int32, device=DEVICE), tables.to(DEVICE), scale,
+        torch.tensor(contexts, dtype=torch.int32, device=DEVICE), tables.to(DEVICE), scale, tiles=tiles,
     )
 
     assert actual.shape == (num_tokens, num_q_heads, head_dim)
@@ -280,6 +296,19 @@ def test_prefill_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, bl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_single_chunk_after_a_long_context(dtype):
     run_prefill_case(1, 1, 64, 16, [2000], [40], dtype, seed=7)
+
+
+@pytest.mark.parametrize("tiles", [
+    triton_attention.prefill_tiles(torch.float32, 64),
+    triton_attention.prefill_tiles(torch.bfloat16, 64),
+    triton_attention.prefill_tiles(torch.bfloat16, 128),
+    triton_attention.Tiles(rows=32, key_tile=16, num_warps=8, num_stages=2),
+], ids=lambda tiles: f"{tiles.rows}x{tiles.key_tile}")
+def test_prefill_tile_shapes_agree(tiles):
+    """Every tile shape the launch chooses from by dtype and head size (prefill_tiles, sized so they
+    compile without spills) gives the reference's output on one case whose chunks cross row-tile, key-
+    tile and block boundaries, with context in the cache and grouped-query ratio 3."""
+    run_prefill_case(6, 2, 64, 16, [20, 0, 47], [33, 70, 17], torch.float32, seed=21, tiles=tiles)
 
 
 def test_prefill_of_an_empty_batch_is_empty():

@@ -1,0 +1,65 @@
+"""benchmarks/kernels.py without a GPU: the bytes each kernel must move, the kernels compiled for an H100,
+and the interpreter check, each as a user runs the script (a subprocess; Triton's compiler and its
+interpreter cannot share a process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernels are an optional extra: pip install 'splitserve[triton]'")
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the benchmark times the kernels instead"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "kernels.py"
+KERNELS = ["rms_norm", "add_rms_norm", "rotary_", "silu_and_mul", "store_kv", "gather_blocks", "scatter_blocks",
+           "paged_decode_attention", "paged_prefill_attention"]
+
+
+def _run(*arguments: str) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    return subprocess.run([sys.executable, str(SCRIPT), *arguments], capture_output=True, text=True, env=env,
+                          timeout=500, cwd=ROOT)
+
+
+def test_without_a_gpu_it_prints_the_bytes_model_and_the_kernels_compiled_for_an_h100(tmp_path):
+    out = tmp_path / "kernels.json"
+    result = _run("--tokens", "16", "--contexts", "4096", "--batch-sizes", "16", "--prefill-batch-sizes", "1",
+                  "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "No CUDA GPU found" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted({row["kernel"] for row in rows}) == sorted(KERNELS)
+    # SmolLM2's decode at batch 16 over 4,096 tokens in bfloat16: keys and values of 3 heads x 64 dims,
+    # 2 bytes each, read once (the query, output and block tables add under 0.2%).
+    (decode,) = [row for row in rows if row["kernel"] == "paged_decode_attention"]
+    kv_bytes = 2 * 16 * 4096 * 3 * 64 * 2
+    assert kv_bytes <= decode["bytes"] <= kv_bytes * 1.002
+    assert decode["seconds_at_peak"] == pytest.approx(decode["bytes"] / 3350e9)
+    # Then the compile table: every kernel the engine launches, none spilling.
+    assert "Triton kernels compiled for H100 SXM (sm_90" in result.stdout
+    table = [line.split() for line in result.stdout.splitlines() if line.startswith("smollm2-135m")]
+    compiled = {row[2] for row in table}
+    assert {"prefill_kernel", "decode_partial_kernel", "decode_reduce_kernel", "store_kv_kernel",
+            "rms_norm_kernel", "rotary_kernel", "silu_and_mul_kernel", "copy_blocks_kernel"} == compiled
+    spills = [int(row[-4]) for row in table]  # columns from the right: 16B loads, per SM, shared, spills
+    assert spills and not any(spills)
+
+
+def test_interpret_runs_each_kernel_on_tiny_shapes_against_its_reference():
+    result = _run("--interpret", "--dtype", "float32", "--tokens", "4", "--contexts", "64", "--batch-sizes", "2")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    checked = [line.split() for line in result.stdout.splitlines() if line.endswith((" ok", " WRONG"))]
+    assert sorted({row[0] for row in checked}) == sorted(KERNELS)
+    assert all(row[-1] == "ok" for row in checked)
+    assert "compiled for" not in result.stdout  # the interpreter and the compiler do not share a process
