@@ -42,6 +42,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
+if __package__ in (None, ""):  # run as a script: make the repository importable as splitserve
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from splitserve.engine.host_allocator import glibc_tunables  # noqa: E402
+
 THROUGHPUT_TARGET = 4.0  # splitserve tok/s / transformers tok/s must reach this
 LATENCY_TARGET = 1.15  # splitserve ms/token / transformers ms/token must not exceed this
 SPECIAL_ID_MARGIN = 100  # prompt ids are drawn from [margin, vocab - margin)
@@ -360,6 +365,9 @@ class VllmPeer:
         env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_USE_AOT_COMPILE="0",
                    VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), PYTHONUNBUFFERED="1")
+        # The malloc settings splitserve's engine makes in-process (engine/host_allocator.py), so that
+        # neither system pays page faults the other does not; vLLM's guide gets the same from tcmalloc.
+        env.setdefault("GLIBC_TUNABLES", glibc_tunables())
         # stderr (vLLM's progress bars, tracebacks) goes straight to ours.
         self.process = subprocess.Popen([python, script, config, VLLM_PEER_MARKER], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=env, cwd=self.folder.name)
@@ -692,6 +700,9 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
         f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}",
     ]
+    if args.vllm_python:
+        header.append(f"vLLM ran with GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', glibc_tunables())} "
+                      "(the malloc settings splitserve's engine makes in-process)")
     if load_before[0] > BUSY_LOAD_AVERAGE:  # "after" includes this benchmark's own load
         header.append(f"WARNING: load average {load_before[0]:.2f} before the start: other work shares the "
                       "cores, so absolute numbers are low and ratios noisy; run again when idle")

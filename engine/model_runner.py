@@ -17,6 +17,7 @@ import torch
 from splitserve.common.model_info import cache_dir
 from splitserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan
 from splitserve.engine.config import EngineConfig, resolve_attention_backend, resolve_device, resolve_dtype
+from splitserve.engine.host_allocator import keep_freed_buffers_in_heap
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
@@ -98,6 +99,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model_config = model_config
         self.device = resolve_device(config.device, torch.cuda.is_available())
+        if self.device == "cpu":
+            keep_freed_buffers_in_heap()
         backend = resolve_attention_backend(config.attention_backend, self.device)
         self.dtype_name = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype_name, max_model_len, self.device)

@@ -13,6 +13,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+bool small_gemm_supported();
+torch::Tensor pack_panels(torch::Tensor weight);
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor bias, int64_t out_features);
 }  // namespace splitserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -24,4 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &splitserve::add_rms_norm, "residual += x, then RMSNorm of residual (float32)");
   m.def("silu_and_mul", &splitserve::silu_and_mul, "silu(gate) * up (float32)");
   m.def("rotary_", &splitserve::rotary_, "rotary embedding in place (float32)");
+  m.def("small_gemm_supported", &splitserve::small_gemm_supported, "whether small_gemm was built (AVX-512)");
+  m.def("pack_panels", &splitserve::pack_panels, "an [out, in] weight as [panels, in, 32] (float32)");
+  m.def("small_gemm", &splitserve::small_gemm, "x @ weight^T + bias for decode-sized batches (float32)");
 }

@@ -1,5 +1,6 @@
 """Loads splitserve's C++ CPU kernels: paged decode attention (``cpu_paged_attention.cpp``), paged
-prefill attention (``cpu_prefill_attention.cpp``) and the fused element-wise operations of the Llama layer (``cpu_fused_ops.cpp``), one extension.
+prefill attention (``cpu_prefill_attention.cpp``), the fused element-wise operations of the Llama layer
+(``cpu_fused_ops.cpp``) and the linear layers of decode-sized batches (``cpu_small_gemm.cpp``), one extension.
 
 The sources are compiled on first use with the machine's C++ compiler into the
 cache folder the caller names (the engine passes splitserve's cache folder),
@@ -22,7 +23,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 _FOLDER = Path(__file__).parent
-_SOURCES = ("cpu_kernels.cpp", "cpu_paged_attention.cpp", "cpu_prefill_attention.cpp", "cpu_fused_ops.cpp")
+_SOURCES = ("cpu_kernels.cpp", "cpu_paged_attention.cpp", "cpu_prefill_attention.cpp", "cpu_fused_ops.cpp",
+            "cpu_small_gemm.cpp")
 _NAME = "splitserve_cpu_kernels"
 COMPILE_MESSAGE = "Compiling the C++ CPU kernels (first start only, about a minute and a half)..."
 
@@ -168,3 +170,32 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x: [tokens, heads, head_dim] in place; cos, sin: [tokens, head_dim]."""
     _module.rotary_(x, cos, sin)
+
+
+# Up to this many rows a projection runs in small_gemm, above it in oneDNN's packed GEMM: with the weight
+# cold, as in the engine, small_gemm was ahead from 1 row (1.4-2.3x) to 192 (0.97-1.22x) and even at 256
+# (benchmarks/cpu_gemm.py, 2-core Sapphire Rapids); oneDNN wins the prompt chunks.
+SMALL_GEMM_MAX_ROWS = 192
+
+
+def small_gemm_supported() -> bool:
+    """Whether :func:`small_gemm` was built here (it needs AVX-512). Call :func:`available` first."""
+    return _module is not None and _module.small_gemm_supported()
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """An nn.Linear weight [out_features, in_features] as :func:`small_gemm`'s panels [ceil(out / 32),
+    in_features, 32] (a new tensor; columns past out_features are zero)."""
+    return _module.pack_panels(weight.float().contiguous())
+
+
+def small_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x: [rows, in_features] (rows of a few to a few hundred) and the
+    weight's :func:`pack_panels`. Returns a new [rows, out_features]. float32; needs
+    :func:`small_gemm_supported`."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return _module.small_gemm(x, panels, bias if bias is not None else _EMPTY, out_features)
+
+
+_EMPTY = torch.empty(0)

@@ -149,10 +149,13 @@ class LlamaForCausalLM(nn.Module):
         """Run RMSNorm (fused with the residual add), rotary and SiLU-and-multiply through ``kernels``: the
         C++ kernels (``splitserve.kernels.cpu_ops``, float32; call ``cpu_ops.available`` first), the Triton
         kernels (``splitserve.kernels.triton_ops``: the same functions and contracts), or None: the
-        plain-torch code here, their reference."""
+        plain-torch code here, their reference. With the C++ kernels, packed projections also run
+        decode-sized batches through their GEMM (:meth:`PackedLinear.use_kernels`)."""
         for module in self.modules():
             if hasattr(module, "kernels"):
                 module.kernels = kernels
+            if isinstance(module, PackedLinear):
+                module.use_kernels(kernels)
 
     def pack_linear_weights(self) -> None:
         """Replace every projection of every layer by a :class:`PackedLinear` (frees the dense weights)

@@ -269,3 +269,79 @@ def test_write_kv_matches_index_copy():
     assert torch.equal(expected_keys[:, blocks, offsets], key.transpose(0, 1))
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernels.write_kv_(keys, values, key[:1], value[:1], torch.tensor([40]))
+
+
+# ---- linear layers of decode-sized batches --------------------------------------------------------
+
+
+def _small_gemm_kernels():
+    kernels = _kernels()
+    if not kernels.small_gemm_supported():
+        pytest.skip("small_gemm needs AVX-512, which this CPU lacks (the engine keeps oneDNN there)")
+    return kernels
+
+
+@pytest.mark.parametrize(
+    "rows, in_features, out_features, with_bias",
+    [
+        (1, 576, 960, False),  # batch 1: SmolLM's qkv
+        (7, 17, 45, True),  # a partial row tile, an odd depth, a partial last panel, a bias
+        (8, 64, 32, True),  # exactly one tile and one panel
+        (9, 40, 31, False),  # one row past a tile; fewer columns than one panel
+        (64, 576, 3072, False),  # a decode step of SmolLM's gate/up
+        (192, 1536, 576, True),  # the largest batch the engine sends (SMALL_GEMM_MAX_ROWS), down's shape
+    ],
+)
+def test_small_gemm_matches_linear(rows, in_features, out_features, with_bias):
+    kernels = _small_gemm_kernels()
+    assert kernels.SMALL_GEMM_MAX_ROWS == 192
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    # Rows at a stride (a view into a wider tensor), as a slice of the model's activations may be.
+    x = torch.randn(rows, in_features + 5, generator=generator)[:, :in_features]
+    panels = kernels.pack_panels(weight)
+    assert panels.shape == (-(-out_features // 32), in_features, 32)
+    actual = kernels.small_gemm(x, panels, bias, out_features)
+    assert actual.shape == (rows, out_features) and actual.is_contiguous()
+    # Sums of in_features products of unit normals, in another order than MKL's: float32 rounding only.
+    torch.testing.assert_close(actual, F.linear(x, weight, bias), atol=2e-5 * in_features**0.5, rtol=1e-5)
+
+
+def test_small_gemm_takes_no_rows_and_refuses_bad_shapes():
+    kernels = _small_gemm_kernels()
+    panels = kernels.pack_panels(torch.randn(40, 16))
+    assert kernels.small_gemm(torch.empty(0, 16), panels, None, 40).shape == (0, 40)
+    with pytest.raises(RuntimeError, match="x has 15 features, the weight 16"):
+        kernels.small_gemm(torch.randn(2, 15), panels, None, 40)
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        kernels.small_gemm(torch.randn(2, 16), panels, None, 65)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        kernels.small_gemm(torch.randn(2, 16), panels, torch.randn(39), 40)
+
+
+def test_packed_linear_sends_decode_batches_to_small_gemm_and_prompt_chunks_to_onednn():
+    from splitserve.engine.models.packed_linear import PackedLinear
+
+    kernels = _small_gemm_kernels()
+    generator = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(96, 80)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(80, 96, generator=generator))
+        linear.bias.copy_(torch.randn(80, generator=generator))
+    weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
+    packed = PackedLinear(linear)
+    packed.use_kernels(kernels)
+    assert packed.panels is not None
+    calls = []
+    original = kernels.small_gemm
+    try:
+        kernels.small_gemm = lambda *args: calls.append(args[0].shape[0]) or original(*args)
+        for rows in (1, 64, 192, 193, 512):
+            x = torch.randn(rows, 96, generator=generator)
+            torch.testing.assert_close(packed(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    finally:
+        kernels.small_gemm = original
+    assert calls == [1, 64, 192]
+    packed.use_kernels(None)  # the torch backend: oneDNN for every batch, the second copy dropped
+    assert packed.panels is None and packed.small_gemm_kernels is None

@@ -1,0 +1,116 @@
+"""The C++ small-batch GEMM against oneDNN's packed GEMM, timed in the same run, with the weights cold.
+
+``kernels/cpu_small_gemm.cpp`` runs the engine's projections for batches of up to
+``SMALL_GEMM_MAX_ROWS`` rows; above that oneDNN's packed GEMM (``PackedLinear``) does. In the
+engine a layer's weights are cold when its GEMM runs (attention and the other layers have swept the
+caches), so each case holds one weight per layer (30 for SmolLM2-135M), runs them in turn as a step
+does, and evicts the caches before every call by writing a buffer larger than them. Both sides
+alternate; the medians, oneDNN/small ratio (above 1: small_gemm is faster), GFLOP/s and the largest
+difference between the two outputs are printed.
+
+    python benchmarks/cpu_gemm.py                                  # SmolLM2-135M's four projections
+    python benchmarks/cpu_gemm.py --rows 1 64 256 --shapes 4096x4096 --layers 4 --repeats 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable as splitserve
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from splitserve.common.model_info import cache_dir
+from splitserve.kernels import cpu_ops
+
+# SmolLM2-135M's projections, in_features x out_features: q/k/v fused, o, gate/up fused, down.
+DEFAULT_SHAPES = ["576x960", "576x576", "576x3072", "1536x576"]
+
+
+def _parse_shape(text: str) -> tuple[int, int]:
+    in_features, _, out_features = text.partition("x")
+    return int(in_features), int(out_features)
+
+
+def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repeats: int, evict_mb: int,
+              seed: int = 0) -> dict:
+    """One step's worth of one projection (``layers`` distinct weights) at ``rows`` rows, both ways."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(out_features, in_features, generator=generator) for _ in range(layers)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(weight, None) for weight in weights]
+    panels = [cpu_ops.pack_panels(weight) for weight in weights]
+    x = torch.randn(rows, in_features, generator=generator)
+    evict = torch.zeros(evict_mb * 1024 * 1024 // 4)
+
+    def onednn(layer):
+        return torch.ops.mkldnn._linear_pointwise(x, packed[layer], None, "none", [], "")
+
+    def small(layer):
+        return cpu_ops.small_gemm(x, panels[layer], None, out_features)
+
+    def timed(function) -> float:
+        seconds = 0.0
+        for layer in range(layers):
+            evict.add_(1.0)  # written, so the weights and x leave the caches
+            start = time.perf_counter()
+            function(layer)
+            seconds += time.perf_counter() - start
+        return seconds
+
+    difference = (small(0) - onednn(0)).abs().max().item()
+    timed(small), timed(onednn)  # warm-up
+    small_times, onednn_times = [], []
+    for _ in range(repeats):
+        small_times.append(timed(small))
+        onednn_times.append(timed(onednn))
+    small_s, onednn_s = statistics.median(small_times), statistics.median(onednn_times)
+    flops = 2 * rows * in_features * out_features * layers
+    return {"shape": f"{in_features}x{out_features}", "rows": rows, "small_s": small_s, "onednn_s": onednn_s,
+            "small_gflops": flops / small_s / 1e9, "onednn_gflops": flops / onednn_s / 1e9,
+            "difference": difference}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", type=_parse_shape, metavar="INxOUT",
+                        default=[_parse_shape(shape) for shape in DEFAULT_SHAPES],
+                        help="projections as in_features x out_features (default: SmolLM2-135M's: "
+                             + " ".join(DEFAULT_SHAPES) + ")")
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 192, 512],
+                        help="batch sizes in rows (default: 1 16 64 192 512; the engine sends up to "
+                             f"{cpu_ops.SMALL_GEMM_MAX_ROWS} to small_gemm)")
+    parser.add_argument("--layers", type=int, default=30, help="distinct weights per shape, run in turn (default: 30)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each side, alternating; medians (default: 5)")
+    parser.add_argument("--evict-mb", type=int, default=256,
+                        help="MB written before each call to push the weights out of the caches (default: 256)")
+    args = parser.parse_args(argv)
+    if any(rows < 1 for rows in args.rows) or args.layers < 1 or args.repeats < 1:
+        parser.error("--rows, --layers and --repeats must be positive")
+    if not cpu_ops.available(str(cache_dir())):
+        print("The C++ CPU kernels could not be built here: nothing to time.", file=sys.stderr)
+        return 1
+    if not cpu_ops.small_gemm_supported():
+        print("small_gemm needs AVX-512, which this CPU lacks: the engine uses oneDNN for every batch here.",
+              file=sys.stderr)
+        return 1
+    print(f"{torch.get_num_threads()} threads, {args.layers} weights per shape, caches evicted before each call; "
+          f"medians of {args.repeats}")
+    print(f"{'shape':>10} {'rows':>5} {'small ms':>9} {'oneDNN ms':>10} {'oneDNN/small':>13} {'small GFLOP/s':>14} "
+          f"{'oneDNN GFLOP/s':>15} {'max diff':>9}")
+    for in_features, out_features in args.shapes:
+        for rows in args.rows:
+            r = gemm_case(in_features, out_features, rows, args.layers, args.repeats, args.evict_mb)
+            print(f"{r['shape']:>10} {r['rows']:5d} {r['small_s'] * 1e3:9.2f} {r['onednn_s'] * 1e3:10.2f} "
+                  f"{r['onednn_s'] / r['small_s']:12.2f}x {r['small_gflops']:14.0f} {r['onednn_gflops']:15.0f} "
+                  f"{r['difference']:9.1e}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

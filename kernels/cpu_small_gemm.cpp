@@ -1,0 +1,160 @@
+// Linear layers of decode-sized batches on CPUs: out = x @ weight^T (+ bias) for a few to a
+// couple of hundred rows, the weight streamed from memory once per call.
+//
+// At these sizes a projection is as much a read of its weight as arithmetic: SmolLM2's
+// gate/up weight is 7 MB and a decode step of 64 rows does 32 FLOPs per weight byte. By the
+// time a layer's GEMM runs, attention has swept its weights out of cache, and oneDNN's packed
+// GEMM, tuned for weights it reuses, stalls on them (110-220 GFLOP/s against 300-350 with
+// the weight in cache, on a 2-core Sapphire Rapids). Here the weight is kept as panels of
+// 32 output columns, each a contiguous [in_features][32] block, and while a thread multiplies
+// one panel it prefetches the next into L2, spread over the panel's row tiles, so the memory
+// reads overlap the arithmetic. benchmarks/cpu_gemm.py times both against each other with
+// cold weights, as the engine meets them.
+//
+// Layouts (float32):
+//   x       [rows, in_features], rows of in_features contiguous (any row stride)
+//   panels  [num_panels, in_features, 32] contiguous: panel p holds output columns 32p .. 32p + 31
+//           (pack_panels below builds it from an nn.Linear weight [out_features, in_features],
+//           zero-padded past out_features)
+//   bias    [out_features] or empty
+// Returns [rows, out_features], contiguous.
+//
+// Each output is one dot product summed over in_features in order with fused multiply-adds,
+// where oneDNN and MKL block the sum: results differ from F.linear by float32 rounding, and
+// tests/integration/test_kernels.py bounds the difference. The plain-torch reference is
+// torch.nn.functional.linear. The micro-kernel holds 8 rows x 32 columns in 16 AVX-512
+// registers; without AVX-512 small_gemm_supported() is false and the engine keeps oneDNN.
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <omp.h>
+
+namespace splitserve {
+
+namespace {
+
+constexpr int64_t kPanelColumns = 32;
+constexpr int64_t kTileRows = 8;
+constexpr int64_t kCacheLine = 64;
+
+#ifdef __AVX512F__
+
+// out[r][0 .. columns) = bias + sum_k x[r][k] * panel[k][...] for ROWS rows; while it runs, issues
+// lines_per_k L2 prefetches per k from `prefetch` onwards (null: none).
+template <int ROWS>
+void multiply_tile(const float* x, int64_t x_stride, const float* panel, int64_t in_features, const float* bias,
+                   int64_t columns, float* out, int64_t out_stride, const char* prefetch, int64_t lines_per_k) {
+  __m512 low[ROWS], high[ROWS];
+  for (int r = 0; r < ROWS; ++r) low[r] = high[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in_features; ++k) {
+    const __m512 w_low = _mm512_loadu_ps(panel + k * kPanelColumns);
+    const __m512 w_high = _mm512_loadu_ps(panel + k * kPanelColumns + 16);
+    if (prefetch != nullptr) {
+      for (int64_t line = 0; line < lines_per_k; ++line)
+        _mm_prefetch(prefetch + (k * lines_per_k + line) * kCacheLine, _MM_HINT_T1);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 value = _mm512_set1_ps(x[r * x_stride + k]);
+      low[r] = _mm512_fmadd_ps(value, w_low, low[r]);
+      high[r] = _mm512_fmadd_ps(value, w_high, high[r]);
+    }
+  }
+  // The last panel may be partial: only its first `columns` columns exist in out and bias.
+  const __mmask16 mask_low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
+  const __mmask16 mask_high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
+  __m512 bias_low = _mm512_setzero_ps(), bias_high = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    bias_low = _mm512_maskz_loadu_ps(mask_low, bias);
+    bias_high = _mm512_maskz_loadu_ps(mask_high, bias + 16);
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_mask_storeu_ps(out + r * out_stride, mask_low, _mm512_add_ps(low[r], bias_low));
+    _mm512_mask_storeu_ps(out + r * out_stride + 16, mask_high, _mm512_add_ps(high[r], bias_high));
+  }
+}
+
+using TileFunction = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t,
+                              const char*, int64_t);
+constexpr TileFunction kTiles[kTileRows + 1] = {nullptr,          multiply_tile<1>, multiply_tile<2>,
+                                                multiply_tile<3>, multiply_tile<4>, multiply_tile<5>,
+                                                multiply_tile<6>, multiply_tile<7>, multiply_tile<8>};
+
+#endif  // __AVX512F__
+
+}  // namespace
+
+bool small_gemm_supported() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor pack_panels(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "pack_panels: a float32 [out, in] weight");
+  const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  const int64_t num_panels = (out_features + kPanelColumns - 1) / kPanelColumns;
+  auto padded = torch::zeros({num_panels * kPanelColumns, in_features}, weight.options());
+  padded.narrow(0, 0, out_features).copy_(weight);
+  // [panels, 32, in] -> [panels, in, 32]
+  return padded.view({num_panels, kPanelColumns, in_features}).transpose(1, 2).contiguous();
+}
+
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor bias, int64_t out_features) {
+  TORCH_CHECK(small_gemm_supported(), "small_gemm: built without AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "small_gemm: x must be float32 [rows, in_features] with contiguous rows");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kFloat32 && panels.is_contiguous() &&
+                  panels.size(2) == kPanelColumns, "small_gemm: panels must be contiguous float32 [panels, in, 32]");
+  const int64_t rows = x.size(0), in_features = x.size(1), num_panels = panels.size(0);
+  TORCH_CHECK(panels.size(1) == in_features, "small_gemm: x has ", in_features, " features, the weight ",
+              panels.size(1));
+  TORCH_CHECK(out_features > (num_panels - 1) * kPanelColumns && out_features <= num_panels * kPanelColumns,
+              "small_gemm: out_features does not match the panels");
+  const bool has_bias = bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == out_features && bias.is_contiguous() &&
+                            bias.scalar_type() == torch::kFloat32), "small_gemm: bias must be float32 [out_features]");
+  auto out = torch::empty({rows, out_features}, x.options());
+#ifdef __AVX512F__
+  if (rows == 0) return out;
+  const float* x_ptr = x.data_ptr<float>();
+  const float* panel_ptr = panels.data_ptr<float>();
+  const float* bias_ptr = has_bias ? bias.data_ptr<float>() : nullptr;
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t x_stride = x.stride(0), panel_elements = in_features * kPanelColumns;
+  const int64_t num_tiles = (rows + kTileRows - 1) / kTileRows;
+  const int64_t panel_lines = panel_elements * static_cast<int64_t>(sizeof(float)) / kCacheLine;
+  // The next panel's lines, spread evenly over this panel's tiles and their k steps.
+  const int64_t lines_per_k = std::max<int64_t>(1, (panel_lines + num_tiles * in_features - 1) / (num_tiles * in_features));
+#pragma omp parallel
+  {
+    // Each thread takes a contiguous run of panels: its weight reads are one sequential stream.
+    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    const int64_t first = num_panels * thread / threads, last = num_panels * (thread + 1) / threads;
+    for (int64_t p = first; p < last; ++p) {
+      const float* panel = panel_ptr + p * panel_elements;
+      const char* next = reinterpret_cast<const char*>(panel + panel_elements);
+      const int64_t columns = std::min(kPanelColumns, out_features - p * kPanelColumns);
+      for (int64_t tile = 0; tile < num_tiles; ++tile) {
+        const int64_t row = tile * kTileRows, tile_rows = std::min(kTileRows, rows - row);
+        const int64_t first_line = tile * in_features * lines_per_k;
+        const char* prefetch = p + 1 < last && first_line < panel_lines ? next + first_line * kCacheLine : nullptr;
+        kTiles[tile_rows](x_ptr + row * x_stride, x_stride, panel, in_features,
+                          bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanelColumns, columns,
+                          out_ptr + row * out_features + p * kPanelColumns, out_features, prefetch, lines_per_k);
+      }
+    }
+  }
+#endif
+  return out;
+}
+
+}  // namespace splitserve

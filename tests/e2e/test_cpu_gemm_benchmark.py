@@ -1,0 +1,39 @@
+"""benchmarks/cpu_gemm.py on small cases: it runs as a script, times both GEMMs and checks they agree."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from splitserve.common.model_info import cache_dir
+from splitserve.kernels import cpu_ops
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_gemm.py"), *arguments],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def test_cpu_gemm_benchmark_prints_each_shape_and_batch_with_its_ratio_and_agreement():
+    assert cpu_ops.available(str(cache_dir()))
+    if not cpu_ops.small_gemm_supported():
+        pytest.skip("small_gemm needs AVX-512, which this CPU lacks")
+    result = _run("--shapes", "64x96", "40x33", "--rows", "1", "9", "--layers", "2", "--repeats", "1",
+                  "--evict-mb", "8")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip().startswith(("64x96", "40x33"))]
+    assert [(row[0], row[1]) for row in rows] == [("64x96", "1"), ("64x96", "9"), ("40x33", "1"), ("40x33", "9")]
+    for row in rows:
+        small_ms, onednn_ms, ratio = float(row[2]), float(row[3]), float(row[4].rstrip("x"))
+        assert small_ms > 0 and onednn_ms > 0 and ratio > 0  # milliseconds are printed rounded; the ratio is not
+        assert float(row[-1]) < 1e-4  # the two GEMMs agree
+
+
+def test_cpu_gemm_benchmark_refuses_a_batch_of_no_rows():
+    result = _run("--rows", "0")
+    assert result.returncode == 2 and "must be positive" in result.stderr
