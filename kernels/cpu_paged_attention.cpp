@@ -11,10 +11,12 @@
 // Returns [num_requests, q_heads, head_dim].
 //
 // Per block, every key and value row is loaded once for all the query heads
-// that share its KV head (grouped-query attention: 3 for SmolLM), and the
-// block's scores go through a vectorized exp (AVX2 + FMA when the compiler
-// targets them, a scalar loop otherwise). Reading the cache is the floor:
-// 2 x kv_heads x context x head_dim x 4 bytes per request and layer.
+// that share its KV head (grouped-query attention: 3 for SmolLM). Head sizes
+// that are multiples of 16 run attend_one_head16 (16-float vectors: AVX-512
+// where the machine has it; 16 keys' scores at a time, the values accumulated
+// in registers); others the per-key loop attend_one_head (AVX2 + FMA when the
+// compiler targets them, a scalar loop otherwise). Reading the cache is the
+// floor: 2 x kv_heads x context x head_dim x 4 bytes per request and layer.
 //
 // The plain-torch reference is splitserve.engine.attention.decode_attention;
 // tests/test_kernels.py compares the two.
@@ -26,6 +28,7 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu_vector16.h"
 #include "cpu_vector_math.h"
 
 namespace splitserve {
@@ -140,6 +143,130 @@ void attend_one_head(const float* q_group, const float* k_head, const float* v_h
   }
 }
 
+// ---- 16-key tiles on 16-float vectors (head_dim a multiple of 16) ---------------------------------
+//
+// The same attention, written for wide vectors: per chunk of up to 16 keys, each query head's 16 dot
+// products are summed into one vector at once (a transpose-and-add tree instead of a horizontal sum
+// per key), the chunk's softmax runs on that vector, and the weighted values accumulate in registers
+// (group x head_dim floats: 12 AVX-512 registers for SmolLM) instead of in memory. In L2 it attends
+// about twice as fast as the per-key loop above, which is what lets a cold cache be read near the
+// memory's streaming rate.
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")  // multiply-adds fused here, as in the prefill kernel
+
+// lanes t of the result = the sum of the 16 lanes of v[t], for t < 16.
+inline vec16::f32x16 sum_each(vec16::f32x16* v) {
+  using vec16::f32x16;
+  f32x16 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+inline float max_of(vec16::f32x16 v) {
+  float result = v[0];
+  for (int i = 1; i < 16; ++i) result = std::max(result, v[i]);
+  return result;
+}
+
+inline float sum_of(vec16::f32x16 v) {
+  float result = 0.0f;
+  for (int i = 0; i < 16; ++i) result += v[i];
+  return result;
+}
+
+// One (request, KV head) as attend_one_head, head_dim = 16 * D.
+template <int D>
+void attend_one_head16(const float* q_group, const float* k_head, const float* v_head, const int64_t* table,
+                       int64_t length, int64_t group, int64_t block_size, int64_t block_stride, float scale,
+                       float* out_group) {
+  using namespace vec16;
+  constexpr int64_t head_dim = 16 * D;
+  f32x16 q[kMaxGroup][D], acc[kMaxGroup][D];
+  float running_max[kMaxGroup], denominator[kMaxGroup];
+  alignas(64) float weights[kMaxGroup][16];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int d = 0; d < D; ++d) {
+      q[g][d] = load16(q_group + g * head_dim + 16 * d) * scale;
+      acc[g][d] = splat(0.0f);
+    }
+    running_max[g] = kNegativeInfinity;
+    denominator[g] = 0.0f;
+  }
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(float));
+  for (int64_t block_start = 0; block_start < length; block_start += block_size) {
+    const int64_t block = table[block_start / block_size];
+    const float* k_block = k_head + block * block_stride;
+    const float* v_block = v_head + block * block_stride;
+    const int64_t in_block = std::min(block_size, length - block_start);
+    if (block_start + block_size < length) {  // the next block's keys and values, fetched while this one computes
+      const int64_t next = table[block_start / block_size + 1];
+      prefetch_row(reinterpret_cast<const char*>(k_head + next * block_stride), in_block * row_bytes);
+      prefetch_row(reinterpret_cast<const char*>(v_head + next * block_stride), in_block * row_bytes);
+    }
+    for (int64_t chunk = 0; chunk < in_block; chunk += 16) {
+      const int64_t count = std::min<int64_t>(16, in_block - chunk);
+      const float* keys = k_block + chunk * head_dim;
+      const float* values = v_block + chunk * head_dim;
+      for (int64_t g = 0; g < group; ++g) {
+        f32x16 products[16];
+        for (int64_t t = 0; t < 16; ++t) {
+          const float* key = keys + std::min(t, count - 1) * head_dim;  // lanes past count are masked below
+          f32x16 sum = q[g][0] * load16(key);
+          for (int d = 1; d < D; ++d) sum += q[g][d] * load16(key + 16 * d);
+          products[t] = sum;
+        }
+        f32x16 scores = sum_each(products);
+        for (int64_t t = count; t < 16; ++t) scores[t] = kNegativeInfinity;
+        const float new_max = std::max(running_max[g], max_of(scores));
+        const float correction = std::exp(running_max[g] - new_max);  // exp(-inf) = 0 on the first chunk
+        const f32x16 p = exp16(scores - new_max);
+        denominator[g] = denominator[g] * correction + sum_of(p);
+        running_max[g] = new_max;
+        if (correction != 1.0f)
+          for (int d = 0; d < D; ++d) acc[g][d] *= correction;
+        store16(weights[g], p);
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        f32x16 value[D];
+        for (int d = 0; d < D; ++d) value[d] = load16(values + t * head_dim + 16 * d);
+        for (int64_t g = 0; g < group; ++g)
+          for (int d = 0; d < D; ++d) acc[g][d] += weights[g][t] * value[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inverse = denominator[g] > 0.0f ? 1.0f / denominator[g] : 0.0f;
+    for (int d = 0; d < D; ++d) store16(out_group + g * head_dim + 16 * d, acc[g][d] * inverse);
+  }
+}
+
+using HeadFunction = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                              int64_t, float, float*);
+
+// attend_one_head16 for this head size, or null (the per-key loop then).
+HeadFunction wide_head_function(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return attend_one_head16<1>;
+    case 32: return attend_one_head16<2>;
+    case 64: return attend_one_head16<4>;
+    case 128: return attend_one_head16<8>;
+    case 256: return attend_one_head16<16>;
+    default: return nullptr;
+  }
+}
+
+#pragma GCC pop_options
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -181,10 +308,17 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   }
   const int64_t head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
 
+  const HeadFunction wide = wide_head_function(head_dim);
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
   for (int64_t r = 0; r < num_requests; ++r) {
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const int64_t first_row = r * num_q_heads + h * group;
+      if (wide != nullptr) {
+        wide(q_ptr + first_row * head_dim, k_ptr + h * head_stride, v_ptr + h * head_stride,
+             table_ptr + r * max_blocks, len_ptr[r], group, block_size, block_stride, scale_f,
+             out_ptr + first_row * head_dim);
+        continue;
+      }
       attend_one_head(q_ptr + first_row * head_dim, k_ptr + h * head_stride, v_ptr + h * head_stride,
                       table_ptr + r * max_blocks, len_ptr[r], group, block_size, head_dim, block_stride, scale_f,
                       out_ptr + first_row * head_dim);
