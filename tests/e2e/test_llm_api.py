@@ -173,3 +173,15 @@ def test_unsupported_architecture_is_named(tmp_path, model_dir):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="Unsupported model architecture GPT2LMHeadModel.*Llama"):
         LLM(str(tmp_path), num_kv_blocks=8, max_model_len=64)
+
+
+def test_the_offline_step_budget_is_twice_a_servers_unless_given(model_dir, llm):
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+
+    assert EngineConfig().max_num_batched_tokens == 2048  # workers and `up`
+    assert OFFLINE_MAX_NUM_BATCHED_TOKENS == 4096 and llm.engine.config.max_num_batched_tokens == 4096
+    given = LLM(str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=512)
+    assert given.engine.config.max_num_batched_tokens == 512
+    many = LLM(str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_seqs=5000)
+    assert many.engine.config.max_num_batched_tokens == 5000  # every running request can still decode each step
