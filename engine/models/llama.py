@@ -22,6 +22,11 @@ from splitserve.engine.models.rotary_embedding import RotaryEmbedding, apply_rot
 # Up to this many rows, logits use the transposed copy of the head (decode of small batches).
 _SMALL_BATCH_ROWS = 4
 
+# Larger steps run the MLP this many rows at a time: SmolLM2's gate/up output is then 25 MB, under the
+# 32 MB that glibc's malloc can serve from its heap (engine/host_allocator.py). A 4,096-row step's 50 MB
+# would be mapped and faulted in anew in every layer; a row piece costs the GEMMs nothing measurable.
+_MLP_CHUNK_ROWS = 2048
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -67,6 +72,13 @@ class LlamaMLP(nn.Module):
         self.kernels = None  # set by LlamaForCausalLM.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, hidden] -> [tokens, hidden]; steps of more than _MLP_CHUNK_ROWS tokens in pieces of that
+        many rows, so that no intermediate outgrows what the host allocator keeps for reuse."""
+        if x.shape[0] > _MLP_CHUNK_ROWS:
+            return torch.cat([self._forward(piece) for piece in x.split(_MLP_CHUNK_ROWS)])
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [tokens, 2 * intermediate]
         if self.kernels is not None:
             return self.down_proj(self.kernels.silu_and_mul(gate_up))

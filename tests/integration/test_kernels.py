@@ -345,3 +345,23 @@ def test_packed_linear_sends_decode_batches_to_small_gemm_and_prompt_chunks_to_o
     assert calls == [1, 64, 192]
     packed.use_kernels(None)  # the torch backend: oneDNN for every batch, the second copy dropped
     assert packed.panels is None and packed.small_gemm_kernels is None
+
+
+def test_mlp_of_a_step_above_the_chunk_size_equals_the_formula():
+    from splitserve.common.model_info import ModelConfig
+    from splitserve.engine.models import llama
+
+    config = ModelConfig("llama", "LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rms_norm_eps=1e-5, max_position_embeddings=64, rope_theta=10000.0)
+    mlp = llama.LlamaMLP(config)
+    x = torch.randn(2 * llama._MLP_CHUNK_ROWS + 5, 64, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        gate, up = F.linear(x, mlp.gate_up_proj.weight).split(96, dim=-1)
+        expected = F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+        calls = []
+        original = mlp._forward
+        mlp._forward = lambda piece: calls.append(piece.shape[0]) or original(piece)
+        actual = mlp(x)
+    assert calls == [llama._MLP_CHUNK_ROWS, llama._MLP_CHUNK_ROWS, 5]
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
