@@ -28,9 +28,10 @@ pytestmark = pytest.mark.timeout(240)
 LMCACHE_KEYS = "splitserve:lmcache:*"
 SIGTERM_EXIT_SECONDS = 5.0
 # Workers finish in-flight requests for at most 1 s after SIGTERM, then abort them after the engine step in
-# progress: a busy worker's exit is bounded by that and a step or two (of at most 128 tokens), not by how much
-# work it holds.
-WORKER_ARGS = ["--drain-timeout", "1", "--max-num-batched-tokens", "128"]
+# progress: a busy worker's exit is bounded by that and a step or two (of at most 32 tokens), not by how much
+# work it holds. Steps that small also keep three prompts' prefills (about 1,800 tokens) from all finishing
+# within that second, so the SIGTERM test has prefills to abort (at 128 tokens a step they once did finish).
+WORKER_ARGS = ["--drain-timeout", "1", "--max-num-seqs", "8", "--max-num-batched-tokens", "32"]
 # Decode workers wait up to 30 s for a prompt's KV: one prefill worker on a shared core takes several seconds a
 # prompt, and a request's wait starts before its prefill is queued (a fault's requests wait on the prefill's
 # answer, not on this).
