@@ -13,7 +13,6 @@ up`` starts it from its main thread.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
@@ -53,28 +52,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def _die_with_parent_hook():
-    """A ``preexec_fn`` that makes the child get SIGTERM when this process dies (Linux), or None elsewhere.
-
-    Runs in the child between fork and exec: asks the kernel for SIGTERM on the parent's death, then exits
-    at once if the parent already died before that (the child was reparented, so ``getppid`` changed).
-    """
+def _die_with_parent(command: list[str], python: str) -> list[str]:
+    """``command`` started through ``splitserve.common.die_with_parent``, so that it gets SIGTERM when this
+    process dies (Linux); ``command`` itself elsewhere (PR_SET_PDEATHSIG is Linux-only). No ``preexec_fn``:
+    with one Python forks this process, and gRPC's fork handler can hang on a busy channel (see that module)."""
     if not sys.platform.startswith("linux"):
         logger.debug("Children are not tied to this process's life on %s (PR_SET_PDEATHSIG is Linux-only).",
                      sys.platform)
-        return None
-    parent_pid = os.getpid()
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not between fork and exec
-
-    def die_with_parent() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-    return die_with_parent
+        return command
+    return [python, "-m", "splitserve.common.die_with_parent", str(os.getpid()), *command]
 
 
 @dataclass
@@ -254,8 +240,8 @@ class LocalCluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {}), **self._secret_env}
         with open(log_path, "w") as log:
             popen = subprocess.Popen(
-                [self.python, "-m", "splitserve.cli", *args, *self._tls_flags()], stdout=subprocess.PIPE, stderr=log,
-                text=True, env=env, start_new_session=True, preexec_fn=_die_with_parent_hook(),
+                _die_with_parent([self.python, "-m", "splitserve.cli", *args, *self._tls_flags()], self.python),
+                stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True,
             )
         return Process(name, popen, log_path)
 
@@ -279,8 +265,9 @@ class LocalCluster:
         log_path = self.log_dir / "00-redis.log"
         with open(log_path, "w") as log:
             popen = subprocess.Popen(
-                [binary, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly", "no"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent_hook(),
+                _die_with_parent([binary, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly",
+                                  "no"], self.python),
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         self.redis = Process("redis", popen, log_path, address=f"{self.host}:{port}")
         deadline = time.monotonic() + 20
