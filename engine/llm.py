@@ -11,6 +11,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
+PromptType = str | dict[str, Any]
 
 # The offline step budget, where nobody waits on a token: twice a server's (EngineConfig's 2,048), as
 # vLLM's CPU platform sets for its LLM class (4,096, against 2,048 for its API server). Fewer, larger
@@ -18,7 +19,6 @@ from splitserve.engine.outputs import RequestOutput
 # of the weights, start earlier: the offline workload of benchmarks/offline_throughput.py ran in 19.4 s
 # at 4,096 against 20.6 s at 2,048 (2-core Sapphire Rapids).
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
-PromptType = str | dict[str, Any]
 
 
 class LLM:
