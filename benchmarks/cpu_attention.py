@@ -35,6 +35,7 @@ from splitserve.engine.attention import (
     prefill_attention,
     write_kv,
 )
+from splitserve.engine.model_runner import allocate_kv_cache
 from splitserve.kernels import cpu_ops
 
 
@@ -58,9 +59,11 @@ def _parse_decode(text: str) -> tuple[int, int]:
 
 
 def _layer_caches(shape: Shape, num_blocks: int, generator: torch.Generator):
-    """Per layer, key and value views [kv_heads, blocks, block_size, head_dim] of one block-major cache."""
-    cache = torch.randn(num_blocks, shape.layers, 2, shape.kv_heads, shape.block_size, shape.head_dim,
-                        generator=generator)
+    """Per layer, key and value views [kv_heads, blocks, block_size, head_dim] of one block-major cache,
+    allocated as the engine allocates it (huge pages on Linux) and filled with normal noise."""
+    cache = allocate_kv_cache((num_blocks, shape.layers, 2, shape.kv_heads, shape.block_size, shape.head_dim),
+                              torch.float32)
+    cache.normal_(generator=generator)
     return [cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(shape.layers)]
 
 

@@ -36,7 +36,7 @@ def num_kv_blocks_for_budget(config: EngineConfig, model_config: ModelConfig, dt
     return max(1, config.kv_cache_memory_bytes // (bytes_per_token * config.block_size))
 
 
-def _allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     """The KV cache, all zeros: on CUDA one device allocation; on CPU backed by a fresh anonymous mapping
     with huge pages.
 
@@ -109,7 +109,7 @@ class ModelRunner:
         # Block-major: [num_blocks, layers, 2, kv_heads, block_size, head_dim]. One block holds its tokens'
         # KV for every layer in one contiguous piece, so KV connectors send and receive whole blocks
         # straight from and into the cache, without gathering (as SGLang's "page_first" host layout).
-        self.kv_cache = _allocate_kv_cache(
+        self.kv_cache = allocate_kv_cache(
             (self.num_blocks, model_config.num_hidden_layers, 2, model_config.num_key_value_heads,
              self.block_size, model_config.head_dim),
             self.dtype,

@@ -36,18 +36,28 @@ def reference(query, key_cache, value_cache, block_tables, seq_lens, scale):
     return decode_attention(query, key_cache, value_cache, group, scale)
 
 
+# From 4 requests per thread on, the kernel gives each thread whole requests (all their KV heads, block by
+# block) instead of (request, KV head) pairs; 64 requests take that path on machines of up to 16 threads.
+MANY_LENGTHS = [1, 15, 16, 17, 33, 100, 2, 31] * 8
+
+
 @pytest.mark.parametrize(
     "num_q_heads, num_kv_heads, head_dim, block_size, lengths",
     [
         (9, 3, 64, 16, [1, 15, 16, 17, 300, 576]),  # SmolLM's shape; block-boundary lengths
         (4, 4, 32, 8, [5, 64, 9]),  # no grouping
         (8, 2, 16, 4, [1]),  # one token of context
+        (9, 3, 64, 16, MANY_LENGTHS),  # whole requests per thread
+        (16, 8, 64, 16, MANY_LENGTHS),  # whole requests, heads in two passes (7 fit the kernel's state)
+        (8, 4, 256, 16, MANY_LENGTHS),  # whole requests, one head per pass
+        (4, 4, 32, 8, MANY_LENGTHS),  # whole requests, no grouping
+        (6, 2, 48, 16, MANY_LENGTHS),  # a head size the 16-float path does not take: the per-key loop
     ],
 )
 def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, block_size, lengths):
     assert cpu_ops.available(str(cache_dir())), "the C++ kernel must build on this machine"
     generator = torch.Generator().manual_seed(0)
-    num_blocks = 200
+    num_blocks = max(200, sum(-(-length // block_size) for length in lengths))
     key_cache, value_cache = block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, generator)
     assert not key_cache.is_contiguous()
     seq_lens = torch.tensor(lengths, dtype=torch.int64)
