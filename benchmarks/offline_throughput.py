@@ -553,6 +553,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="splitserve (and vLLM) max running requests (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="splitserve (and vLLM) tokens per forward pass (default: the engine's)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="splitserve (and vLLM) tokens per KV block (default: the engine's)")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0,
                         help="KV cache size in GiB for splitserve (kv_cache_memory_bytes) and vLLM "
                         "(VLLM_CPU_KVCACHE_SPACE, rounded to whole GiB) (default: %(default)s)")
@@ -591,6 +593,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.block_size is not None:
+        kwargs["block_size"] = args.block_size
     return kwargs
 
 

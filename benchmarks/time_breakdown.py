@@ -164,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine limit (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine step budget (default: "
                         "the engine's)")
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
     parser.add_argument("--enable-prefix-caching", action="store_true", help="as offline_throughput.py (off)")
     parser.add_argument("--ceiling-rows", type=int, default=512, help="rows of the GEMMs timed for the ceiling")
     parser.add_argument("--vllm-tok-s", type=float, default=None,

@@ -26,8 +26,9 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 def engines(model_dir, redis_url):
     url = redis_url
     # A 128-token step budget: a long prompt prefills in chunks, each step's blocks saved on their own.
-    prefill = LLM(str(model_dir), num_kv_blocks=160, max_model_len=2048, max_num_batched_tokens=128).engine
-    decode = LLM(str(model_dir), num_kv_blocks=160, max_model_len=2048).engine
+    # Engines as a cluster's workers build them: 16-token blocks (the offline LLM's default on CPU is 128).
+    prefill = LLM(str(model_dir), num_kv_blocks=160, max_model_len=2048, max_num_batched_tokens=128, block_size=16).engine
+    decode = LLM(str(model_dir), num_kv_blocks=160, max_model_len=2048, block_size=16).engine
     layout = KVLayout.from_kv_cache(prefill.model_runner.kv_cache)
     out = create_connector("redis", "prefill-e", "fingerprint", layout, url=url)
     into = create_connector("redis", "decode-e", "fingerprint", layout, url=url)

@@ -12,8 +12,9 @@ from splitserve.engine.request import RequestStatus
 
 @pytest.fixture(scope="module")
 def engines(model_dir):
-    prefill = LLM(str(model_dir), num_kv_blocks=64, max_model_len=512)
-    decode = LLM(str(model_dir), num_kv_blocks=64, max_model_len=512)
+    # Engines as a cluster's workers build them: 16-token blocks (the offline LLM's default on CPU is 128).
+    prefill = LLM(str(model_dir), num_kv_blocks=64, max_model_len=512, block_size=16)
+    decode = LLM(str(model_dir), num_kv_blocks=64, max_model_len=512, block_size=16)
     return prefill.engine, decode.engine
 
 

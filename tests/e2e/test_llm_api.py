@@ -185,3 +185,21 @@ def test_the_offline_step_budget_is_twice_a_servers_unless_given(model_dir, llm)
     assert given.engine.config.max_num_batched_tokens == 512
     many = LLM(str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_seqs=5000)
     assert many.engine.config.max_num_batched_tokens == 5000  # every running request can still decode each step
+
+
+def test_the_offline_block_size_is_vllm_cpus_where_the_cpu_kernels_attend(model_dir, llm):
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.llm import OFFLINE_CPU_BLOCK_SIZE
+
+    assert EngineConfig().block_size == 16  # workers and `up`: a cluster's workers must agree on it
+    assert OFFLINE_CPU_BLOCK_SIZE == 128 and llm.engine.config.block_size == 128
+    given = LLM(str(model_dir), num_kv_blocks=64, max_model_len=256, block_size=32)
+    assert given.engine.config.block_size == 32
+    reference = LLM(str(model_dir), num_kv_blocks=64, max_model_len=256, attention_backend="torch")
+    assert reference.engine.config.block_size == 16  # the references keep EngineConfig's
+    # Greedy tokens do not depend on the block size: the same prompts through 128- and 16-token blocks.
+    prompts = ["The capital of France is", "def fibonacci(n):" * 12]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    small_blocks = LLM(str(model_dir), num_kv_blocks=64, max_model_len=512, block_size=16)
+    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in small_blocks.generate(prompts, params, use_tqdm=False)])

@@ -85,8 +85,9 @@ def test_preemption_under_a_small_kv_budget_gives_the_same_tokens(model_dir, pro
 
 def test_remote_kv_written_into_reserved_blocks_gives_the_same_tokens(llm, model_dir, prompt_token_ids, hf_reference):
     """A request waits in WAITING_FOR_REMOTE_KVS; its KV is copied in from another engine; then it decodes."""
-    prefill = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, enable_prefix_caching=False)
-    decode = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, enable_prefix_caching=False)
+    # 16-token blocks, as a cluster's workers use (the offline LLM's own default on CPU is 128).
+    prefill = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, enable_prefix_caching=False, block_size=16)
+    decode = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, enable_prefix_caching=False, block_size=16)
     index = 6  # the 343-token prompt
     prompt = prompt_token_ids[index]
 
