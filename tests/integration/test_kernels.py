@@ -52,6 +52,8 @@ MANY_LENGTHS = [1, 15, 16, 17, 33, 100, 2, 31] * 8
         (8, 4, 256, 16, MANY_LENGTHS),  # whole requests, one head per pass
         (4, 4, 32, 8, MANY_LENGTHS),  # whole requests, no grouping
         (6, 2, 48, 16, MANY_LENGTHS),  # a head size the 16-float path does not take: the per-key loop
+        (9, 3, 64, 128, [1, 127, 128, 129, 300, 576]),  # the offline LLM's CPU blocks, per (request, head)
+        (9, 3, 64, 128, [1, 127, 128, 129, 300, 576] * 11),  # and whole requests
     ],
 )
 def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, block_size, lengths):
