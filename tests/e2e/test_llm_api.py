@@ -203,3 +203,19 @@ def test_the_offline_block_size_is_vllm_cpus_where_the_cpu_kernels_attend(model_
     small_blocks = LLM(str(model_dir), num_kv_blocks=64, max_model_len=512, block_size=16)
     assert ([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             == [o.outputs[0].token_ids for o in small_blocks.generate(prompts, params, use_tqdm=False)])
+
+
+def test_the_small_batch_head_is_made_at_load_and_gives_the_heads_logits(llm):
+    import resource
+
+    import torch
+    import torch.nn.functional as F
+
+    model = llm.engine.model_runner.model
+    assert model._transposed_head is not None  # made at load on CPU, not inside a request's first token
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    small = model.compute_logits(hidden)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 1000, f"{faults} page faults: the transposed head was made on first use"
+    torch.testing.assert_close(small, F.linear(hidden, model._head_weight()).float(), rtol=1e-4, atol=1e-4)
