@@ -20,14 +20,14 @@ PromptType = str | dict[str, Any]
 # at 4,096 against 20.6 s at 2,048 (2-core Sapphire Rapids).
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
 
-# The offline block size where the C++ kernels attend (CPU, attention backend "auto" or "cpu"): 128 tokens,
-# as vLLM's CPU platform sets for every engine there; elsewhere EngineConfig's 16 (vLLM's on GPUs). The
-# cache keeps a block's keys and values of all heads of a layer together, so decode attention reads each
+# The offline block size where the C++ kernels attend (CPU, float32, attention backend "auto" or "cpu"): 128
+# tokens, as vLLM's CPU platform sets for every engine there; elsewhere EngineConfig's 16 (vLLM's on GPUs).
+# The cache keeps a block's keys and values of all heads of a layer together, so decode attention reads each
 # request in pieces of 2 x kv_heads x block_size x head_dim floats: 192 KB for SmolLM at 128 tokens against
-# 24 KB at 16, which two Zen 4 cores read at 25 against 19 GB/s. The offline workload of
-# benchmarks/offline_throughput.py ran at 133.6 output tok/s at 128 against 130.7 at 16 (medians of 3,
-# 2-core AMD EPYC). Servers keep 16: the prefill and decode workers of a cluster must agree on it, and the
-# KV connectors move whole blocks.
+# 24 KB at 16, which the decode kernel read at 25-27 against 19 GB/s (a C++ harness, 2-core Zen 4). The
+# offline workload of benchmarks/offline_throughput.py ran at 133.6 output tok/s at 128 against 130.7 at 16
+# (medians of 3, 2-core AMD EPYC). Servers keep 16: the prefill and decode workers of a cluster must agree
+# on it, and the KV connectors move whole blocks.
 OFFLINE_CPU_BLOCK_SIZE = 128
 
 
