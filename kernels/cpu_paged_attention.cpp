@@ -274,7 +274,7 @@ struct HeadState {
   }
 };
 
-// The geometry both drivers share: one layer of the cache and the query layout.
+// The geometry both drivers share: query heads per KV head, and one layer of the cache.
 struct DecodeShape {
   int64_t group, block_size, block_stride, head_stride;
 };
