@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
+
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import EngineConfig, resolve_device
+from splitserve.engine.config import EngineConfig, resolve_device, resolve_dtype
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 
@@ -150,8 +152,6 @@ class LLM:
 def _attends_in_cpu_kernels(engine_options: dict[str, Any]) -> bool:
     """Whether an engine with these options runs on the CPU in float32 with the C++ attention kernels asked
     for (backend "auto" or "cpu")."""
-    import torch
-
     device = resolve_device(engine_options.get("device", "auto"), torch.cuda.is_available())
-    return (device == "cpu" and engine_options.get("dtype", "auto") in ("auto", "float32")
+    return (device == "cpu" and resolve_dtype(engine_options.get("dtype", "auto"), device) == "float32"
             and engine_options.get("attention_backend", "auto") in ("auto", "cpu"))
