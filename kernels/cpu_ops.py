@@ -16,6 +16,8 @@ from __future__ import annotations
 import fcntl
 import functools
 import logging
+import os
+import re
 import time
 from pathlib import Path
 
@@ -29,9 +31,28 @@ _NAME = "splitserve_cpu_kernels"
 COMPILE_MESSAGE = "Compiling the C++ CPU kernels (first start only, about a minute and a half)..."
 
 
+MARCH_VARIABLE = "SPLITSERVE_CPU_MARCH"
+
+
+def target_march() -> str:
+    """The ``-march`` the kernels are compiled for: ``$SPLITSERVE_CPU_MARCH``, or ``native`` (this CPU).
+
+    Another value builds for a family of CPUs instead, e.g. ``x86-64-v3`` (AVX2 and FMA, no AVX-512) for a
+    fleet that mixes AVX2 and AVX-512 machines, or to run the AVX2 code on an AVX-512 machine as the tests
+    and ``benchmarks/cpu_attention.py`` do. Raises ValueError for a value that is not a plain name.
+    """
+    march = os.environ.get(MARCH_VARIABLE, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}", march):
+        raise ValueError(f"{MARCH_VARIABLE} must be a compiler -march name such as x86-64-v3, got {march[:80]!r}.")
+    return march
+
+
 def build_folder(cache_folder: str) -> Path:
-    """Where the kernels are built under ``cache_folder``: one folder per torch version."""
-    return Path(cache_folder) / "kernels" / f"torch-{torch.__version__}"
+    """Where the kernels are built under ``cache_folder``: one folder per torch version and target (a
+    ``-march-...`` suffix when it is not this CPU)."""
+    march = target_march()
+    suffix = "" if march == "native" else f"-march-{march}"
+    return Path(cache_folder) / "kernels" / f"torch-{torch.__version__}{suffix}"
 
 
 def needs_compile(build_dir: Path) -> bool:
@@ -78,7 +99,7 @@ def _build(build_dir: Path):
             sources=[str(_FOLDER / name) for name in _SOURCES],
             extra_include_paths=[str(_FOLDER)],
             # No contraction of a * b + c into one rounding: the fused operations round as torch does.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_cflags=["-O3", f"-march={target_march()}", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,

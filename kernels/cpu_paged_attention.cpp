@@ -173,39 +173,6 @@ void attend_one_head(const float* q_group, const float* k_head, const float* v_h
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")  // multiply-adds fused here, as in the prefill kernel
 
-// lanes t of the result = the sum of the 16 lanes of v[t], for t < 16.
-inline vec16::f32x16 sum_each(vec16::f32x16* v) {
-  using vec16::f32x16;
-  f32x16 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-// The largest of the 16 lanes, by a tree of shuffles (4 steps, not a chain of 15).
-inline float max_of(vec16::f32x16 v) {
-  using vec16::maximum;
-  v = maximum(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = maximum(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = maximum(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  v = maximum(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return v[0];
-}
-
-inline float sum_of(vec16::f32x16 v) {
-  float result = 0.0f;
-  for (int i = 0; i < 16; ++i) result += v[i];
-  return result;
-}
-
 // The online softmax of one KV head's query group (head_dim = 16 * D).
 template <int D>
 struct HeadState {
@@ -238,9 +205,8 @@ struct HeadState {
         for (int d = 1; d < D; ++d) sum += q[g][d] * load16(key + 16 * d);
         products[t] = sum;
       }
-      f32x16 scores = sum_each(products);
-      for (int64_t t = count; t < 16; ++t) scores[t] = kNegativeInfinity;
-      const float chunk_max = max_of(scores);
+      const f32x16 scores = keep_first(sum_each(products), count, kNegativeInfinity);
+      const float chunk_max = horizontal_max(scores);
       if (chunk_max > running_max[g]) {  // rescale what was accumulated (by 0 on the first chunk)
         const float correction = std::exp(running_max[g] - chunk_max);
         running_max[g] = chunk_max;
@@ -267,7 +233,7 @@ struct HeadState {
 
   void finish(float* out_group, int64_t group) const {
     for (int64_t g = 0; g < group; ++g) {
-      const float total = sum_of(denominator[g]);
+      const float total = vec16::horizontal_sum(denominator[g]);
       const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
       for (int d = 0; d < D; ++d) vec16::store16(out_group + g * 16 * D + 16 * d, acc[g][d] * inverse);
     }

@@ -46,8 +46,18 @@ using namespace vec16;
 
 constexpr int64_t kKeysPerTile = 64;   // keys per online-softmax step
 constexpr int64_t kRowsPerTile = 64;   // score rows per work item (at most): query tokens x group
-constexpr int64_t kRowsPerPass = 4;    // query rows the value micro-kernel holds in registers
-constexpr int64_t kKeysPerPass = 4;    // keys the score micro-kernel holds in registers
+// The micro-kernels' register tiles, sized to the target's vector registers (cpu_vector16.h):
+//  - score_keys holds kKeysPerPass keys x kRowVectorsPerPass vectors of rows of scores;
+//  - accumulate_values holds kRowsPerPass rows x kValueVectors vectors of the output row.
+// With AVX-512's 32 registers: 6 x 4 scores (24 registers; 4 keys per pass, 16 registers, ran 9-30%
+// slower on a Zen 4, one core and two) and 4 x 4 outputs. With AVX2's 16, where each vector takes two:
+// 3 x 2 scores (12, the queries read from L1) and 2 x 2 outputs, the best of six shapes tried (AVX2
+// code on the Zen 4, one core: 64 GFLOP/s, against 46-60 for the others).
+constexpr bool kWideRegisters = kVectorRegisters >= 32;
+constexpr int64_t kKeysPerPass = kWideRegisters ? 6 : 3;
+constexpr int kRowVectorsPerPass = kWideRegisters ? 4 : 2;
+constexpr int64_t kRowsPerPass = kWideRegisters ? 4 : 2;
+constexpr int kValueVectors = kWideRegisters ? 4 : 2;
 
 struct Shape {
   int64_t num_q_heads, group, head_dim, block_size, head_stride, block_stride;
@@ -73,11 +83,11 @@ void score_keys(const float* const* keys, int64_t count, const float* q_t, int64
     for (int v = 0; v < ROW_VECTORS; ++v) store16(scores_t + k * scores_stride + v * kLanes, acc[k][v]);
 }
 
-// out[r][d .. d + 64) = out[r][...] * correction[r] + sum_t p_t[t][r] * values[t][d ...] for kRowsPerPass
-// rows (r < rows stored).
+// out[r][d .. d + 16 kValueVectors) = out[r][...] * correction[r] + sum_t p_t[t][r] * values[t][d ...] for
+// kRowsPerPass rows (r < rows stored).
 void accumulate_values(const float* p_t, int64_t p_stride, int64_t count, const float* const* values, int64_t d,
                        const float* correction, int64_t head_dim, int64_t rows, float* out) {
-  constexpr int kVectors = 4;
+  constexpr int kVectors = kValueVectors;
   f32x16 acc[kRowsPerPass][kVectors];
   for (int64_t r = 0; r < kRowsPerPass; ++r)
     for (int v = 0; v < kVectors; ++v)
@@ -106,15 +116,31 @@ void attend_tile(const float* query, const float* k_head, const float* v_head, c
   const int64_t group = s.group, head_dim = s.head_dim;
   const int64_t rows = (last - first) * group;
   const int64_t row_vectors = (rows + kLanes - 1) / kLanes, stride = row_vectors * kLanes;
-  // Row m is query token first + m / group, query head h * group + m % group; scaled once here.
-  std::vector<float> q_t(head_dim * stride, 0.0f), acc(stride * head_dim, 0.0f);
-  std::vector<float> scores_t(kKeysPerTile * stride);
-  std::vector<float> running_max(stride, kNegativeInfinity), denominator(stride, 0.0f), correction(stride);
+  // Each thread's scratch, kept from item to item (sized by the largest tile it has met).
+  thread_local std::vector<float> q_t, acc, scores_t, running_max, denominator, correction;
+  q_t.resize(head_dim * stride);
+  acc.assign(stride * head_dim, 0.0f);
+  scores_t.resize(kKeysPerTile * stride);
+  running_max.assign(stride, kNegativeInfinity);
+  denominator.assign(stride, 0.0f);
+  correction.resize(stride);
   const float* keys[kKeysPerTile];
   const float* values[kKeysPerTile];
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* source = query + ((first + m / group) * s.num_q_heads + h * group + m % group) * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) q_t[d * stride + m] = source[d] * scale;
+  // Row m is query token first + m / group, query head h * group + m % group; scaled once here. The rows
+  // are transposed 16 x 16 at a time in registers (one scalar store per element took 8% of the kernel);
+  // rows past the tile's are zeros.
+  for (int64_t m0 = 0; m0 < rows; m0 += kLanes) {
+    const float* source[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const int64_t m = m0 + i;
+      source[i] = m < rows ? query + ((first + m / group) * s.num_q_heads + h * group + m % group) * head_dim : nullptr;
+    }
+    for (int64_t d = 0; d < head_dim; d += kLanes) {
+      f32x16 block[kLanes];
+      for (int64_t i = 0; i < kLanes; ++i) block[i] = source[i] != nullptr ? load16(source[i] + d) * scale : splat(0.0f);
+      transpose16(block);
+      for (int64_t i = 0; i < kLanes; ++i) store16(q_t.data() + (d + i) * stride + m0, block[i]);
+    }
   }
   const int64_t num_keys = context + last;  // the last query token sees keys 0 .. context + last - 1
   for (int64_t start = 0; start < num_keys; start += kKeysPerTile) {
@@ -128,8 +154,8 @@ void attend_tile(const float* query, const float* k_head, const float* v_head, c
     for (int64_t t = 0; t < count; t += kKeysPerPass) {
       const int64_t n = std::min(kKeysPerPass, count - t);
       float* target = scores_t.data() + t * stride;
-      for (int64_t v = 0; v < row_vectors; v += 4) {
-        const int64_t width = std::min<int64_t>(4, row_vectors - v);
+      for (int64_t v = 0; v < row_vectors; v += kRowVectorsPerPass) {
+        const int64_t width = std::min<int64_t>(kRowVectorsPerPass, row_vectors - v);
         const float* q = q_t.data() + v * kLanes;
         if (width == 4) score_keys<4>(keys + t, n, q, stride, head_dim, target + v * kLanes, stride);
         else if (width == 3) score_keys<3>(keys + t, n, q, stride, head_dim, target + v * kLanes, stride);
@@ -165,7 +191,7 @@ void attend_tile(const float* query, const float* k_head, const float* v_head, c
     }
     for (int64_t m = 0; m < rows; m += kRowsPerPass) {
       const int64_t pass_rows = std::min(kRowsPerPass, rows - m);
-      for (int64_t d = 0; d < head_dim; d += 4 * kLanes)
+      for (int64_t d = 0; d < head_dim; d += kValueVectors * kLanes)
         accumulate_values(scores_t.data() + m, stride, count, values, d, correction.data() + m, head_dim,
                           pass_rows, acc.data() + m * head_dim);
     }

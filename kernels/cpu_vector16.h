@@ -1,7 +1,16 @@
-// 16-float vectors for splitserve's CPU prefill attention kernel, written with GCC's vector
-// extensions: they compile to AVX-512 where the machine has it and to pairs of AVX2
-// (or narrower) registers where not, so one source serves every x86 CPU and others.
-// Multiply-adds are fused here (fp-contract=fast), as BLAS does for torch's matmuls.
+// 16-float vectors for splitserve's CPU attention kernels, written with GCC's vector extensions.
+//
+// Where the target has AVX-512, f32x16 is one 64-byte vector (one register). Where it does not
+// (AVX2 machines: AMD Zen 2 and 3, Intel client CPUs), f32x16 is a pair of 32-byte vectors. A
+// plain 64-byte vector there is not split into registers: GCC 12 builds each one on the stack,
+// through general-purpose registers, and the prefill kernel ran at 3 GFLOP/s instead of 70 on one
+// core (built with -march=x86-64-v3 on a Zen 4). The pair is two ymm registers, as if written by hand.
+//
+// Kernels use only what is defined here: the arithmetic operators, load16/store16/splat, maximum,
+// exp16, lane/keep_first, horizontal_max/horizontal_sum, sum_each and transpose16. Both forms give
+// the same results: the same operations in the same order on each lane. kVectorRegisters says how
+// many registers a kernel's micro-tiles may hold. Multiply-adds are fused here (fp-contract=fast),
+// as BLAS does for torch's matmuls.
 #pragma once
 
 #include <cstdint>
@@ -14,10 +23,38 @@
 namespace splitserve {
 namespace vec16 {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
+
+// e^x lane by lane, for any width of GCC vector: Cephes' polynomial, 2^n through the exponent bits (the
+// method of cpu_vector_math.h's exp8); x = -inf gives exactly 0.
+template <typename F, typename I>
+inline F exp_lanes(F x) {
+  const F lower = F{} + -87.3f, upper = F{} + 88.3f;
+  const I is_minus_infinity = x == F{} + kNegativeInfinity;
+  x = x < lower ? lower : x;
+  x = x > upper ? upper : x;
+  const F magic = F{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+  const F n = (x * 1.44269504088896341f + magic) - magic;
+  F r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + (r + 1.0f);
+  const I exponent = (__builtin_convertvector(n, I) + 127) << 23;
+  const F result = p * (F)exponent;
+  return is_minus_infinity ? F{} : result;
+}
+
+#ifdef __AVX512F__
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+constexpr int kVectorRegisters = 32;
 
 inline f32x16 load16(const float* p) {
   f32x16 v;
@@ -31,27 +68,164 @@ inline f32x16 splat(float x) { return f32x16{} + x; }
 
 inline f32x16 maximum(f32x16 a, f32x16 b) { return a > b ? a : b; }
 
-// e^x for 16 floats, the method of cpu_vector_math.h's exp8 (Cephes' polynomial,
-// 2^n through the exponent bits); x = -inf gives exactly 0.
-inline f32x16 exp16(f32x16 x) {
-  const f32x16 lower = splat(-87.3f), upper = splat(88.3f);
-  const i32x16 is_minus_infinity = x == splat(kNegativeInfinity);
-  x = x < lower ? lower : x;
-  x = x > upper ? upper : x;
-  const f32x16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
-  const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
-  f32x16 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  f32x16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + (r + 1.0f);
-  const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  const f32x16 result = p * (f32x16)exponent;
-  return is_minus_infinity ? splat(0.0f) : result;
+inline f32x16 exp16(f32x16 x) { return exp_lanes<f32x16, i32x16>(x); }
+
+inline float lane(f32x16 v, int i) { return v[i]; }
+
+// v with its lanes from `count` on replaced by `fill`.
+inline f32x16 keep_first(f32x16 v, int64_t count, float fill) {
+  const i32x16 index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return index < static_cast<int32_t>(count) ? v : splat(fill);
+}
+
+// The largest of the 16 lanes, by a tree of shuffles (4 steps, not a chain of 15).
+inline float horizontal_max(f32x16 v) {
+  v = maximum(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = maximum(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = maximum(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = maximum(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+// Lane t of the result = the sum of the 16 lanes of v[t], for t < 16: a transpose-and-add tree, each
+// level adding the two halves of what the last one left.
+inline f32x16 sum_each(const f32x16* v) {
+  f32x16 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// The 16 x 16 matrix whose rows are r[0 .. 16) transposed in place, in registers: four rounds, each
+// swapping the off-diagonal h x h blocks of every 2h x 2h diagonal block (h = 8, 4, 2, 1). Lane l of
+// a pair's first row takes the first row's lane l where bit h of l is clear, else the second row's lane
+// l - h; the second row takes the first's lane l + h, or its own lane l.
+constexpr int swap_low(int l, int h) { return (l & h) == 0 ? l : 16 + l - h; }
+constexpr int swap_high(int l, int h) { return (l & h) == 0 ? l + h : 16 + l; }
+
+template <int H>
+inline void transpose_round(f32x16* r) {
+#define SPLITSERVE_SWAP(which) \
+  __builtin_shufflevector(r[i], r[i + H], which(0, H), which(1, H), which(2, H), which(3, H), which(4, H), \
+                          which(5, H), which(6, H), which(7, H), which(8, H), which(9, H), which(10, H), \
+                          which(11, H), which(12, H), which(13, H), which(14, H), which(15, H))
+  for (int i = 0; i < 16; ++i) {
+    if (i & H) continue;
+    const f32x16 a = SPLITSERVE_SWAP(swap_low), b = SPLITSERVE_SWAP(swap_high);
+    r[i] = a;
+    r[i + H] = b;
+  }
+#undef SPLITSERVE_SWAP
+}
+
+inline void transpose16(f32x16* r) {
+  transpose_round<8>(r);
+  transpose_round<4>(r);
+  transpose_round<2>(r);
+  transpose_round<1>(r);
+}
+
+#else  // no AVX-512: a pair of 8-float vectors
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+constexpr int kVectorRegisters = 16;  // ymm registers; an f32x16 takes two
+
+struct f32x16 {
+  f32x8 lo, hi;  // lanes 0-7, 8-15
+};
+
+inline f32x16 operator+(f32x16 a, f32x16 b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline f32x16 operator-(f32x16 a, f32x16 b) { return {a.lo - b.lo, a.hi - b.hi}; }
+inline f32x16 operator*(f32x16 a, f32x16 b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline f32x16 operator*(f32x16 a, float s) { return {a.lo * s, a.hi * s}; }
+inline f32x16 operator*(float s, f32x16 a) { return {s * a.lo, s * a.hi}; }
+inline f32x16 operator-(f32x16 a, float s) { return {a.lo - s, a.hi - s}; }
+inline f32x16& operator+=(f32x16& a, f32x16 b) { return a = a + b; }
+inline f32x16& operator*=(f32x16& a, float s) { return a = a * s; }
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v.lo, p, sizeof(v.lo));
+  std::memcpy(&v.hi, p + 8, sizeof(v.hi));
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) {
+  std::memcpy(p, &v.lo, sizeof(v.lo));
+  std::memcpy(p + 8, &v.hi, sizeof(v.hi));
+}
+
+inline f32x16 splat(float x) { return {f32x8{} + x, f32x8{} + x}; }
+
+inline f32x8 maximum8(f32x8 a, f32x8 b) { return a > b ? a : b; }
+inline f32x16 maximum(f32x16 a, f32x16 b) { return {maximum8(a.lo, b.lo), maximum8(a.hi, b.hi)}; }
+
+inline f32x16 exp16(f32x16 x) { return {exp_lanes<f32x8, i32x8>(x.lo), exp_lanes<f32x8, i32x8>(x.hi)}; }
+
+inline float lane(f32x16 v, int i) { return i < 8 ? v.lo[i] : v.hi[i - 8]; }
+
+inline f32x16 keep_first(f32x16 v, int64_t count, float fill) {
+  const i32x8 index = {0, 1, 2, 3, 4, 5, 6, 7};
+  const f32x8 filled = f32x8{} + fill;
+  const int32_t n = static_cast<int32_t>(count);
+  return {index < n ? v.lo : filled, index + 8 < n ? v.hi : filled};
+}
+
+inline float horizontal_max(f32x16 v) {
+  f32x8 m = maximum8(v.lo, v.hi);
+  m = maximum8(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3));
+  m = maximum8(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5));
+  m = maximum8(m, __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6));
+  return m[0];
+}
+
+// The same tree as the AVX-512 form's, level by level, on halves.
+inline f32x16 sum_each(const f32x16* v) {
+  f32x16 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) w[i] = {v[2 * i].lo + v[2 * i].hi, v[2 * i + 1].lo + v[2 * i + 1].hi};
+  auto fold4 = [](f32x16 a) {  // lanes 0-3 + 4-7 and 8-11 + 12-15 of a
+    return __builtin_shufflevector(a.lo, a.hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a.lo, a.hi, 4, 5, 6, 7, 12, 13, 14, 15);
+  };
+  for (int i = 0; i < 4; ++i) x[i] = {fold4(w[2 * i]), fold4(w[2 * i + 1])};
+  auto fold2 = [](f32x16 a) {
+    return __builtin_shufflevector(a.lo, a.hi, 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(a.lo, a.hi, 2, 3, 6, 7, 10, 11, 14, 15);
+  };
+  for (int i = 0; i < 2; ++i) y[i] = {fold2(x[2 * i]), fold2(x[2 * i + 1])};
+  auto fold1 = [](f32x16 a) {
+    return __builtin_shufflevector(a.lo, a.hi, 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(a.lo, a.hi, 1, 3, 5, 7, 9, 11, 13, 15);
+  };
+  return {fold1(y[0]), fold1(y[1])};
+}
+
+inline void transpose16(f32x16* r) {
+  float m[16][16];
+  for (int i = 0; i < 16; ++i) store16(m[i], r[i]);
+  for (int i = 0; i < 16; ++i) {
+    float column[16];
+    for (int j = 0; j < 16; ++j) column[j] = m[j][i];
+    r[i] = load16(column);
+  }
+}
+
+#endif  // __AVX512F__
+
+// The sum of the 16 lanes, in lane order.
+inline float horizontal_sum(f32x16 v) {
+  float result = 0.0f;
+  for (int i = 0; i < 16; ++i) result += lane(v, i);
+  return result;
 }
 
 }  // namespace vec16

@@ -3,6 +3,12 @@ references."""
 
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -289,7 +295,7 @@ def test_write_kv_matches_index_copy():
 def _small_gemm_kernels():
     kernels = _kernels()
     if not kernels.small_gemm_supported():
-        pytest.skip("small_gemm needs AVX-512, which this CPU lacks (the engine keeps oneDNN there)")
+        pytest.skip("small_gemm needs AVX-512, which this build of the kernels lacks (the engine keeps oneDNN there)")
     return kernels
 
 
@@ -377,3 +383,37 @@ def test_mlp_of_a_step_above_the_chunk_size_equals_the_formula():
         actual = mlp(x)
     assert calls == [llama._MLP_CHUNK_ROWS, llama._MLP_CHUNK_ROWS, 5]
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+# ---- the AVX2 build ------------------------------------------------------------------------------------------
+
+
+def test_the_march_setting_names_the_build_and_refuses_what_is_not_a_name(monkeypatch):
+    monkeypatch.delenv(cpu_ops.MARCH_VARIABLE, raising=False)
+    assert cpu_ops.target_march() == "native"
+    native = cpu_ops.build_folder("/cache")
+    monkeypatch.setenv(cpu_ops.MARCH_VARIABLE, "x86-64-v3")
+    assert cpu_ops.target_march() == "x86-64-v3"
+    assert cpu_ops.build_folder("/cache") == native.with_name(native.name + "-march-x86-64-v3")
+    for bad in ("native -fplugin=/tmp/x.so", "../x", "a;b"):
+        monkeypatch.setenv(cpu_ops.MARCH_VARIABLE, bad)
+        with pytest.raises(ValueError, match="SPLITSERVE_CPU_MARCH"):
+            cpu_ops.target_march()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 (AVX2) is an x86 target")
+def test_the_avx2_build_passes_these_tests_too(monkeypatch):
+    """Built for AVX2 CPUs (``SPLITSERVE_CPU_MARCH=x86-64-v3``: no AVX-512, so each 16-float vector of the
+    attention kernels is a pair of 8-float registers, cpu_vector16.h), the kernels pass this module's tests in a
+    child process, against their own build; on an AVX-512 machine this is the only place that code runs. The
+    library holds no 512-bit instruction, so it is that code that ran."""
+    monkeypatch.setenv(cpu_ops.MARCH_VARIABLE, "x86-64-v3")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2_build"],
+        capture_output=True, text=True, timeout=840, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+    if shutil.which("objdump") is not None:
+        (library,) = cpu_ops.build_folder(str(cache_dir())).glob("*.so")
+        listing = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+        assert "%zmm" not in listing and "%ymm" in listing
