@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print("The C++ CPU kernels could not be built here: nothing to time.", file=sys.stderr)
         return 1
     if not cpu_ops.small_gemm_supported():
-        print("small_gemm needs AVX-512, which this CPU lacks: the engine uses oneDNN for every batch here.",
+        print("small_gemm needs AVX-512, or AVX2 with FMA, which this build of the kernels lacks: the engine uses oneDNN for every batch here.",
               file=sys.stderr)
         return 1
     print(f"{torch.get_num_threads()} threads, {args.layers} weights per shape, caches evicted before each call; "

@@ -200,7 +200,7 @@ SMALL_GEMM_MAX_ROWS = 192
 
 
 def small_gemm_supported() -> bool:
-    """Whether :func:`small_gemm` was built here (it needs AVX-512). Call :func:`available` first."""
+    """Whether :func:`small_gemm` was built here (it needs AVX-512, or AVX2 with FMA). Call :func:`available` first."""
     return _module is not None and _module.small_gemm_supported()
 
 

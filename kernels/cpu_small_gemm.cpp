@@ -22,16 +22,19 @@
 // Each output is one dot product summed over in_features in order with fused multiply-adds,
 // where oneDNN and MKL block the sum: results differ from F.linear by float32 rounding, and
 // tests/integration/test_kernels.py bounds the difference. The plain-torch reference is
-// torch.nn.functional.linear. The micro-kernel holds 8 rows x 32 columns in 16 AVX-512
-// registers; without AVX-512 small_gemm_supported() is false and the engine keeps oneDNN.
+// torch.nn.functional.linear. With AVX-512 the micro-kernel holds 8 rows x 32 columns in 16
+// registers; with AVX2 and FMA (no AVX-512), 6 rows x 16 columns in 12 of the 16 ymm registers,
+// each panel in two halves, summing in the same order (the two builds give the same results).
+// With neither, small_gemm_supported() is false and the engine keeps oneDNN.
 
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstring>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define SPLITSERVE_SMALL_GEMM 1
 #endif
 #include <omp.h>
 
@@ -40,10 +43,11 @@ namespace splitserve {
 namespace {
 
 constexpr int64_t kPanelColumns = 32;
-constexpr int64_t kTileRows = 8;
 constexpr int64_t kCacheLine = 64;
 
 #ifdef __AVX512F__
+
+constexpr int64_t kTileRows = 8;
 
 // out[r][0 .. columns) = bias + sum_k x[r][k] * panel[k][...] for ROWS rows; while it runs, issues
 // lines_per_k L2 prefetches per k from `prefetch` onwards (null: none).
@@ -86,12 +90,62 @@ constexpr TileFunction kTiles[kTileRows + 1] = {nullptr,          multiply_tile<
                                                 multiply_tile<3>, multiply_tile<4>, multiply_tile<5>,
                                                 multiply_tile<6>, multiply_tile<7>, multiply_tile<8>};
 
-#endif  // __AVX512F__
+#elif defined(SPLITSERVE_SMALL_GEMM)  // AVX2 and FMA
+
+constexpr int64_t kTileRows = 6;
+
+// As the AVX-512 multiply_tile, a panel's two halves of 16 columns one after the other (12 accumulators,
+// 2 weight vectors and a broadcast fit the 16 ymm registers; 32 columns would not). The next panel's
+// prefetches ride on the first half.
+template <int ROWS>
+void multiply_tile(const float* x, int64_t x_stride, const float* panel, int64_t in_features, const float* bias,
+                   int64_t columns, float* out, int64_t out_stride, const char* prefetch, int64_t lines_per_k) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t half = 0; half < 2 && half * 16 < columns; ++half) {
+    const float* weights = panel + half * 16;
+    __m256 low[ROWS], high[ROWS];
+    for (int r = 0; r < ROWS; ++r) low[r] = high[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in_features; ++k) {
+      const __m256 w_low = _mm256_loadu_ps(weights + k * kPanelColumns);
+      const __m256 w_high = _mm256_loadu_ps(weights + k * kPanelColumns + 8);
+      if (prefetch != nullptr && half == 0) {
+        for (int64_t line = 0; line < lines_per_k; ++line)
+          _mm_prefetch(prefetch + (k * lines_per_k + line) * kCacheLine, _MM_HINT_T1);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 value = _mm256_broadcast_ss(x + r * x_stride + k);
+        low[r] = _mm256_fmadd_ps(value, w_low, low[r]);
+        high[r] = _mm256_fmadd_ps(value, w_high, high[r]);
+      }
+    }
+    // The last panel may be partial: only the columns that exist are loaded and stored.
+    const int64_t present = std::min<int64_t>(16, columns - half * 16);
+    const __m256i mask_low = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(present)), lane);
+    const __m256i mask_high = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(present) - 8), lane);
+    __m256 bias_low = _mm256_setzero_ps(), bias_high = _mm256_setzero_ps();
+    if (bias != nullptr) {
+      bias_low = _mm256_maskload_ps(bias + half * 16, mask_low);
+      bias_high = _mm256_maskload_ps(bias + half * 16 + 8, mask_high);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      _mm256_maskstore_ps(out + r * out_stride + half * 16, mask_low, _mm256_add_ps(low[r], bias_low));
+      _mm256_maskstore_ps(out + r * out_stride + half * 16 + 8, mask_high, _mm256_add_ps(high[r], bias_high));
+    }
+  }
+}
+
+using TileFunction = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t,
+                              const char*, int64_t);
+constexpr TileFunction kTiles[kTileRows + 1] = {nullptr,          multiply_tile<1>, multiply_tile<2>, multiply_tile<3>,
+                                                multiply_tile<4>, multiply_tile<5>, multiply_tile<6>};
+
+#endif
 
 }  // namespace
 
 bool small_gemm_supported() {
-#ifdef __AVX512F__
+#ifdef SPLITSERVE_SMALL_GEMM
   return true;
 #else
   return false;
@@ -109,7 +163,7 @@ torch::Tensor pack_panels(torch::Tensor weight) {
 }
 
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor bias, int64_t out_features) {
-  TORCH_CHECK(small_gemm_supported(), "small_gemm: built without AVX-512");
+  TORCH_CHECK(small_gemm_supported(), "small_gemm: built without AVX-512 or AVX2");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
               "small_gemm: x must be float32 [rows, in_features] with contiguous rows");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kFloat32 && panels.is_contiguous() &&
@@ -123,7 +177,7 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor bi
   TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == out_features && bias.is_contiguous() &&
                             bias.scalar_type() == torch::kFloat32), "small_gemm: bias must be float32 [out_features]");
   auto out = torch::empty({rows, out_features}, x.options());
-#ifdef __AVX512F__
+#ifdef SPLITSERVE_SMALL_GEMM
   if (rows == 0) return out;
   const float* x_ptr = x.data_ptr<float>();
   const float* panel_ptr = panels.data_ptr<float>();

@@ -39,7 +39,7 @@ class PackedLinear(nn.Module):
 
     def use_kernels(self, kernels) -> None:
         """Run batches of up to ``kernels.SMALL_GEMM_MAX_ROWS`` rows through ``kernels.small_gemm`` when
-        ``kernels`` is splitserve's C++ module and it was built with that GEMM (AVX-512); otherwise, and for
+        ``kernels`` is splitserve's C++ module and it was built with that GEMM (AVX-512, or AVX2 with FMA); otherwise, and for
         ``kernels`` None, oneDNN for every batch. Taking the small GEMM keeps a second copy of the weight,
         in its panel layout (for SmolLM2-135M, 425 MB beside oneDNN's)."""
         if kernels is not None and getattr(kernels, "small_gemm_supported", lambda: False)():

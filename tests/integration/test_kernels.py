@@ -295,7 +295,7 @@ def test_write_kv_matches_index_copy():
 def _small_gemm_kernels():
     kernels = _kernels()
     if not kernels.small_gemm_supported():
-        pytest.skip("small_gemm needs AVX-512, which this build of the kernels lacks (the engine keeps oneDNN there)")
+        pytest.skip("small_gemm needs AVX-512, or AVX2 with FMA, which this build of the kernels lacks (the engine keeps oneDNN there)")
     return kernels
 
 
@@ -405,8 +405,9 @@ def test_the_march_setting_names_the_build_and_refuses_what_is_not_a_name(monkey
 def test_the_avx2_build_passes_these_tests_too(monkeypatch):
     """Built for AVX2 CPUs (``SPLITSERVE_CPU_MARCH=x86-64-v3``: no AVX-512, so each 16-float vector of the
     attention kernels is a pair of 8-float registers, cpu_vector16.h), the kernels pass this module's tests in a
-    child process, against their own build; on an AVX-512 machine this is the only place that code runs. The
-    library holds no 512-bit instruction, so it is that code that ran."""
+    child process, against their own build (the small GEMM's AVX2 micro-kernel included); on an AVX-512 machine
+    this is the only place that code runs. The library holds no 512-bit instruction, so it is that code that
+    ran."""
     monkeypatch.setenv(cpu_ops.MARCH_VARIABLE, "x86-64-v3")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2_build"],
