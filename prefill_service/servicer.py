@@ -19,7 +19,7 @@ import time
 
 import grpc
 
-from splitserve.common.errors import Aborted, Cancelled, InvalidRequest
+from splitserve.common.errors import Aborted, Cancelled, InvalidRequest, Unavailable
 from splitserve.common.ids import MAX_WORKER_ID_LENGTH, check_id
 from splitserve.common.log_fields import request_log
 from splitserve.common.types import FinishReason
@@ -96,6 +96,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             completion = final.outputs[0]
             if completion.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
                 if completion.finish_reason == FinishReason.ABORT:
+                    if runtime.state != inference_pb2.WORKER_STATE_SERVING:
+                        raise Unavailable(f"Worker {runtime.worker_id} is shutting down and stopped this prefill "
+                                          "when its drain timeout ran out.")
                     raise Cancelled("The prefill was aborted.")
                 raise RuntimeError(f"The prefill failed: {completion.stop_reason}")
             sampled = time.monotonic()

@@ -119,6 +119,11 @@ def run_worker(config) -> int:
         if not runtime.wait_idle(config.drain_timeout_seconds):
             logger.warning("%d requests still in flight after %.0f s; aborting them", runtime.num_in_flight,
                            config.drain_timeout_seconds)
+            if config.role == "prefill":
+                # Its prefills end at the engine's next step (UNAVAILABLE: the router has them prefilled
+                # elsewhere) instead of running on through the server's grace below. Decode streams are left to
+                # the grace and then cancelled, which the router answers by moving them to another worker.
+                runtime.loop.stop()
         server.stop(1.0)
         runtime.stop()
     return 0
