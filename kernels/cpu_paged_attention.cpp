@@ -225,10 +225,20 @@ struct HeadState {
     }
   }
 
-  // Attend to one block's first `count` rows.
+  // Attend to one block's first `count` rows, fetching each chunk's successor while the chunk computes.
+  // With head_dim 64 a chunk's keys (and its values) fill one 4 KB page, where the hardware prefetcher
+  // stops; fetching one chunk ahead read 64 requests x 320 tokens in 128-token blocks at 33.5 GB/s against
+  // 26.2 without (2-core AMD EPYC Zen 5, C++ harness, medians of 7; two chunks ahead: 29.9).
   void attend_block(const float* k_block, const float* v_block, int64_t count, int64_t group) {
-    for (int64_t chunk = 0; chunk < count; chunk += 16)
+    constexpr int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(float));
+    for (int64_t chunk = 0; chunk < count; chunk += 16) {
+      const int64_t next_rows = std::min<int64_t>(16, count - chunk - 16);
+      if (next_rows > 0) {
+        prefetch_row(reinterpret_cast<const char*>(k_block + (chunk + 16) * 16 * D), next_rows * row_bytes);
+        prefetch_row(reinterpret_cast<const char*>(v_block + (chunk + 16) * 16 * D), next_rows * row_bytes);
+      }
       attend_chunk(k_block + chunk * 16 * D, v_block + chunk * 16 * D, std::min<int64_t>(16, count - chunk), group);
+    }
   }
 
   void finish(float* out_group, int64_t group) const {
