@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     for in_features, out_features in args.shapes:
         for rows in args.rows:
             r = gemm_case(in_features, out_features, rows, args.layers, args.repeats, args.evict_mb)
-            print(f"{r['shape']:>10} {r['rows']:5d} {r['small_s'] * 1e3:9.2f} {r['onednn_s'] * 1e3:10.2f} "
+            print(f"{r['shape']:>10} {r['rows']:5d} {r['small_s'] * 1e3:9.3f} {r['onednn_s'] * 1e3:10.3f} "
                   f"{r['onednn_s'] / r['small_s']:12.2f}x {r['small_gflops']:14.0f} {r['onednn_gflops']:15.0f} "
                   f"{r['difference']:9.1e}", flush=True)
     return 0

@@ -30,7 +30,9 @@ def test_cpu_gemm_benchmark_prints_each_shape_and_batch_with_its_ratio_and_agree
     assert [(row[0], row[1]) for row in rows] == [("64x96", "1"), ("64x96", "9"), ("40x33", "1"), ("40x33", "9")]
     for row in rows:
         small_ms, onednn_ms, ratio = float(row[2]), float(row[3]), float(row[4].rstrip("x"))
-        assert small_ms > 0 and onednn_ms > 0 and ratio > 0  # milliseconds are printed rounded; the ratio is not
+        # Milliseconds are printed rounded (a Zen 5 ran 64x96 at one row in under 5 microseconds: 0.000); the ratio
+        # is computed from the unrounded times.
+        assert small_ms >= 0 and onednn_ms >= 0 and ratio > 0
         assert float(row[-1]) < 1e-4  # the two GEMMs agree
 
 
