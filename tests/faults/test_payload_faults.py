@@ -112,8 +112,9 @@ def test_abort_storm_while_transfers_fail(cluster, client, expected, faulty_pref
             except grpc.RpcError as error:
                 outcome.status, outcome.details = error.code(), error.details() or ""
             outcome.ended = True
-            if timer is not None:
-                timer.cancel()  # before the channel closes
+            if timer is not None:  # before the channel closes: an abort already under way finishes first
+                timer.cancel()
+                timer.join()
         with lock:
             outcomes.append(outcome)
 
