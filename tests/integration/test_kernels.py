@@ -385,6 +385,38 @@ def test_mlp_of_a_step_above_the_chunk_size_equals_the_formula():
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_mlp_pieces_of_a_prompt_step_run_in_onednn_with_the_kernels():
+    """The MLP's row pieces stay above the small GEMM's limit: with the C++ kernels and packed weights, a
+    step of two pieces and 5 rows sends only the 5-row remainder (gate/up, then down) to the small GEMM."""
+    from splitserve.common.model_info import ModelConfig
+    from splitserve.engine.models import llama
+    from splitserve.engine.models.packed_linear import PackedLinear
+
+    kernels = _small_gemm_kernels()
+    assert llama._MLP_CHUNK_ROWS > kernels.SMALL_GEMM_MAX_ROWS
+    config = ModelConfig("llama", "LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rms_norm_eps=1e-5, max_position_embeddings=64, rope_theta=10000.0)
+    mlp = llama.LlamaMLP(config)
+    gate_up, down = mlp.gate_up_proj.weight.detach().clone(), mlp.down_proj.weight.detach().clone()
+    mlp.gate_up_proj, mlp.down_proj = PackedLinear(mlp.gate_up_proj), PackedLinear(mlp.down_proj)
+    mlp.kernels = kernels
+    mlp.gate_up_proj.use_kernels(kernels)
+    mlp.down_proj.use_kernels(kernels)
+    x = torch.randn(2 * llama._MLP_CHUNK_ROWS + 5, 64, generator=torch.Generator().manual_seed(7))
+    calls = []
+    original = kernels.small_gemm
+    try:
+        kernels.small_gemm = lambda *args: calls.append(args[0].shape[0]) or original(*args)
+        with torch.no_grad():
+            actual = mlp(x)
+    finally:
+        kernels.small_gemm = original
+    assert calls == [5, 5]
+    gate, up = F.linear(x, gate_up).split(96, dim=-1)
+    torch.testing.assert_close(actual, F.linear(F.silu(gate) * up, down), atol=1e-5, rtol=1e-5)
+
+
 # ---- the AVX2 build ------------------------------------------------------------------------------------------
 
 
