@@ -28,7 +28,8 @@ _SMALL_BATCH_ROWS = 4
 # offline workload ran 7-11% faster than with 2,048-row pieces (medians of 4 alternating runs in one
 # process: 256 rows 167.8-169.8 tok/s, 384-512 about 166, 1,024 162.6, 2,048 152.6-158.4). Pieces stay
 # above kernels/cpu_ops.SMALL_GEMM_MAX_ROWS, so they run in oneDNN with the weights just used hot in
-# cache; 128-row pieces went to the small GEMM, which streams its weights, and ran at 152.6.
+# cache; 128-row pieces went to the small GEMM, which streams its weights, and ran at 152.6. On a GPU the step
+# runs whole: its intermediates live in device memory either way, and larger GEMMs fill more of the SMs.
 _MLP_CHUNK_ROWS = 256
 
 
@@ -76,9 +77,9 @@ class LlamaMLP(nn.Module):
         self.kernels = None  # set by LlamaForCausalLM.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, hidden] -> [tokens, hidden]; steps of more than _MLP_CHUNK_ROWS tokens in pieces of that
-        many rows, so that the intermediates stay in cache."""
-        if x.shape[0] > _MLP_CHUNK_ROWS:
+        """x: [tokens, hidden] -> [tokens, hidden]; on CPU, steps of more than _MLP_CHUNK_ROWS tokens in pieces
+        of that many rows, so that the intermediates stay in cache."""
+        if x.shape[0] > _MLP_CHUNK_ROWS and x.device.type == "cpu":
             return torch.cat([self._forward(piece) for piece in x.split(_MLP_CHUNK_ROWS)])
         return self._forward(x)
 

@@ -385,6 +385,24 @@ def test_mlp_of_a_step_above_the_chunk_size_equals_the_formula():
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_mlp_off_the_cpu_runs_a_step_whole():
+    """Row pieces are for CPU caches: on another device (here "meta", which runs shapes only, as a GPU
+    stands in nowhere in CI) the MLP takes the whole step in one piece."""
+    from splitserve.common.model_info import ModelConfig
+    from splitserve.engine.models import llama
+
+    config = ModelConfig("llama", "LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rms_norm_eps=1e-5, max_position_embeddings=64, rope_theta=10000.0)
+    mlp = llama.LlamaMLP(config).to("meta")
+    calls = []
+    original = mlp._forward
+    mlp._forward = lambda piece: calls.append(piece.shape[0]) or original(piece)
+    with torch.no_grad():
+        out = mlp(torch.empty(2 * llama._MLP_CHUNK_ROWS + 5, 64, device="meta"))
+    assert calls == [2 * llama._MLP_CHUNK_ROWS + 5] and out.shape == (2 * llama._MLP_CHUNK_ROWS + 5, 64)
+
+
 def test_mlp_pieces_of_a_prompt_step_run_in_onednn_with_the_kernels():
     """The MLP's row pieces stay above the small GEMM's limit: with the C++ kernels and packed weights, a
     step of two pieces and 5 rows sends only the 5-row remainder (gate/up, then down) to the small GEMM."""
