@@ -365,14 +365,21 @@ def test_packed_linear_sends_decode_batches_to_small_gemm_and_prompt_chunks_to_o
     assert packed.panels is None and packed.small_gemm_kernels is None
 
 
-def test_mlp_of_a_step_above_the_chunk_size_equals_the_formula():
+def _tiny_mlp():
+    """A Llama MLP of hidden size 64 and intermediate size 96, with random weights."""
     from splitserve.common.model_info import ModelConfig
     from splitserve.engine.models import llama
 
-    config = ModelConfig("llama", "LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         rms_norm_eps=1e-5, max_position_embeddings=64, rope_theta=10000.0)
-    mlp = llama.LlamaMLP(config)
+    return llama.LlamaMLP(ModelConfig(
+        "llama", "LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=64,
+        rope_theta=10000.0))
+
+
+def test_mlp_of_a_step_above_the_chunk_size_equals_the_formula():
+    from splitserve.engine.models import llama
+
+    mlp = _tiny_mlp()
     x = torch.randn(2 * llama._MLP_CHUNK_ROWS + 5, 64, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         gate, up = F.linear(x, mlp.gate_up_proj.weight).split(96, dim=-1)
@@ -388,13 +395,9 @@ def test_mlp_of_a_step_above_the_chunk_size_equals_the_formula():
 def test_mlp_off_the_cpu_runs_a_step_whole():
     """Row pieces are for CPU caches: on another device (here "meta", which runs shapes only, as a GPU
     stands in nowhere in CI) the MLP takes the whole step in one piece."""
-    from splitserve.common.model_info import ModelConfig
     from splitserve.engine.models import llama
 
-    config = ModelConfig("llama", "LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         rms_norm_eps=1e-5, max_position_embeddings=64, rope_theta=10000.0)
-    mlp = llama.LlamaMLP(config).to("meta")
+    mlp = _tiny_mlp().to("meta")
     calls = []
     original = mlp._forward
     mlp._forward = lambda piece: calls.append(piece.shape[0]) or original(piece)
@@ -406,16 +409,12 @@ def test_mlp_off_the_cpu_runs_a_step_whole():
 def test_mlp_pieces_of_a_prompt_step_run_in_onednn_with_the_kernels():
     """The MLP's row pieces stay above the small GEMM's limit: with the C++ kernels and packed weights, a
     step of two pieces and 5 rows sends only the 5-row remainder (gate/up, then down) to the small GEMM."""
-    from splitserve.common.model_info import ModelConfig
     from splitserve.engine.models import llama
     from splitserve.engine.models.packed_linear import PackedLinear
 
     kernels = _small_gemm_kernels()
     assert llama._MLP_CHUNK_ROWS > kernels.SMALL_GEMM_MAX_ROWS
-    config = ModelConfig("llama", "LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         rms_norm_eps=1e-5, max_position_embeddings=64, rope_theta=10000.0)
-    mlp = llama.LlamaMLP(config)
+    mlp = _tiny_mlp()
     gate_up, down = mlp.gate_up_proj.weight.detach().clone(), mlp.down_proj.weight.detach().clone()
     mlp.gate_up_proj, mlp.down_proj = PackedLinear(mlp.gate_up_proj), PackedLinear(mlp.down_proj)
     mlp.kernels = kernels
