@@ -22,7 +22,7 @@ PromptType = str | dict[str, Any]
 # at 4,096 against 20.6 s at 2,048 (2-core Sapphire Rapids).
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
 
-# The offline block size where the C++ kernels attend (CPU, float32, attention backend "auto" or "cpu"): 128
+# The offline block size where the C++ kernels attend (CPU, attention backend "auto" or "cpu"): 128
 # tokens, as vLLM's CPU platform sets for every engine there; elsewhere EngineConfig's 16 (vLLM's on GPUs).
 # The cache keeps a block's keys and values of all heads of a layer together, so decode attention reads each
 # request in pieces of 2 x kv_heads x block_size x head_dim floats: 192 KB for SmolLM at 128 tokens against
@@ -150,8 +150,8 @@ class LLM:
 
 
 def _attends_in_cpu_kernels(engine_options: dict[str, Any]) -> bool:
-    """Whether an engine with these options runs on the CPU in float32 with the C++ attention kernels asked
-    for (backend "auto" or "cpu")."""
+    """Whether an engine with these options runs on the CPU (float32 or bfloat16) with the C++ attention
+    kernels asked for (backend "auto" or "cpu")."""
     device = resolve_device(engine_options.get("device", "auto"), torch.cuda.is_available())
-    return (device == "cpu" and resolve_dtype(engine_options.get("dtype", "auto"), device) == "float32"
+    return (device == "cpu" and resolve_dtype(engine_options.get("dtype", "auto"), device) in ("float32", "bfloat16")
             and engine_options.get("attention_backend", "auto") in ("auto", "cpu"))

@@ -63,9 +63,9 @@ def _use_cpu_kernel(backend: str, dtype: torch.dtype) -> bool:
     use) or in plain torch."""
     if backend in ("torch", "triton"):
         return False
-    usable = dtype == torch.float32 and cpu_ops.available(str(cache_dir()))
+    usable = dtype in (torch.float32, torch.bfloat16) and cpu_ops.available(str(cache_dir()))
     if backend == "cpu" and not usable:
-        raise ValueError("attention_backend='cpu' needs float32 and a C++ compiler to build the kernel.")
+        raise ValueError("attention_backend='cpu' needs float32 or bfloat16 and a C++ compiler to build the kernel.")
     return usable
 
 

@@ -1,43 +1,234 @@
-// Fused element-wise operations of the Llama layer for CPUs (float32): each reads
-// and writes its tensors once instead of once per torch operation, which is what
-// they cost on a memory-bound CPU. Parallel over rows with OpenMP.
+// Fused element-wise operations of the Llama layer for CPUs (float32 or bfloat16): each
+// reads and writes its tensors once instead of once per torch operation, which is
+// what they cost on a memory-bound CPU. Parallel over rows with OpenMP.
 //
 // Each computes what its plain-torch reference in splitserve.engine.models.llama
 // computes, operation by operation and rounding by rounding (built with
 // -ffp-contract=off, so no multiply-add is fused behind our back); where the order
-// of a sum or the exp differs, tests/test_kernels.py bounds the difference.
+// of a sum or the exp differs, tests/test_kernels.py bounds the difference. In
+// bfloat16 every operation computes in float32 and rounds its result to bfloat16
+// where torch's bfloat16 operation does (rounded<T> below), so the two differ by
+// the order of the norm's sum and the exp only.
 
 #include <torch/extension.h>
 
 #include <cmath>
+#include <type_traits>
 
+#include "cpu_vector16.h"
 #include "cpu_vector_math.h"
 
 namespace splitserve {
 
 namespace {
 
+using vec16::BFloat16;
+using vec16::f32x16;
+using vec16::to_float;
+
+// A float32 result stored as T.
+template <typename T>
+inline T store_as(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return vec16::to_bfloat16(x);
+}
+
+// x rounded as a torch operation on T-tensors rounds its result.
+template <typename T>
+inline float rounded(float x) {
+  return to_float(store_as<T>(x));
+}
+
+// The element type of a tensor the fused operations take: float32 or bfloat16.
+bool is_bfloat16(const torch::Tensor& tensor, const char* name) {
+  TORCH_CHECK(tensor.scalar_type() == torch::kFloat32 || tensor.scalar_type() == torch::kBFloat16, name,
+              ": float32 or bfloat16 only");
+  return tensor.scalar_type() == torch::kBFloat16;
+}
+
 void check_rows(const torch::Tensor& tensor, const char* name) {
-  TORCH_CHECK(tensor.scalar_type() == torch::kFloat32, name, ": float32 only");
+  is_bfloat16(tensor, name);
   TORCH_CHECK(tensor.dim() == 2 && tensor.stride(1) == 1, name, ": expected [rows, features] with unit stride");
 }
 
-// Row r: out = weight * (x * (1 / sqrt(mean(x^2) + eps))), as transformers' LlamaRMSNorm in float32.
-void normalize_row(const float* x, const float* weight, float* out, int64_t size, float eps) {
+void check_same_dtype(const torch::Tensor& a, const torch::Tensor& b, const char* name) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), name, ": all tensors must have one dtype");
+}
+
+template <typename T>
+T* data(const torch::Tensor& tensor) {
+  return reinterpret_cast<T*>(tensor.data_ptr());
+}
+
+// ---- bfloat16 rows on 16-float vectors: each function does the first 16 * floor(n / 16) elements and returns
+// how many that is (the callers' scalar loops do the rest). They sit under fp-contract=fast, as the vector
+// helpers of cpu_vector16.h do: GCC inlines a function only into callers built with its own setting, and a
+// call per vector would cost more than the work. Contraction changes nothing here that torch fixes: every
+// product is rounded to bfloat16 before a sum reads it, except in the norm's sum of squares, whose order
+// differs from torch's anyway.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+namespace bf16_rows {
+
+using vec16::load16;
+using vec16::round_to_bfloat16;
+using vec16::store16;
+
+int64_t sum_of_squares(const BFloat16* x, int64_t n, float* sum) {
+  f32x16 sum16 = vec16::splat(0.0f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 v = load16(x + i);
+    sum16 += v * v;
+  }
+  *sum = vec16::horizontal_sum(sum16);
+  return i;
+}
+
+int64_t scale_by_weight(const BFloat16* x, const BFloat16* weight, float inverse, BFloat16* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(out + i, load16(weight + i) * round_to_bfloat16(load16(x + i) * inverse));
+  return i;
+}
+
+int64_t add_into(BFloat16* residual, const BFloat16* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(residual + i, load16(residual + i) + load16(x + i));
+  return i;
+}
+
+int64_t silu_and_mul(const BFloat16* gate, const BFloat16* up, BFloat16* out, int64_t n) {
+  const f32x16 one = vec16::splat(1.0f), zero = vec16::splat(0.0f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 g = load16(gate + i);
+    store16(out + i, round_to_bfloat16(g / (one + vec16::exp16(zero - g))) * load16(up + i));
+  }
+  return i;
+}
+
+int64_t rotate(BFloat16* row, const BFloat16* c, const BFloat16* s, int64_t half) {
+  const f32x16 zero = vec16::splat(0.0f);
+  int64_t d = 0;
+  for (; d + 16 <= half; d += 16) {
+    const f32x16 first = load16(row + d), second = load16(row + d + half);
+    store16(row + d, round_to_bfloat16(first * load16(c + d)) + round_to_bfloat16((zero - second) * load16(s + d)));
+    store16(row + d + half,
+            round_to_bfloat16(second * load16(c + d + half)) + round_to_bfloat16(first * load16(s + d + half)));
+  }
+  return d;
+}
+
+}  // namespace bf16_rows
+#pragma GCC pop_options
+
+// Row r: out = weight * (x * (1 / sqrt(mean(x^2) + eps))), as transformers' LlamaRMSNorm: in float32 (for
+// bfloat16 x, the normalized row is rounded to bfloat16 before the weight multiplies it).
+template <typename T>
+void normalize_row(const T* x, const T* weight, T* out, int64_t size, float eps) {
   float sum = 0.0f;
   int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
 #ifdef SPLITSERVE_AVX2
-  __m256 sum8 = _mm256_setzero_ps();
-  for (; i + 8 <= size; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    sum8 = _mm256_add_ps(sum8, _mm256_mul_ps(v, v));
-  }
-  sum = horizontal_sum(sum8);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (; i + 8 <= size; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      sum8 = _mm256_add_ps(sum8, _mm256_mul_ps(v, v));
+    }
+    sum = horizontal_sum(sum8);
 #endif
-  for (; i < size; ++i) sum += x[i] * x[i];
+  } else {
+    i = bf16_rows::sum_of_squares(x, size, &sum);
+  }
+  for (; i < size; ++i) sum += to_float(x[i]) * to_float(x[i]);
   const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(size) + eps);
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, BFloat16>) j = bf16_rows::scale_by_weight(x, weight, inverse, out, size);
 #pragma omp simd
-  for (int64_t j = 0; j < size; ++j) out[j] = weight[j] * (x[j] * inverse);
+  for (int64_t k = j; k < size; ++k) out[k] = store_as<T>(to_float(weight[k]) * rounded<T>(to_float(x[k]) * inverse));
+}
+
+template <typename T>
+void rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& out, float eps) {
+  const int64_t rows = x.size(0), size = x.size(1), stride = x.stride(0);
+  const T *x_ptr = data<T>(x), *w_ptr = data<T>(weight);
+  T* out_ptr = data<T>(out);
+#pragma omp parallel for schedule(static) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) normalize_row(x_ptr + r * stride, w_ptr, out_ptr + r * size, size, eps);
+}
+
+template <typename T>
+void add_rms_norm_rows(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+                       torch::Tensor& out, float eps) {
+  const int64_t rows = x.size(0), size = x.size(1), stride = x.stride(0);
+  const T *x_ptr = data<T>(x), *w_ptr = data<T>(weight);
+  T *res_ptr = data<T>(residual), *out_ptr = data<T>(out);
+#pragma omp parallel for schedule(static) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* res = res_ptr + r * size;
+    const T* add = x_ptr + r * stride;
+    int64_t j = 0;
+    if constexpr (std::is_same_v<T, BFloat16>) j = bf16_rows::add_into(res, add, size);
+#pragma omp simd
+    for (int64_t k = j; k < size; ++k) res[k] = store_as<T>(to_float(res[k]) + to_float(add[k]));
+    normalize_row(res, w_ptr, out_ptr + r * size, size, eps);
+  }
+}
+
+// silu(g) = g / (1 + e^-g), rounded as torch's silu, times up.
+template <typename T>
+void silu_and_mul_rows(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  const T* in_ptr = data<T>(gate_up);
+  T* out_ptr = data<T>(out);
+#pragma omp parallel for schedule(static) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = in_ptr + r * stride;
+    const T* up = gate + size;
+    T* o = out_ptr + r * size;
+    int64_t j = 0;
+    if constexpr (std::is_same_v<T, float>) {
+#ifdef SPLITSERVE_AVX2
+      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+      for (; j + 8 <= size; j += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + j);
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(silu, _mm256_loadu_ps(up + j)));
+      }
+#endif
+    } else {
+      j = bf16_rows::silu_and_mul(gate, up, o, size);
+    }
+    for (; j < size; ++j) {
+      const float g = to_float(gate[j]);
+      o[j] = store_as<T>(rounded<T>(g / (1.0f + std::exp(-g))) * to_float(up[j]));
+    }
+  }
+}
+
+// Each head row of x becomes x * cos + rotate_half(x) * sin: two products and a sum, each rounded to T.
+template <typename T>
+void rotary_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  T* x_ptr = data<T>(x);
+  const T *cos_ptr = data<T>(cos), *sin_ptr = data<T>(sin);
+#pragma omp parallel for schedule(static) if (tokens > 1)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* c = cos_ptr + t * head_dim;
+    const T* s = sin_ptr + t * head_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* row = x_ptr + t * token_stride + h * head_stride;
+      int64_t d = 0;
+      if constexpr (std::is_same_v<T, BFloat16>) d = bf16_rows::rotate(row, c, s, half);
+#pragma omp simd
+      for (int64_t e = d; e < half; ++e) {
+        const float first = to_float(row[e]), second = to_float(row[e + half]);
+        row[e] = store_as<T>(rounded<T>(first * to_float(c[e])) + rounded<T>((-second) * to_float(s[e])));
+        row[e + half] = store_as<T>(rounded<T>(second * to_float(c[e + half])) + rounded<T>(first * to_float(s[e + half])));
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -45,13 +236,11 @@ void normalize_row(const float* x, const float* weight, float* out, int64_t size
 // x: [rows, hidden]; weight: [hidden]. Returns the normalized rows.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rows(x, "rms_norm");
+  check_same_dtype(x, weight, "rms_norm");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: weight must be [hidden]");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-  const int64_t rows = x.size(0), size = x.size(1), stride = x.stride(0);
-  const float *x_ptr = x.data_ptr<float>(), *w_ptr = weight.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (rows > 1)
-  for (int64_t r = 0; r < rows; ++r) normalize_row(x_ptr + r * stride, w_ptr, out_ptr + r * size, size, eps);
+  if (is_bfloat16(x, "rms_norm")) rms_norm_rows<BFloat16>(x, weight, out, eps);
+  else rms_norm_rows<float>(x, weight, out, eps);
   return out;
 }
 
@@ -62,18 +251,11 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   check_rows(residual, "add_rms_norm");
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes(), "add_rms_norm: residual must match x");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: weight must be [hidden]");
+  check_same_dtype(x, residual, "add_rms_norm");
+  check_same_dtype(x, weight, "add_rms_norm");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-  const int64_t rows = x.size(0), size = x.size(1), stride = x.stride(0);
-  const float *x_ptr = x.data_ptr<float>(), *w_ptr = weight.data_ptr<float>();
-  float *res_ptr = residual.data_ptr<float>(), *out_ptr = out.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (rows > 1)
-  for (int64_t r = 0; r < rows; ++r) {
-    float* res = res_ptr + r * size;
-    const float* add = x_ptr + r * stride;
-#pragma omp simd
-    for (int64_t j = 0; j < size; ++j) res[j] = res[j] + add[j];
-    normalize_row(res, w_ptr, out_ptr + r * size, size, eps);
-  }
+  if (is_bfloat16(x, "add_rms_norm")) add_rms_norm_rows<BFloat16>(x, residual, weight, out, eps);
+  else add_rms_norm_rows<float>(x, residual, weight, out, eps);
   return out;
 }
 
@@ -82,26 +264,9 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "silu_and_mul");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: the last dimension must be even");
-  const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto out = torch::empty({rows, size}, gate_up.options());
-  const float* in_ptr = gate_up.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (rows > 1)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = in_ptr + r * stride;
-    const float* up = gate + size;
-    float* o = out_ptr + r * size;
-    int64_t j = 0;
-#ifdef SPLITSERVE_AVX2
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    for (; j + 8 <= size; j += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + j);
-      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
-      _mm256_storeu_ps(o + j, _mm256_mul_ps(silu, _mm256_loadu_ps(up + j)));
-    }
-#endif
-    for (; j < size; ++j) o[j] = (gate[j] / (1.0f + std::exp(-gate[j]))) * up[j];
-  }
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (is_bfloat16(gate_up, "silu_and_mul")) silu_and_mul_rows<BFloat16>(gate_up, out);
+  else silu_and_mul_rows<float>(gate_up, out);
   return out;
 }
 
@@ -109,29 +274,13 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 // cos, sin: [tokens, head_dim] contiguous. Each head row becomes x * cos + rotate_half(x) * sin with
 // rotate_half(x) = [-x[half:], x[:half]]: two products and a sum, each rounded, as torch computes it.
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && cos.scalar_type() == torch::kFloat32 &&
-                  sin.scalar_type() == torch::kFloat32, "rotary_: float32 only");
+  check_same_dtype(x, cos, "rotary_");
+  check_same_dtype(x, sin, "rotary_");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_: x must be [tokens, heads, head_dim] with unit stride");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == x.size(2),
               "rotary_: cos and sin must be [tokens, head_dim]");
-  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
-  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
-  float* x_ptr = x.data_ptr<float>();
-  const float *cos_ptr = cos.data_ptr<float>(), *sin_ptr = sin.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (tokens > 1)
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* c = cos_ptr + t * head_dim;
-    const float* s = sin_ptr + t * head_dim;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* row = x_ptr + t * token_stride + h * head_stride;
-#pragma omp simd
-      for (int64_t d = 0; d < half; ++d) {
-        const float first = row[d], second = row[d + half];
-        row[d] = first * c[d] + (-second) * s[d];
-        row[d + half] = second * c[d + half] + first * s[d + half];
-      }
-    }
-  }
+  if (is_bfloat16(x, "rotary_")) rotary_rows<BFloat16>(x, cos, sin);
+  else rotary_rows<float>(x, cos, sin);
 }
 
 }  // namespace splitserve

@@ -19,14 +19,14 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor bi
 }  // namespace splitserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &splitserve::paged_decode_attention, "Paged decode attention (float32)");
+  m.def("paged_decode_attention", &splitserve::paged_decode_attention, "Paged decode attention (float32 query, float32 or bfloat16 cache)");
   m.def("paged_prefill_attention", &splitserve::paged_prefill_attention,
-        "Paged causal attention of prompt chunks over their cached context (float32)");
-  m.def("write_kv_", &splitserve::write_kv_, "store keys and values into their cache slots (float32)");
-  m.def("rms_norm", &splitserve::rms_norm, "RMSNorm of rows (float32)");
-  m.def("add_rms_norm", &splitserve::add_rms_norm, "residual += x, then RMSNorm of residual (float32)");
-  m.def("silu_and_mul", &splitserve::silu_and_mul, "silu(gate) * up (float32)");
-  m.def("rotary_", &splitserve::rotary_, "rotary embedding in place (float32)");
+        "Paged causal attention of prompt chunks over their cached context (float32 query, float32 or bfloat16 cache)");
+  m.def("write_kv_", &splitserve::write_kv_, "store keys and values into their cache slots (float32 or bfloat16)");
+  m.def("rms_norm", &splitserve::rms_norm, "RMSNorm of rows (float32 or bfloat16)");
+  m.def("add_rms_norm", &splitserve::add_rms_norm, "residual += x, then RMSNorm of residual (float32 or bfloat16)");
+  m.def("silu_and_mul", &splitserve::silu_and_mul, "silu(gate) * up (float32 or bfloat16)");
+  m.def("rotary_", &splitserve::rotary_, "rotary embedding in place (float32 or bfloat16)");
   m.def("small_gemm_supported", &splitserve::small_gemm_supported, "whether small_gemm was built (AVX-512)");
   m.def("pack_panels", &splitserve::pack_panels, "an [out, in] weight as [panels, in, 32] (float32)");
   m.def("small_gemm", &splitserve::small_gemm, "x @ weight^T + bias for decode-sized batches (float32)");

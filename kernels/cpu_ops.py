@@ -134,9 +134,12 @@ def paged_decode_attention(
     """query: [requests, q_heads, head_dim]; caches: [kv_heads, num_blocks, block_size, head_dim];
     block_tables: [requests, max_blocks] int64; seq_lens: [requests] int64.
 
-    Returns: [requests, q_heads, head_dim]. float32 only. Call :func:`available` first.
+    Returns: [requests, q_heads, head_dim] in the query's dtype. The caches float32 or bfloat16 (the kernel
+    computes in float32 either way; a bfloat16 query is widened first). Call :func:`available` first.
     """
-    return _module.paged_decode_attention(query.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale)
+    output = _module.paged_decode_attention(query.float().contiguous(), key_cache, value_cache, block_tables,
+                                            seq_lens, scale)
+    return output.to(query.dtype)
 
 
 def prefill_supports(head_dim: int) -> bool:
@@ -158,17 +161,19 @@ def paged_prefill_attention(
 
     query: [rows, q_heads, head_dim], the chunks back to back; caches: [kv_heads, num_blocks, block_size,
     head_dim]; query_start_loc: [chunks + 1] int32 row offsets; context_lens: [chunks] int32 tokens cached
-    before each chunk; block_tables: [chunks, max_blocks] int64. Returns: [rows, q_heads, head_dim].
-    float32, head_dim a multiple of 64 (:func:`prefill_supports`). Call :func:`available` first.
+    before each chunk; block_tables: [chunks, max_blocks] int64. Returns: [rows, q_heads, head_dim] in the
+    query's dtype. Caches float32 or bfloat16 (computed in float32), head_dim a multiple of 64
+    (:func:`prefill_supports`). Call :func:`available` first.
     """
-    return _module.paged_prefill_attention(query.contiguous(), key_cache, value_cache, query_start_loc,
-                                           context_lens, block_tables, scale)
+    output = _module.paged_prefill_attention(query.float().contiguous(), key_cache, value_cache, query_start_loc,
+                                             context_lens, block_tables, scale)
+    return output.to(query.dtype)
 
 
 def write_kv_(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
     """Store key, value: [tokens, kv_heads, head_dim] into slots ``slot_mapping`` ([tokens] int64) of the
-    caches [kv_heads, num_blocks, block_size, head_dim], in place."""
+    caches [kv_heads, num_blocks, block_size, head_dim], in place; float32 or bfloat16, one dtype for all."""
     _module.write_kv_(key_cache, value_cache, key, value, slot_mapping)
 
 

@@ -3,7 +3,7 @@
 // online block by block. Parallel with OpenMP over (request, KV head) pairs, or
 // over requests when there are enough of them.
 //
-// Layouts (float32):
+// Layouts (query and output float32; the cache float32 or bfloat16, read as float32):
 //   query        [num_requests, q_heads, head_dim] contiguous
 //   key/value    [kv_heads, num_blocks, block_size, head_dim]   (one layer; a view of the block-major
 //                cache: rows of a block contiguous, heads and blocks at any strides)
@@ -18,7 +18,7 @@
 // enough requests, per request over all its heads; others the per-key loop
 // attend_one_head (AVX2 + FMA when the compiler targets them, a scalar loop
 // otherwise). Reading the cache is the
-// floor: 2 x kv_heads x context x head_dim x 4 bytes per request and layer.
+// floor: 2 x kv_heads x context x head_dim x 4 bytes per request and layer (2 for a bfloat16 cache).
 //
 // The plain-torch reference is splitserve.engine.attention.decode_attention;
 // tests/integration/test_kernels.py compares the two.
@@ -72,6 +72,12 @@ inline float exp_shifted_sum(float* scores, int64_t count, float shift) {
 }
 
 // The dot product of two head_dim vectors.
+inline float dot(const float* a, const vec16::BFloat16* b, int64_t head_dim) {
+  float result = 0.0f;
+  for (int64_t d = 0; d < head_dim; ++d) result += a[d] * vec16::to_float(b[d]);
+  return result;
+}
+
 inline float dot(const float* a, const float* b, int64_t head_dim) {
   int64_t d = 0;
   float result = 0.0f;
@@ -92,7 +98,8 @@ inline void prefetch_row(const char* row, int64_t num_bytes) {
 }
 
 // One (request, KV head): the group's query rows over the request's blocks.
-void attend_one_head(const float* q_group, const float* k_head, const float* v_head, const int64_t* table,
+template <typename KV>
+void attend_one_head(const float* q_group, const KV* k_head, const KV* v_head, const int64_t* table,
                      int64_t length, int64_t group, int64_t block_size, int64_t head_dim, int64_t block_stride,
                      float scale, float* out_group) {
   float running_max[kMaxGroup], denominator[kMaxGroup];
@@ -106,16 +113,16 @@ void attend_one_head(const float* q_group, const float* k_head, const float* v_h
   const int64_t block_elements = block_stride;  // from one block's first row to the next block's
   for (int64_t start = 0; start < length; start += block_size) {
     const int64_t count = std::min(block_size, length - start);
-    const float* k_block = k_head + table[start / block_size] * block_elements;
-    const float* v_block = v_head + table[start / block_size] * block_elements;
+    const KV* k_block = k_head + table[start / block_size] * block_elements;
+    const KV* v_block = v_head + table[start / block_size] * block_elements;
     // The next block is elsewhere in memory: its rows are fetched while this block's rows compute.
     const bool has_next = start + block_size < length;
     const char* k_next = reinterpret_cast<const char*>(k_head + (has_next ? table[start / block_size + 1] : 0) * block_elements);
     const char* v_next = reinterpret_cast<const char*>(v_head + (has_next ? table[start / block_size + 1] : 0) * block_elements);
-    const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(float));
+    const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(KV));
     // Scores: each key row is read once for the whole group.
     for (int64_t t = 0; t < count; ++t) {
-      const float* k = k_block + t * head_dim;
+      const KV* k = k_block + t * head_dim;
       if (has_next) prefetch_row(k_next + t * row_bytes, row_bytes);
       for (int64_t g = 0; g < group; ++g) scores[g * block_size + t] = dot(q_group + g * head_dim, k, head_dim) * scale;
     }
@@ -135,13 +142,13 @@ void attend_one_head(const float* q_group, const float* k_head, const float* v_h
     }
     // Weighted values: each value row is read once for the whole group.
     for (int64_t t = 0; t < count; ++t) {
-      const float* v = v_block + t * head_dim;
+      const KV* v = v_block + t * head_dim;
       if (has_next) prefetch_row(v_next + t * row_bytes, row_bytes);
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * block_size + t];
         float* acc = accumulator + g * head_dim;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * v[d];
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * vec16::to_float(v[d]);
       }
     }
   }
@@ -193,14 +200,15 @@ struct HeadState {
   }
 
   // Attend to `count` (1 to 16) consecutive key and value rows.
-  void attend_chunk(const float* keys, const float* values, int64_t count, int64_t group) {
+  template <typename KV>
+  void attend_chunk(const KV* keys, const KV* values, int64_t count, int64_t group) {
     using namespace vec16;
     constexpr int64_t head_dim = 16 * D;
     alignas(64) float weights[kMaxGroup][16];
     for (int64_t g = 0; g < group; ++g) {
       f32x16 products[16];
       for (int64_t t = 0; t < 16; ++t) {
-        const float* key = keys + std::min(t, count - 1) * head_dim;  // lanes past count are masked below
+        const KV* key = keys + std::min(t, count - 1) * head_dim;  // lanes past count are masked below
         f32x16 sum = q[g][0] * load16(key);
         for (int d = 1; d < D; ++d) sum += q[g][d] * load16(key + 16 * d);
         products[t] = sum;
@@ -229,8 +237,9 @@ struct HeadState {
   // With head_dim 64 a chunk's keys (and its values) fill one 4 KB page, where the hardware prefetcher
   // stops; fetching one chunk ahead read 64 requests x 320 tokens in 128-token blocks at 33.5 GB/s against
   // 26.2 without (2-core AMD EPYC Zen 5, C++ harness, medians of 7; two chunks ahead: 29.9).
-  void attend_block(const float* k_block, const float* v_block, int64_t count, int64_t group) {
-    constexpr int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(float));
+  template <typename KV>
+  void attend_block(const KV* k_block, const KV* v_block, int64_t count, int64_t group) {
+    constexpr int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(KV));
     for (int64_t chunk = 0; chunk < count; chunk += 16) {
       const int64_t next_rows = std::min<int64_t>(16, count - chunk - 16);
       if (next_rows > 0) {
@@ -256,12 +265,12 @@ struct DecodeShape {
 };
 
 // One (request, KV head) as attend_one_head, head_dim = 16 * D.
-template <int D>
-void attend_head16(const float* q_group, const float* k_head, const float* v_head, const int64_t* table,
+template <int D, typename KV>
+void attend_head16(const float* q_group, const KV* k_head, const KV* v_head, const int64_t* table,
                    int64_t length, const DecodeShape& shape, float scale, float* out_group) {
   HeadState<D> state;
   state.start(q_group, shape.group, scale);
-  const int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(float));
+  const int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(KV));
   for (int64_t block_start = 0; block_start < length; block_start += shape.block_size) {
     const int64_t block = table[block_start / shape.block_size];
     const int64_t in_block = std::min(shape.block_size, length - block_start);
@@ -277,13 +286,13 @@ void attend_head16(const float* q_group, const float* k_head, const float* v_hea
 }
 
 // One request, all num_kv_heads heads, block by block (heads in passes of as many as fit 64 KB of state).
-template <int D>
-void attend_request16(const float* q_request, const float* k_layer, const float* v_layer, const int64_t* table,
+template <int D, typename KV>
+void attend_request16(const float* q_request, const KV* k_layer, const KV* v_layer, const int64_t* table,
                       int64_t length, int64_t num_kv_heads, const DecodeShape& shape, float scale,
                       float* out_request) {
   constexpr int64_t kHeadsPerPass = std::max<int64_t>(1, 65536 / sizeof(HeadState<D>));
   constexpr int64_t head_dim = 16 * D;
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(float));
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(KV));
   HeadState<D> states[kHeadsPerPass];
   for (int64_t first = 0; first < num_kv_heads; first += kHeadsPerPass) {
     const int64_t heads = std::min(kHeadsPerPass, num_kv_heads - first);
@@ -309,33 +318,72 @@ void attend_request16(const float* q_request, const float* k_layer, const float*
   }
 }
 
+template <typename KV>
 struct WideFunctions {
-  void (*head)(const float*, const float*, const float*, const int64_t*, int64_t, const DecodeShape&, float, float*);
-  void (*request)(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, const DecodeShape&,
+  void (*head)(const float*, const KV*, const KV*, const int64_t*, int64_t, const DecodeShape&, float, float*);
+  void (*request)(const float*, const KV*, const KV*, const int64_t*, int64_t, int64_t, const DecodeShape&,
                   float, float*);
 };
 
 // The 16-float drivers for this head size, or nulls (the per-key loop then).
-WideFunctions wide_functions(int64_t head_dim) {
+template <typename KV>
+WideFunctions<KV> wide_functions(int64_t head_dim) {
   switch (head_dim) {
-    case 16: return {attend_head16<1>, attend_request16<1>};
-    case 32: return {attend_head16<2>, attend_request16<2>};
-    case 64: return {attend_head16<4>, attend_request16<4>};
-    case 128: return {attend_head16<8>, attend_request16<8>};
-    case 256: return {attend_head16<16>, attend_request16<16>};
+    case 16: return {attend_head16<1, KV>, attend_request16<1, KV>};
+    case 32: return {attend_head16<2, KV>, attend_request16<2, KV>};
+    case 64: return {attend_head16<4, KV>, attend_request16<4, KV>};
+    case 128: return {attend_head16<8, KV>, attend_request16<8, KV>};
+    case 256: return {attend_head16<16, KV>, attend_request16<16, KV>};
     default: return {nullptr, nullptr};
   }
 }
 
 #pragma GCC pop_options
 
+// The cache's element type (float or BFloat16), checked by the caller.
+template <typename KV>
+const KV* cache_data(const torch::Tensor& cache) {
+  return reinterpret_cast<const KV*>(cache.data_ptr());
+}
+
+template <typename KV>
+void decode_all(const float* q_ptr, const KV* k_ptr, const KV* v_ptr, const int64_t* table_ptr, const int64_t* len_ptr,
+                int64_t num_requests, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
+                const DecodeShape& shape, float scale_f, float* out_ptr) {
+  const WideFunctions<KV> wide = wide_functions<KV>(head_dim);
+  const int64_t group = shape.group, head_stride = shape.head_stride;
+  // Whole requests per task once there are enough of them to keep every thread busy.
+  if (wide.request != nullptr && num_requests >= kRequestsPerThreadForWholeRequests * omp_get_max_threads()) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t r = 0; r < num_requests; ++r)
+      wide.request(q_ptr + r * num_q_heads * head_dim, k_ptr, v_ptr, table_ptr + r * max_blocks, len_ptr[r],
+                   num_kv_heads, shape, scale_f, out_ptr + r * num_q_heads * head_dim);
+    return;
+  }
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t r = 0; r < num_requests; ++r) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t first_row = r * num_q_heads + h * group;
+      if (wide.head != nullptr) {
+        wide.head(q_ptr + first_row * head_dim, k_ptr + h * head_stride, v_ptr + h * head_stride,
+                  table_ptr + r * max_blocks, len_ptr[r], shape, scale_f, out_ptr + first_row * head_dim);
+        continue;
+      }
+      attend_one_head(q_ptr + first_row * head_dim, k_ptr + h * head_stride, v_ptr + h * head_stride,
+                      table_ptr + r * max_blocks, len_ptr[r], group, shape.block_size, head_dim, shape.block_stride,
+                      scale_f, out_ptr + first_row * head_dim);
+    }
+  }
+}
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && key_cache.scalar_type() == torch::kFloat32 &&
-                  value_cache.scalar_type() == torch::kFloat32,
-              "paged_decode_attention: float32 only");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "paged_decode_attention: the query must be float32");
+  TORCH_CHECK((key_cache.scalar_type() == torch::kFloat32 || key_cache.scalar_type() == torch::kBFloat16) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_decode_attention: the cache must be float32 or bfloat16, keys and values alike");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
               "paged_decode_attention: block_tables and seq_lens must be int64");
   TORCH_CHECK(query.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous(),
@@ -354,8 +402,6 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 
   auto out = torch::empty_like(query);
   const float* q_ptr = query.data_ptr<float>();
-  const float* k_ptr = key_cache.data_ptr<float>();
-  const float* v_ptr = value_cache.data_ptr<float>();
   const int64_t* table_ptr = block_tables.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
@@ -368,32 +414,13 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
     }
   }
-  const int64_t head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
-
-  const WideFunctions wide = wide_functions(head_dim);
-  const DecodeShape shape{group, block_size, block_stride, head_stride};
-  // Whole requests per task once there are enough of them to keep every thread busy.
-  if (wide.request != nullptr && num_requests >= kRequestsPerThreadForWholeRequests * omp_get_max_threads()) {
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t r = 0; r < num_requests; ++r)
-      wide.request(q_ptr + r * num_q_heads * head_dim, k_ptr, v_ptr, table_ptr + r * max_blocks, len_ptr[r],
-                   num_kv_heads, shape, scale_f, out_ptr + r * num_q_heads * head_dim);
-    return out;
-  }
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-  for (int64_t r = 0; r < num_requests; ++r) {
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const int64_t first_row = r * num_q_heads + h * group;
-      if (wide.head != nullptr) {
-        wide.head(q_ptr + first_row * head_dim, k_ptr + h * head_stride, v_ptr + h * head_stride,
-                  table_ptr + r * max_blocks, len_ptr[r], shape, scale_f, out_ptr + first_row * head_dim);
-        continue;
-      }
-      attend_one_head(q_ptr + first_row * head_dim, k_ptr + h * head_stride, v_ptr + h * head_stride,
-                      table_ptr + r * max_blocks, len_ptr[r], group, block_size, head_dim, block_stride, scale_f,
-                      out_ptr + first_row * head_dim);
-    }
-  }
+  const DecodeShape shape{group, block_size, key_cache.stride(1), key_cache.stride(0)};
+  if (key_cache.scalar_type() == torch::kBFloat16)
+    decode_all(q_ptr, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache), table_ptr,
+               len_ptr, num_requests, num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);
+  else
+    decode_all(q_ptr, cache_data<float>(key_cache), cache_data<float>(value_cache), table_ptr, len_ptr, num_requests,
+               num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);
   return out;
 }
 
@@ -404,9 +431,10 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 // The reference is splitserve.engine.attention.write_kv (an index_copy_ per cache).
 void write_kv_(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
                torch::Tensor slot_mapping) {
-  TORCH_CHECK(key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32 &&
-                  key.scalar_type() == torch::kFloat32 && value.scalar_type() == torch::kFloat32,
-              "write_kv_: float32 only");
+  const auto dtype = key_cache.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && value_cache.scalar_type() == dtype &&
+                  key.scalar_type() == dtype && value.scalar_type() == dtype,
+              "write_kv_: float32 or bfloat16, the same for the cache and the new keys and values");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides() &&
                   key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3),
               "write_kv_: each cache block's rows must be contiguous, keys and values alike");
@@ -417,16 +445,19 @@ void write_kv_(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_dim = key.size(2);
   TORCH_CHECK(key_cache.size(0) == num_kv_heads && key_cache.size(3) == head_dim, "write_kv_: shapes differ");
   const int64_t block_size = key_cache.size(2), num_slots = key_cache.size(1) * block_size;
-  const int64_t head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
-  float *k_cache = key_cache.data_ptr<float>(), *v_cache = value_cache.data_ptr<float>();
-  const float *k_ptr = key.data_ptr<float>(), *v_ptr = value.data_ptr<float>();
-  const int64_t k_token = key.stride(0), k_head = key.stride(1), v_token = value.stride(0), v_head = value.stride(1);
-  const size_t row_bytes = head_dim * sizeof(float);
+  // Rows are copied as bytes, so one loop serves both element types (strides below are in bytes).
+  const int64_t element = key_cache.element_size();
+  char *k_cache = static_cast<char*>(key_cache.data_ptr()), *v_cache = static_cast<char*>(value_cache.data_ptr());
+  const char *k_ptr = static_cast<const char*>(key.data_ptr()), *v_ptr = static_cast<const char*>(value.data_ptr());
+  const int64_t k_token = key.stride(0) * element, k_head = key.stride(1) * element;
+  const int64_t v_token = value.stride(0) * element, v_head = value.stride(1) * element;
+  const int64_t head_stride = key_cache.stride(0) * element, block_stride = key_cache.stride(1) * element;
+  const size_t row_bytes = head_dim * element;
 #pragma omp parallel for schedule(static) if (num_tokens > 16)
   for (int64_t t = 0; t < num_tokens; ++t) {
-    const int64_t slot = (slots[t] / block_size) * block_stride + (slots[t] % block_size) * head_dim;
+    const int64_t slot = (slots[t] / block_size) * block_stride + (slots[t] % block_size) * static_cast<int64_t>(row_bytes);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       std::memcpy(k_cache + h * head_stride + slot, k_ptr + t * k_token + h * k_head, row_bytes);
       std::memcpy(v_cache + h * head_stride + slot, v_ptr + t * v_token + h * v_head, row_bytes);

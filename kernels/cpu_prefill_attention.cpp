@@ -6,7 +6,7 @@
 // materialized. The chunk's own keys and values are already in the cache (the
 // engine writes a step's K/V before it attends).
 //
-// Layouts (float32):
+// Layouts (query and output float32; the cache float32 or bfloat16, read as float32):
 //   query            [rows, q_heads, head_dim], rows of head_dim contiguous (the chunks' rows, back to back)
 //   key/value        [kv_heads, num_blocks, block_size, head_dim]  (one layer; as in cpu_paged_attention.cpp)
 //   query_start_loc  [chunks + 1] int32: chunk c is rows query_start_loc[c] .. query_start_loc[c + 1]
@@ -65,17 +65,17 @@ struct Shape {
 
 // scores_t[k][0 .. 16 * ROW_VECTORS) = keys[k] . q_t[:, rows ...] for the kKeysPerPass keys (k < count
 // stored; the others repeat key 0 and are dropped); q_t is the tile's queries transposed, [head_dim][rows].
-template <int ROW_VECTORS>
-void score_keys(const float* const* keys, int64_t count, const float* q_t, int64_t q_stride, int64_t head_dim,
+template <int ROW_VECTORS, typename KV>
+void score_keys(const KV* const* keys, int64_t count, const float* q_t, int64_t q_stride, int64_t head_dim,
                 float* scores_t, int64_t scores_stride) {
-  const float* key[kKeysPerPass];
+  const KV* key[kKeysPerPass];
   for (int64_t k = 0; k < kKeysPerPass; ++k) key[k] = keys[k < count ? k : 0];
   f32x16 acc[kKeysPerPass][ROW_VECTORS] = {};
   for (int64_t d = 0; d < head_dim; ++d) {
     f32x16 q[ROW_VECTORS];
     for (int v = 0; v < ROW_VECTORS; ++v) q[v] = load16(q_t + d * q_stride + v * kLanes);
     for (int64_t k = 0; k < kKeysPerPass; ++k) {
-      const float x = key[k][d];
+      const float x = to_float(key[k][d]);
       for (int v = 0; v < ROW_VECTORS; ++v) acc[k][v] += x * q[v];
     }
   }
@@ -85,7 +85,8 @@ void score_keys(const float* const* keys, int64_t count, const float* q_t, int64
 
 // out[r][d .. d + 16 kValueVectors) = out[r][...] * correction[r] + sum_t p_t[t][r] * values[t][d ...] for
 // kRowsPerPass rows (r < rows stored).
-void accumulate_values(const float* p_t, int64_t p_stride, int64_t count, const float* const* values, int64_t d,
+template <typename KV>
+void accumulate_values(const float* p_t, int64_t p_stride, int64_t count, const KV* const* values, int64_t d,
                        const float* correction, int64_t head_dim, int64_t rows, float* out) {
   constexpr int kVectors = kValueVectors;
   f32x16 acc[kRowsPerPass][kVectors];
@@ -93,7 +94,7 @@ void accumulate_values(const float* p_t, int64_t p_stride, int64_t count, const 
     for (int v = 0; v < kVectors; ++v)
       acc[r][v] = r < rows ? load16(out + r * head_dim + d + v * kLanes) * correction[r] : splat(0.0f);
   for (int64_t t = 0; t < count; ++t) {
-    const float* value = values[t] + d;
+    const KV* value = values[t] + d;
     f32x16 x[kVectors];
     for (int v = 0; v < kVectors; ++v) x[v] = load16(value + v * kLanes);
     for (int64_t r = 0; r < kRowsPerPass; ++r) {
@@ -110,7 +111,8 @@ void accumulate_values(const float* p_t, int64_t p_stride, int64_t count, const 
 // Scores are kept transposed, [key][row]: the key rows are read in place from the cache (only the queries
 // are transposed, once per item), and the softmax's maxima and sums run across rows in vector lanes, with
 // no horizontal reductions.
-void attend_tile(const float* query, const float* k_head, const float* v_head, const int64_t* table,
+template <typename KV>
+void attend_tile(const float* query, const KV* k_head, const KV* v_head, const int64_t* table,
                  int64_t context, int64_t first, int64_t last, int64_t h, const Shape& s, float scale,
                  float* out) {
   const int64_t group = s.group, head_dim = s.head_dim;
@@ -124,8 +126,8 @@ void attend_tile(const float* query, const float* k_head, const float* v_head, c
   running_max.assign(stride, kNegativeInfinity);
   denominator.assign(stride, 0.0f);
   correction.resize(stride);
-  const float* keys[kKeysPerTile];
-  const float* values[kKeysPerTile];
+  const KV* keys[kKeysPerTile];
+  const KV* values[kKeysPerTile];
   // Row m is query token first + m / group, query head h * group + m % group; scaled once here. The rows
   // are transposed 16 x 16 at a time in registers (one scalar store per element took 8% of the kernel);
   // rows past the tile's are zeros.
@@ -207,14 +209,41 @@ struct WorkItem {
   int64_t chunk, head, first, last;
 };
 
+// What every work item of a call shares.
+struct Batch {
+  const float* query;
+  float* out;
+  const int32_t* starts;
+  const int32_t* contexts;
+  const int64_t* tables;
+  int64_t max_blocks;
+  float scale;
+};
+
+template <typename KV>
+void attend_items(const std::vector<WorkItem>& items, const Batch& b, const KV* k_ptr, const KV* v_ptr,
+                  const Shape& shape) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t row_elements = shape.num_q_heads * shape.head_dim;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < num_items; ++i) {
+    const WorkItem& item = items[i];
+    const int64_t row0 = b.starts[item.chunk];
+    attend_tile(b.query + row0 * row_elements, k_ptr + item.head * shape.head_stride,
+                v_ptr + item.head * shape.head_stride, b.tables + item.chunk * b.max_blocks, b.contexts[item.chunk],
+                item.first, item.last, item.head, shape, b.scale, b.out + row0 * row_elements);
+  }
+}
+
 }  // namespace
 
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor query_start_loc, torch::Tensor context_lens,
                                       torch::Tensor block_tables, double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && key_cache.scalar_type() == torch::kFloat32 &&
-                  value_cache.scalar_type() == torch::kFloat32,
-              "paged_prefill_attention: float32 only");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "paged_prefill_attention: the query must be float32");
+  TORCH_CHECK((key_cache.scalar_type() == torch::kFloat32 || key_cache.scalar_type() == torch::kBFloat16) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_prefill_attention: the cache must be float32 or bfloat16, keys and values alike");
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "paged_prefill_attention: query must be contiguous [rows, heads, head_dim]");
   TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32 &&
                   block_tables.scalar_type() == torch::kInt64,
@@ -258,20 +287,13 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
   });
   auto out = torch::empty_like(query);
   const Shape shape{num_q_heads, group, head_dim, block_size, key_cache.stride(0), key_cache.stride(1)};
-  const float* q_ptr = query.data_ptr<float>();
-  const float* k_ptr = key_cache.data_ptr<float>();
-  const float* v_ptr = value_cache.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  const float scale_f = static_cast<float>(scale);
-  const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < num_items; ++i) {
-    const WorkItem& item = items[i];
-    const int64_t row0 = starts[item.chunk];
-    attend_tile(q_ptr + row0 * num_q_heads * head_dim, k_ptr + item.head * shape.head_stride,
-                v_ptr + item.head * shape.head_stride, tables + item.chunk * max_blocks, contexts[item.chunk],
-                item.first, item.last, item.head, shape, scale_f, out_ptr + row0 * num_q_heads * head_dim);
-  }
+  const Batch batch{query.data_ptr<float>(), out.data_ptr<float>(), starts, contexts, tables, max_blocks,
+                    static_cast<float>(scale)};
+  if (key_cache.scalar_type() == torch::kBFloat16)
+    attend_items(items, batch, reinterpret_cast<const BFloat16*>(key_cache.data_ptr()),
+                 reinterpret_cast<const BFloat16*>(value_cache.data_ptr()), shape);
+  else
+    attend_items(items, batch, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), shape);
   return out;
 }
 

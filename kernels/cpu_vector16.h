@@ -7,7 +7,8 @@
 // core (built with -march=x86-64-v3 on a Zen 4). The pair is two ymm registers, as if written by hand.
 //
 // Kernels use only what is defined here: the arithmetic operators, load16/store16/splat, maximum,
-// exp16, lane/keep_first, horizontal_max/horizontal_sum, sum_each and transpose16. Both forms give
+// exp16, lane/keep_first, horizontal_max/horizontal_sum, sum_each and transpose16, and for bfloat16 data
+// load16/store16 on BFloat16 and round_to_bfloat16. Both forms give
 // the same results: the same operations in the same order on each lane. kVectorRegisters says how
 // many registers a kernel's micro-tiles may hold. Multiply-adds are fused here (fp-contract=fast),
 // as BLAS does for torch's matmuls.
@@ -16,6 +17,39 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+
+namespace splitserve {
+namespace vec16 {
+
+// Scalar helpers, outside the fp-contract region below: a function under another optimize setting than its
+// caller's is not inlined by GCC, and the fused operations (built with fp-contract=off) call these per element.
+
+// A bfloat16 as stored (torch's kBFloat16): the high 16 bits of a float32. The attention kernels read a
+// bfloat16 KV cache through load16 / to_float below and compute in float32.
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return result;
+}
+
+// Rounded to the nearest bfloat16, ties to even, as torch rounds (a NaN stays a NaN).
+inline BFloat16 to_bfloat16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return BFloat16{0x7fc0};
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return BFloat16{static_cast<uint16_t>(bits >> 16)};
+}
+
+}  // namespace vec16
+}  // namespace splitserve
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
@@ -63,6 +97,41 @@ inline f32x16 load16(const float* p) {
 }
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Each lane rounded to the nearest bfloat16, ties to even, still as a float32 (its low 16 bits cleared): what
+// a torch operation on bfloat16 tensors stores. A NaN stays a NaN.
+inline f32x16 round_to_bfloat16(f32x16 x) {
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u32x16 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const u32x16 result = (bits & 0x7fffffffu) > 0x7f800000u ? u32x16{} + 0x7fc00000u : rounded;
+  std::memcpy(&x, &result, sizeof(x));
+  return x;
+}
+
+// v rounded to bfloat16 and stored.
+inline void store16(BFloat16* p, f32x16 v) {
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  u32x16 bits;
+  v = round_to_bfloat16(v);
+  std::memcpy(&bits, &v, sizeof(bits));
+  const u16x16 high = __builtin_convertvector(bits >> 16, u16x16);
+  std::memcpy(p, &high, sizeof(high));
+}
+
+// 16 bfloat16 values widened to float32 (exact: the bits move up by 16).
+inline f32x16 load16(const BFloat16* p) {
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 half;
+  std::memcpy(&half, p, sizeof(half));
+  const u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
 
 inline f32x16 splat(float x) { return f32x16{} + x; }
 
@@ -146,6 +215,7 @@ struct f32x16 {
 inline f32x16 operator+(f32x16 a, f32x16 b) { return {a.lo + b.lo, a.hi + b.hi}; }
 inline f32x16 operator-(f32x16 a, f32x16 b) { return {a.lo - b.lo, a.hi - b.hi}; }
 inline f32x16 operator*(f32x16 a, f32x16 b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline f32x16 operator/(f32x16 a, f32x16 b) { return {a.lo / b.lo, a.hi / b.hi}; }
 inline f32x16 operator*(f32x16 a, float s) { return {a.lo * s, a.hi * s}; }
 inline f32x16 operator*(float s, f32x16 a) { return {s * a.lo, s * a.hi}; }
 inline f32x16 operator-(f32x16 a, float s) { return {a.lo - s, a.hi - s}; }
@@ -162,6 +232,43 @@ inline f32x16 load16(const float* p) {
 inline void store16(float* p, f32x16 v) {
   std::memcpy(p, &v.lo, sizeof(v.lo));
   std::memcpy(p + 8, &v.hi, sizeof(v.hi));
+}
+
+inline f32x16 load16(const BFloat16* p) {
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  u16x8 lo, hi;
+  std::memcpy(&lo, p, sizeof(lo));
+  std::memcpy(&hi, p + 8, sizeof(hi));
+  const u32x8 wide_lo = __builtin_convertvector(lo, u32x8) << 16, wide_hi = __builtin_convertvector(hi, u32x8) << 16;
+  f32x16 v;
+  std::memcpy(&v.lo, &wide_lo, sizeof(v.lo));
+  std::memcpy(&v.hi, &wide_hi, sizeof(v.hi));
+  return v;
+}
+
+inline f32x8 round_to_bfloat16_8(f32x8 x) {
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  u32x8 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const u32x8 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const u32x8 result = (bits & 0x7fffffffu) > 0x7f800000u ? u32x8{} + 0x7fc00000u : rounded;
+  std::memcpy(&x, &result, sizeof(x));
+  return x;
+}
+
+inline f32x16 round_to_bfloat16(f32x16 x) { return {round_to_bfloat16_8(x.lo), round_to_bfloat16_8(x.hi)}; }
+
+inline void store16(BFloat16* p, f32x16 v) {
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  v = round_to_bfloat16(v);
+  u32x8 lo, hi;
+  std::memcpy(&lo, &v.lo, sizeof(lo));
+  std::memcpy(&hi, &v.hi, sizeof(hi));
+  const u16x8 high_lo = __builtin_convertvector(lo >> 16, u16x8), high_hi = __builtin_convertvector(hi >> 16, u16x8);
+  std::memcpy(p, &high_lo, sizeof(high_lo));
+  std::memcpy(p + 8, &high_hi, sizeof(high_hi));
 }
 
 inline f32x16 splat(float x) { return {f32x8{} + x, f32x8{} + x}; }

@@ -159,12 +159,12 @@ class LlamaForCausalLM(nn.Module):
         if hidden.shape[0] <= _SMALL_BATCH_ROWS and self._transposed_head is not None:
             return torch.mm(hidden, self._transposed_head).float()
         if self._packed_head is not None:
-            return torch.ops.mkldnn._linear_pointwise(hidden, self._packed_head, None, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(hidden, self._packed_head, None, "none", [], "").float()
         return F.linear(hidden, self._head_weight()).float()
 
     def use_kernels(self, kernels) -> None:
         """Run RMSNorm (fused with the residual add), rotary and SiLU-and-multiply through ``kernels``: the
-        C++ kernels (``splitserve.kernels.cpu_ops``, float32; call ``cpu_ops.available`` first), the Triton
+        C++ kernels (``splitserve.kernels.cpu_ops``, float32 or bfloat16; call ``cpu_ops.available`` first), the Triton
         kernels (``splitserve.kernels.triton_ops``: the same functions and contracts), or None: the
         plain-torch code here, their reference. With the C++ kernels, packed projections also run
         decode-sized batches through their GEMM (:meth:`PackedLinear.use_kernels`)."""
@@ -177,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_linear_weights(self) -> None:
         """Replace every projection of every layer by a :class:`PackedLinear` (frees the dense weights)
         and keep a packed copy of the head beside the embeddings. Call after :meth:`load_weights`;
-        float32 only (see :func:`can_pack_linear_weights`)."""
+        float32 or bfloat16 (see :func:`can_pack_linear_weights`)."""
         for layer in self.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             attention.qkv_proj, attention.o_proj = PackedLinear(attention.qkv_proj), PackedLinear(attention.o_proj)

@@ -467,3 +467,134 @@ def test_the_avx2_build_passes_these_tests_too(monkeypatch):
         (library,) = cpu_ops.build_folder(str(cache_dir())).glob("*.so")
         listing = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, check=True).stdout
         assert "%zmm" not in listing and "%ymm" in listing
+
+
+# ---- a bfloat16 cache and bfloat16 layers ---------------------------------------------------------
+#
+# The attention kernels read a bfloat16 cache by widening each value to float32 (exact) and compute in float32,
+# so against the float32 reference on the widened cache they agree as closely as in float32. The fused
+# operations compute in float32 and round where torch's bfloat16 operations round: equal to torch's bfloat16
+# layer but for the order of the norm's sum and the exp (at most one bfloat16 unit, 2^-8 relative).
+
+
+def block_major_like(key_cache, value_cache, dtype):
+    """Copies of one layer's caches in ``dtype`` (rounded), laid out block-major as the engine's are."""
+    num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
+    base = torch.empty(num_blocks, 3, 2, num_kv_heads, block_size, head_dim, dtype=dtype)
+    layer = base[:, 1].permute(1, 2, 0, 3, 4)
+    layer[0].copy_(key_cache)
+    layer[1].copy_(value_cache)
+    return layer[0], layer[1]
+
+
+@pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads, head_dim, block_size, lengths",
+    [
+        (9, 3, 64, 16, [1, 15, 16, 17, 300, 576]),  # per (request, KV head)
+        (9, 3, 64, 16, MANY_LENGTHS),  # whole requests per thread
+        (8, 1, 128, 128, [1, 127, 128, 129, 2000] * 8),  # head size 128, eight query heads per KV head
+        (6, 2, 48, 16, MANY_LENGTHS),  # the per-key loop
+    ],
+)
+def test_decode_kernel_reads_a_bfloat16_cache(num_q_heads, num_kv_heads, head_dim, block_size, lengths):
+    kernels = _kernels()
+    generator = torch.Generator().manual_seed(5)
+    num_blocks = sum(-(-length // block_size) for length in lengths) + 2
+    key_cache, value_cache = block_major_like(*block_major_caches(num_kv_heads, num_blocks, block_size, head_dim,
+                                                                  generator), torch.bfloat16)
+    seq_lens = torch.tensor(lengths, dtype=torch.int64)
+    tables = torch.zeros(len(lengths), -(-max(lengths) // block_size), dtype=torch.int64)
+    permutation, used = torch.randperm(num_blocks, generator=generator), 0
+    for row, length in enumerate(lengths):
+        count = -(-length // block_size)
+        tables[row, :count] = permutation[used : used + count]
+        used += count
+    query = torch.randn(len(lengths), num_q_heads, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    expected = reference(query, key_cache.float(), value_cache.float(), tables, seq_lens, scale)
+    actual = kernels.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    # A bfloat16 query (the engine's in bfloat16) is widened, and the output rounded back.
+    query = query.bfloat16()
+    expected = reference(query.float(), key_cache.float(), value_cache.float(), tables, seq_lens, scale)
+    actual = kernels.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
+    assert actual.dtype == torch.bfloat16
+    assert torch.equal(actual, expected.bfloat16()) or (actual.float() - expected).abs().max() <= 2**-8 * expected.abs().max()
+
+
+@pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads, head_dim, block_size, chunks",
+    [
+        (9, 3, 64, 16, [(0, 1), (0, 17), (16, 16), (17, 1), (5, 30), (100, 7)]),
+        (8, 1, 128, 128, [(0, 300), (1500, 129)]),
+    ],
+)
+def test_prefill_kernel_reads_a_bfloat16_cache(num_q_heads, num_kv_heads, head_dim, block_size, chunks):
+    query, key, value, key_cache, value_cache, spans, scale = prefill_case(num_q_heads, num_kv_heads, head_dim,
+                                                                           block_size, chunks, seed=6)
+    key_cache, value_cache = block_major_like(key_cache, value_cache, torch.bfloat16)
+    # The reference attends the chunks' own rows as the cache now holds them: rounded to bfloat16.
+    expected = prefill_reference(query, key.bfloat16().float(), value.bfloat16().float(), key_cache.float(),
+                                 value_cache.float(), spans, scale)
+    actual = run_prefill_kernel(query, key_cache, value_cache, spans, scale)
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=2e-5)
+    assert run_prefill_kernel(query.bfloat16(), key_cache, value_cache, spans, scale).dtype == torch.bfloat16
+
+
+def test_write_kv_stores_bfloat16_rows_and_refuses_mixed_dtypes():
+    kernels = _kernels()
+    generator = torch.Generator().manual_seed(7)
+    qkv = torch.randn(40, (9 + 3 + 3) * 16, generator=generator).bfloat16()
+    key, value = qkv[:, 9 * 16 : 12 * 16].view(40, 3, 16), qkv[:, 12 * 16 :].view(40, 3, 16)
+    slots = torch.randperm(10 * 4, generator=generator)
+    keys, values = block_major_like(*block_major_caches(3, 10, 4, 16, generator), torch.bfloat16)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    write_kv(expected_keys, expected_values, key, value, slots)
+    kernels.write_kv_(keys, values, key, value, slots)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    with pytest.raises(RuntimeError, match="the same for the cache"):
+        kernels.write_kv_(keys, values, key.float(), value.float(), slots)
+
+
+def _bfloat16_units(actual, expected):
+    """The largest difference between two bfloat16 tensors, in units of the last place of ``expected``."""
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    unit = torch.finfo(torch.bfloat16).eps * expected.float().abs().clamp_min(torch.finfo(torch.float32).tiny)
+    return ((actual.float() - expected.float()).abs() / unit).max().item()
+
+
+def test_fused_operations_in_bfloat16_round_as_torch_does():
+    from splitserve.common.model_info import ModelConfig
+    from splitserve.engine.models.rms_norm import RMSNorm
+    from splitserve.engine.models.rotary_embedding import RotaryEmbedding, apply_rotary
+
+    kernels = _kernels()
+    generator = torch.Generator().manual_seed(8)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.copy_(torch.randn(576, generator=generator))
+    norm.to(torch.bfloat16)
+    x = (torch.randn(37, 576, generator=generator) * 3).bfloat16()
+    residual = torch.randn(37, 576, generator=generator).bfloat16()
+    assert _bfloat16_units(kernels.rms_norm(x, norm.weight, 1e-5), norm(x)) <= 1
+    expected, expected_residual = norm(x, residual.clone())
+    stream = residual.clone()
+    out = kernels.add_rms_norm(x, stream, norm.weight, 1e-5)
+    assert torch.equal(stream, expected_residual)  # one bfloat16 rounding of the sum, as torch's add
+    assert _bfloat16_units(out, expected) <= 1
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.rms_norm(x, norm.weight.float(), 1e-5)
+
+    gate_up = (torch.randn(9, 2 * 1539, generator=generator) * 6).bfloat16()
+    gate, up = gate_up.split(1539, dim=-1)
+    assert _bfloat16_units(kernels.silu_and_mul(gate_up), F.silu(gate) * up) <= 1
+
+    config = ModelConfig("llama", "LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         rms_norm_eps=1e-5, max_position_embeddings=512, rope_theta=100000.0)
+    cos, sin = RotaryEmbedding(config, 512).tables(torch.tensor([0, 1, 7, 300, 511]), torch.bfloat16)
+    query_key = torch.randn(5, 12, 64, generator=generator).bfloat16()
+    expected = apply_rotary(query_key.clone(), cos, sin)
+    kernels.rotary_(query_key, cos.squeeze(1), sin.squeeze(1))
+    assert torch.equal(query_key, expected)  # products and sum rounded one by one, as torch's
