@@ -10,6 +10,7 @@ causal FLOPs only; GB/s of KV read for decode) and the largest difference betwee
 
     python benchmarks/cpu_attention.py                      # SmolLM2-135M's shape, default cases
     python benchmarks/cpu_attention.py --prefill 0:2048 --prefill 1024:512 0:64 --decode 64x320 --repeats 9
+    python benchmarks/cpu_attention.py --dtype bfloat16    # a bfloat16 cache (and torch in bfloat16)
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Shape:
     kv_heads: int = 3
     head_dim: int = 64
     block_size: int = 16
+    dtype: torch.dtype = torch.float32
 
 
 def _parse_chunks(text: str) -> tuple[int, int]:
@@ -64,6 +66,8 @@ def _layer_caches(shape: Shape, num_blocks: int, generator: torch.Generator):
     cache = allocate_kv_cache((num_blocks, shape.layers, 2, shape.kv_heads, shape.block_size, shape.head_dim),
                               torch.float32)
     cache.normal_(generator=generator)
+    if shape.dtype != torch.float32:
+        cache = cache.to(shape.dtype)
     return [cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(shape.layers)]
 
 
@@ -88,9 +92,9 @@ def prefill_case(shape: Shape, chunks: list[tuple[int, int]], repeats: int, seed
     for (context, length), count in zip(chunks, blocks_per_chunk):
         spans.append(PrefillSpan(row, row + length, context, permutation[used:used + count].clone()))
         row, used = row + length, used + count
-    query = torch.randn(row, shape.q_heads, shape.head_dim, generator=generator)
-    key = torch.randn(row, shape.kv_heads, shape.head_dim, generator=generator)
-    value = torch.randn(row, shape.kv_heads, shape.head_dim, generator=generator)
+    query = torch.randn(row, shape.q_heads, shape.head_dim, generator=generator).to(shape.dtype)
+    key = torch.randn(row, shape.kv_heads, shape.head_dim, generator=generator).to(shape.dtype)
+    value = torch.randn(row, shape.kv_heads, shape.head_dim, generator=generator).to(shape.dtype)
     for span in spans:  # the chunks' own K/V are in the cache before attention, as the engine writes them
         positions = torch.arange(span.num_context_tokens, span.num_context_tokens + span.query_end - span.query_start)
         slots = span.block_table[positions // shape.block_size] * shape.block_size + positions % shape.block_size
@@ -109,7 +113,7 @@ def prefill_case(shape: Shape, chunks: list[tuple[int, int]], repeats: int, seed
                                              value[s.query_start:s.query_end], k, v, s, scale) for s in spans])
                 for k, v in layers]
 
-    difference = (kernel()[0] - reference()[0]).abs().max().item()
+    difference = (kernel()[0].float() - reference()[0].float()).abs().max().item()
     kernel_s, reference_s = _median_pair(kernel, reference, repeats)
     # Causal FLOPs: each query token against its visible keys, QK^T and PV, every query head and layer.
     visible = sum(length * context + length * (length + 1) / 2 for context, length in chunks)
@@ -126,7 +130,7 @@ def decode_case(shape: Shape, requests: int, context: int, repeats: int, seed: i
     layers = _layer_caches(shape, requests * per_request, generator)
     tables = torch.randperm(requests * per_request, generator=generator).view(requests, per_request).contiguous()
     seq_lens = torch.full((requests,), context, dtype=torch.int64)
-    query = torch.randn(requests, shape.q_heads, shape.head_dim, generator=generator)
+    query = torch.randn(requests, shape.q_heads, shape.head_dim, generator=generator).to(shape.dtype)
     padding = torch.arange(per_request * shape.block_size).unsqueeze(0) >= seq_lens.unsqueeze(1)
     mask = padding.unsqueeze(0).expand(shape.kv_heads, -1, -1).reshape(shape.kv_heads * requests, 1, -1)
     group = DecodeGroup(0, requests, tables, seq_lens, mask)
@@ -138,16 +142,17 @@ def decode_case(shape: Shape, requests: int, context: int, repeats: int, seed: i
     def reference():
         return [decode_attention(query, k, v, group, scale) for k, v in layers]
 
-    difference = (kernel()[0] - reference()[0]).abs().max().item()
+    difference = (kernel()[0].float() - reference()[0].float()).abs().max().item()
     kernel_s, reference_s = _median_pair(kernel, reference, repeats)
-    kv_bytes = 2 * requests * context * shape.kv_heads * shape.head_dim * 4 * shape.layers
+    element_size = torch.empty((), dtype=shape.dtype).element_size()
+    kv_bytes = 2 * requests * context * shape.kv_heads * shape.head_dim * element_size * shape.layers
     return {"kind": "decode", "case": f"{requests}x{context}", "kernel_s": kernel_s, "reference_s": reference_s,
             "rate": kv_bytes / kernel_s / 1e9, "unit": "GB/s", "difference": difference}
 
 
 def run(args) -> list[dict]:
     """Every case of ``args``, in order: the prefill cases, then the decode cases."""
-    shape = Shape(args.layers, args.q_heads, args.kv_heads, args.head_dim, args.block_size)
+    shape = Shape(args.layers, args.q_heads, args.kv_heads, args.head_dim, args.block_size, getattr(torch, args.dtype))
     prefill_cases = args.prefill or [[(0, 512), (0, 300), (200, 100)], [(0, 2048)], [(1536, 512)]]
     results = [prefill_case(shape, chunks, args.repeats) for chunks in prefill_cases]
     return results + [decode_case(shape, requests, context, args.repeats) for requests, context in args.decode or []]
@@ -169,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads (default: 3)")
     parser.add_argument("--head-dim", type=int, default=64, help="head size; the prefill kernel takes multiples of 64 (default: 64)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the cache, queries and the torch reference's arithmetic (default: %(default)s); the "
+                             "kernels compute in float32 either way")
     args = parser.parse_args(argv)
     if not cpu_ops.prefill_supports(args.head_dim):
         parser.error(f"--head-dim {args.head_dim}: the C++ prefill kernel takes multiples of 64")
@@ -177,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     results = run(args)
     print(f"{torch.get_num_threads()} threads, {args.layers} layers, {args.q_heads}/{args.kv_heads} heads, "
-          f"head_dim {args.head_dim}, blocks of {args.block_size}; medians of {args.repeats}")
+          f"head_dim {args.head_dim}, blocks of {args.block_size}, {args.dtype}; medians of {args.repeats}")
     print(f"{'kind':8} {'case':28} {'kernel ms':>10} {'torch ms':>10} {'torch/kernel':>13} {'kernel rate':>16} "
           f"{'max diff':>9}")
     for r in results:

@@ -159,11 +159,11 @@ class SplitserveRunner:
 
     name = "splitserve"
 
-    def __init__(self, model_path: str, engine_kwargs: dict, workload: Workload) -> None:
+    def __init__(self, model_path: str, engine_kwargs: dict, workload: Workload, dtype: str = "float32") -> None:
         from splitserve import LLM
 
         self.workload = workload
-        self.llm = LLM(model=model_path, dtype="float32", **engine_kwargs)
+        self.llm = LLM(model=model_path, dtype=dtype, **engine_kwargs)
 
     def _generate(self, prompts: list[list[int]], max_tokens: int, use_tqdm: bool = False) -> list:
         from splitserve import SamplingParams
@@ -222,12 +222,12 @@ class TransformersRunner:
 
     name = "transformers"
 
-    def __init__(self, model_path: str, batch_size: int, workload: Workload) -> None:
+    def __init__(self, model_path: str, batch_size: int, workload: Workload, dtype: str = "float32") -> None:
         from transformers import AutoModelForCausalLM
 
         self.workload = workload
         self.batch_size = batch_size
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
         eos = self.model.generation_config.eos_token_id
         self.pad_token_id = eos[0] if isinstance(eos, list) else eos
 
@@ -300,7 +300,7 @@ def main():
     config_path, marker = sys.argv[1], sys.argv[2]
     with open(config_path) as file:
         config = json.load(file)
-    llm = LLM(model=config["model"], dtype="float32", seed=config["seed"], **config["engine_kwargs"])
+    llm = LLM(model=config["model"], dtype=config["dtype"], seed=config["seed"], **config["engine_kwargs"])
 
     def generate(prompts, max_tokens, use_tqdm=False):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -348,7 +348,7 @@ class VllmPeer:
     name = "vllm"
 
     def __init__(self, python: str, model_path: str, workload: Workload, engine_kwargs: dict,
-                 kv_space_gib: int, seed: int) -> None:
+                 kv_space_gib: int, seed: int, dtype: str = "float32") -> None:
         self.workload = workload
         self.folder = tempfile.TemporaryDirectory(prefix="splitserve-vllm-peer-")
         script = os.path.join(self.folder.name, "vllm_peer.py")
@@ -356,7 +356,7 @@ class VllmPeer:
         with open(script, "w") as file:
             file.write(VLLM_PEER_SCRIPT)
         with open(config, "w") as file:
-            json.dump({"model": model_path, "seed": seed, "engine_kwargs": engine_kwargs,
+            json.dump({"model": model_path, "seed": seed, "dtype": dtype, "engine_kwargs": engine_kwargs,
                        "prompts": workload.prompts, "output_len": workload.output_len,
                        "latency_prompt": workload.latency_prompt,
                        "latency_output_len": workload.latency_output_len,
@@ -538,6 +538,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None,
                         help="local Hugging Face model directory (default: the converted default model, "
                         "SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights, activations and KV cache of every system (default: %(default)s, where "
+                        "greedy ids should agree exactly; in bfloat16 each system rounds its own way, and "
+                        "ids part at near ties)")
     parser.add_argument("--num-requests", type=int, default=64, help="requests in the throughput workload (default: %(default)s)")
     parser.add_argument("--min-prompt", type=int, default=64, help="shortest prompt, in tokens (default: %(default)s)")
     parser.add_argument("--max-prompt", type=int, default=512, help="longest prompt, in tokens (default: %(default)s)")
@@ -608,14 +612,14 @@ def build_runners(args: argparse.Namespace, model_path: str, workload: Workload,
 
     log("loading splitserve LLM")
     splitserve_kwargs = dict(engine_kwargs(args), kv_cache_memory_bytes=int(args.kv_cache_gib * 1024**3))
-    add(SplitserveRunner(model_path, splitserve_kwargs, workload))
+    add(SplitserveRunner(model_path, splitserve_kwargs, workload, args.dtype))
     if not args.skip_hf:
         log("loading transformers model")
-        add(TransformersRunner(model_path, args.hf_batch_size, workload))
+        add(TransformersRunner(model_path, args.hf_batch_size, workload, args.dtype))
     if args.vllm_python:
         log(f"starting vLLM peer with {args.vllm_python} (the first start compiles for minutes)")
         kv_space_gib = max(1, round(args.kv_cache_gib))
-        add(VllmPeer(args.vllm_python, model_path, workload, engine_kwargs(args), kv_space_gib, args.seed))
+        add(VllmPeer(args.vllm_python, model_path, workload, engine_kwargs(args), kv_space_gib, args.seed, args.dtype))
     for runner in runners:
         log(f"warming up {runner.name}")
         runner.warm_up()
@@ -697,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         f"model: {model_path}",
         f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens "
         f"(seed {args.seed}, {sum(prompt_lens)} in all), {args.output_len} output tokens, greedy, EOS ignored; "
-        f"transformers batches of {args.hf_batch_size}",
+        f"transformers batches of {args.hf_batch_size}; {args.dtype}",
         ("batch-1 latency: skipped" if args.skip_latency else
          f"batch-1 latency: prompt {args.latency_prompt_len}, output {args.latency_output_len}")
         + f"; {args.repeats} repeat(s), systems interleaved",

@@ -59,3 +59,32 @@ def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int) 
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False
         )
     return output[0, len(prompt_token_ids):].tolist()
+
+
+def hf_greedy_with_top(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int, dtype_name: str,
+                       top: int) -> tuple[list[int], list[dict[int, float]]]:
+    """transformers' greedy continuation in ``dtype_name`` ("bfloat16", ...) and, per generated token, its
+    ``top`` most likely tokens with their log probabilities."""
+    import torch
+
+    model = _hf_model_in(model_dir, dtype_name)
+    with torch.inference_mode():
+        input_ids = torch.tensor([prompt_token_ids])
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_token_ids):].tolist()
+    tops = [torch.log_softmax(scores[0].float(), -1).topk(top) for scores in out.scores]
+    return tokens, [dict(zip(t.indices.tolist(), t.values.tolist())) for t in tops]
+
+
+@functools.lru_cache(maxsize=1)
+def _hf_model_in(model_dir: str, dtype_name: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype_name)).eval()
+
+
+def first_difference(ours: list[int], theirs: list[int]) -> int | None:
+    """The first index where two token sequences differ (over their common length), or None."""
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)

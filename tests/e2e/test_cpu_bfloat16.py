@@ -1,5 +1,5 @@
-"""bfloat16 on the CPU: the C++ kernels over a bfloat16 cache and oneDNN's bfloat16 GEMMs, against transformers
-in bfloat16.
+"""bfloat16 on the CPU: the C++ kernels over a bfloat16 cache and oneDNN's bfloat16 GEMMs, offline and through a
+disaggregated cluster, against transformers in bfloat16.
 
 Two bfloat16 implementations round differently (the order of each sum, where a value is rounded), so greedy
 outputs may part where two candidates are nearly tied. As vLLM's tests compare its bfloat16 runs with
@@ -13,33 +13,20 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
+from splitserve.client import Client
 from splitserve.engine.models.packed_linear import PackedLinear
-from tests.reference import MAX_TOKENS
+from tests.cluster_helpers import all_blocks_free, start_cluster, stream_tokens, wait_until, worker_status
+from tests.reference import MAX_TOKENS, first_difference, hf_greedy_with_top
+
+pytestmark = pytest.mark.timeout(900)
 
 TOP = 5
 
 
 @pytest.fixture(scope="module")
 def hf_bfloat16(model_dir, prompt_token_ids):
-    """transformers' greedy continuation of each reference prompt in bfloat16, with the top-5 log probabilities
-    of every step."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
-    results = []
-    with torch.inference_mode():
-        for ids in prompt_token_ids:
-            input_ids = torch.tensor([ids])
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, output_scores=True, return_dict_in_generate=True)
-            tokens = out.sequences[0, len(ids):].tolist()
-            top = [torch.log_softmax(scores[0].float(), -1).topk(TOP) for scores in out.scores]
-            results.append((tokens, [dict(zip(t.indices.tolist(), t.values.tolist())) for t in top]))
-    return results
-
-
-def first_difference(ours: list[int], theirs: list[int]) -> int | None:
-    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    """transformers' greedy continuation of each reference prompt in bfloat16, with each step's top 5."""
+    return [hf_greedy_with_top(str(model_dir), ids, MAX_TOKENS, "bfloat16", TOP) for ids in prompt_token_ids]
 
 
 def test_bfloat16_engine_runs_the_kernels_and_agrees_with_transformers(model_dir, prompt_token_ids, hf_bfloat16):
@@ -63,7 +50,37 @@ def test_bfloat16_engine_runs_the_kernels_and_agrees_with_transformers(model_dir
             f"prompt {index}, token {at}: ours {ours.token_ids[at]} is not among transformers' top {TOP} {top[at]}")
         assert tokens[at] in ours.logprobs[at], (
             f"prompt {index}, token {at}: transformers' {tokens[at]} is not among our top {TOP} {ours.logprobs[at]}")
-    print(f"bfloat16: {identical} of {len(outputs)} outputs identical to transformers'")
+    print(f"bfloat16 offline: {identical} of {len(outputs)} outputs identical to transformers'")
     # Rounding parts a few near ties, not most outputs.
     assert identical >= len(outputs) // 2, f"only {identical} of {len(outputs)} outputs identical"
     assert llm.engine.free_block_count == llm.engine.num_kv_blocks
+
+
+def test_bfloat16_cluster_moves_bfloat16_kv_and_agrees_with_transformers(tmp_path, prompt_token_ids, hf_bfloat16):
+    """Prefill and decode workers in bfloat16 with KV over p2p (Gloo): the blocks travel as bfloat16 (half the
+    float32 bytes), and every output agrees with transformers' as the offline engine's does."""
+    cluster = start_cluster("p2p", tmp_path, worker_args=["--dtype", "bfloat16"])
+    try:
+        decode = next(p for p in cluster.workers if p.name.startswith("decode"))
+        with Client(cluster.router.address) as client:
+            identical = 0
+            for index, (ids, (tokens, top)) in enumerate(zip(prompt_token_ids, hf_bfloat16)):
+                ours = stream_tokens(client, ids, MAX_TOKENS)[0]
+                at = first_difference(ours, tokens)
+                if at is None:
+                    identical += 1
+                    continue
+                assert ours[at] in top[at], (
+                    f"prompt {index}, token {at}: ours {ours[at]} is not among transformers' top {TOP} {top[at]}")
+            print(f"bfloat16 cluster: {identical} of {len(prompt_token_ids)} outputs identical to transformers'")
+            assert identical >= len(prompt_token_ids) // 2
+            counters = worker_status(decode.address, "decode").counters
+            assert counters.num_kv_transfers_received == len(prompt_token_ids) and counters.num_kv_recomputes == 0
+            # Whole blocks of 16 tokens x 30 layers x K and V x 3 heads x 64 dims at 2 bytes: at least the longest
+            # prompt's 70, at most all 101 (the two stories share a prefix the decode worker keeps cached).
+            per_block = 30 * 2 * 3 * 16 * 64 * 2
+            blocks, rest = divmod(counters.num_kv_bytes, per_block)
+            assert rest == 0 and 70 <= blocks <= sum(-(-len(ids) // 16) for ids in prompt_token_ids)
+            wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")
+    finally:
+        cluster.stop()
