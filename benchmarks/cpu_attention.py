@@ -64,10 +64,8 @@ def _layer_caches(shape: Shape, num_blocks: int, generator: torch.Generator):
     """Per layer, key and value views [kv_heads, blocks, block_size, head_dim] of one block-major cache,
     allocated as the engine allocates it (huge pages on Linux) and filled with normal noise."""
     cache = allocate_kv_cache((num_blocks, shape.layers, 2, shape.kv_heads, shape.block_size, shape.head_dim),
-                              torch.float32)
+                              shape.dtype)
     cache.normal_(generator=generator)
-    if shape.dtype != torch.float32:
-        cache = cache.to(shape.dtype)
     return [cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(shape.layers)]
 
 

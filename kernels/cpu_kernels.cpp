@@ -14,6 +14,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 bool small_gemm_supported();
+bool bfloat16_dot_supported();
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor bias, int64_t out_features);
 }  // namespace splitserve
@@ -28,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &splitserve::silu_and_mul, "silu(gate) * up (float32 or bfloat16)");
   m.def("rotary_", &splitserve::rotary_, "rotary embedding in place (float32 or bfloat16)");
   m.def("small_gemm_supported", &splitserve::small_gemm_supported, "whether small_gemm was built (AVX-512)");
+  m.def("bfloat16_dot_supported", &splitserve::bfloat16_dot_supported,
+        "whether decode attention over a bfloat16 cache multiplies in AVX512-BF16 (queries rounded to bfloat16)");
   m.def("pack_panels", &splitserve::pack_panels, "an [out, in] weight as [panels, in, 32] (float32)");
   m.def("small_gemm", &splitserve::small_gemm, "x @ weight^T + bias for decode-sized batches (float32)");
 }

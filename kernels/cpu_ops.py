@@ -135,11 +135,19 @@ def paged_decode_attention(
     block_tables: [requests, max_blocks] int64; seq_lens: [requests] int64.
 
     Returns: [requests, q_heads, head_dim] in the query's dtype. The caches float32 or bfloat16 (the kernel
-    computes in float32 either way; a bfloat16 query is widened first). Call :func:`available` first.
+    computes in float32 either way, but see :func:`decode_rounds_bfloat16_queries`; a bfloat16 query is widened
+    first). Call :func:`available` first.
     """
     output = _module.paged_decode_attention(query.float().contiguous(), key_cache, value_cache, block_tables,
                                             seq_lens, scale)
     return output.to(query.dtype)
+
+
+def decode_rounds_bfloat16_queries(head_dim: int) -> bool:
+    """Whether :func:`paged_decode_attention` over a bfloat16 cache rounds the queries (times the scale) to
+    bfloat16: it multiplies them with the keys in AVX512-BF16's pair dot products where this build has them, for
+    head sizes that are multiples of 32. Call :func:`available` first."""
+    return _module.bfloat16_dot_supported() and head_dim % 32 == 0
 
 
 def prefill_supports(head_dim: int) -> bool:

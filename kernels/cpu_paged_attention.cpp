@@ -3,7 +3,8 @@
 // online block by block. Parallel with OpenMP over (request, KV head) pairs, or
 // over requests when there are enough of them.
 //
-// Layouts (query and output float32; the cache float32 or bfloat16, read as float32):
+// Layouts (query and output float32; the cache float32 or bfloat16, read as float32 or, for the keys, in
+// AVX512-BF16 dot products: see kBFloat16Dot):
 //   query        [num_requests, q_heads, head_dim] contiguous
 //   key/value    [kv_heads, num_blocks, block_size, head_dim]   (one layer; a view of the block-major
 //                cache: rows of a block contiguous, heads and blocks at any strides)
@@ -29,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include <omp.h>
 
@@ -180,13 +182,28 @@ void attend_one_head(const float* q_group, const KV* k_head, const KV* v_head, c
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")  // multiply-adds fused here, as in the prefill kernel
 
+// Where the CPU has AVX512-BF16 (Zen 4 and later, Intel from Cooper Lake), a bfloat16 cache's keys meet the
+// queries in VDPBF16PS: each lane multiplies a pair of bfloat16 and adds both products to a float32 sum, 32
+// elements an instruction, with no widening of the keys. The queries (times the scale) are rounded to
+// bfloat16 for it, as vLLM's CPU kernels and GPU attention do in bfloat16; scores, softmax and the weighted
+// values stay float32. Head sizes of 32 and more (an even number of 16-float vectors).
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kBFloat16Dot = true;
+#else
+constexpr bool kBFloat16Dot = false;
+#endif
+
 // The online softmax of one KV head's query group (head_dim = 16 * D).
 template <int D>
 struct HeadState {
+  static constexpr bool kPairs = kBFloat16Dot && D % 2 == 0;
   vec16::f32x16 q[kMaxGroup][D];    // the queries, times the scale
   vec16::f32x16 acc[kMaxGroup][D];  // the weighted values so far
   vec16::f32x16 denominator[kMaxGroup];  // the weights so far, lane-wise
   float running_max[kMaxGroup];
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  __m512bh q_pairs[kPairs ? kMaxGroup : 1][kPairs ? D / 2 : 1];  // q rounded to bfloat16, 32 to a vector
+#endif
 
   void start(const float* q_group, int64_t group, float scale) {
     for (int64_t g = 0; g < group; ++g) {
@@ -199,6 +216,38 @@ struct HeadState {
     }
   }
 
+  // The bfloat16 queries for attend_chunk's dot products (with a bfloat16 cache, after start).
+  void start_pairs(int64_t group) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if constexpr (kPairs)
+      for (int64_t g = 0; g < group; ++g)
+        for (int d = 0; d < D / 2; ++d)
+          q_pairs[g][d] = _mm512_cvtne2ps_pbh((__m512)q[g][2 * d + 1], (__m512)q[g][2 * d]);
+#else
+    (void)group;
+#endif
+  }
+
+  // Query head g against one key row, as 16 lanes whose sum is the dot product.
+  vec16::f32x16 dot_lanes(int64_t g, const float* key) const {
+    vec16::f32x16 sum = q[g][0] * vec16::load16(key);
+    for (int d = 1; d < D; ++d) sum += q[g][d] * vec16::load16(key + 16 * d);
+    return sum;
+  }
+
+  vec16::f32x16 dot_lanes(int64_t g, const vec16::BFloat16* key) const {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if constexpr (kPairs) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int d = 0; d < D / 2; ++d) sum = _mm512_dpbf16_ps(sum, q_pairs[g][d], (__m512bh)_mm512_loadu_si512(key + 32 * d));
+      return (vec16::f32x16)sum;
+    }
+#endif
+    vec16::f32x16 sum = q[g][0] * vec16::load16(key);
+    for (int d = 1; d < D; ++d) sum += q[g][d] * vec16::load16(key + 16 * d);
+    return sum;
+  }
+
   // Attend to `count` (1 to 16) consecutive key and value rows.
   template <typename KV>
   void attend_chunk(const KV* keys, const KV* values, int64_t count, int64_t group) {
@@ -209,9 +258,7 @@ struct HeadState {
       f32x16 products[16];
       for (int64_t t = 0; t < 16; ++t) {
         const KV* key = keys + std::min(t, count - 1) * head_dim;  // lanes past count are masked below
-        f32x16 sum = q[g][0] * load16(key);
-        for (int d = 1; d < D; ++d) sum += q[g][d] * load16(key + 16 * d);
-        products[t] = sum;
+        products[t] = dot_lanes(g, key);
       }
       const f32x16 scores = keep_first(sum_each(products), count, kNegativeInfinity);
       const float chunk_max = horizontal_max(scores);
@@ -270,6 +317,7 @@ void attend_head16(const float* q_group, const KV* k_head, const KV* v_head, con
                    int64_t length, const DecodeShape& shape, float scale, float* out_group) {
   HeadState<D> state;
   state.start(q_group, shape.group, scale);
+  if constexpr (!std::is_same_v<KV, float>) state.start_pairs(shape.group);
   const int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(KV));
   for (int64_t block_start = 0; block_start < length; block_start += shape.block_size) {
     const int64_t block = table[block_start / shape.block_size];
@@ -296,8 +344,10 @@ void attend_request16(const float* q_request, const KV* k_layer, const KV* v_lay
   HeadState<D> states[kHeadsPerPass];
   for (int64_t first = 0; first < num_kv_heads; first += kHeadsPerPass) {
     const int64_t heads = std::min(kHeadsPerPass, num_kv_heads - first);
-    for (int64_t h = 0; h < heads; ++h)
+    for (int64_t h = 0; h < heads; ++h) {
       states[h].start(q_request + (first + h) * shape.group * head_dim, shape.group, scale);
+      if constexpr (!std::is_same_v<KV, float>) states[h].start_pairs(shape.group);
+    }
     for (int64_t block_start = 0; block_start < length; block_start += shape.block_size) {
       const int64_t block = table[block_start / shape.block_size];
       const int64_t in_block = std::min(shape.block_size, length - block_start);
@@ -377,6 +427,8 @@ void decode_all(const float* q_ptr, const KV* k_ptr, const KV* v_ptr, const int6
 }
 
 }  // namespace
+
+bool bfloat16_dot_supported() { return kBFloat16Dot; }
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {

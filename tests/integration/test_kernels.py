@@ -472,7 +472,9 @@ def test_the_avx2_build_passes_these_tests_too(monkeypatch):
 # ---- a bfloat16 cache and bfloat16 layers ---------------------------------------------------------
 #
 # The attention kernels read a bfloat16 cache by widening each value to float32 (exact) and compute in float32,
-# so against the float32 reference on the widened cache they agree as closely as in float32. The fused
+# so against the float32 reference on the widened cache they agree as closely as in float32; where the decode
+# kernel multiplies queries and keys in AVX512-BF16, the reference gets the queries rounded as it rounds them
+# (cpu_ops.decode_rounds_bfloat16_queries). The fused
 # operations compute in float32 and round where torch's bfloat16 operations round: equal to torch's bfloat16
 # layer but for the order of the norm's sum and the exp (at most one bfloat16 unit, 2^-8 relative).
 
@@ -511,13 +513,21 @@ def test_decode_kernel_reads_a_bfloat16_cache(num_q_heads, num_kv_heads, head_di
         used += count
     query = torch.randn(len(lengths), num_q_heads, head_dim, generator=generator)
     scale = head_dim**-0.5
-    expected = reference(query, key_cache.float(), value_cache.float(), tables, seq_lens, scale)
+
+    def as_the_kernel_multiplies(query):  # with AVX512-BF16, the scaled queries rounded to bfloat16
+        if not kernels.decode_rounds_bfloat16_queries(head_dim):
+            return query
+        return (query * scale).bfloat16().float() / scale
+
+    expected = reference(as_the_kernel_multiplies(query), key_cache.float(), value_cache.float(), tables, seq_lens,
+                         scale)
     actual = kernels.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
     assert actual.dtype == torch.float32
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     # A bfloat16 query (the engine's in bfloat16) is widened, and the output rounded back.
     query = query.bfloat16()
-    expected = reference(query.float(), key_cache.float(), value_cache.float(), tables, seq_lens, scale)
+    expected = reference(as_the_kernel_multiplies(query.float()), key_cache.float(), value_cache.float(), tables,
+                         seq_lens, scale)
     actual = kernels.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
     assert actual.dtype == torch.bfloat16
     assert torch.equal(actual, expected.bfloat16()) or (actual.float() - expected).abs().max() <= 2**-8 * expected.abs().max()
