@@ -30,7 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &splitserve::rotary_, "rotary embedding in place (float32 or bfloat16)");
   m.def("small_gemm_supported", &splitserve::small_gemm_supported, "whether small_gemm was built (AVX-512)");
   m.def("bfloat16_dot_supported", &splitserve::bfloat16_dot_supported,
-        "whether decode attention over a bfloat16 cache multiplies in AVX512-BF16 (queries rounded to bfloat16)");
+        "whether attention over a bfloat16 cache multiplies in AVX512-BF16 (queries rounded to bfloat16)");
   m.def("pack_panels", &splitserve::pack_panels, "an [out, in] weight as [panels, in, 32] (float32)");
   m.def("small_gemm", &splitserve::small_gemm, "x @ weight^T + bias for decode-sized batches (float32)");
 }

@@ -135,7 +135,7 @@ def paged_decode_attention(
     block_tables: [requests, max_blocks] int64; seq_lens: [requests] int64.
 
     Returns: [requests, q_heads, head_dim] in the query's dtype. The caches float32 or bfloat16 (the kernel
-    computes in float32 either way, but see :func:`decode_rounds_bfloat16_queries`; a bfloat16 query is widened
+    computes in float32 either way, but see :func:`rounds_bfloat16_queries`; a bfloat16 query is widened
     first). Call :func:`available` first.
     """
     output = _module.paged_decode_attention(query.float().contiguous(), key_cache, value_cache, block_tables,
@@ -143,10 +143,10 @@ def paged_decode_attention(
     return output.to(query.dtype)
 
 
-def decode_rounds_bfloat16_queries(head_dim: int) -> bool:
-    """Whether :func:`paged_decode_attention` over a bfloat16 cache rounds the queries (times the scale) to
-    bfloat16: it multiplies them with the keys in AVX512-BF16's pair dot products where this build has them, for
-    head sizes that are multiples of 32. Call :func:`available` first."""
+def rounds_bfloat16_queries(head_dim: int) -> bool:
+    """Whether the attention kernels over a bfloat16 cache round the queries (times the scale) to bfloat16:
+    they multiply them with the keys in AVX512-BF16's pair dot products where this build has them, for head
+    sizes that are multiples of 32 (all the prefill kernel takes). Call :func:`available` first."""
     return _module.bfloat16_dot_supported() and head_dim % 32 == 0
 
 
@@ -170,7 +170,8 @@ def paged_prefill_attention(
     query: [rows, q_heads, head_dim], the chunks back to back; caches: [kv_heads, num_blocks, block_size,
     head_dim]; query_start_loc: [chunks + 1] int32 row offsets; context_lens: [chunks] int32 tokens cached
     before each chunk; block_tables: [chunks, max_blocks] int64. Returns: [rows, q_heads, head_dim] in the
-    query's dtype. Caches float32 or bfloat16 (computed in float32), head_dim a multiple of 64
+    query's dtype. Caches float32 or bfloat16 (computed in float32; see :func:`rounds_bfloat16_queries`), head_dim
+    a multiple of 64
     (:func:`prefill_supports`). Call :func:`available` first.
     """
     output = _module.paged_prefill_attention(query.float().contiguous(), key_cache, value_cache, query_start_loc,

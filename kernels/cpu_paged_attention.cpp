@@ -187,11 +187,7 @@ void attend_one_head(const float* q_group, const KV* k_head, const KV* v_head, c
 // elements an instruction, with no widening of the keys. The queries (times the scale) are rounded to
 // bfloat16 for it, as vLLM's CPU kernels and GPU attention do in bfloat16; scores, softmax and the weighted
 // values stay float32. Head sizes of 32 and more (an even number of 16-float vectors).
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-constexpr bool kBFloat16Dot = true;
-#else
-constexpr bool kBFloat16Dot = false;
-#endif
+using vec16::kBFloat16Dot;
 
 // The online softmax of one KV head's query group (head_dim = 16 * D).
 template <int D>
@@ -201,7 +197,7 @@ struct HeadState {
   vec16::f32x16 acc[kMaxGroup][D];  // the weighted values so far
   vec16::f32x16 denominator[kMaxGroup];  // the weights so far, lane-wise
   float running_max[kMaxGroup];
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef SPLITSERVE_BFLOAT16_DOT
   __m512bh q_pairs[kPairs ? kMaxGroup : 1][kPairs ? D / 2 : 1];  // q rounded to bfloat16, 32 to a vector
 #endif
 
@@ -218,7 +214,7 @@ struct HeadState {
 
   // The bfloat16 queries for attend_chunk's dot products (with a bfloat16 cache, after start).
   void start_pairs(int64_t group) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef SPLITSERVE_BFLOAT16_DOT
     if constexpr (kPairs)
       for (int64_t g = 0; g < group; ++g)
         for (int d = 0; d < D / 2; ++d)
@@ -236,7 +232,7 @@ struct HeadState {
   }
 
   vec16::f32x16 dot_lanes(int64_t g, const vec16::BFloat16* key) const {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef SPLITSERVE_BFLOAT16_DOT
     if constexpr (kPairs) {
       __m512 sum = _mm512_setzero_ps();
       for (int d = 0; d < D / 2; ++d) sum = _mm512_dpbf16_ps(sum, q_pairs[g][d], (__m512bh)_mm512_loadu_si512(key + 32 * d));

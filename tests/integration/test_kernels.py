@@ -472,11 +472,18 @@ def test_the_avx2_build_passes_these_tests_too(monkeypatch):
 # ---- a bfloat16 cache and bfloat16 layers ---------------------------------------------------------
 #
 # The attention kernels read a bfloat16 cache by widening each value to float32 (exact) and compute in float32,
-# so against the float32 reference on the widened cache they agree as closely as in float32; where the decode
-# kernel multiplies queries and keys in AVX512-BF16, the reference gets the queries rounded as it rounds them
-# (cpu_ops.decode_rounds_bfloat16_queries). The fused
+# so against the float32 reference on the widened cache they agree as closely as in float32; where the kernels
+# multiply queries and keys in AVX512-BF16, the reference gets the queries rounded as they round them
+# (cpu_ops.rounds_bfloat16_queries). The fused
 # operations compute in float32 and round where torch's bfloat16 operations round: equal to torch's bfloat16
 # layer but for the order of the norm's sum and the exp (at most one bfloat16 unit, 2^-8 relative).
+
+
+def queries_as_the_kernels_multiply(query, scale, head_dim):
+    """With AVX512-BF16 and a bfloat16 cache, the kernels multiply the queries times the scale rounded to bfloat16."""
+    if not _kernels().rounds_bfloat16_queries(head_dim):
+        return query
+    return (query * scale).bfloat16().float() / scale
 
 
 def block_major_like(key_cache, value_cache, dtype):
@@ -514,10 +521,8 @@ def test_decode_kernel_reads_a_bfloat16_cache(num_q_heads, num_kv_heads, head_di
     query = torch.randn(len(lengths), num_q_heads, head_dim, generator=generator)
     scale = head_dim**-0.5
 
-    def as_the_kernel_multiplies(query):  # with AVX512-BF16, the scaled queries rounded to bfloat16
-        if not kernels.decode_rounds_bfloat16_queries(head_dim):
-            return query
-        return (query * scale).bfloat16().float() / scale
+    def as_the_kernel_multiplies(query):
+        return queries_as_the_kernels_multiply(query, scale, head_dim)
 
     expected = reference(as_the_kernel_multiplies(query), key_cache.float(), value_cache.float(), tables, seq_lens,
                          scale)
@@ -545,8 +550,8 @@ def test_prefill_kernel_reads_a_bfloat16_cache(num_q_heads, num_kv_heads, head_d
                                                                            block_size, chunks, seed=6)
     key_cache, value_cache = block_major_like(key_cache, value_cache, torch.bfloat16)
     # The reference attends the chunks' own rows as the cache now holds them: rounded to bfloat16.
-    expected = prefill_reference(query, key.bfloat16().float(), value.bfloat16().float(), key_cache.float(),
-                                 value_cache.float(), spans, scale)
+    expected = prefill_reference(queries_as_the_kernels_multiply(query, scale, head_dim), key.bfloat16().float(),
+                                 value.bfloat16().float(), key_cache.float(), value_cache.float(), spans, scale)
     actual = run_prefill_kernel(query, key_cache, value_cache, spans, scale)
     assert actual.dtype == torch.float32
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=2e-5)
