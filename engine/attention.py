@@ -96,7 +96,7 @@ class AttentionMetadata:
     # Decode tokens come first in the batch, grouped by context length.
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
-    # Whether the C++ kernels store K/V and attend decodes (float32), or plain torch.
+    # Whether the C++ kernels store K/V and attend decodes (float32 or bfloat16), or plain torch.
     use_cpu_kernels: bool = False
     # Whether the Triton kernels store K/V and attend decodes and prefills, and the prefills as one
     # varlen batch for them or the C++ prefill kernel (built from ``prefills`` once per step by the model
