@@ -96,6 +96,19 @@ inline F exp_lanes(F x) {
   return is_minus_infinity ? F{} : result;
 }
 
+// Each lane of x (any width of GCC float vector; U: the unsigned vector of its width) rounded to the nearest
+// bfloat16, ties to even, still as a float32 (its low 16 bits cleared): what a torch operation on bfloat16
+// tensors stores. A NaN stays a NaN.
+template <typename F, typename U>
+inline F round_lanes_to_bfloat16(F x) {
+  U bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const U rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const U result = (bits & 0x7fffffffu) > 0x7f800000u ? U{} + 0x7fc00000u : rounded;
+  std::memcpy(&x, &result, sizeof(x));
+  return x;
+}
+
 #ifdef __AVX512F__
 
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -114,12 +127,7 @@ inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
 // a torch operation on bfloat16 tensors stores. A NaN stays a NaN.
 inline f32x16 round_to_bfloat16(f32x16 x) {
   typedef uint32_t u32x16 __attribute__((vector_size(64)));
-  u32x16 bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  const u32x16 result = (bits & 0x7fffffffu) > 0x7f800000u ? u32x16{} + 0x7fc00000u : rounded;
-  std::memcpy(&x, &result, sizeof(x));
-  return x;
+  return round_lanes_to_bfloat16<f32x16, u32x16>(x);
 }
 
 // v rounded to bfloat16 and stored.
@@ -259,17 +267,10 @@ inline f32x16 load16(const BFloat16* p) {
   return v;
 }
 
-inline f32x8 round_to_bfloat16_8(f32x8 x) {
+inline f32x16 round_to_bfloat16(f32x16 x) {
   typedef uint32_t u32x8 __attribute__((vector_size(32)));
-  u32x8 bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const u32x8 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  const u32x8 result = (bits & 0x7fffffffu) > 0x7f800000u ? u32x8{} + 0x7fc00000u : rounded;
-  std::memcpy(&x, &result, sizeof(x));
-  return x;
+  return {round_lanes_to_bfloat16<f32x8, u32x8>(x.lo), round_lanes_to_bfloat16<f32x8, u32x8>(x.hi)};
 }
-
-inline f32x16 round_to_bfloat16(f32x16 x) { return {round_to_bfloat16_8(x.lo), round_to_bfloat16_8(x.hi)}; }
 
 inline void store16(BFloat16* p, f32x16 v) {
   typedef uint32_t u32x8 __attribute__((vector_size(32)));

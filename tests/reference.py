@@ -38,14 +38,12 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
-@functools.lru_cache(maxsize=1)
-def hf_model(model_dir: str):
+@functools.lru_cache(maxsize=2)
+def hf_model(model_dir: str, dtype_name: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    return model
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype_name)).eval()
 
 
 def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -67,7 +65,7 @@ def hf_greedy_with_top(model_dir: str, prompt_token_ids: list[int], max_new_toke
     ``top`` most likely tokens with their log probabilities."""
     import torch
 
-    model = _hf_model_in(model_dir, dtype_name)
+    model = hf_model(model_dir, dtype_name)
     with torch.inference_mode():
         input_ids = torch.tensor([prompt_token_ids])
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
@@ -75,14 +73,6 @@ def hf_greedy_with_top(model_dir: str, prompt_token_ids: list[int], max_new_toke
     tokens = out.sequences[0, len(prompt_token_ids):].tolist()
     tops = [torch.log_softmax(scores[0].float(), -1).topk(top) for scores in out.scores]
     return tokens, [dict(zip(t.indices.tolist(), t.values.tolist())) for t in tops]
-
-
-@functools.lru_cache(maxsize=1)
-def _hf_model_in(model_dir: str, dtype_name: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype_name)).eval()
 
 
 def first_difference(ours: list[int], theirs: list[int]) -> int | None:

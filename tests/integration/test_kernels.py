@@ -33,6 +33,19 @@ def block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, generator
     return layer[0], layer[1]
 
 
+def shuffled_block_tables(lengths, block_size, num_blocks, generator):
+    """[requests, max_blocks] tables giving every request distinct, shuffled blocks; unused entries point at
+    block 0."""
+    permutation = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(lengths), -(-max(lengths) // block_size), dtype=torch.int64)
+    offset = 0
+    for row, length in enumerate(lengths):
+        count = -(-length // block_size)
+        tables[row, :count] = permutation[offset : offset + count]
+        offset += count
+    return tables
+
+
 def reference(query, key_cache, value_cache, block_tables, seq_lens, scale):
     num_requests = query.shape[0]
     num_kv_heads, _, block_size, _ = key_cache.shape
@@ -69,15 +82,7 @@ def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, blo
     key_cache, value_cache = block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, generator)
     assert not key_cache.is_contiguous()
     seq_lens = torch.tensor(lengths, dtype=torch.int64)
-    max_blocks = -(-max(lengths) // block_size)
-    # Every request gets distinct, shuffled blocks; unused table entries point at block 0.
-    permutation = torch.randperm(num_blocks, generator=generator)
-    tables = torch.zeros(len(lengths), max_blocks, dtype=torch.int64)
-    offset = 0
-    for row, length in enumerate(lengths):
-        count = -(-length // block_size)
-        tables[row, :count] = permutation[offset : offset + count]
-        offset += count
+    tables = shuffled_block_tables(lengths, block_size, num_blocks, generator)
     query = torch.randn(len(lengths), num_q_heads, head_dim, generator=generator)
     scale = head_dim**-0.5
 
@@ -512,26 +517,17 @@ def test_decode_kernel_reads_a_bfloat16_cache(num_q_heads, num_kv_heads, head_di
     key_cache, value_cache = block_major_like(*block_major_caches(num_kv_heads, num_blocks, block_size, head_dim,
                                                                   generator), torch.bfloat16)
     seq_lens = torch.tensor(lengths, dtype=torch.int64)
-    tables = torch.zeros(len(lengths), -(-max(lengths) // block_size), dtype=torch.int64)
-    permutation, used = torch.randperm(num_blocks, generator=generator), 0
-    for row, length in enumerate(lengths):
-        count = -(-length // block_size)
-        tables[row, :count] = permutation[used : used + count]
-        used += count
+    tables = shuffled_block_tables(lengths, block_size, num_blocks, generator)
     query = torch.randn(len(lengths), num_q_heads, head_dim, generator=generator)
     scale = head_dim**-0.5
-
-    def as_the_kernel_multiplies(query):
-        return queries_as_the_kernels_multiply(query, scale, head_dim)
-
-    expected = reference(as_the_kernel_multiplies(query), key_cache.float(), value_cache.float(), tables, seq_lens,
+    expected = reference(queries_as_the_kernels_multiply(query, scale, head_dim), key_cache.float(), value_cache.float(), tables, seq_lens,
                          scale)
     actual = kernels.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
     assert actual.dtype == torch.float32
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     # A bfloat16 query (the engine's in bfloat16) is widened, and the output rounded back.
     query = query.bfloat16()
-    expected = reference(as_the_kernel_multiplies(query.float()), key_cache.float(), value_cache.float(), tables,
+    expected = reference(queries_as_the_kernels_multiply(query.float(), scale, head_dim), key_cache.float(), value_cache.float(), tables,
                          seq_lens, scale)
     actual = kernels.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
     assert actual.dtype == torch.bfloat16
