@@ -6,7 +6,7 @@ Kernels: the element-wise ones of ``kernels/triton_ops.py`` (``rms_norm``, ``add
 a kernel not there yet is skipped with a sentence.
 
 Shapes are the default model's (SmolLM2-135M: 30 layers, hidden 576, intermediate 1536, 9 query heads,
-3 KV heads, head size 64, block 16), with the KV cache block-major
+3 KV heads, head size 64, block 16) or, with ``--model llama-3-8b``, Llama-3-8B's, with the KV cache block-major
 ``[num_blocks, layers, 2, kv_heads, block_size, head_dim]`` as the engine allocates it (attention reads
 one layer's strided view). Element-wise kernels run over ``--tokens`` rows; attention over
 ``--batch-sizes`` x ``--contexts`` (decode) and ``--prefill-batch-sizes`` x ``--contexts`` (chunks of
@@ -15,7 +15,8 @@ blocks of every layer for each context.
 
 Each kernel is judged by the bytes it must move (each input read once, each output written once) over
 its time: on CUDA, the median of ``--repeats`` runs timed by CUDA events, the L2 cache flushed before
-each, against the GPU's peak (``--peak-gbps``, or a table by device name) and against the torch reference
+each, its kernels replayed from a CUDA graph (``--timing graph``, the default: the GPU's time without
+Python's launch overhead; ``--timing eager`` includes it), against the GPU's peak (``--peak-gbps``, or a table by device name) and against the torch reference
 (``engine/attention.py``, ``engine/models/``, ``index_select``/``index_copy_``) timed the same way; the
 largest difference from the reference (relative to the reference's largest value) is printed beside.
 Target: paged decode attention at 70% of peak or more for contexts of 4k tokens and more.
@@ -39,6 +40,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import json
@@ -72,6 +74,13 @@ class ModelShape:
     kv_heads: int = 3
     head_dim: int = 64
     block_size: int = 16
+
+
+# --model: the default model's shape, and Llama-3-8B's (GQA 4, head size 128: 5.3 times the KV bytes per token).
+MODEL_SHAPES = {
+    "smollm2-135m": ModelShape(),
+    "llama-3-8b": ModelShape(layers=32, hidden=4096, intermediate=14336, q_heads=32, kv_heads=8, head_dim=128),
+}
 
 
 @dataclass
@@ -361,23 +370,59 @@ def _build_prefill(m, batch, context, chunk, device, dtype, layers=None):
 # ---- timing on CUDA ------------------------------------------------------------------------------------
 
 
-def time_on_cuda(function, repeats: int, warmup: int, flush) -> float:
-    """Median seconds of ``function`` over ``repeats`` runs, timed by CUDA events, the L2 flushed before each."""
+def time_on_cuda(function, repeats: int, warmup: int, flush, graph: bool = True) -> tuple[float, str]:
+    """Median seconds of ``function`` over ``repeats`` runs, timed by CUDA events, the L2 flushed before each,
+    and how it ran: "graph" (its kernels captured once in a CUDA graph and replayed, so that the time is the
+    GPU's alone, not Python's and the launcher's) or "eager" (called each time: what a caller without graphs
+    waits, or a function that cannot be captured because it waits on the GPU)."""
     import torch
 
     for _ in range(warmup):
         function()
     torch.cuda.synchronize()
+    run, mode = function, "eager"
+    if graph:
+        replay = _captured(function)
+        if replay is not None:
+            run, mode = replay, "graph"
     pairs = []
     for _ in range(repeats):
         flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        function()
+        run()
         end.record()
         pairs.append((start, end))
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in pairs) / 1e3
+    return statistics.median(start.elapsed_time(end) for start, end in pairs) / 1e3, mode
+
+
+def _captured(function):
+    """``function``'s kernels as a replayable CUDA graph, or None when they cannot be captured."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            function()
+    except RuntimeError:  # a host sync or a non-capturable call inside
+        torch.cuda.synchronize()
+        return None
+    return graph.replay
+
+
+def warm_up_gpu(seconds: float = 1.0) -> None:
+    """Keep the GPU busy for ``seconds`` so that its clocks leave their idle state before the first timing."""
+    import time
+
+    import torch
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def peak_bandwidth(args) -> tuple[float | None, str]:
@@ -397,10 +442,11 @@ def run_on_cuda(args, model: ModelShape, dtype) -> list[dict]:
 
     peak, peak_source = peak_bandwidth(args)
     print(f"GPU: {torch.cuda.get_device_name()}; peak {peak or '?'} GB/s ({peak_source}); dtype {args.dtype}; "
-          f"median of {args.repeats} runs, L2 flushed before each")
+          f"median of {args.repeats} runs, L2 flushed before each, {args.timing} timing")
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    warm_up_gpu()
     header = (f"{'kernel':<24} {'shape':<42} {'MB':>9} {'us':>9} {'GB/s':>7} {'%peak':>6} "
-              f"{'torch us':>9} {'torch GB/s':>10} {'speedup':>7} {'rel diff':>9}")
+              f"{'torch us':>9} {'torch GB/s':>10} {'speedup':>7} {'rel diff':>9} timed")
     print(header)
     results = []
     for case in cases(args, model, torch.empty((), dtype=dtype).element_size()):
@@ -409,16 +455,16 @@ def run_on_cuda(args, model: ModelShape, dtype) -> list[dict]:
             print(f"{case.kernel:<24} {case.shape:<42} skipped: {measured}")
             results.append({**_row(case), "skipped": measured})
             continue
-        seconds, reference_seconds, difference = measured
+        (seconds, mode), (reference_seconds, reference_mode), difference = measured
         gbps = case.num_bytes / seconds / 1e9
         reference_gbps = case.num_bytes / reference_seconds / 1e9
         fraction = gbps / peak if peak else None
         print(f"{case.kernel:<24} {case.shape:<42} {case.num_bytes / 1e6:>9.2f} {seconds * 1e6:>9.1f} {gbps:>7.0f} "
               f"{(f'{fraction:.0%}' if fraction is not None else '?'):>6} {reference_seconds * 1e6:>9.1f} {reference_gbps:>10.0f} "
-              f"{reference_seconds / seconds:>6.2f}x {difference:>9.2g}")
+              f"{reference_seconds / seconds:>6.2f}x {difference:>9.2g} {mode}/{reference_mode}")
         results.append({**_row(case), "seconds": seconds, "gbps": gbps, "fraction_of_peak": fraction,
                         "reference_seconds": reference_seconds, "reference_gbps": reference_gbps,
-                        "max_relative_difference": difference})
+                        "max_relative_difference": difference, "timing": mode, "reference_timing": reference_mode})
     _print_target(results, peak)
     return results
 
@@ -433,8 +479,9 @@ def _measure(case: Case, args, dtype, flush):
             return built
         kernel, reference, check = built
         difference = check()
-        return (time_on_cuda(kernel, args.repeats, args.warmup, flush),
-                time_on_cuda(reference, args.repeats, args.warmup, flush), difference)
+        graph = args.timing == "graph"
+        return (time_on_cuda(kernel, args.repeats, args.warmup, flush, graph),
+                time_on_cuda(reference, args.repeats, args.warmup, flush, graph), difference)
     except torch.cuda.OutOfMemoryError:
         return "out of GPU memory (fewer --layers, or smaller --batch-sizes / --contexts)"
     finally:
@@ -537,11 +584,19 @@ def main(argv=None) -> int:
                         help="split-K parts of paged decode attention (default: the kernel chooses)")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per kernel and shape; the median counts (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first: compilation, autotuning (default 3)")
+    parser.add_argument("--timing", default="graph", choices=["graph", "eager"],
+                        help="graph (default): each function's kernels captured once in a CUDA graph and replayed, "
+                             "so that a time is the GPU's alone (functions that wait on the GPU fall back to eager; "
+                             "the last column says which); eager: each function called from Python every time, "
+                             "launch overhead included, as an engine without CUDA graphs runs it")
     parser.add_argument("--peak-gbps", type=float, default=None,
                         help="the GPU's peak memory bandwidth in GB/s (default: a table by device name, H100 SXM "
                              "3350, H200 4800...; without a GPU, 3350 for the bytes table)")
-    parser.add_argument("--layers", type=int, default=ModelShape.layers,
-                        help="layers in the block-major KV cache (default 30, the default model's): sets the "
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_SHAPES),
+                        help="the model whose widths, heads and head size the kernels run at (default smollm2-135m, "
+                             "the default model; llama-3-8b: 8 KV heads of 128)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layers in the block-major KV cache (default the model's: 30, 32): sets the "
                              "distance between blocks of one layer and the bytes of a block copy")
     parser.add_argument("--interpret", action="store_true",
                         help="print the bytes table and run each kernel once on tiny shapes in Triton's CPU "
@@ -559,7 +614,9 @@ def main(argv=None) -> int:
     import torch
 
     dtype = getattr(torch, args.dtype)
-    model = ModelShape(layers=args.layers)
+    model = MODEL_SHAPES[args.model]
+    if args.layers is not None:
+        model = dataclasses.replace(model, layers=args.layers)
     all_right = True
     if torch.cuda.is_available() and not args.interpret:
         rows = run_on_cuda(args, model, dtype)

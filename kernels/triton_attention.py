@@ -32,10 +32,12 @@ from splitserve.kernels.triton_ops import interpreting, language_interpreted, la
 triton = None  # the triton module and triton.language, imported by _triton() on first use
 tl = None
 
-# Split-K for decode: each split covers at least this many tokens of context...
-MIN_TOKENS_PER_SPLIT = 256
-# ...and a decode launch has at most this many splits per (request, KV head).
-MAX_NUM_SPLITS = 64
+# Split-K for decode: each split covers at least this many tokens of context (one key tile)...
+MIN_TOKENS_PER_SPLIT = 64
+# ...and a decode launch has at most this many splits per (request, KV head). On an H100 a split is bound by
+# latency, not bytes (a program's first tile waits on its block table, then on its keys): one request over
+# 4,096 tokens took 17 us in 16 splits and 13 in 64, over 16,384 tokens 20 us in 64 and 18 in 128.
+MAX_NUM_SPLITS = 128
 # Rows (token x KV head) per store_kv program.
 STORE_ROWS = 64
 # tl.dot needs every dimension of at least 16 on GPUs: smaller GQA groups are padded to this.
@@ -55,16 +57,20 @@ class Tiles:
     num_stages: int  # depth of the software pipeline of the key/value loads
 
 
-def decode_tiles(dtype: torch.dtype) -> Tiles:
-    """The decode tiles that compile without register spills for sm_80 and sm_90, as :func:`prefill_tiles`.
+def decode_tiles(dtype: torch.dtype, head_dim: int = 64) -> Tiles:
+    """The decode tiles that compile without register spills for sm_80 and sm_90 with Triton 3.6 and 3.9, as
+    :func:`prefill_tiles`.
 
     A decode program's rows are the query heads of one KV head (``rows`` is unused). Half precision:
-    64 keys, 4 warps. Float32 at head size 128 spills with those (and with 32 keys on 4 warps): 32 keys
-    on 8 warps do not.
+    64 keys, 4 warps; a three-stage load pipeline at head size 64, two from 128 (three spill there with
+    Triton 3.6, and two spill at 64). Measured on an H100 at head size 64 (``benchmarks/kernels.py``
+    and its notes in the README): 16 to 128 keys, 1 to 8 warps and 2 to 4 stages are within a few percent
+    of one another once the split count fills the GPU. Float32 at head size 128 spills with 64 keys on 4
+    warps (and with 32 keys on 4 warps): 32 keys on 8 warps do not.
     """
     if dtype == torch.float32:
         return Tiles(rows=0, key_tile=32, num_warps=8, num_stages=3)
-    return Tiles(rows=0, key_tile=64, num_warps=4, num_stages=3)
+    return Tiles(rows=0, key_tile=64, num_warps=4, num_stages=2 if head_dim >= 128 else 3)
 
 
 def prefill_tiles(dtype: torch.dtype, head_dim: int) -> Tiles:
@@ -149,7 +155,7 @@ def paged_decode_attention(
     head_dim] (any strides); block_tables: [requests, max_blocks] int (entries past a request's
     blocks are never read); seq_lens: [requests] int, context lengths with the new token, each at
     least 1 and at most max_blocks * block_size. num_splits: None chooses from the context length
-    (:func:`choose_num_splits`); tests set it. tiles: None chooses by dtype (:func:`decode_tiles`); tests
+    (:func:`choose_num_splits`); tests set it. tiles: None chooses by dtype and head size (:func:`decode_tiles`); tests
     set it.
 
     Returns: a new [requests, q_heads, head_dim] tensor in query's dtype.
@@ -163,7 +169,7 @@ def paged_decode_attention(
     max_context = block_tables.shape[1] * block_size  # an upper bound known without reading seq_lens
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, query.device)
-    tiles = tiles or decode_tiles(query.dtype)
+    tiles = tiles or decode_tiles(query.dtype, head_dim)
     tokens_per_split = _round_up(-(-max_context // num_splits), tiles.key_tile)
     group_size = num_q_heads // num_kv_heads
     # Partial outputs [requests, q_heads, splits, head_dim] and their log2-sum-exp2 [requests, q_heads, splits].
@@ -438,18 +444,19 @@ def _decode_partial_kernel(
         blocks = tl.load(table + tokens // block_size, mask=valid, other=0).to(tl.int64)
         rows = tokens % block_size
         kv_mask = valid[:, None] & dim_mask[None, :]
-        # k_t: [HEAD_DIM, KEY_TILE]; v: [KEY_TILE, HEAD_DIM]
-        k_t = tl.load(
-            key_base + blocks[None, :] * key_cache_stride_block + rows[None, :] * key_cache_stride_row
-            + dims[:, None] * key_cache_stride_dim,
-            mask=valid[None, :] & dim_mask[:, None], other=0.0,
+        # k, v: [KEY_TILE, HEAD_DIM], both loaded along the cache's rows (16 bytes per thread where it can).
+        k = tl.load(
+            key_base + blocks[:, None] * key_cache_stride_block + rows[:, None] * key_cache_stride_row
+            + dims[None, :] * key_cache_stride_dim,
+            mask=kv_mask, other=0.0,
         )
         v = tl.load(
             value_base + blocks[:, None] * value_cache_stride_block + rows[:, None] * value_cache_stride_row
             + dims[None, :] * value_cache_stride_dim,
             mask=kv_mask, other=0.0,
         )
-        row_max, row_sum, acc = _attend_tile(q, k_t, v, valid[None, :], scale_log2, row_max, row_sum, acc, FP32_DOT)
+        row_max, row_sum, acc = _attend_tile(q, tl.trans(k), v, valid[None, :], scale_log2, row_max, row_sum, acc,
+                                             FP32_DOT)
 
     # An empty split (past the request's end) writes zeros with a log-sum-exp of -inf: weight 0.
     has_keys = row_sum > 0
