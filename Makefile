@@ -6,7 +6,7 @@ PROMPT ?= What is the capital of France?
 # Equal to the pin in pyproject.toml ([build-system] requires and the test extra).
 GRPC_TOOLS = grpcio-tools==1.78.0
 
-.PHONY: install install-test protos demo test test-unit test-integration test-e2e test-faults lint
+.PHONY: install install-test protos demo test test-unit test-integration test-e2e test-faults test-gpu lint
 
 install: protos
 	$(PIP) install -q torch==2.13.0
@@ -56,6 +56,17 @@ test-e2e: install-test
 
 test-faults: install-test
 	$(PYTHON) -m pytest -q -m faults
+
+# On a machine with a CUDA GPU: the tests that need one, then every kernel's time against the GPU's peak.
+# It installs nothing (install-test would put the CPU build of torch over the CUDA one): have a CUDA torch,
+# then `pip install -e '.[test,triton]'`. The NCCL pair test needs two GPUs and says so on one.
+GPU_TESTS = tests/integration/test_engine_device.py tests/integration/test_kvtransfer_cuda.py \
+	tests/integration/test_triton_attention.py tests/integration/test_triton_ops.py \
+	tests/integration/test_triton_compile.py tests/e2e/test_kernels_benchmark.py
+test-gpu:
+	$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch finds no CUDA device here')"
+	$(PYTHON) -m pytest -q -rs $(GPU_TESTS)
+	$(PYTHON) benchmarks/kernels.py --json kernels.json
 
 lint: install-test
 	$(PYTHON) -m ruff check .
