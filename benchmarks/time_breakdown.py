@@ -126,13 +126,14 @@ def measure_gemm_ceiling(llm, rows: int, repeats: int = 7) -> dict[str, float]:
     from splitserve.engine.models.packed_linear import PackedLinear
 
     model = llm.engine.model_runner.model
+    dtype = model.model.embed_tokens.weight.dtype
     rates: dict[str, float] = {}
     shapes = {(m.in_features, m.out_features): m for m in model.modules() if isinstance(m, PackedLinear)}
     with torch.inference_mode():
         for (n_in, n_out), module in sorted(shapes.items()):
-            x = torch.randn(rows, n_in)
+            x = torch.randn(rows, n_in, dtype=dtype)
             rates[f"{n_in}x{n_out}"] = _best_rate(functools.partial(module, x), 2 * rows * n_in * n_out, repeats)
-        hidden = torch.randn(rows, model.config.hidden_size)
+        hidden = torch.randn(rows, model.config.hidden_size, dtype=dtype)
         rates["logits"] = _best_rate(functools.partial(model.compute_logits, hidden),
                                      2 * rows * model.config.hidden_size * model.config.vocab_size, repeats)
     return rates
@@ -166,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the engine's)")
     parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
     parser.add_argument("--enable-prefix-caching", action="store_true", help="as offline_throughput.py (off)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the engine's dtype (weights, activations, KV cache); the ceiling is timed in it too")
     parser.add_argument("--ceiling-rows", type=int, default=512, help="rows of the GEMMs timed for the ceiling")
     parser.add_argument("--vllm-tok-s", type=float, default=None,
                         help="vLLM-CPU's output tok/s on this workload (from offline_throughput.py --vllm-python)")
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     from splitserve import LLM, SamplingParams
 
     model_path = resolve_model(args.model)
-    llm = LLM(model=model_path, dtype="float32", **engine_kwargs(args))
+    llm = LLM(model=model_path, dtype=args.dtype, **engine_kwargs(args))
     if not llm.engine.model_runner.use_cpu_kernel:
         print("The C++ kernels are not in use here (they did not build): the breakdown would not be the engine's "
               "usual one.", file=sys.stderr)
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": torch.get_num_threads(),
     }
 
-    print(f"\nWorkload: {args.num_requests} requests, {report['workload']['prompt_tokens']:,} prompt tokens, "
+    print(f"\nWorkload ({args.dtype}): {args.num_requests} requests, {report['workload']['prompt_tokens']:,} prompt tokens, "
           f"{output_tokens:,} output tokens; {torch.get_num_threads()} threads; medians of {args.repeats} runs.")
     print(f"Plain run: {statistics.median(plain):.2f} s ({output_tokens / statistics.median(plain):.1f} output "
           f"tok/s); clocked run: {wall:.2f} s.\n")

@@ -118,8 +118,12 @@ class ModelRunner:
         # Per layer, a view [2, kv_heads, num_blocks, block_size, head_dim] (strided: blocks far apart).
         self.kv_caches = [self.kv_cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(self.kv_cache.shape[1])]
         self.use_cpu_kernel = _use_cpu_kernel(backend, self.dtype)
-        # Prompt chunks attend in one C++ call over the paged cache where the kernel takes the head size.
-        self.use_cpu_prefill_kernel = self.use_cpu_kernel and cpu_ops.prefill_supports(model_config.head_dim)
+        # Prompt chunks attend in one C++ call over the paged cache where the kernel takes the head size, except
+        # in bfloat16 on CPUs with AMX: torch's SDPA multiplies in AMX tiles there and runs prompt attention
+        # 1.6-3.3x faster than the kernel's AVX-512 pair dot products, even gathering the context first
+        # (benchmarks/cpu_attention.py --dtype bfloat16 on a 2-core AMX Xeon; README "bfloat16 on CPUs").
+        self.use_cpu_prefill_kernel = (self.use_cpu_kernel and cpu_ops.prefill_supports(model_config.head_dim)
+                                       and not (self.dtype == torch.bfloat16 and cpu_ops.has_amx_bfloat16()))
         # Triton: KV writes, all attention and the fused element-wise layer operations.
         self.use_triton_kernel = backend == "triton"
         if self.use_triton_kernel:

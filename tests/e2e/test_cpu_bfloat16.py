@@ -15,6 +15,7 @@ import torch
 from splitserve import LLM, SamplingParams
 from splitserve.client import Client
 from splitserve.engine.models.packed_linear import PackedLinear
+from splitserve.kernels import cpu_ops
 from tests.cluster_helpers import all_blocks_free, start_cluster, stream_tokens, wait_until, worker_status
 from tests.reference import MAX_TOKENS, first_difference, hf_greedy_with_top
 
@@ -29,10 +30,15 @@ def hf_bfloat16(model_dir, prompt_token_ids):
     return [hf_greedy_with_top(str(model_dir), ids, MAX_TOKENS, "bfloat16", TOP) for ids in prompt_token_ids]
 
 
-def test_bfloat16_engine_runs_the_kernels_and_agrees_with_transformers(model_dir, prompt_token_ids, hf_bfloat16):
+@pytest.mark.parametrize("prompt_attention", ["cpu kernel", "torch sdpa"])
+def test_bfloat16_engine_runs_the_kernels_and_agrees_with_transformers(model_dir, prompt_token_ids, hf_bfloat16,
+                                                                     prompt_attention):
+    """Prompt attention in the C++ kernel (the default without AMX) and in torch's SDPA (the default in bfloat16
+    on CPUs with AMX, see ModelRunner): each is set here whatever this CPU has."""
     llm = LLM(str(model_dir), dtype="bfloat16", num_kv_blocks=64, max_model_len=2048)
     runner = llm.engine.model_runner
-    assert runner.use_cpu_kernel and runner.use_cpu_prefill_kernel
+    assert runner.use_cpu_kernel and runner.use_cpu_prefill_kernel == (not cpu_ops.has_amx_bfloat16())
+    runner.use_cpu_prefill_kernel = prompt_attention == "cpu kernel"
     assert runner.kv_cache.dtype == torch.bfloat16 and runner.block_size == 128
     projections = [module for module in runner.model.modules() if isinstance(module, PackedLinear)]
     assert projections and all(module.dtype == torch.bfloat16 and module.panels is None for module in projections)
@@ -50,7 +56,7 @@ def test_bfloat16_engine_runs_the_kernels_and_agrees_with_transformers(model_dir
             f"prompt {index}, token {at}: ours {ours.token_ids[at]} is not among transformers' top {TOP} {top[at]}")
         assert tokens[at] in ours.logprobs[at], (
             f"prompt {index}, token {at}: transformers' {tokens[at]} is not among our top {TOP} {ours.logprobs[at]}")
-    print(f"bfloat16 offline: {identical} of {len(outputs)} outputs identical to transformers'")
+    print(f"bfloat16 offline ({prompt_attention}): {identical} of {len(outputs)} outputs identical to transformers'")
     # Rounding parts a few near ties, not most outputs.
     assert identical >= len(outputs) // 2, f"only {identical} of {len(outputs)} outputs identical"
     assert llm.engine.free_block_count == llm.engine.num_kv_blocks
