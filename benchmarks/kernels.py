@@ -5,21 +5,22 @@ Kernels: the element-wise ones of ``kernels/triton_ops.py`` (``rms_norm``, ``add
 ``kernels/triton_attention.py`` (``store_kv``, ``paged_decode_attention``, ``paged_prefill_attention``);
 a kernel not there yet is skipped with a sentence.
 
-Shapes are the default model's (SmolLM2-135M: 30 layers, hidden 576, intermediate 1536, 9 query heads,
-3 KV heads, head size 64, block 16) or, with ``--model llama-3-8b``, Llama-3-8B's, with the KV cache block-major
-``[num_blocks, layers, 2, kv_heads, block_size, head_dim]`` as the engine allocates it (attention reads
-one layer's strided view). Element-wise kernels run over ``--tokens`` rows; attention over
-``--batch-sizes`` x ``--contexts`` (decode) and ``--prefill-batch-sizes`` x ``--contexts`` (chunks of
-``--prefill-chunk`` new tokens after the rest of the context, cached); block copies over one request's
-blocks of every layer for each context.
+Shapes are the default model's (SmolLM2-135M: 30 layers, hidden 576, intermediate 1536, 9 query heads, 3 KV
+heads, head size 64, block 16) or, with ``--model llama-3-8b``, Llama-3-8B's, with the KV cache block-major
+``[num_blocks, layers, 2, kv_heads, block_size, head_dim]`` as the engine allocates it (attention reads one
+layer's strided view). Element-wise kernels run over ``--tokens`` rows; attention over ``--batch-sizes`` x
+``--contexts`` (decode) and ``--prefill-batch-sizes`` x ``--contexts`` (chunks of ``--prefill-chunk`` new
+tokens after the rest of the context, cached); block copies over one request's blocks of every layer for each
+context.
 
-Each kernel is judged by the bytes it must move (each input read once, each output written once) over
-its time: on CUDA, the median of ``--repeats`` runs timed by CUDA events, the L2 cache flushed before
-each, its kernels replayed from a CUDA graph (``--timing graph``, the default: the GPU's time without
-Python's launch overhead; ``--timing eager`` includes it), against the GPU's peak (``--peak-gbps``, or a table by device name) and against the torch reference
-(``engine/attention.py``, ``engine/models/``, ``index_select``/``index_copy_``) timed the same way; the
-largest difference from the reference (relative to the reference's largest value) is printed beside.
-Target: paged decode attention at 70% of peak or more for contexts of 4k tokens and more.
+Each kernel is judged by the bytes it must move (each input read once, each output written once) over its
+time: on CUDA, the median of ``--repeats`` runs timed by CUDA events, the L2 cache flushed before each, its
+kernels replayed from a CUDA graph (``--timing graph``, the default: the GPU's time without Python's launch
+overhead; ``--timing eager`` includes it), against the GPU's peak (``--peak-gbps``, or a table by device name)
+and against the torch reference (``engine/attention.py``, ``engine/models/``,
+``index_select``/``index_copy_``) timed the same way; the largest difference from the reference (relative to
+the reference's largest value) is printed beside. Target: paged decode attention at 70% of peak or more for
+contexts of 4k tokens and more.
 
 Without a CUDA GPU it says so and prints the bytes each kernel must move per shape, and the time they
 take at the peak of ``--peak-gbps`` (default an H100 SXM's 3.35 TB/s): the model a GPU run is judged by.

@@ -125,8 +125,7 @@ def measure_gemm_ceiling(llm, rows: int, repeats: int = 7) -> dict[str, float]:
     (best of ``repeats``), and of the logits."""
     from splitserve.engine.models.packed_linear import PackedLinear
 
-    model = llm.engine.model_runner.model
-    dtype = model.model.embed_tokens.weight.dtype
+    model, dtype = llm.engine.model_runner.model, llm.engine.model_runner.dtype
     rates: dict[str, float] = {}
     shapes = {(m.in_features, m.out_features): m for m in model.modules() if isinstance(m, PackedLinear)}
     with torch.inference_mode():

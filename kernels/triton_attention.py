@@ -57,7 +57,7 @@ class Tiles:
     num_stages: int  # depth of the software pipeline of the key/value loads
 
 
-def decode_tiles(dtype: torch.dtype, head_dim: int = 64) -> Tiles:
+def decode_tiles(dtype: torch.dtype, head_dim: int) -> Tiles:
     """The decode tiles that compile without register spills for sm_80 and sm_90 with Triton 3.6 and 3.9, as
     :func:`prefill_tiles`.
 
@@ -155,8 +155,8 @@ def paged_decode_attention(
     head_dim] (any strides); block_tables: [requests, max_blocks] int (entries past a request's
     blocks are never read); seq_lens: [requests] int, context lengths with the new token, each at
     least 1 and at most max_blocks * block_size. num_splits: None chooses from the context length
-    (:func:`choose_num_splits`); tests set it. tiles: None chooses by dtype and head size (:func:`decode_tiles`); tests
-    set it.
+    (:func:`choose_num_splits`); tests set it. tiles: None chooses by dtype and head size
+    (:func:`decode_tiles`); tests set it.
 
     Returns: a new [requests, q_heads, head_dim] tensor in query's dtype.
     """

@@ -186,7 +186,7 @@ def test_decode_tile_shapes_agree(dtype):
     lengths = [1, 31, 32, 33, 64, 65, 300]
     query, key_cache, value_cache, tables, seq_lens = decode_inputs(6, 2, 64, 16, lengths, dtype, seed=5)
     expected = reference_decode(query, key_cache, value_cache, tables, seq_lens, 0.125)
-    for tiles in (triton_attention.decode_tiles(torch.float32), triton_attention.decode_tiles(torch.bfloat16)):
+    for tiles in (triton_attention.decode_tiles(torch.float32, 64), triton_attention.decode_tiles(torch.bfloat16, 64)):
         for num_splits in (1, 3):
             actual = triton_attention.paged_decode_attention(
                 query, key_cache, value_cache, tables, seq_lens, 0.125, num_splits=num_splits, tiles=tiles
