@@ -57,7 +57,8 @@ test-e2e: install-test
 test-faults: install-test
 	$(PYTHON) -m pytest -q -m faults
 
-# On a machine with a CUDA GPU: the tests that need one, then every kernel's time against the GPU's peak.
+# On a machine with a CUDA GPU: the tests that need one, then every kernel's time against the GPU's peak,
+# and decode steps with and without CUDA graphs.
 # It installs nothing (install-test would put the CPU build of torch over the CUDA one): have a CUDA torch,
 # then `pip install -e '.[test,triton]'`. The NCCL pair test needs two GPUs and says so on one.
 GPU_TESTS = tests/integration/test_engine_device.py tests/integration/test_kvtransfer_cuda.py \
@@ -67,6 +68,7 @@ test-gpu:
 	$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch finds no CUDA device here')"
 	$(PYTHON) -m pytest -q -rs $(GPU_TESTS)
 	$(PYTHON) benchmarks/kernels.py --json kernels.json
+	$(PYTHON) benchmarks/decode_graphs.py --json decode_graphs.json
 
 lint: install-test
 	$(PYTHON) -m ruff check .

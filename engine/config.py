@@ -37,6 +37,9 @@ class EngineConfig:
             On CUDA, "auto" is "triton" and "cpu" is refused.
         device: where the model, the KV cache, the step's tensors and sampling live: "cpu", "cuda" (the
             current CUDA device), or "auto" (cuda when torch finds one, else cpu); see :func:`resolve_device`.
+        cuda_graphs: replay decode-only steps of up to ``max_num_seqs`` requests from CUDA graphs captured at
+            start (``engine/cuda_graphs.py``; CUDA and the Triton backend only). Off by default until it has
+            run on a GPU: see the README's "On an H100".
     """
 
     model: str | None = None
@@ -52,6 +55,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     device: str = "auto"
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES:

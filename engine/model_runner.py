@@ -17,6 +17,7 @@ import torch
 from splitserve.common.model_info import cache_dir
 from splitserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan
 from splitserve.engine.config import EngineConfig, resolve_attention_backend, resolve_device, resolve_dtype
+from splitserve.engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from splitserve.engine.host_allocator import keep_freed_buffers_in_heap
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
@@ -130,20 +131,64 @@ class ModelRunner:
             triton_attention.check_usable(self.kv_cache.device)
         self.model.use_kernels(cpu_ops if self.use_cpu_kernel else triton_ops if self.use_triton_kernel else None)
         self.sampler = Sampler(config.seed)
+        self.decode_graphs: DecodeGraphs | None = None
+        if config.cuda_graphs:
+            self.decode_graphs = self.make_decode_graphs(config.max_num_seqs, max_model_len, capture=True)
+
+    def make_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> DecodeGraphs:
+        """Static decode buffers over this runner's model and cache, their graphs captured when ``capture``.
+
+        Raises:
+            ValueError: capture asked for off CUDA or outside the Triton backend (a sentence saying so).
+        """
+        if capture and self.device != "cuda":
+            raise ValueError("cuda_graphs needs a CUDA device; this engine runs on the CPU.")
+        if not self.use_triton_kernel:
+            raise ValueError("cuda_graphs needs the triton attention backend (the default on CUDA): the torch "
+                             "reference builds a mask of each step's width, which a graph cannot replay.")
+        return DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs, max_model_len, self.device,
+                            capture)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, block_tables: dict[str, list[int]]) -> list[SampledToken]:
         """Run the step's forward pass; sample a token for every request that reached its last known token."""
-        inputs = self._prepare(output.scheduled, block_tables)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        if not inputs.sample_rows:
+        scheduled = output.scheduled
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(len(scheduled)) and all(item.num_new_tokens == 1 for item in scheduled):
+            step, sample_rows, sample_requests = self._decode_rows(scheduled, block_tables)
+            hidden = graphs.run(step)
+        else:
+            inputs = self._prepare(scheduled, block_tables)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            sample_rows, sample_requests = inputs.sample_rows, inputs.sample_requests
+        if not sample_rows:
             return []
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        sampled = self.sampler(logits, inputs.sample_requests)
+        logits = self.model.compute_logits(hidden[sample_rows])
+        sampled = self.sampler(logits, sample_requests)
         return [
             SampledToken(request, token_id, logprobs)
-            for request, token_id, logprobs in zip(inputs.sample_requests, sampled.sampled_token_ids, sampled.logprobs)
+            for request, token_id, logprobs in zip(sample_requests, sampled.sampled_token_ids, sampled.logprobs)
         ]
+
+    def _decode_rows(self, decodes: list[ScheduledRequest], block_tables: dict[str, list[int]]
+                     ) -> tuple[DecodeInputs, list[int], list[Request]]:
+        """The one-token rows of ``decodes``, in their order, and which of them are sampled (rows, requests)."""
+        size = self.block_size
+        step = DecodeInputs([], [], [], [])
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        for row, item in enumerate(decodes):
+            request = item.request
+            position = request.num_computed_tokens
+            table = block_tables[request.request_id]
+            step.token_ids.append(request.all_token_ids[position])
+            step.positions.append(position)
+            step.slots.append(table[position // size] * size + position % size)
+            step.block_tables.append(table)
+            if item.sample:
+                sample_rows.append(row)
+                sample_requests.append(request)
+        return step, sample_rows, sample_requests
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> _BatchInputs:
         """Flatten the step: decodes (one token each, shortest context first), then prompt chunks."""
@@ -151,20 +196,9 @@ class ModelRunner:
             (item for item in scheduled if item.num_new_tokens == 1), key=lambda item: item.request.num_computed_tokens
         )
         prefills = [item for item in scheduled if item.num_new_tokens > 1]
-        token_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        sample_requests: list[Request] = []
-
-        for row, item in enumerate(decodes):
-            request = item.request
-            token_ids.append(request.all_token_ids[request.num_computed_tokens])
-            positions.append(request.num_computed_tokens)
-            if item.sample:
-                sample_rows.append(row)
-                sample_requests.append(request)
-        decode_tables = [block_tables[item.request.request_id] for item in decodes]
-        slot_mapping = [self._decode_slots(decode_tables, positions)]
+        step, sample_rows, sample_requests = self._decode_rows(decodes, block_tables)
+        token_ids, positions, decode_tables = step.token_ids, step.positions, step.block_tables
+        slot_mapping = [torch.tensor(step.slots, dtype=torch.int64, device=self.device)]
         # The C++ and Triton kernels read each request's own blocks: one group, no padding to worry about.
         one_group = self.use_cpu_kernel or self.use_triton_kernel
         ranges = [(0, len(decodes))] if one_group else group_by_length([p + 1 for p in positions])
@@ -200,11 +234,6 @@ class ModelRunner:
             sample_rows=sample_rows,
             sample_requests=sample_requests,
         )
-
-    def _decode_slots(self, tables: list[list[int]], positions: list[int]) -> torch.Tensor:
-        size = self.block_size
-        slots = [table[position // size] * size + position % size for table, position in zip(tables, positions)]
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     def _decode_group(self, start: int, end: int, tables: list[list[int]], positions: list[int]) -> DecodeGroup:
         """Padded block tables, context lengths and (torch path) the key mask of decode rows [start, end)."""

@@ -133,6 +133,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "(cuda when torch finds one, else cpu); cuda without a CUDA device is refused with a sentence "
         "(default: %(default)s)",
     )
+    group.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="replay decode-only steps from CUDA graphs captured at start, one per padded batch size up to "
+        "--max-num-seqs (one launch a step instead of hundreds); CUDA with the triton backend only, refused "
+        "elsewhere; not yet run on a GPU, so off by default")
 
 
 def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +169,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         seed=args.engine_seed,
         attention_backend=args.attention_backend,
         device=args.device,
+        cuda_graphs=args.cuda_graphs,
     )
 
 

@@ -510,4 +510,6 @@ def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
         flags.append("--no-chunked-prefill")
     if args.no_prefix_caching:
         flags.append("--no-prefix-caching")
+    if args.cuda_graphs:
+        flags.append("--cuda-graphs")
     return flags

@@ -93,3 +93,26 @@ def test_on_a_gpu_each_kernel_is_timed_from_a_cuda_graph_against_its_reference(t
     # list of block ids and may fall back to eager.)
     assert all(row["timing"] == "graph" for row in rows if row["kernel"] not in ("gather_blocks", "scatter_blocks"))
     assert "Target (paged decode attention" in result.stdout
+
+
+GRAPHS_SCRIPT = ROOT / "benchmarks" / "decode_graphs.py"
+
+
+@without_a_gpu
+def test_the_decode_graphs_benchmark_says_it_finds_no_gpu():
+    result = subprocess.run([sys.executable, str(GRAPHS_SCRIPT), "--batch-sizes", "1"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "no CUDA device here" in result.stdout and "Traceback" not in result.stderr
+
+
+@with_a_gpu
+def test_on_a_gpu_the_decode_graphs_benchmark_times_both_engines_on_the_same_ids(tmp_path):
+    out = tmp_path / "graphs.json"
+    result = subprocess.run([sys.executable, str(GRAPHS_SCRIPT), "--batch-sizes", "1", "5", "--prompt-len", "64",
+                             "--steps", "8", "--repeats", "1", "--dtype", "float32", "--json", str(out)],
+                            capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["batch"] for row in rows] == [1, 5]
+    assert all(row["identical_ids"] and row["eager_ms"] > 0 and row["graphs_ms"] > 0 for row in rows)

@@ -37,8 +37,15 @@ llm = LLM(model, attention_backend="triton", **options)
 assert llm.engine.model_runner.use_triton_kernel
 from splitserve.kernels import triton_ops
 assert all(module.kernels is triton_ops for module in llm.engine.model_runner.model.modules() if hasattr(module, "kernels"))
-outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
-print(json.dumps([output.outputs[0].token_ids for output in outputs]))
+def greedy():
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+    return [output.outputs[0].token_ids for output in outputs]
+eager = greedy()
+# Decode-only steps again, through the static, padded buffers of engine/cuda_graphs.py (without capture: no GPU).
+runner = llm.engine.model_runner
+runner.decode_graphs = runner.make_decode_graphs(options["max_num_seqs"], options["max_model_len"], capture=False)
+padded = greedy()
+print(json.dumps([eager, padded, runner.decode_graphs.num_steps]))
 """
 
 
@@ -49,7 +56,7 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(model_dir):
         capture_output=True, text=True, timeout=380,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    triton_tokens = json.loads(result.stdout.strip().splitlines()[-1])
+    triton_tokens, padded_tokens, padded_steps = json.loads(result.stdout.strip().splitlines()[-1])
 
     reference = LLM(str(model_dir), attention_backend="torch", **ENGINE_OPTIONS)
     outputs = reference.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
@@ -57,6 +64,8 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(model_dir):
 
     assert all(len(tokens) == MAX_TOKENS for tokens in torch_tokens)
     assert triton_tokens == torch_tokens
+    # Decode steps of 3 requests ran padded to 4 through the static buffers a CUDA graph replays.
+    assert padded_steps > 0 and padded_tokens == torch_tokens
 
 
 def test_triton_backend_on_a_cpu_refuses_to_start_outside_the_interpreter(model_dir, monkeypatch):

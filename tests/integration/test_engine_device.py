@@ -103,3 +103,20 @@ def test_the_engine_on_cuda_defaults_to_bfloat16(model_dir):
     assert runner.kv_cache.dtype == torch.bfloat16 and runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
     output = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert len(output.outputs[0].token_ids) == 8
+
+
+@needs_cuda
+def test_decode_steps_replayed_from_cuda_graphs_give_transformers_tokens(model_dir, prompt_token_ids, hf_reference):
+    # max_num_seqs 6: sizes 1, 2, 4, 8 are captured, so the batch of all prompts replays padded.
+    llm = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, device="cuda", dtype="float32",
+              max_num_seqs=6, cuda_graphs=True)
+    graphs = llm.engine.model_runner.decode_graphs
+    assert graphs.captured and sorted(graphs.graphs) == [1, 2, 4, 8]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], GREEDY)
+    assert [output.outputs[0].token_ids for output in outputs] == hf_reference
+    assert graphs.num_steps > 0  # decode steps went through the graphs, not the eager forward pass
+
+
+def test_cuda_graphs_are_refused_on_a_cpu_with_a_sentence(model_dir):
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+        LLM(str(model_dir), num_kv_blocks=16, max_model_len=256, device="cpu", cuda_graphs=True)
