@@ -182,6 +182,9 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                        "overload is answered by this limit, never by a call left waiting (default: %(default)s)")
     group.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long in-flight requests may finish before they are aborted (default: %(default)s)")
+    group.add_argument("--register-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="with --router: how long to retry the first registration (the router not up yet, "
+                       "unreachable or refusing) before exiting with status 1 and the reason (default: %(default)s)")
     group.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics over HTTP at http://HOST:PORT/metrics, on --host only (0: a free port, "
                        "logged at start; default: not served). Read-only and unauthenticated: keep the port inside "
@@ -327,7 +330,8 @@ def _run_worker(args: argparse.Namespace) -> int:
         kv_transfer=args.kv_transfer, kv_address=args.kv_address, kv_checksum=args.kv_checksum,
         kv_timeout_seconds=args.kv_timeout,
         kv_load_failure=args.kv_load_failure, max_queued_requests=args.max_queued_requests,
-        num_threads=args.threads, drain_timeout_seconds=args.drain_timeout, engine=EngineConfig(args.model, **_engine_options(args)),
+        num_threads=args.threads, drain_timeout_seconds=args.drain_timeout,
+        register_timeout_seconds=args.register_timeout, engine=EngineConfig(args.model, **_engine_options(args)),
         cluster_token=load_credentials(None, args.cluster_token_file, os.environ).cluster_token,
         tls=_tls_from_args(args),
         redis_access=load_redis_access(args.redis_password_file, os.environ, args.redis_username, args.redis_tls_ca,

@@ -120,7 +120,7 @@ class WorkerRuntime:
             self.membership = Membership(
                 self.config.router, self.registration, self.load_pb, on_state=self._on_router_state,
                 state=lambda: self.state, cluster_token=self.config.cluster_token, tls=self.config.tls,
-            ).start()
+            ).start(timeout=self.config.register_timeout_seconds)
             self.worker_id = self.membership.worker_id
 
     def stop(self) -> None:

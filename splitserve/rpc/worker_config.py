@@ -47,6 +47,8 @@ class WorkerConfig:
             (its gRPC server holds more calls than this: ``splitserve.serve.worker_server_threads``).
         num_threads: torch threads for this worker's compute (None: torch's default).
         drain_timeout_seconds: on SIGTERM, how long in-flight requests may run before they are aborted.
+        register_timeout_seconds: with a router, how long the worker retries its first registration (the
+            router not up yet, or refusing) before it exits saying why.
         cluster_token: the token the router's calls must carry and this worker's calls to the router
             send (``splitserve.rpc.auth``; None: open). Never in ``repr``.
         tls: the worker's certificate, key and CA (``splitserve.rpc.tls``), for its own port (with a CA: the
@@ -70,6 +72,7 @@ class WorkerConfig:
     max_queued_requests: int = 256
     num_threads: int | None = None
     drain_timeout_seconds: float = 30.0
+    register_timeout_seconds: float = 30.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster_token: str | None = field(default=None, repr=False)
     kv_faults: KVFaults | None = None
@@ -98,6 +101,8 @@ class WorkerConfig:
             raise ValueError(f"kv_load_failure must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}.")
         if not self.kv_timeout_seconds > 0:
             raise ValueError(f"kv_timeout_seconds must be > 0, got {self.kv_timeout_seconds}.")
+        if not self.register_timeout_seconds > 0:
+            raise ValueError(f"register_timeout_seconds must be > 0, got {self.register_timeout_seconds}.")
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}.")
         if self.num_threads is not None and self.num_threads < 1:

@@ -92,7 +92,7 @@ def test_a_cluster_on_mutual_tls(tmp_path, model_dir, tokenizer, monkeypatch):
         with open(log_path, "w") as log:
             worker = subprocess.Popen(
                 [sys.executable, "-m", "splitserve.cli", "decode", "--router", address, "--model", str(model_dir),
-                 *WORKER_ARGS], stdout=subprocess.DEVNULL, stderr=log,
+                 *WORKER_ARGS, "--register-timeout", "3"], stdout=subprocess.DEVNULL, stderr=log,
                 env={**os.environ, CLUSTER_TOKEN_ENV: cluster.cluster_token})
         try:
             assert worker.wait(240) != 0
