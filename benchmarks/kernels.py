@@ -140,10 +140,14 @@ def cases(args, model: ModelShape, element_size: int) -> list[Case]:
             cached = context - chunk
             new_bytes = batch * chunk * (2 * m.q_heads + 2 * m.kv_heads) * m.head_dim * e
             pairs = chunk * cached + chunk * (chunk + 1) // 2  # (query, key) pairs attended, causal
-            rows.append(Case("paged_prefill_attention", f"batch={batch} context={context} (chunk {chunk})",
-                             new_bytes + 2 * batch * cached * m.kv_heads * m.head_dim * e,
-                             4 * batch * m.q_heads * pairs * m.head_dim,
-                             lambda d, t, b=batch, c=context, n=chunk: _build_prefill(m, b, c, n, d, t), context))
+            for tiles in args.prefill_tiles or [None]:
+                label = f" tiles {format_tiles(tiles)}" if tiles else ""
+                rows.append(Case("paged_prefill_attention", f"batch={batch} context={context} (chunk {chunk}){label}",
+                                 new_bytes + 2 * batch * cached * m.kv_heads * m.head_dim * e,
+                                 4 * batch * m.q_heads * pairs * m.head_dim,
+                                 lambda d, t, b=batch, c=context, n=chunk, x=tiles: _build_prefill(m, b, c, n, d, t,
+                                                                                                 tiles=x),
+                                 context))
     return [case for case in rows if case.kernel in args.kernels]
 
 
@@ -324,7 +328,25 @@ def _build_decode(m, batch, context, args, device, dtype, layers=None):
     return kernel, reference, lambda: _difference(kernel(), reference())
 
 
-def _build_prefill(m, batch, context, chunk, device, dtype, layers=None):
+def parse_tiles(text: str):
+    """ROWSxKEYSxWARPSxSTAGES (e.g. 64x64x4x3) as a tuple in the order of the attention kernels' Tiles (made
+    into one only when a kernel runs: importing the kernels here would import triton before --interpret)."""
+    try:
+        rows, key_tile, num_warps, num_stages = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ROWSxKEYSxWARPSxSTAGES, e.g. 64x64x4x3") from None
+    powers = all(value > 0 and value & (value - 1) == 0 for value in (rows, key_tile, num_warps))
+    if not powers or rows < 16 or key_tile < 16 or num_stages < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: rows and keys powers of two from 16, warps a power of two, "
+                                         "stages >= 1")
+    return rows, key_tile, num_warps, num_stages
+
+
+def format_tiles(tiles: tuple[int, int, int, int]) -> str:
+    return "x".join(str(value) for value in tiles)
+
+
+def _build_prefill(m, batch, context, chunk, device, dtype, layers=None, tiles=None):
     import torch
     import torch.nn.functional as F
 
@@ -349,6 +371,8 @@ def _build_prefill(m, batch, context, chunk, device, dtype, layers=None):
 
     # The longest chunk, when the kernel takes it (else it reads query_start_loc: a sync inside the timing).
     known = {"max_query_len": chunk} if "max_query_len" in inspect.signature(paged_prefill_attention).parameters else {}
+    if tiles is not None:
+        known["tiles"] = importlib.import_module(ATTENTION_MODULE).Tiles(*tiles)
 
     def kernel():
         return paged_prefill_attention(query, key, value, key_cache, value_cache, query_start_loc, context_lens,
@@ -539,6 +563,13 @@ def print_compiled(args) -> None:
     print()
     triton_aot.print_table(triton_aot.compile_engine_kernels(args.compile_for, "smollm2-135m", args.dtype),
                            triton_aot.GPUS[args.compile_for])
+    if args.prefill_tiles:
+        attention = importlib.import_module(ATTENTION_MODULE)
+        print(f"\nPaged prefill attention at each of --prefill-tiles, {args.model}'s heads:")
+        triton_aot.print_table(
+            triton_aot.compile_prefill_tiles(args.compile_for, args.model, args.dtype,
+                                             [attention.Tiles(*tiles) for tiles in args.prefill_tiles]),
+            triton_aot.GPUS[args.compile_for])
 
 
 def check_interpreted(args, dtype) -> bool:
@@ -581,6 +612,10 @@ def main(argv=None) -> int:
                         help="sequences in a prefill batch (default 1 4)")
     parser.add_argument("--prefill-chunk", type=int, default=512,
                         help="new tokens per sequence in a prefill step; the rest of the context is cached (512)")
+    parser.add_argument("--prefill-tiles", type=parse_tiles, nargs="+", default=None, metavar="RxKxWxS",
+                        help="time paged prefill attention with each of these tiles (query rows x keys x warps x "
+                             "pipeline stages, e.g. 64x64x4x3 128x64x8x2), one row per tile, instead of the "
+                             "kernel's own choice (kernels/triton_attention.prefill_tiles): the GPU sweep of tiles")
     parser.add_argument("--num-splits", type=int, default=None,
                         help="split-K parts of paged decode attention (default: the kernel chooses)")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per kernel and shape; the median counts (default 20)")

@@ -165,6 +165,15 @@ def _variant(options: dict) -> str:
     return " ".join(f"{name}={value}" for name, value in options.items() if not isinstance(value, torch.Tensor))
 
 
+def _qkv_views(m: ModelShape, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query [tokens, q_heads, head_dim], key and value [tokens, kv_heads, head_dim]: strided views of one fused
+    QKV projection's output, as the engine's attention gets them."""
+    qkv = torch.zeros(tokens, (m.q_heads + 2 * m.kv_heads) * m.head_dim, dtype=dtype)
+    query = qkv[:, : m.q_heads * m.head_dim].view(tokens, m.q_heads, m.head_dim)
+    key_value = qkv[:, m.q_heads * m.head_dim :].view(tokens, 2 * m.kv_heads, m.head_dim)
+    return query, key_value[:, : m.kv_heads], key_value[:, m.kv_heads :]
+
+
 def launch_engine_kernels(model: ModelShape, dtype: torch.dtype) -> None:
     """Call every kernel wrapper once the way the engine's CUDA path does, on small CPU tensors of the
     model's widths: a fused QKV output split into strided query/key/value views, one layer's strided view
@@ -177,10 +186,7 @@ def launch_engine_kernels(model: ModelShape, dtype: torch.dtype) -> None:
     triton_ops.add_rms_norm(hidden, zeros(tokens, m.hidden), zeros(m.hidden), 1e-5)
     triton_ops.silu_and_mul(zeros(tokens, 2 * m.intermediate))
 
-    qkv = zeros(tokens, (m.q_heads + 2 * m.kv_heads) * m.head_dim)
-    query = qkv[:, : m.q_heads * m.head_dim].view(tokens, m.q_heads, m.head_dim)
-    key = qkv[:, m.q_heads * m.head_dim :].view(tokens, 2 * m.kv_heads, m.head_dim)[:, : m.kv_heads]
-    value = qkv[:, m.q_heads * m.head_dim :].view(tokens, 2 * m.kv_heads, m.head_dim)[:, m.kv_heads :]
+    query, key, value = _qkv_views(m, tokens, dtype)
     table = zeros(tokens, m.head_dim)
     triton_ops.rotary_(query, table, table)
     triton_ops.rotary_(key, table, table)
@@ -196,10 +202,32 @@ def launch_engine_kernels(model: ModelShape, dtype: torch.dtype) -> None:
     for splits in (1, 4):  # one split writes the output itself; more add the reduction kernel
         triton_attention.paged_decode_attention(query[:batch], key_cache, value_cache, tables, seq_lens, scale,
                                                 num_splits=splits)
-    starts = torch.tensor([0, 16, tokens], dtype=torch.int32)
-    triton_attention.paged_prefill_attention(query, key, value, key_cache, value_cache, starts,
-                                             torch.tensor([0, 32], dtype=torch.int32), tables[:2], scale,
-                                             max_query_len=tokens - 16)
+    launch_prefill(m, dtype)
+
+
+def launch_prefill(model: ModelShape, dtype: torch.dtype, tiles: triton_attention.Tiles | None = None) -> None:
+    """Call paged prefill attention once as the engine does (two chunks, one after 32 cached tokens), on small
+    CPU tensors of the model's heads, with ``tiles`` (None: the kernel's own choice)."""
+    m, tokens, blocks = model, 40, 24
+    query, key, value = _qkv_views(m, tokens, dtype)
+    key_cache, value_cache = torch.zeros(blocks, 2, 2, m.kv_heads, m.block_size, m.head_dim,
+                                         dtype=dtype)[:, 1].permute(1, 2, 0, 3, 4)
+    tables = torch.arange(16, dtype=torch.int64).reshape(2, 8) % blocks
+    triton_attention.paged_prefill_attention(query, key, value, key_cache, value_cache,
+                                             torch.tensor([0, 16, tokens], dtype=torch.int32),
+                                             torch.tensor([0, 32], dtype=torch.int32), tables, m.head_dim**-0.5,
+                                             max_query_len=tokens - 16, tiles=tiles)
+
+
+def compile_prefill_tiles(gpu_name: str, model_name: str, dtype_name: str,
+                          tiles: list[triton_attention.Tiles]) -> list[KernelReport]:
+    """Paged prefill attention compiled for ``gpu_name`` at each of ``tiles``: which of them spill, and how many
+    programs an SM holds (the sweep's candidates, screened without a GPU)."""
+    gpu = GPUS[gpu_name]
+    with compiling_for(gpu) as launches:
+        for each in tiles:
+            launch_prefill(MODELS[model_name], DTYPES[dtype_name], each)
+    return [_report(launch, gpu, gpu_name, model_name, dtype_name) for launch in launches]
 
 
 def compile_engine_kernels(gpu_name: str, model_name: str, dtype_name: str) -> list[KernelReport]:

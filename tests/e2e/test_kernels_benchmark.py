@@ -78,6 +78,26 @@ def test_the_llama_3_8b_shape_moves_its_own_bytes(tmp_path):
     assert kv_bytes <= decode["bytes"] <= kv_bytes * 1.002
 
 
+@without_a_gpu
+def test_prefill_tiles_are_each_a_row_and_screened_for_spills_on_the_compiler(tmp_path):
+    out = tmp_path / "kernels.json"
+    result = _run("--model", "llama-3-8b", "--kernels", "paged_prefill_attention", "--contexts", "4096",
+                  "--prefill-batch-sizes", "1", "--prefill-tiles", "64x64x8x3", "128x128x4x2", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["shape"].split("tiles ")[1] for row in rows] == ["64x64x8x3", "128x128x4x2"]
+    assert rows[0]["bytes"] == rows[1]["bytes"]  # the same work, cut two ways
+    screened = result.stdout.split("at each of --prefill-tiles")[1]
+    table = {(row[3], row[4], row[6]): int(row[-4]) for row in
+             (line.split() for line in screened.splitlines() if line.startswith("llama-3-8b"))}
+    # The engine's tile at head size 128 fits in registers; 128 rows x 128 keys on 4 warps cannot.
+    assert table[("KEY_TILE=64", "ROWS=64", "num_warps=8")] == 0
+    assert table[("KEY_TILE=128", "ROWS=128", "num_warps=4")] > 0
+
+    refused = _run("--prefill-tiles", "64x48x4x3")
+    assert refused.returncode == 2 and "powers of two" in refused.stderr
+
+
 @with_a_gpu
 def test_on_a_gpu_each_kernel_is_timed_from_a_cuda_graph_against_its_reference(tmp_path):
     out = tmp_path / "kernels.json"
