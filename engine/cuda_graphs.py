@@ -38,10 +38,14 @@ _SIZE_STEP = 8
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """The padded decode batch sizes captured for an engine running at most ``max_num_seqs`` requests."""
-    sizes = [size for size in _SMALL_SIZES if size < max_num_seqs]
-    sizes += list(range(_SIZE_STEP, -(-max_num_seqs // _SIZE_STEP) * _SIZE_STEP + 1, _SIZE_STEP))
-    return sizes
+    """The padded decode batch sizes captured for an engine running at most ``max_num_seqs`` requests: the
+    largest is the first that holds them all (4 for 3 or 4 requests, 8 for 5 to 8, 72 for 65 to 72)."""
+    sizes: list[int] = []
+    for size in _SMALL_SIZES:
+        sizes.append(size)
+        if size >= max_num_seqs:
+            return sizes
+    return sizes + list(range(_SIZE_STEP, -(-max_num_seqs // _SIZE_STEP) * _SIZE_STEP + 1, _SIZE_STEP))
 
 
 @dataclass

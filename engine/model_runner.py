@@ -70,6 +70,15 @@ def _use_cpu_kernel(backend: str, dtype: torch.dtype) -> bool:
     return usable
 
 
+def _check_graphs_possible(device: str, backend: str) -> None:
+    """Raise ValueError with a sentence where decode steps cannot be captured as CUDA graphs."""
+    if device != "cuda":
+        raise ValueError("cuda_graphs needs a CUDA device; this engine runs on the CPU.")
+    if backend != "triton":
+        raise ValueError("cuda_graphs needs the triton attention backend (the default on CUDA): the torch "
+                         "reference builds a mask of each step's width, which a graph cannot replay.")
+
+
 @dataclass
 class SampledToken:
     request: Request
@@ -102,7 +111,9 @@ class ModelRunner:
         self.device = resolve_device(config.device, torch.cuda.is_available())
         if self.device == "cpu":
             keep_freed_buffers_in_heap()
-        backend = resolve_attention_backend(config.attention_backend, self.device)
+        backend = self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        if config.cuda_graphs:
+            _check_graphs_possible(self.device, backend)  # before the weights load
         self.dtype_name = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype_name, max_model_len, self.device)
         self.dtype = self.model.model.embed_tokens.weight.dtype
@@ -139,13 +150,9 @@ class ModelRunner:
         """Static decode buffers over this runner's model and cache, their graphs captured when ``capture``.
 
         Raises:
-            ValueError: capture asked for off CUDA or outside the Triton backend (a sentence saying so).
+            ValueError: capture asked for off CUDA, or outside the Triton backend (a sentence saying so).
         """
-        if capture and self.device != "cuda":
-            raise ValueError("cuda_graphs needs a CUDA device; this engine runs on the CPU.")
-        if not self.use_triton_kernel:
-            raise ValueError("cuda_graphs needs the triton attention backend (the default on CUDA): the torch "
-                             "reference builds a mask of each step's width, which a graph cannot replay.")
+        _check_graphs_possible(self.device if capture else "cuda", self.attention_backend)
         return DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs, max_model_len, self.device,
                             capture)
 

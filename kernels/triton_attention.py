@@ -170,7 +170,6 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, query.device)
     tiles = tiles or decode_tiles(query.dtype, head_dim)
-    tokens_per_split = _round_up(-(-max_context // num_splits), tiles.key_tile)
     group_size = num_q_heads // num_kv_heads
     # Partial outputs [requests, q_heads, splits, head_dim] and their log2-sum-exp2 [requests, q_heads, splits].
     # With one split the partial output is the output: no second kernel.
@@ -185,7 +184,7 @@ def paged_decode_attention(
         kernels.decode_partial, (num_seqs, num_kv_heads, num_splits),
         query, key_cache, value_cache, block_tables, seq_lens, partial_out, partial_lse,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *partial_out.stride(),
-        scale * _LOG2_E, head_dim, block_size, group_size, num_q_heads, num_splits, tokens_per_split,
+        scale * _LOG2_E, head_dim, block_size, group_size, num_q_heads, num_splits,
         GROUP=max(MIN_DOT_ROWS, _next_power_of_2(group_size)), HEAD_DIM=head_dim_padded, KEY_TILE=tiles.key_tile,
         FP32_DOT=_fp32_dot(query.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -286,10 +285,6 @@ def _check_grouping(num_q_heads: int, num_kv_heads: int) -> None:
 
 def _next_power_of_2(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def _triton():
@@ -407,16 +402,19 @@ def _decode_partial_kernel(
     value_cache_stride_head, value_cache_stride_block, value_cache_stride_row, value_cache_stride_dim,
     block_tables_stride,
     partial_out_stride_seq, partial_out_stride_head, partial_out_stride_split, partial_out_stride_dim,
-    scale_log2, head_dim, block_size, group_size, num_q_heads, num_splits, tokens_per_split,
+    scale_log2, head_dim, block_size, group_size, num_q_heads, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KEY_TILE: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """Program (request, KV head, split): the query heads of that KV head over the split's tokens,
-    online softmax in base 2; writes the normalized partial output and its log2-sum-exp2."""
+    online softmax in base 2; writes the normalized partial output and its log2-sum-exp2. Each request's
+    context is cut into num_splits parts of whole key tiles by its own length (not the batch's longest), so
+    short requests in a long batch, or in a CUDA graph sized for the longest request, still split."""
     # Offsets are int64 (caches can pass 2**31 elements; the interpreter also skips its overflow checks).
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    tokens_per_split = (seq_len + num_splits * KEY_TILE - 1) // (num_splits * KEY_TILE) * KEY_TILE
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 

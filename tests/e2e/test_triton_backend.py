@@ -43,7 +43,9 @@ def greedy():
 eager = greedy()
 # Decode-only steps again, through the static, padded buffers of engine/cuda_graphs.py (without capture: no GPU).
 runner = llm.engine.model_runner
-runner.decode_graphs = runner.make_decode_graphs(options["max_num_seqs"], options["max_model_len"], capture=False)
+# Tables 64 tokens wide, not max_model_len's 256 (every request here stays under 30 tokens): the interpreter's
+# time grows with the programs of a launch, and a wider table splits decode attention into more of them.
+runner.decode_graphs = runner.make_decode_graphs(options["max_num_seqs"], 64, capture=False)
 padded = greedy()
 print(json.dumps([eager, padded, runner.decode_graphs.num_steps]))
 """
