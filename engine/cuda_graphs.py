@@ -77,16 +77,15 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sizes = capture_sizes(max_num_seqs)
-        self.max_blocks = -(-max_model_len // block_size)
         self.captured = capture
         self.num_steps = 0  # decode steps run through the static buffers
         largest = self.sizes[-1]
         # fields: rows 0-3 are input ids, positions, slots and context lengths, each [largest] and contiguous
-        # (the kernels read slots and lengths as flat arrays); tables: [largest, max_blocks].
+        # (the kernels read slots and lengths as flat arrays); tables: [largest, blocks of max_model_len].
         self.fields = torch.zeros(4, largest, dtype=torch.int64, device=device)
         self.fields[2] = -1
         self.fields[3] = 1
-        self.tables = torch.zeros(largest, self.max_blocks, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(largest, -(-max_model_len // block_size), dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         if capture:

@@ -70,9 +70,10 @@ def _use_cpu_kernel(backend: str, dtype: torch.dtype) -> bool:
     return usable
 
 
-def _check_graphs_possible(device: str, backend: str) -> None:
-    """Raise ValueError with a sentence where decode steps cannot be captured as CUDA graphs."""
-    if device != "cuda":
+def _check_graphs_possible(device: str | None, backend: str) -> None:
+    """Raise ValueError with a sentence where decode steps cannot be captured as CUDA graphs (device None: no
+    capture, the padded static-buffer path alone, which needs only the Triton backend)."""
+    if device is not None and device != "cuda":
         raise ValueError("cuda_graphs needs a CUDA device; this engine runs on the CPU.")
     if backend != "triton":
         raise ValueError("cuda_graphs needs the triton attention backend (the default on CUDA): the torch "
@@ -152,7 +153,7 @@ class ModelRunner:
         Raises:
             ValueError: capture asked for off CUDA, or outside the Triton backend (a sentence saying so).
         """
-        _check_graphs_possible(self.device if capture else "cuda", self.attention_backend)
+        _check_graphs_possible(self.device if capture else None, self.attention_backend)
         return DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs, max_model_len, self.device,
                             capture)
 
