@@ -38,8 +38,9 @@ class EngineConfig:
         device: where the model, the KV cache, the step's tensors and sampling live: "cpu", "cuda" (the
             current CUDA device), or "auto" (cuda when torch finds one, else cpu); see :func:`resolve_device`.
         cuda_graphs: replay decode-only steps of up to ``max_num_seqs`` requests from CUDA graphs captured at
-            start (``engine/cuda_graphs.py``; CUDA and the Triton backend only). Off by default until it has
-            run on a GPU: see the README's "On an H100".
+            start (``engine/cuda_graphs.py``; CUDA and the Triton backend only): True asks for them (refused
+            with a sentence where they cannot run), False never captures (vLLM's ``enforce_eager``), None
+            captures wherever they can run (CUDA with the Triton backend), as vLLM does by default.
     """
 
     model: str | None = None
@@ -55,7 +56,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     device: str = "auto"
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES:

@@ -113,7 +113,10 @@ class ModelRunner:
         if self.device == "cpu":
             keep_freed_buffers_in_heap()
         backend = self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        if config.cuda_graphs:
+        use_graphs = config.cuda_graphs
+        if use_graphs is None:
+            use_graphs = self.device == "cuda" and backend == "triton"
+        elif use_graphs:
             _check_graphs_possible(self.device, backend)  # before the weights load
         self.dtype_name = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype_name, max_model_len, self.device)
@@ -144,7 +147,7 @@ class ModelRunner:
         self.model.use_kernels(cpu_ops if self.use_cpu_kernel else triton_ops if self.use_triton_kernel else None)
         self.sampler = Sampler(config.seed)
         self.decode_graphs: DecodeGraphs | None = None
-        if config.cuda_graphs:
+        if use_graphs:
             self.decode_graphs = self.make_decode_graphs(config.max_num_seqs, max_model_len, capture=True)
 
     def make_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> DecodeGraphs:

@@ -174,10 +174,11 @@ def _qkv_views(m: ModelShape, tokens: int, dtype: torch.dtype) -> tuple[torch.Te
     return query, key_value[:, : m.kv_heads], key_value[:, m.kv_heads :]
 
 
-def launch_engine_kernels(model: ModelShape, dtype: torch.dtype) -> None:
+def launch_engine_kernels(model: ModelShape, dtype: torch.dtype, arch: int) -> None:
     """Call every kernel wrapper once the way the engine's CUDA path does, on small CPU tensors of the
     model's widths: a fused QKV output split into strided query/key/value views, one layer's strided view
-    of the block-major cache [blocks, layers, 2, kv_heads, block_size, head_dim], int64 block tables."""
+    of the block-major cache [blocks, layers, 2, kv_heads, block_size, head_dim], int64 block tables; the
+    prefill tiles a GPU of compute capability ``arch`` would get."""
     m, tokens, batch, blocks = model, 40, 3, 24
     zeros = lambda *size: torch.zeros(*size, dtype=dtype)  # noqa: E731
 
@@ -202,12 +203,12 @@ def launch_engine_kernels(model: ModelShape, dtype: torch.dtype) -> None:
     for splits in (1, 4):  # one split writes the output itself; more add the reduction kernel
         triton_attention.paged_decode_attention(query[:batch], key_cache, value_cache, tables, seq_lens, scale,
                                                 num_splits=splits)
-    launch_prefill(m, dtype)
+    launch_prefill(m, dtype, triton_attention.prefill_tiles(dtype, m.head_dim, arch))
 
 
-def launch_prefill(model: ModelShape, dtype: torch.dtype, tiles: triton_attention.Tiles | None = None) -> None:
+def launch_prefill(model: ModelShape, dtype: torch.dtype, tiles: triton_attention.Tiles) -> None:
     """Call paged prefill attention once as the engine does (two chunks, one after 32 cached tokens), on small
-    CPU tensors of the model's heads, with ``tiles`` (None: the kernel's own choice)."""
+    CPU tensors of the model's heads, with ``tiles``."""
     m, tokens, blocks = model, 40, 24
     query, key, value = _qkv_views(m, tokens, dtype)
     key_cache, value_cache = torch.zeros(blocks, 2, 2, m.kv_heads, m.block_size, m.head_dim,
@@ -233,7 +234,7 @@ def compile_prefill_tiles(gpu_name: str, model_name: str, dtype_name: str,
 def compile_engine_kernels(gpu_name: str, model_name: str, dtype_name: str) -> list[KernelReport]:
     gpu = GPUS[gpu_name]
     with compiling_for(gpu) as launches:
-        launch_engine_kernels(MODELS[model_name], DTYPES[dtype_name])
+        launch_engine_kernels(MODELS[model_name], DTYPES[dtype_name], gpu.arch)
     return [_report(launch, gpu, gpu_name, model_name, dtype_name) for launch in launches]
 
 

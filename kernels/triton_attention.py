@@ -73,19 +73,28 @@ def decode_tiles(dtype: torch.dtype, head_dim: int) -> Tiles:
     return Tiles(rows=0, key_tile=64, num_warps=4, num_stages=2 if head_dim >= 128 else 3)
 
 
-def prefill_tiles(dtype: torch.dtype, head_dim: int) -> Tiles:
-    """The tiles that compile without register spills for sm_80 and sm_90 (``python -m
-    splitserve.kernels.triton_aot``; ``tests/integration/test_triton_compile.py`` holds them to it).
+def prefill_tiles(dtype: torch.dtype, head_dim: int, arch: int | None = None) -> Tiles:
+    """The tiles that compile without register spills for the GPU of compute capability ``arch`` (major * 10 +
+    minor; None: not a GPU, the interpreter), checked for sm_80 and sm_90 by ``python -m
+    splitserve.kernels.triton_aot`` and ``tests/integration/test_triton_compile.py``.
 
-    Half-precision products run on tensor cores with 64 x 64 tiles, 8 warps from head size 128 up (4
-    warps spill there). Float32 products run in full precision on the CUDA cores, each thread holding a
+    Half-precision products run on tensor cores: 64 query rows x 64 keys in 4 warps and two pipeline
+    stages up to head size 64. From head size 128, on Hopper (sm_90, warp-group products) 128 rows x 64
+    keys in 8 warps and two stages, elsewhere 64 x 64 in 8 warps and three (128 rows spill on sm_80, 4
+    warps spill on both). The Hopper and head-64 tiles were the fastest of nine non-spilling ones timed
+    on an H100 (``benchmarks/kernels.py --prefill-tiles``; README "On an H100"): at head size 128, 1.8-2.0x
+    the 64 x 64 x 8-warp tiles, 0-9% ahead of three stages at 64. Float32 products run in full precision on the CUDA cores, each thread holding a
     share of both operands: tiles of 16 rows by 16 keys keep them in registers with the loads
     pipelined (64 x 64 spills hundreds of registers at head size 64, thousands at 128; 32 x 16 still
     spills at 128 unless unpipelined).
     """
     if dtype == torch.float32:
         return Tiles(rows=16, key_tile=16, num_warps=4, num_stages=2)
-    return Tiles(rows=64, key_tile=64, num_warps=8 if head_dim >= 128 else 4, num_stages=3)
+    if head_dim < 128:
+        return Tiles(rows=64, key_tile=64, num_warps=4, num_stages=2)
+    if arch is not None and arch >= 90:
+        return Tiles(rows=128, key_tile=64, num_warps=8, num_stages=2)
+    return Tiles(rows=64, key_tile=64, num_warps=8, num_stages=3)
 
 
 def check_usable(device: torch.device) -> None:
@@ -225,7 +234,7 @@ def paged_prefill_attention(
     [chunks + 1] int, ascending from 0; context_lens: [chunks] int; block_tables: [chunks,
     max_blocks] int, covering each chunk's context. max_query_len: the longest chunk, when the
     caller knows it (else read from query_start_loc, a device sync on GPUs). tiles: None chooses by
-    dtype and head size (:func:`prefill_tiles`); tests set it.
+    dtype, head size and query's GPU (:func:`prefill_tiles`); tests and ahead-of-time compiles set it.
 
     Returns: a new [tokens, q_heads, head_dim] tensor in query's dtype.
     """
@@ -240,7 +249,7 @@ def paged_prefill_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     group_size = num_q_heads // num_kv_heads
     group_padded = _next_power_of_2(group_size)
-    tiles = tiles or prefill_tiles(query.dtype, head_dim)
+    tiles = tiles or prefill_tiles(query.dtype, head_dim, _arch(query.device))
     rows = max(tiles.rows, group_padded)
     tokens_per_tile = rows // group_padded
     kernels = _kernels(interpreting())
@@ -281,6 +290,14 @@ def _fp32_dot(dtype: torch.dtype) -> bool:
 def _check_grouping(num_q_heads: int, num_kv_heads: int) -> None:
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads}).")
+
+
+def _arch(device: torch.device) -> int | None:
+    """The compute capability of a CUDA device as major * 10 + minor (None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
 
 
 def _next_power_of_2(value: int) -> int:

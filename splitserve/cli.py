@@ -133,11 +133,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "(cuda when torch finds one, else cpu); cuda without a CUDA device is refused with a sentence "
         "(default: %(default)s)",
     )
-    group.add_argument(
+    graphs = group.add_mutually_exclusive_group()
+    graphs.add_argument(
         "--cuda-graphs", action="store_true",
-        help="replay decode-only steps from CUDA graphs captured at start, one per padded batch size up to "
-        "--max-num-seqs (one launch a step instead of hundreds); CUDA with the triton backend only, refused "
-        "elsewhere; not yet run on a GPU, so off by default")
+        help="require decode-only steps replayed from CUDA graphs captured at start, one per padded batch size "
+        "up to --max-num-seqs (one launch a step instead of hundreds); refused where they cannot run (a CPU, "
+        "the torch backend). Default: captured wherever they can run (CUDA with the triton backend)")
+    graphs.add_argument(
+        "--enforce-eager", action="store_true",
+        help="never capture CUDA graphs: every step launches its kernels one by one (as vLLM's flag; for "
+        "debugging, or to save the capture's start-up time and memory)")
 
 
 def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:
@@ -169,7 +174,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         seed=args.engine_seed,
         attention_backend=args.attention_backend,
         device=args.device,
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=True if args.cuda_graphs else False if args.enforce_eager else None,
     )
 
 

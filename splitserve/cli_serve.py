@@ -311,6 +311,15 @@ def _run_router(args: argparse.Namespace) -> int:
     return run_router(config)
 
 
+def worker_engine_options(role: str, options: dict) -> dict:
+    """A worker's EngineConfig keyword arguments from the engine flags' (``options``): CUDA graphs are left
+    uncaptured on a prefill worker unless asked for (it runs each request for one token, so it never takes a
+    decode step to replay)."""
+    if role == "prefill" and options["cuda_graphs"] is None:
+        return {**options, "cuda_graphs": False}
+    return options
+
+
 def _run_worker(args: argparse.Namespace) -> int:
     from splitserve.engine.config import EngineConfig
     from splitserve.kvtransfer.redis_access import load_redis_access
@@ -331,7 +340,8 @@ def _run_worker(args: argparse.Namespace) -> int:
         kv_timeout_seconds=args.kv_timeout,
         kv_load_failure=args.kv_load_failure, max_queued_requests=args.max_queued_requests,
         num_threads=args.threads, drain_timeout_seconds=args.drain_timeout,
-        register_timeout_seconds=args.register_timeout, engine=EngineConfig(args.model, **_engine_options(args)),
+        register_timeout_seconds=args.register_timeout,
+        engine=EngineConfig(args.model, **worker_engine_options(args.role, _engine_options(args))),
         cluster_token=load_credentials(None, args.cluster_token_file, os.environ).cluster_token,
         tls=_tls_from_args(args),
         redis_access=load_redis_access(args.redis_password_file, os.environ, args.redis_username, args.redis_tls_ca,
@@ -516,4 +526,6 @@ def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
         flags.append("--no-prefix-caching")
     if args.cuda_graphs:
         flags.append("--cuda-graphs")
+    if args.enforce_eager:
+        flags.append("--enforce-eager")
     return flags

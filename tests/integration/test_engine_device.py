@@ -69,6 +69,7 @@ def test_the_engine_on_cpu_by_name_gives_transformers_tokens(model_dir, prompt_t
     runner = llm.engine.model_runner
     assert runner.device == "cpu" and runner.kv_cache.device.type == "cpu"
     assert runner.dtype_name == "float32" and runner.kv_cache.dtype == torch.float32  # dtype auto on CPU
+    assert runner.decode_graphs is None  # CUDA graphs auto: nothing to capture on a CPU
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids[:3]], GREEDY)
     assert [output.outputs[0].token_ids for output in outputs] == hf_reference[:3]
 
@@ -76,10 +77,11 @@ def test_the_engine_on_cpu_by_name_gives_transformers_tokens(model_dir, prompt_t
 @needs_cuda
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_the_engine_on_cuda_gives_transformers_tokens(model_dir, prompt_token_ids, hf_reference, backend):
+    # Eager steps: the torch backend is never captured (graphs auto), the Triton one is told not to be.
     llm = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, device="cuda", dtype="float32",
-              attention_backend=backend)
+              attention_backend=backend, cuda_graphs=None if backend == "torch" else False)
     runner = llm.engine.model_runner
-    assert runner.kv_cache.device.type == "cuda"
+    assert runner.kv_cache.device.type == "cuda" and runner.decode_graphs is None
     assert all(parameter.device.type == "cuda" for parameter in runner.model.parameters())
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], GREEDY)
     assert [output.outputs[0].token_ids for output in outputs] == hf_reference
@@ -101,8 +103,9 @@ def test_the_engine_on_cuda_defaults_to_bfloat16(model_dir):
     runner = llm.engine.model_runner
     assert runner.device == "cuda" and runner.dtype_name == "bfloat16"
     assert runner.kv_cache.dtype == torch.bfloat16 and runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert runner.decode_graphs.captured and max(runner.decode_graphs.graphs) == 64  # graphs auto: captured
     output = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))[0]
-    assert len(output.outputs[0].token_ids) == 8
+    assert len(output.outputs[0].token_ids) == 8 and runner.decode_graphs.num_steps == 7
 
 
 @needs_cuda

@@ -302,8 +302,9 @@ def test_prefill_single_chunk_after_a_long_context(dtype):
     triton_attention.prefill_tiles(torch.float32, 64),
     triton_attention.prefill_tiles(torch.bfloat16, 64),
     triton_attention.prefill_tiles(torch.bfloat16, 128),
+    triton_attention.prefill_tiles(torch.bfloat16, 128, arch=90),
     triton_attention.Tiles(rows=32, key_tile=16, num_warps=8, num_stages=2),
-], ids=lambda tiles: f"{tiles.rows}x{tiles.key_tile}")
+], ids=lambda tiles: f"{tiles.rows}x{tiles.key_tile}x{tiles.num_warps}x{tiles.num_stages}")
 def test_prefill_tile_shapes_agree(tiles):
     """Every tile shape the launch chooses from by dtype and head size (prefill_tiles, sized so they
     compile without spills) gives the reference's output on one case whose chunks cross row-tile, key-
