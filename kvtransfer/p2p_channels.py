@@ -14,7 +14,8 @@ handling) is the same code for both; what differs is here: how a group is
 built, where buffers live, and how a data operation is waited for. NCCL matches
 sends to receives by order, not by tag, so only blocks ever travel on the data
 group (in order on both ends). NCCL refuses two ranks on one GPU, so a pair's two
-workers run on two GPUs.
+workers run on two GPUs: both ends publish their GPU's UUID, and a pair on one GPU is
+refused with a sentence before NCCL is asked.
 
 Both ends publish their plane's name in the pair store before building groups;
 a pair whose ends differ (a CPU cache on one side, a CUDA cache on the other) is
@@ -104,28 +105,23 @@ def build_channels(store: dist.Store, index: int, rank: int, timeout: timedelta,
     peer's, then build the groups (Gloo sockets bound to ``host``; None: Gloo's default, the hostname).
 
     Raises:
-        KVTransferError: the peer's plane differs from this end's (a sentence naming both), or this build of
-            torch has no NCCL for a CUDA cache.
+        KVTransferError: the peer's plane differs from this end's (a sentence naming both), both ends hold
+            their caches on one GPU, or this build of torch has no NCCL for a CUDA cache.
         Whatever Gloo or the store raise when the peer does not come within ``timeout``.
     """
     plane = plane_name(device, separate_data_group)
     prefix = f"splitserve/kv/pair/{index}"
-    store.set(f"{prefix}/plane/{rank}", plane)
-    peer_key = f"{prefix}/plane/{1 - rank}"
-    store.wait([peer_key], timeout)
-    peer_plane = store.get(peer_key).decode(errors="replace")[:32]
+    peer_plane = _exchange(store, f"{prefix}/plane", rank, plane, timeout)
     if peer_plane != plane:
-        # Each end says it has read the other's plane, and waits (briefly) to hear the same, so that the decode
-        # end, which serves the store and drops it as it gives up, does not take it away before the peer read.
-        try:
-            store.set(f"{prefix}/plane-read/{rank}", "1")
-            store.wait([f"{prefix}/plane-read/{1 - rank}"], timeout)
-        except Exception:  # the peer gave up (and the store went) first: its plane was read all the same
-            pass
-        raise KVTransferError(
+        _refuse(store, f"{prefix}/plane", rank, timeout, KVTransferError(
             f"The KV peer moves blocks over {peer_plane}, this worker over {plane}: both ends of a p2p pair need "
             "their KV caches on the same kind of device (CPU: Gloo; CUDA: NCCL) and the same options."
-        )
+        ))
+    if plane == "gloo+nccl":
+        identity = gpu_identity(device)
+        problem = same_gpu_problem(identity, _exchange(store, f"{prefix}/gpu", rank, identity, timeout))
+        if problem:
+            _refuse(store, f"{prefix}/gpu", rank, timeout, KVTransferError(problem))
     control = _gloo_group(dist.PrefixStore(prefix, store), rank, timeout, host)
     if plane == "gloo":
         return PairChannels(control, control, device)
@@ -134,6 +130,42 @@ def build_channels(store: dist.Store, index: int, rank: int, timeout: timedelta,
                             device)
     return PairChannels(control, _nccl_group(dist.PrefixStore(f"{prefix}/data", store), rank, timeout, device),
                         device)
+
+
+def gpu_identity(device: torch.device) -> str:
+    """A CUDA device's UUID as its driver reports it: the same GPU gives the same string in every process, whatever
+    index CUDA_VISIBLE_DEVICES gives it there ("" where this torch reports none: the pair is then not checked)."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return "" if uuid is None else str(uuid)
+
+
+def same_gpu_problem(identity: str, peer_identity: str) -> str | None:
+    """The sentence refusing a pair whose two ends hold their caches on one GPU (None: two GPUs, or unknown)."""
+    if not identity or identity != peer_identity:
+        return None
+    return (f"Both ends of this p2p pair hold their KV caches on one GPU ({identity[:40]}), and NCCL cannot pair two "
+            "workers on one GPU: give each worker its own (CUDA_VISIBLE_DEVICES; `splitserve up` places them), or "
+            "move KV through --kv-transfer lmcache.")
+
+
+def _exchange(store: dist.Store, key: str, rank: int, value: str, timeout: timedelta) -> str:
+    """Publish this end's ``value`` under ``key`` and return the peer's (at most 64 characters of it)."""
+    store.set(f"{key}/{rank}", value)
+    peer_key = f"{key}/{1 - rank}"
+    store.wait([peer_key], timeout)
+    return store.get(peer_key).decode(errors="replace")[:64]
+
+
+def _refuse(store: dist.Store, key: str, rank: int, timeout: timedelta, error: KVTransferError) -> None:
+    """Raise ``error`` after an exchange under ``key`` that refuses the pair. First each end says it has read the
+    other's value and waits (briefly) to hear the same, so that the decode end, which serves the store and drops
+    it as it gives up, does not take it away before the peer read."""
+    try:
+        store.set(f"{key}-read/{rank}", "1")
+        store.wait([f"{key}-read/{1 - rank}"], timeout)
+    except Exception:  # the peer gave up (and the store went) first: this end's value was read all the same
+        pass
+    raise error
 
 
 def _gloo_group(store: dist.Store, rank: int, timeout: timedelta, host: str | None):

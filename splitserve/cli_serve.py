@@ -73,6 +73,12 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
     up.add_argument("--kv-checksum", choices=("xxh3", "none"), default="xxh3",
                     help="checksum every KV payload (xxh3) or none; see `splitserve decode --help` (default: %(default)s)")
     _add_lmcache_arguments(up, cluster=True)
+    up.add_argument("--gpus", metavar="LIST",
+                    help="where the workers run when they run on CUDA: comma-separated GPUs (indices or UUIDs, as "
+                    "CUDA_VISIBLE_DEVICES takes them), each worker given one in turn; with --kv-transfer p2p the "
+                    "prefill and decode pools get GPUs of their own (NCCL cannot pair two workers on one GPU), so "
+                    "it needs two or more (default: every GPU visible to `up`; refused when the workers run on "
+                    "the CPU)")
     up.add_argument("--threads-per-worker", type=int, help="torch threads of each worker (default: torch's)")
     up.add_argument("--log-dir", help="folder for each process's log (default: a new temporary folder)")
     up.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
@@ -400,6 +406,8 @@ def _run_up(args: argparse.Namespace) -> int:
                    "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
     if args.max_model_len:
         router_args += ["--max-model-len", str(args.max_model_len)]
+    roles = ["both"] * args.colocated if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
+    placement = _place_workers(args, roles)  # before anything starts
     cluster = LocalCluster(kv_transfer=args.kv_transfer, kv_checksum=args.kv_checksum, redis_url=args.redis_url,
                            worker_args=worker_args,
                            router_args=router_args, log_dir=args.log_dir, host=args.host, router_port=args.port,
@@ -410,14 +418,15 @@ def _run_up(args: argparse.Namespace) -> int:
     try:
         print(f"Starting the router on {args.host}:{args.port} (logs in {cluster.log_dir})...", file=sys.stderr)
         address = cluster.start_router()
+        on_gpus = f" on GPUs {', '.join(placement)}" if placement else ""
         if args.colocated:
-            print(f"Starting {args.colocated} colocated worker(s)...", file=sys.stderr)
-            cluster.start_workers("both", args.colocated)
+            print(f"Starting {args.colocated} colocated worker(s){on_gpus}...", file=sys.stderr)
+            cluster.start_workers("both", args.colocated, gpus=placement)
         else:
-            print(f"Starting {args.prefill} prefill and {args.decode} decode worker(s), KV over {args.kv_transfer}...",
-                  file=sys.stderr)
-            cluster.start_workers("prefill", args.prefill)
-            cluster.start_workers("decode", args.decode)
+            print(f"Starting {args.prefill} prefill and {args.decode} decode worker(s){on_gpus}, KV over "
+                  f"{args.kv_transfer}...", file=sys.stderr)
+            cluster.start_workers("prefill", args.prefill, gpus=placement and placement[: args.prefill])
+            cluster.start_workers("decode", args.decode, gpus=placement and placement[args.prefill :])
         print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start).", file=sys.stderr)
         print("Processes: " + ", ".join(f"{p.name} pid {p.pid}" for p in cluster.processes()), file=sys.stderr)
         if args.prompt or args.chat:
@@ -437,6 +446,29 @@ def _run_up(args: argparse.Namespace) -> int:
             cluster.remove_log_dir()
         else:
             print(f"Logs kept in {cluster.log_dir}.", file=sys.stderr)
+
+
+def _place_workers(args: argparse.Namespace, roles: list[str]) -> list[str] | None:
+    """Each worker's GPU (a ``CUDA_VISIBLE_DEVICES`` value, in start order) when the workers run on CUDA, else None.
+
+    Raises:
+        ValueError: --gpus where the workers run on the CPU, or GPUs too few for p2p's NCCL pairs (a sentence).
+    """
+    import torch
+
+    from splitserve.engine.config import resolve_device
+    from splitserve.launcher import place_on_gpus, visible_gpus
+
+    if resolve_device(args.device, torch.cuda.is_available()) != "cuda":
+        if args.gpus:
+            raise ValueError("--gpus places workers on GPUs, but they run on the CPU here (--device cpu, or torch "
+                             "finds no CUDA device).")
+        return None
+    if args.gpus:
+        gpus = [entry.strip() for entry in args.gpus.split(",") if entry.strip()]
+    else:
+        gpus = visible_gpus(dict(os.environ), torch.cuda.device_count())
+    return place_on_gpus(roles, gpus, pairs_over_nccl=args.kv_transfer == "p2p" and not args.colocated)
 
 
 def _supervise(cluster) -> int:

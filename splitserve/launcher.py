@@ -42,6 +42,48 @@ _REDIS_TRANSFERS = ("redis", "lmcache")
 _PROGRESS_MARKERS = ("Compiling the C++ CPU kernels", "C++ CPU kernels compiled")
 
 
+def visible_gpus(environ: dict[str, str], device_count: int) -> list[str]:
+    """The GPUs this process may hand its workers, as ``CUDA_VISIBLE_DEVICES`` entries: the ones that variable
+    already lists (indices or UUIDs, in its order), else every device torch counts (0, 1, ...)."""
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [entry.strip() for entry in listed.split(",") if entry.strip()][:device_count]
+    return [str(index) for index in range(device_count)]
+
+
+def place_on_gpus(roles: list[str], gpus: list[str], pairs_over_nccl: bool) -> list[str]:
+    """One ``CUDA_VISIBLE_DEVICES`` value per worker of ``roles`` (prefill, decode, both), in start order.
+
+    Workers take the GPUs in turn. Where prefill and decode workers pair over NCCL (p2p between CUDA caches),
+    which refuses two ranks on one GPU, the GPUs are first divided between the two pools in proportion to
+    their sizes (each pool at least one), and each pool takes its own in turn: no prefill worker shares a GPU
+    with a decode worker, while workers of one pool may share theirs.
+
+    Raises:
+        ValueError: no GPU to place on, or NCCL pairs wanted with fewer than two GPUs (a sentence saying so).
+    """
+    if not gpus:
+        raise ValueError("The workers run on CUDA, but no GPU is visible to place them on.")
+    num_prefill, num_decode = roles.count("prefill"), roles.count("decode")
+    if not (pairs_over_nccl and num_prefill and num_decode):  # no pair to keep apart
+        return [gpus[index % len(gpus)] for index in range(len(roles))]
+    if len(gpus) < 2:
+        raise ValueError(
+            f"--kv-transfer p2p moves KV between GPU caches over NCCL, which cannot pair two workers on one GPU, and "
+            f"only one GPU is visible ({gpus[0]}): give the cluster two or more (--gpus), or move KV through "
+            "--kv-transfer lmcache, or run --colocated workers."
+        )
+    share = min(len(gpus) - 1, max(1, round(len(gpus) * num_prefill / max(1, num_prefill + num_decode))))
+    pools = {"prefill": gpus[:share], "decode": gpus[share:]}
+    taken = {"prefill": 0, "decode": 0}
+    placed = []
+    for role in roles:
+        pool = pools[role]
+        placed.append(pool[taken[role] % len(pool)])
+        taken[role] += 1
+    return placed
+
+
 class ClusterStartError(SplitserveError):
     """A child exited, or stayed silent too long, before it served: the message says which, how, and its last error."""
 
@@ -298,25 +340,29 @@ class LocalCluster:
         return self.router.address
 
     def start_workers(self, role: str, count: int = 1, extra_args: list[str] | None = None,
-                      env: dict[str, str] | None = None) -> list[Process]:
+                      env: dict[str, str] | None = None, gpus: list[str] | None = None) -> list[Process]:
         """Start ``count`` workers of ``role`` (prefill, decode, both) registered with the router; waits until ready.
 
         ``env``: extra environment variables of these workers only (on top of the cluster's ``env``).
+        ``gpus``: one ``CUDA_VISIBLE_DEVICES`` value per worker (:func:`place_on_gpus`); None leaves it alone.
         """
+        if gpus is not None and len(gpus) != count:
+            raise ValueError(f"{count} workers need {count} GPU placements, got {len(gpus)}.")
         if self.router is None:
             raise RuntimeError("Start the router first.")
         uses_redis = self.kv_transfer in _REDIS_TRANSFERS and role != "both"
         if uses_redis and self.redis_url is None:
             self.redis_url = self.start_redis()
         started = []
-        for _ in range(count):
+        for index in range(count):
             args = [_COMMANDS[role], "--host", self.host, "--port", "0", "--router", self.router.address,
                     *self.worker_args, *(extra_args or [])]
             if role != "both":
                 args += ["--kv-transfer", self.kv_transfer, "--kv-checksum", self.kv_checksum]
             if uses_redis:
                 args += ["--kv-address", self.redis_url]
-            started.append(self._spawn(f"{role}{len(self.workers) + len(started)}", args, env))
+            worker_env = {**(env or {}), **({"CUDA_VISIBLE_DEVICES": gpus[index]} if gpus is not None else {})}
+            started.append(self._spawn(f"{role}{len(self.workers) + len(started)}", args, worker_env))
         for process in started:
             line = _wait_ready(process, self.ready_timeout, self.progress).split()
             process.address, process.worker_id = line[1], line[3]

@@ -302,7 +302,11 @@ def test_conditional_disaggregation_and_colocated_give_the_same_tokens(cluster, 
 
 
 def test_decode_pool_scales_at_run_time(cluster, client, prompt_token_ids, hf_reference):
-    drained, crashed = cluster.start_workers("decode", 2)
+    # Each worker gets its own CUDA_VISIBLE_DEVICES, as `up` places workers on GPUs (none used on a CPU build).
+    drained, crashed = cluster.start_workers("decode", 2, gpus=["GPU-test-0", "GPU-test-1"])
+    for process, gpu in ((drained, "GPU-test-0"), (crashed, "GPU-test-1")):
+        environ = open(f"/proc/{process.pid}/environ", "rb").read().split(b"\0")
+        assert f"CUDA_VISIBLE_DEVICES={gpu}".encode() in environ
 
     def listed(process) -> bool:
         return any(w.worker_id == process.worker_id for p in client.cluster_status().pools for w in p.workers)

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from splitserve.common.model_info import cache_dir
 from splitserve.kernels import cpu_ops
@@ -186,4 +187,13 @@ def test_up_with_redis_transfer_and_no_redis_server_says_so_before_starting(tmp_
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     [line] = [line for line in result.stderr.splitlines() if line.strip()]
     assert "none is on the PATH" in line and "--redis-url" in line, line
+    assert seconds < 30 and not list(tmp_path.glob("splitserve-cluster-*")), "nothing was started"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --gpus is valid here")
+def test_up_with_gpus_where_workers_run_on_the_cpu_says_so_before_starting(tmp_path, model_dir):
+    result, seconds = _cli("up", "--gpus", "0,1", "--port", "0", env={"TMPDIR": str(tmp_path)})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "--gpus places workers on GPUs, but they run on the CPU here" in line, line
     assert seconds < 30 and not list(tmp_path.glob("splitserve-cluster-*")), "nothing was started"

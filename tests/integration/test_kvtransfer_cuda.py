@@ -2,7 +2,9 @@
 
 The protocol these tests share with the CPU path runs in CI on CPU (tests/integration/test_kvtransfer.py, with
 the blocks on a second Gloo group). These need CUDA: a pair needs two GPUs (NCCL refuses two ranks on one
-device); the checks on one GPU need one. CI has none: each test says so in its skip reason.
+device); the checks on one GPU need one (a pair on one GPU is refused with a sentence, checked there; the
+sentence itself is checked on CPU in tests/unit/test_gpu_placement.py). CI has none: each test says so in its skip
+reason.
 """
 
 from __future__ import annotations
@@ -97,6 +99,21 @@ def test_a_cuda_sender_and_a_cpu_receiver_are_refused_with_a_sentence():
                                  "refused"], capture_output=True, text=True, timeout=150)
         assert "SENT" not in sender.stdout
         assert "moves blocks over gloo, this worker over gloo+nccl" in sender.stderr, sender.stderr
+    finally:
+        receiver.close()
+
+
+@needs_one_gpu
+def test_a_pair_on_one_gpu_is_refused_with_a_sentence_instead_of_hanging_in_nccl():
+    receiver = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT, device="cuda:0")
+    inbox = DeviceInbox("cuda:0")
+    receiver.start_receiving(inbox.on_payload, inbox.on_error)
+    try:
+        sender = subprocess.run([sys.executable, "-c", CUDA_SENDER, receiver.endpoint().address, "cuda:0", "34",
+                                 "one-gpu"], capture_output=True, text=True, timeout=150)
+        assert "SENT" not in sender.stdout and sender.returncode != 0
+        assert "Both ends of this p2p pair hold their KV caches on one GPU" in sender.stderr, sender.stderr
+        assert not inbox.payloads
     finally:
         receiver.close()
 
