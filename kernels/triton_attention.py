@@ -80,13 +80,13 @@ def prefill_tiles(dtype: torch.dtype, head_dim: int, arch: int | None = None) ->
 
     Half-precision products run on tensor cores: 64 query rows x 64 keys in 4 warps and two pipeline
     stages up to head size 64. From head size 128, on Hopper (sm_90, warp-group products) 128 rows x 64
-    keys in 8 warps and two stages, elsewhere 64 x 64 in 8 warps and three (128 rows spill on sm_80, 4
-    warps spill on both). The Hopper and head-64 tiles were the fastest of nine non-spilling ones timed
-    on an H100 (``benchmarks/kernels.py --prefill-tiles``; README "On an H100"): at head size 128, 1.8-2.0x
-    the 64 x 64 x 8-warp tiles, 0-9% ahead of three stages at 64. Float32 products run in full precision on the CUDA cores, each thread holding a
-    share of both operands: tiles of 16 rows by 16 keys keep them in registers with the loads
-    pipelined (64 x 64 spills hundreds of registers at head size 64, thousands at 128; 32 x 16 still
-    spills at 128 unless unpipelined).
+    keys in 8 warps and two stages, elsewhere 64 x 64 in 8 warps and three (on sm_80, 128 rows spill at
+    head size 128, and so do 4 warps). The Hopper and head-64 tiles were the fastest of nine non-spilling
+    ones timed on an H100 (``benchmarks/kernels.py --prefill-tiles``; README "On an H100"): at head size
+    128, 1.8-2.0x the 64 x 64 x 8-warp tiles; at 64, 0-9% ahead of three stages. Float32 products run in
+    full precision on the CUDA cores, each thread holding a share of both operands: tiles of 16 rows by 16
+    keys keep them in registers with the loads pipelined (64 x 64 spills hundreds of registers at head size
+    64, thousands at 128; 32 x 16 still spills at 128 unless unpipelined).
     """
     if dtype == torch.float32:
         return Tiles(rows=16, key_tile=16, num_warps=4, num_stages=2)
