@@ -5,6 +5,10 @@ Two bfloat16 implementations round differently (the order of each sum, where a v
 outputs may part where two candidates are nearly tied. As vLLM's tests compare its bfloat16 runs with
 transformers' (``check_logprobs_close``): token by token up to the first difference, where each side's token
 must be among the other's 5 most likely; after it the two continue from different text and are not compared.
+Here the parting must also be a near tie: on each side whose log probabilities we have, the other side's token
+within NEAR_TIE of the chosen one. How many outputs part depends on the CPU's arithmetic, not on correctness:
+on an Intel Xeon without AVX512-BF16 (family 6 model 85) 5 of 8 parted with the C++ prompt kernel, every one
+at a gap of 0 or 0.125 (exact bfloat16 ties or one rounding step of a logit), against 3 with torch's SDPA.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from tests.reference import MAX_TOKENS, first_difference, hf_greedy_with_top
 pytestmark = pytest.mark.timeout(900)
 
 TOP = 5
+# Log probabilities (nats) within which two tokens count as nearly tied: eight bfloat16 rounding steps of a
+# logit between 16 and 32 (0.125 each); the partings seen were 0 to 0.25 apart.
+NEAR_TIE = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +63,17 @@ def test_bfloat16_engine_runs_the_kernels_and_agrees_with_transformers(model_dir
             f"prompt {index}, token {at}: ours {ours.token_ids[at]} is not among transformers' top {TOP} {top[at]}")
         assert tokens[at] in ours.logprobs[at], (
             f"prompt {index}, token {at}: transformers' {tokens[at]} is not among our top {TOP} {ours.logprobs[at]}")
+        _assert_near_tie(index, at, ours.token_ids[at], tokens[at], ours.logprobs[at], top[at])
     print(f"bfloat16 offline ({prompt_attention}): {identical} of {len(outputs)} outputs identical to transformers'")
-    # Rounding parts a few near ties, not most outputs.
-    assert identical >= len(outputs) // 2, f"only {identical} of {len(outputs)} outputs identical"
     assert llm.engine.free_block_count == llm.engine.num_kv_blocks
+
+
+def _assert_near_tie(index: int, at: int, ours: int, theirs: int, our_top: dict | None, their_top: dict) -> None:
+    """At the first difference, each side (whose log probabilities we have) nearly tied the two tokens."""
+    for side, top, chosen, other in (("ours", our_top, ours, theirs), ("transformers'", their_top, theirs, ours)):
+        if top is not None:
+            gap = top[chosen] - top[other]
+            assert gap <= NEAR_TIE, f"prompt {index}, token {at}: {side} chose {chosen} by {gap:.3f} nats over {other}"
 
 
 def test_bfloat16_cluster_moves_bfloat16_kv_and_agrees_with_transformers(tmp_path, prompt_token_ids, hf_bfloat16):
@@ -78,8 +92,8 @@ def test_bfloat16_cluster_moves_bfloat16_kv_and_agrees_with_transformers(tmp_pat
                     continue
                 assert ours[at] in top[at], (
                     f"prompt {index}, token {at}: ours {ours[at]} is not among transformers' top {TOP} {top[at]}")
+                _assert_near_tie(index, at, ours[at], tokens[at], None, top[at])
             print(f"bfloat16 cluster: {identical} of {len(prompt_token_ids)} outputs identical to transformers'")
-            assert identical >= len(prompt_token_ids) // 2
             counters = worker_status(decode.address, "decode").counters
             assert counters.num_kv_transfers_received == len(prompt_token_ids) and counters.num_kv_recomputes == 0
             # Whole blocks of 16 tokens x 30 layers x K and V x 3 heads x 64 dims at 2 bytes: at least the longest
