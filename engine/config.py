@@ -7,7 +7,9 @@ from dataclasses import dataclass
 _DTYPES = ("auto", "float32", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 _DEVICES = ("auto", "cpu", "cuda")
-DEFAULT_KV_CACHE_BYTES = 4 * 1024**3  # like vLLM-CPU's default KV space
+DEFAULT_KV_CACHE_BYTES = 4 * 1024**3  # on a CPU, like vLLM-CPU's default KV space
+# On a GPU, the share of its memory an engine may take in all (weights, activations, KV cache), as vLLM's default.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass
@@ -21,7 +23,12 @@ class EngineConfig:
             :func:`resolve_dtype`). On a CPU with AVX512-BF16 or AMX, "bfloat16" runs the projections
             about twice as fast and halves the KV cache's bytes, with bfloat16's rounding.
         block_size: tokens per KV cache block.
-        kv_cache_memory_bytes: KV cache budget in bytes (used when num_kv_blocks is None).
+        kv_cache_memory_bytes: KV cache budget in bytes (used when num_kv_blocks is None); None: 4 GiB on a
+            CPU (DEFAULT_KV_CACHE_BYTES), and on CUDA what ``gpu_memory_utilization`` leaves.
+        gpu_memory_utilization: on CUDA, when neither kv_cache_memory_bytes nor num_kv_blocks is set, the
+            share of the GPU's memory this engine may take in all: its weights and its largest step's
+            activations (measured at start by running one) come first, the KV cache gets the rest (vLLM's
+            ``--gpu-memory-utilization``). None: DEFAULT_GPU_MEMORY_UTILIZATION (0.9). Set on a CPU, refused.
         num_kv_blocks: KV cache size in blocks; overrides the byte budget.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: most tokens in one forward pass (the per-step budget).
@@ -46,7 +53,8 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     block_size: int = 16
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -68,7 +76,12 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
         _require_positive_int("block_size", self.block_size)
-        _require_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.kv_cache_memory_bytes is not None:
+            _require_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and (isinstance(utilization, bool) or not isinstance(utilization, (int, float))
+                                        or not 0 < utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a share of the GPU's memory in (0, 1], got {utilization!r}.")
         if self.num_kv_blocks is not None:
             _require_positive_int("num_kv_blocks", self.num_kv_blocks)
         _require_positive_int("max_num_seqs", self.max_num_seqs)

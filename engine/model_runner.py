@@ -15,9 +15,18 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.common.model_info import cache_dir
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan
-from splitserve.engine.config import EngineConfig, resolve_attention_backend, resolve_device, resolve_dtype
+from splitserve.engine.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_KV_CACHE_BYTES,
+    EngineConfig,
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+)
 from splitserve.engine.cuda_graphs import DecodeGraphs, DecodeInputs
+from splitserve.engine.gpu_memory import gpu_kv_cache_bytes, measure_step_bytes
 from splitserve.engine.host_allocator import keep_freed_buffers_in_heap
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.request import Request
@@ -29,12 +38,18 @@ _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
 
 
 def num_kv_blocks_for_budget(config: EngineConfig, model_config: ModelConfig, dtype: str) -> int:
-    """KV blocks of ``dtype`` (resolved: "float32" or "bfloat16") that fit the configured budget (or the
-    explicit block count)."""
+    """KV blocks of ``dtype`` (resolved: "float32" or "bfloat16") that fit the configured budget (None: the CPU's
+    default, 4 GiB), or the explicit block count."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     bytes_per_token = model_config.kv_bytes_per_token // 4 * _ELEMENT_SIZE[dtype]
-    return max(1, config.kv_cache_memory_bytes // (bytes_per_token * config.block_size))
+    budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+    return max(1, budget // (bytes_per_token * config.block_size))
+
+
+def _layer_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, a view [2, kv_heads, num_blocks, block_size, head_dim] of a block-major cache."""
+    return [kv_cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(kv_cache.shape[1])]
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
@@ -118,21 +133,12 @@ class ModelRunner:
             use_graphs = self.device == "cuda" and backend == "triton"
         elif use_graphs:
             _check_graphs_possible(self.device, backend)  # before the weights load
+        if self.device != "cuda" and config.gpu_memory_utilization is not None:
+            raise ValueError("gpu_memory_utilization sizes the KV cache of an engine on a GPU; this one runs on the "
+                             "CPU, where the cache takes kv_cache_memory_bytes (--kv-cache-gb, default 4 GiB).")
         self.dtype_name = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype_name, max_model_len, self.device)
         self.dtype = self.model.model.embed_tokens.weight.dtype
-        self.num_blocks = num_kv_blocks_for_budget(config, model_config, self.dtype_name)
-        # Block-major: [num_blocks, layers, 2, kv_heads, block_size, head_dim]. One block holds its tokens'
-        # KV for every layer in one contiguous piece, so KV connectors send and receive whole blocks
-        # straight from and into the cache, without gathering (as SGLang's "page_first" host layout).
-        self.kv_cache = allocate_kv_cache(
-            (self.num_blocks, model_config.num_hidden_layers, 2, model_config.num_key_value_heads,
-             self.block_size, model_config.head_dim),
-            self.dtype,
-            self.device,
-        )
-        # Per layer, a view [2, kv_heads, num_blocks, block_size, head_dim] (strided: blocks far apart).
-        self.kv_caches = [self.kv_cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(self.kv_cache.shape[1])]
         self.use_cpu_kernel = _use_cpu_kernel(backend, self.dtype)
         # Prompt chunks attend in one C++ call over the paged cache where the kernel takes the head size, except
         # in bfloat16 on CPUs with AMX: torch's SDPA multiplies in AMX tiles there and runs prompt attention
@@ -143,8 +149,15 @@ class ModelRunner:
         # Triton: KV writes, all attention and the fused element-wise layer operations.
         self.use_triton_kernel = backend == "triton"
         if self.use_triton_kernel:
-            triton_attention.check_usable(self.kv_cache.device)
+            triton_attention.check_usable(torch.device(self.device))
         self.model.use_kernels(cpu_ops if self.use_cpu_kernel else triton_ops if self.use_triton_kernel else None)
+        self.num_blocks = self._num_kv_blocks(config, max_model_len)
+        # Block-major: [num_blocks, layers, 2, kv_heads, block_size, head_dim]. One block holds its tokens'
+        # KV for every layer in one contiguous piece, so KV connectors send and receive whole blocks
+        # straight from and into the cache, without gathering (as SGLang's "page_first" host layout).
+        self.kv_cache = allocate_kv_cache(self._cache_shape(self.num_blocks), self.dtype, self.device)
+        # Per layer, a view [2, kv_heads, num_blocks, block_size, head_dim] (strided: blocks far apart).
+        self.kv_caches = _layer_views(self.kv_cache)
         self.sampler = Sampler(config.seed)
         self.decode_graphs: DecodeGraphs | None = None
         if use_graphs:
@@ -159,6 +172,52 @@ class ModelRunner:
         _check_graphs_possible(self.device if capture else None, self.attention_backend)
         return DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs, max_model_len, self.device,
                             capture)
+
+    def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        config = self.model_config
+        return (num_blocks, config.num_hidden_layers, 2, config.num_key_value_heads, self.block_size, config.head_dim)
+
+    def _num_kv_blocks(self, config: EngineConfig, max_model_len: int) -> int:
+        """The cache's blocks: as configured, or on CUDA what ``gpu_memory_utilization`` leaves once the weights
+        and the largest step's activations (measured by running one) are counted (``engine/gpu_memory.py``)."""
+        if self.device != "cuda" or config.num_kv_blocks is not None or config.kv_cache_memory_bytes is not None:
+            return num_kv_blocks_for_budget(config, self.model_config, self.dtype_name)
+        weight_bytes = torch.cuda.memory_allocated()
+        activation_bytes = measure_step_bytes(
+            lambda: self.profile_step(config.max_num_batched_tokens, config.max_num_seqs, max_model_len))
+        free, total = torch.cuda.mem_get_info()
+        utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        budget = gpu_kv_cache_bytes(total, free, utilization, weight_bytes, activation_bytes)
+        block_bytes = math.prod(self._cache_shape(1)) * self.model.model.embed_tokens.weight.element_size()
+        return max(1, budget // block_bytes)
+
+    @torch.inference_mode()
+    def profile_step(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+        """Run the largest step this engine can be given, on a scratch KV cache of its own: ``num_tokens`` prompt
+        tokens (as few requests as ``max_model_len`` allows) through the model, then logits for ``max_num_seqs``
+        rows through the sampler's most expensive path (penalties, top-k, top-p, log probabilities). For
+        :func:`measure_step_bytes`; the engine's cache, its sampler's random state and the model are untouched.
+
+        Returns: the scratch cache's bytes (freed on return).
+        """
+        lengths = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
+        lengths = lengths[:max_num_seqs]
+        blocks_per_request = [-(-length // self.block_size) for length in lengths]
+        scratch = allocate_kv_cache(self._cache_shape(sum(blocks_per_request)), self.dtype, self.device)
+        vocab_size = self.model_config.vocab_size
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1, logprobs=20)
+        scheduled, block_tables, first_block = [], {}, 0
+        for index, (length, num_blocks) in enumerate(zip(lengths, blocks_per_request)):
+            request = Request(f"profile-{index}", [(index + token) % vocab_size for token in range(length)], params)
+            scheduled.append(ScheduledRequest(request, length, sample=True))
+            block_tables[request.request_id] = list(range(first_block, first_block + num_blocks))
+            first_block += num_blocks
+        inputs = self._prepare(scheduled, block_tables)
+        hidden = self.model(inputs.input_ids, inputs.positions, _layer_views(scratch), inputs.metadata)
+        rows = min(max_num_seqs, hidden.shape[0])
+        requests = [Request(f"profile-sample-{row}", [row % vocab_size], params) for row in range(rows)]
+        Sampler(0)(self.model.compute_logits(hidden[:rows]), requests)
+        return scratch.numel() * scratch.element_size()
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, block_tables: dict[str, list[int]]) -> list[SampledToken]:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from splitserve import __version__
 from splitserve.common.errors import SplitserveError
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import DEFAULT_KV_CACHE_BYTES
+from splitserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,8 +110,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "on CPUs with AVX512-BF16 or AMX, with bfloat16's rounding) (default: %(default)s)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     group.add_argument(
-        "--kv-cache-gb", type=float, default=DEFAULT_KV_CACHE_BYTES / 1024**3,
-        help="KV cache budget in GiB, allocated once at start (default: %(default)s)",
+        "--kv-cache-gb", type=float,
+        help=f"KV cache budget in GiB, allocated once at start (default: {DEFAULT_KV_CACHE_BYTES / 1024**3:g} on a "
+        "CPU; on CUDA what --gpu-memory-utilization leaves)",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization", type=float, metavar="SHARE",
+        help="on CUDA without --kv-cache-gb: the share of the GPU's memory the engine may take in all, in (0, 1]; "
+        "the weights and the largest step's activations (measured at start by running one) come first and the "
+        f"KV cache gets the rest, as vLLM's flag (default: {DEFAULT_GPU_MEMORY_UTILIZATION:g}; `splitserve up` "
+        "divides it among the workers sharing a GPU); refused on a CPU",
     )
     group.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default: %(default)s)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: %(default)s)")
@@ -165,7 +173,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype,
         block_size=args.block_size,
-        kv_cache_memory_bytes=int(args.kv_cache_gb * 1024**3),
+        kv_cache_memory_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 1024**3),
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

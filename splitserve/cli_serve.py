@@ -378,6 +378,9 @@ def _run_up(args: argparse.Namespace) -> int:
         raise ValueError("A cluster needs at least one decode worker (--decode) or colocated worker (--colocated).")
     if args.port and (problem := bind_problem(f"{args.host}:{args.port}")):  # in a second, not after a start
         raise ValueError(f"Cannot listen on {args.host}:{args.port}: {problem}.")
+    from splitserve.engine.config import EngineConfig
+
+    EngineConfig(**_engine_options(args))  # a bad engine flag is refused once here, not by every worker
     # Convert the default model once, before any process starts: the router reads it but never converts it.
     model_dir = str(resolve_model(args.model))
     worker_args = _engine_flags(args, model_dir)
@@ -408,6 +411,7 @@ def _run_up(args: argparse.Namespace) -> int:
         router_args += ["--max-model-len", str(args.max_model_len)]
     roles = ["both"] * args.colocated if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     placement = _place_workers(args, roles)  # before anything starts
+    shares = _memory_shares(args, placement)
     cluster = LocalCluster(kv_transfer=args.kv_transfer, kv_checksum=args.kv_checksum, redis_url=args.redis_url,
                            worker_args=worker_args,
                            router_args=router_args, log_dir=args.log_dir, host=args.host, router_port=args.port,
@@ -421,12 +425,14 @@ def _run_up(args: argparse.Namespace) -> int:
         on_gpus = f" on GPUs {', '.join(placement)}" if placement else ""
         if args.colocated:
             print(f"Starting {args.colocated} colocated worker(s){on_gpus}...", file=sys.stderr)
-            cluster.start_workers("both", args.colocated, gpus=placement)
+            cluster.start_workers("both", args.colocated, gpus=placement, memory_shares=shares)
         else:
             print(f"Starting {args.prefill} prefill and {args.decode} decode worker(s){on_gpus}, KV over "
                   f"{args.kv_transfer}...", file=sys.stderr)
-            cluster.start_workers("prefill", args.prefill, gpus=placement and placement[: args.prefill])
-            cluster.start_workers("decode", args.decode, gpus=placement and placement[args.prefill :])
+            cluster.start_workers("prefill", args.prefill, gpus=placement and placement[: args.prefill],
+                                  memory_shares=shares and shares[: args.prefill])
+            cluster.start_workers("decode", args.decode, gpus=placement and placement[args.prefill :],
+                                  memory_shares=shares and shares[args.prefill :])
         print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start).", file=sys.stderr)
         print("Processes: " + ", ".join(f"{p.name} pid {p.pid}" for p in cluster.processes()), file=sys.stderr)
         if args.prompt or args.chat:
@@ -463,12 +469,26 @@ def _place_workers(args: argparse.Namespace, roles: list[str]) -> list[str] | No
         if args.gpus:
             raise ValueError("--gpus places workers on GPUs, but they run on the CPU here (--device cpu, or torch "
                              "finds no CUDA device).")
+        if args.gpu_memory_utilization is not None:
+            raise ValueError("--gpu-memory-utilization sizes the KV caches of workers on GPUs, but they run on the "
+                             "CPU here (--device cpu, or torch finds no CUDA device): size them with --kv-cache-gb.")
         return None
     if args.gpus:
         gpus = [entry.strip() for entry in args.gpus.split(",") if entry.strip()]
     else:
         gpus = visible_gpus(dict(os.environ), torch.cuda.device_count())
     return place_on_gpus(roles, gpus, pairs_over_nccl=args.kv_transfer == "p2p" and not args.colocated)
+
+
+def _memory_shares(args: argparse.Namespace, placement: list[str] | None) -> list[float] | None:
+    """Each worker's --gpu-memory-utilization (in start order): the cluster's share of each GPU divided among the
+    workers placed on it; None where the workers are on the CPU or their caches have a size (--kv-cache-gb)."""
+    if placement is None or args.kv_cache_gb is not None:
+        return None
+    from splitserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
+    from splitserve.launcher import gpu_memory_shares
+
+    return gpu_memory_shares(placement, args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
 
 
 def _supervise(cluster) -> int:
@@ -546,10 +566,12 @@ def _resolved_dtype(args: argparse.Namespace) -> str:
 def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
     """The engine flags of ``up``, passed on to every worker."""
     flags = ["--model", model_dir, "--dtype", _resolved_dtype(args), "--block-size", str(args.block_size),
-             "--kv-cache-gb", str(args.kv_cache_gb), "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--engine-seed", str(args.engine_seed), "--attention-backend", args.attention_backend,
              "--device", args.device]
+    if args.kv_cache_gb is not None:  # else each worker's default (on GPUs, its share: _memory_shares)
+        flags += ["--kv-cache-gb", str(args.kv_cache_gb)]
     if args.max_model_len:
         flags += ["--max-model-len", str(args.max_model_len)]
     if args.no_chunked_prefill:

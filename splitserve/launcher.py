@@ -84,6 +84,13 @@ def place_on_gpus(roles: list[str], gpus: list[str], pairs_over_nccl: bool) -> l
     return placed
 
 
+def gpu_memory_shares(placed: list[str], utilization: float) -> list[float]:
+    """Each worker's share of its GPU's memory (its ``--gpu-memory-utilization``), for workers placed on ``placed``
+    (:func:`place_on_gpus`): ``utilization`` divided evenly among the workers on one GPU, so that together they
+    take no more than it (each engine sizes its KV cache from its own share)."""
+    return [utilization / placed.count(gpu) for gpu in placed]
+
+
 class ClusterStartError(SplitserveError):
     """A child exited, or stayed silent too long, before it served: the message says which, how, and its last error."""
 
@@ -340,14 +347,17 @@ class LocalCluster:
         return self.router.address
 
     def start_workers(self, role: str, count: int = 1, extra_args: list[str] | None = None,
-                      env: dict[str, str] | None = None, gpus: list[str] | None = None) -> list[Process]:
+                      env: dict[str, str] | None = None, gpus: list[str] | None = None,
+                      memory_shares: list[float] | None = None) -> list[Process]:
         """Start ``count`` workers of ``role`` (prefill, decode, both) registered with the router; waits until ready.
 
         ``env``: extra environment variables of these workers only (on top of the cluster's ``env``).
         ``gpus``: one ``CUDA_VISIBLE_DEVICES`` value per worker (:func:`place_on_gpus`); None leaves it alone.
+        ``memory_shares``: one ``--gpu-memory-utilization`` per worker (:func:`gpu_memory_shares`); None passes none.
         """
-        if gpus is not None and len(gpus) != count:
-            raise ValueError(f"{count} workers need {count} GPU placements, got {len(gpus)}.")
+        for name, placements in (("GPU placements", gpus), ("memory shares", memory_shares)):
+            if placements is not None and len(placements) != count:
+                raise ValueError(f"{count} workers need {count} {name}, got {len(placements)}.")
         if self.router is None:
             raise RuntimeError("Start the router first.")
         uses_redis = self.kv_transfer in _REDIS_TRANSFERS and role != "both"
@@ -361,6 +371,8 @@ class LocalCluster:
                 args += ["--kv-transfer", self.kv_transfer, "--kv-checksum", self.kv_checksum]
             if uses_redis:
                 args += ["--kv-address", self.redis_url]
+            if memory_shares is not None:
+                args += ["--gpu-memory-utilization", f"{memory_shares[index]:.6g}"]
             worker_env = {**(env or {}), **({"CUDA_VISIBLE_DEVICES": gpus[index]} if gpus is not None else {})}
             started.append(self._spawn(f"{role}{len(self.workers) + len(started)}", args, worker_env))
         for process in started:

@@ -123,3 +123,54 @@ def test_decode_steps_replayed_from_cuda_graphs_give_transformers_tokens(model_d
 def test_cuda_graphs_are_refused_on_a_cpu_with_a_sentence(model_dir):
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
         LLM(str(model_dir), num_kv_blocks=16, max_model_len=256, device="cpu", cuda_graphs=True)
+
+
+# ---- the KV cache's size on a GPU: what gpu_memory_utilization leaves (engine/gpu_memory.py) ----------------
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_the_largest_step_runs_on_a_scratch_cache_and_changes_nothing(model_dir, prompt_token_ids, hf_reference,
+                                                                      backend):
+    """The step an engine on CUDA runs at start to measure its activations, run here on the CPU (where nothing is
+    measured): 600 prompt tokens as requests of at most 256 (256, 256 and 88 tokens) on a scratch cache, then 4
+    rows through the sampler; the engine's own cache, its sampler's random state and its tokens are untouched."""
+    llm = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, device="cpu", attention_backend=backend)
+    runner = llm.engine.model_runner
+    state = runner.sampler.generator.get_state()
+    size = runner.block_size
+    block_bytes = runner.kv_cache[0].numel() * runner.kv_cache.element_size()
+    assert runner.profile_step(600, 4, 256) == sum(-(-length // size) for length in (256, 256, 88)) * block_bytes
+    assert runner.profile_step(40, 4, 256) == -(-40 // size) * block_bytes  # fewer tokens than sampled rows
+    assert not runner.kv_cache.any()
+    assert torch.equal(runner.sampler.generator.get_state(), state)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids[:3]], GREEDY)
+    assert [output.outputs[0].token_ids for output in outputs] == hf_reference[:3]
+
+
+def test_a_gpu_share_on_a_cpu_is_refused_with_a_sentence(model_dir):
+    with pytest.raises(ValueError, match="gpu_memory_utilization sizes the KV cache of an engine on a GPU; this "
+                                         "one runs on the CPU"):
+        LLM(str(model_dir), device="cpu", gpu_memory_utilization=0.5)
+
+
+@needs_cuda
+def test_on_cuda_the_cache_takes_what_the_share_leaves(model_dir, prompt_token_ids, hf_reference):
+    # A small share: make test-gpu runs eight test processes on the GPU at once.
+    free, total = torch.cuda.mem_get_info()
+    share = min(0.05, 0.5 * free / total)
+    held_before = torch.cuda.memory_allocated()
+    llm = LLM(str(model_dir), max_model_len=2048, device="cuda", dtype="float32", gpu_memory_utilization=share)
+    runner = llm.engine.model_runner
+    cache_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    held = torch.cuda.memory_allocated() - held_before  # weights, cache and the captured graphs' static buffers
+    # The engine holds its share less one step's activations (under 2 GiB for this model), most of it cache.
+    assert share * total - 2 * 1024**3 <= held <= share * total
+    assert cache_bytes >= 0.5 * held
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids[:3]], GREEDY)
+    assert [output.outputs[0].token_ids for output in outputs] == hf_reference[:3]
+
+
+@needs_cuda
+def test_on_cuda_a_share_too_small_for_the_weights_is_refused_with_a_sentence(model_dir):
+    with pytest.raises(ValueError, match="leave nothing for the KV cache: raise gpu_memory_utilization"):
+        LLM(str(model_dir), max_model_len=2048, device="cuda", gpu_memory_utilization=1e-6)
