@@ -110,9 +110,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "on CPUs with AVX512-BF16 or AMX, with bfloat16's rounding) (default: %(default)s)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     group.add_argument(
-        "--kv-cache-gb", type=float,
-        help=f"KV cache budget in GiB, allocated once at start (default: {DEFAULT_KV_CACHE_BYTES / 1024**3:g} on a "
-        "CPU; on CUDA what --gpu-memory-utilization leaves)",
+        "--kv-cache-gb", type=_gib_or_auto, metavar="GIB",
+        help=f"KV cache budget in GiB, allocated once at start; auto (the default): {DEFAULT_KV_CACHE_BYTES / 1024**3:g} "
+        "on a CPU, on CUDA what --gpu-memory-utilization leaves",
     )
     group.add_argument(
         "--gpu-memory-utilization", type=float, metavar="SHARE",
@@ -151,6 +151,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true",
         help="never capture CUDA graphs: every step launches its kernels one by one (as vLLM's flag; for "
         "debugging, or to save the capture's start-up time and memory)")
+
+
+def _gib_or_auto(text: str) -> float | None:
+    """--kv-cache-gb's value: a number of GiB, or "auto" (None: sized by the device), so that a template can say
+    either."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB or auto, got {text!r}") from None
 
 
 def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.rpc.convert import worker_load_to_pb
 from splitserve.rpc.counters import Counters
-from splitserve.rpc.worker_config import ROLES, WorkerConfig
+from splitserve.rpc.worker_config import ROLES, WorkerConfig, kv_transfer_problem
 from splitserve.v1 import inference_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -74,11 +74,9 @@ class WorkerRuntime:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.engine = LLMEngine(config.engine)
-        on_device = self.engine.kv_cache_tensor.device.type != "cpu"
-        if on_device and config.role != "both" and config.kv_transfer == "redis":
-            raise ValueError("--kv-transfer redis moves KV between CPU caches only; this worker's cache is on CUDA: "
-                             "use --kv-transfer p2p (NCCL between GPU caches), lmcache, colocated workers, or "
-                             "--device cpu.")
+        problem = kv_transfer_problem(config.role, config.kv_transfer, self.engine.kv_cache_tensor.device.type != "cpu")
+        if problem:
+            raise ValueError(problem)
         self.loop = EngineLoop(self.engine)
         self.model_fingerprint = model_fingerprint(self.engine.model_dir, self.engine.model_runner.dtype_name)
         self.counters = Counters()

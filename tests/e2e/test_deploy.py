@@ -22,6 +22,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.cli import build_parser
+from splitserve.rpc.worker_config import kv_transfer_problem
 from tests.cluster_helpers import start_cluster, wait_until
 from tests.e2e.test_metrics import scrape
 
@@ -97,6 +98,10 @@ def test_every_container_command_parses_and_its_ports_and_probes_agree(rendered)
             assert grace >= pre_stop + parsed.drain_timeout + 5, (command, grace)
             if command in ("prefill", "decode"):
                 assert parsed.host == POD_IP and parsed.router == "splitserve-router:50051"
+                # The GPU overlay's workers run on CUDA: their KV connector must take a cache there.
+                assert kv_transfer_problem(command, parsed.kv_transfer, cache_on_device=overlay == "gpu") is None
+                if parsed.kv_transfer == "p2p":  # the rendezvous binds the pod's address
+                    assert parsed.kv_address in ("", POD_IP), (overlay, command)
                 router_service = next(s for s in services if s["metadata"]["name"] == "splitserve-router")
                 assert 50051 in [port["port"] for port in router_service["spec"]["ports"]]
         for service in services:  # every Service's target port is a named port of the pods it selects

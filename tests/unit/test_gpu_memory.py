@@ -1,6 +1,7 @@
 """Sizing the KV cache of an engine on a GPU from ``gpu_memory_utilization`` (engine/gpu_memory.py), the flags that
-set it, and ``up`` dividing it among the workers that share a GPU. The measurement itself (a step run at start)
-runs on CPU in tests/e2e/test_gpu_memory_profile.py, and on a GPU in tests/integration/test_engine_device.py."""
+set it (``--kv-cache-gb auto``), ``up`` dividing it among the workers that share a GPU, and which KV connectors take
+a cache on CUDA. The step run at start to measure activations runs on CPU, and the measurement on a GPU, in
+tests/integration/test_engine_device.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from splitserve.cli_serve import _engine_flags, _memory_shares, _place_workers
 from splitserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from splitserve.engine.gpu_memory import gpu_kv_cache_bytes
 from splitserve.launcher import gpu_memory_shares
+from splitserve.rpc.worker_config import kv_transfer_problem
 
 GIB = 1024**3
 
@@ -92,3 +94,23 @@ def test_up_refuses_a_gpu_share_for_workers_on_the_cpu():
                                          "run on the CPU here"):
         _place_workers(_parse("--gpu-memory-utilization", "0.5"), ["prefill", "decode"])
     assert _place_workers(_parse(), ["prefill", "decode"]) is None
+
+
+@pytest.mark.parametrize(("text", "gib"), [("auto", None), ("AUTO", None), ("2", 2.0), ("0.25", 0.25)])
+def test_a_cache_size_may_be_auto(text, gib):
+    assert _parse("--kv-cache-gb", text).kv_cache_gb == gib
+
+
+def test_a_cache_size_that_is_neither_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        _parse("--kv-cache-gb", "lots")
+    assert "expected a number of GiB or auto, got 'lots'" in capsys.readouterr().err
+
+
+def test_redis_is_refused_for_a_cache_on_cuda_only():
+    problem = kv_transfer_problem("decode", "redis", cache_on_device=True)
+    assert problem.startswith("--kv-transfer redis moves KV between CPU caches only")
+    assert kv_transfer_problem("decode", "redis", cache_on_device=False) is None
+    assert kv_transfer_problem("both", "redis", cache_on_device=True) is None  # colocated: no KV moves
+    assert all(kv_transfer_problem(role, transfer, cache_on_device=True) is None
+               for role in ("prefill", "decode") for transfer in ("p2p", "lmcache"))
