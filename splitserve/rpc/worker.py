@@ -77,6 +77,9 @@ class WorkerRuntime:
         problem = kv_transfer_problem(config.role, config.kv_transfer, self.engine.kv_cache_tensor.device.type != "cpu")
         if problem:
             raise ValueError(problem)
+        cache = self.engine.kv_cache_tensor
+        logger.info("KV cache: %d blocks of %d tokens, %.2f GiB on %s", self.engine.num_kv_blocks,
+                    config.engine.block_size, cache.numel() * cache.element_size() / 1024**3, cache.device.type)
         self.loop = EngineLoop(self.engine)
         self.model_fingerprint = model_fingerprint(self.engine.model_dir, self.engine.model_runner.dtype_name)
         self.counters = Counters()

@@ -114,3 +114,14 @@ def test_redis_is_refused_for_a_cache_on_cuda_only():
     assert kv_transfer_problem("both", "redis", cache_on_device=True) is None  # colocated: no KV moves
     assert all(kv_transfer_problem(role, transfer, cache_on_device=True) is None
                for role in ("prefill", "decode") for transfer in ("p2p", "lmcache"))
+
+
+def test_up_on_gpus_refuses_redis_before_anything_starts(monkeypatch):
+    # The branch `up` takes where torch finds GPUs, taken here by saying it does: placement only, nothing runs.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(ValueError, match="--kv-transfer redis moves KV between CPU caches only"):
+        _place_workers(_parse("--kv-transfer", "redis"), ["prefill", "decode"])
+    assert _place_workers(_parse("--kv-transfer", "redis"), ["both"]) == ["0"]  # colocated: no KV moves
+    assert _place_workers(_parse("--kv-transfer", "p2p"), ["prefill", "decode"]) == ["0", "1"]
