@@ -45,17 +45,34 @@ def _compiler_env() -> dict:
     return env
 
 
-@pytest.fixture(scope="module", params=sorted(RUNS))
-def reports(request, tmp_path_factory):
-    gpu = request.param
-    path = tmp_path_factory.mktemp("aot") / f"{gpu}.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "splitserve.kernels.triton_aot", "--gpu", gpu, *RUNS[gpu], "--json", str(path)],
-        capture_output=True, text=True, env=_compiler_env(), timeout=500,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert f"compiled for {GPUS[gpu].name}" in result.stdout
-    return json.loads(path.read_text())
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every run of RUNS, compiled side by side (each compiler process is single-threaded): reports by GPU."""
+    folder = tmp_path_factory.mktemp("aot")
+    runs = {
+        gpu: subprocess.Popen(
+            [sys.executable, "-m", "splitserve.kernels.triton_aot", "--gpu", gpu, *flags, "--json", str(folder / gpu)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_compiler_env())
+        for gpu, flags in RUNS.items()
+    }
+    results = {}
+    try:
+        for gpu, process in runs.items():
+            stdout, stderr = process.communicate(timeout=500)
+            assert process.returncode == 0, stderr[-4000:]
+            assert f"compiled for {GPUS[gpu].name}" in stdout
+            results[gpu] = json.loads((folder / gpu).read_text())
+    finally:
+        for process in runs.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results
+
+
+@pytest.fixture(params=sorted(RUNS))
+def reports(request, compiled):
+    return compiled[request.param]
 
 
 def test_every_kernel_compiles_for_every_shape_and_dtype(reports):
