@@ -173,20 +173,21 @@ def _paged_attention_triton(
     scale: float,
 ) -> torch.Tensor:
     """paged_attention through the Triton kernels: the KV write, one decode launch per group and one
-    varlen launch for every prefill chunk (their context read from the cache in place)."""
+    varlen launch for every prefill chunk (their context read from the cache in place), each writing its
+    rows of the step's output in place (no copy: on a GPU an eager step pays for every launch)."""
     triton_attention.store_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
     output = torch.empty_like(query)
     for group in metadata.decode_groups:
         rows = slice(group.row_start, group.row_end)
-        output[rows] = triton_attention.paged_decode_attention(
-            query[rows], key_cache, value_cache, group.block_tables, group.seq_lens, scale
+        triton_attention.paged_decode_attention(
+            query[rows], key_cache, value_cache, group.block_tables, group.seq_lens, scale, out=output[rows]
         )
     batch = metadata.prefill_batch  # built once per step by the model runner, shared by every layer
     if batch is not None:
         rows = slice(batch.row_start, None)
-        output[rows] = triton_attention.paged_prefill_attention(
+        triton_attention.paged_prefill_attention(
             query[rows], key[rows], value[rows], key_cache, value_cache, batch.query_start_loc, batch.context_lens,
-            batch.block_tables, scale, max_query_len=batch.max_query_len,
+            batch.block_tables, scale, max_query_len=batch.max_query_len, out=output[rows],
         )
     return output
 

@@ -153,6 +153,7 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     tiles: Tiles | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per request attending to its whole paged context, split-K over the context.
 
@@ -165,14 +166,15 @@ def paged_decode_attention(
     blocks are never read); seq_lens: [requests] int, context lengths with the new token, each at
     least 1 and at most max_blocks * block_size. num_splits: None chooses from the context length
     (:func:`choose_num_splits`); tests set it. tiles: None chooses by dtype and head size
-    (:func:`decode_tiles`); tests set it.
+    (:func:`decode_tiles`); tests set it. out: where to write the result (any strides, query's shape and
+    dtype: the engine's step output, rows of these requests), saving a copy; None: a new tensor.
 
-    Returns: a new [requests, q_heads, head_dim] tensor in query's dtype.
+    Returns: ``out``, or a new [requests, q_heads, head_dim] tensor in query's dtype.
     """
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = key_cache.shape
     _check_grouping(num_q_heads, num_kv_heads)
-    output = torch.empty((num_seqs, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    output = _output_for(query, out)
     if num_seqs == 0:
         return output
     max_context = block_tables.shape[1] * block_size  # an upper bound known without reading seq_lens
@@ -220,6 +222,7 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
     tiles: Tiles | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened batch of prompt chunks over their cached context and themselves.
 
@@ -235,13 +238,14 @@ def paged_prefill_attention(
     max_blocks] int, covering each chunk's context. max_query_len: the longest chunk, when the
     caller knows it (else read from query_start_loc, a device sync on GPUs). tiles: None chooses by
     dtype, head size and query's GPU (:func:`prefill_tiles`); tests and ahead-of-time compiles set it.
+    out: where to write the result (as :func:`paged_decode_attention`'s); None: a new tensor.
 
-    Returns: a new [tokens, q_heads, head_dim] tensor in query's dtype.
+    Returns: ``out``, or a new [tokens, q_heads, head_dim] tensor in query's dtype.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     _check_grouping(num_q_heads, num_kv_heads)
-    output = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    output = _output_for(query, out)
     num_chunks = query_start_loc.shape[0] - 1
     if num_tokens == 0 or num_chunks == 0:
         return output
@@ -285,6 +289,16 @@ def _fp32_dot(dtype: torch.dtype) -> bool:
     """Whether attention products run in float32 (see _attend_tile_step): for float32 inputs, and
     always in the interpreter."""
     return dtype == torch.float32 or interpreting()
+
+
+def _output_for(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` checked against ``query`` (the kernels write it through its strides), or a new tensor like it."""
+    if out is None:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"out must match the query: {tuple(query.shape)} {query.dtype} on {query.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}.")
+    return out
 
 
 def _check_grouping(num_q_heads: int, num_kv_heads: int) -> None:

@@ -315,3 +315,33 @@ def test_prefill_tile_shapes_agree(tiles):
 def test_prefill_of_an_empty_batch_is_empty():
     run_prefill_case(3, 1, 64, 16, [], [], torch.float32, seed=8)
     run_prefill_case(3, 1, 64, 16, [4, 0, 9], [0, 3, 0], torch.float32, seed=9)  # chunks of no tokens
+
+
+def test_both_launches_write_into_rows_of_a_given_output():
+    """``out``: the engine's step output, decode rows first and prefill rows after, each launch writing its rows in
+    place through the view's strides (no copy), the same numbers as into a tensor of its own, the rest untouched."""
+    query, key_cache, value_cache, tables, seq_lens = decode_inputs(6, 2, 64, 16, [5, 40, 70], torch.float32, seed=4)
+    expected = triton_attention.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, 0.125)
+    step = torch.full((3 + 7, 6, 64), 7.0, device=DEVICE)
+    returned = triton_attention.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, 0.125,
+                                                       num_splits=2, out=step[:3])
+    assert returned.data_ptr() == step.data_ptr()
+    torch.testing.assert_close(step[:3], expected, atol=1e-6, rtol=1e-6)
+    assert bool((step[3:] == 7.0).all())
+
+    prompt = torch.randn(7, 6 + 2 + 2, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    prompt_query, prompt_key, prompt_value = prompt.split([6, 2, 2], dim=1)
+    starts, contexts = torch.tensor([0, 7], dtype=torch.int32, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    arguments = (prompt_query, prompt_key, prompt_value, key_cache, value_cache, starts, contexts, tables[:1], 0.125)
+    expected = triton_attention.paged_prefill_attention(*arguments)
+    triton_attention.paged_prefill_attention(*arguments, out=step[3:])
+    torch.testing.assert_close(step[3:], expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(step[:3], returned, atol=0, rtol=0)
+
+
+def test_an_output_that_does_not_match_the_query_is_refused():
+    query, key_cache, value_cache, tables, seq_lens = decode_inputs(3, 1, 64, 16, [5, 9], torch.float32, seed=6)
+    for wrong in (torch.empty(3, 3, 64), torch.empty(2, 3, 64, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="out must match the query"):
+            triton_attention.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, 0.125,
+                                                    out=wrong.to(DEVICE))
