@@ -2,7 +2,8 @@
 
 An engine may take ``utilization`` of the GPU's memory in all. Its weights (everything its torch allocator
 holds once the model is loaded) and the activations of its largest step come first; the KV cache gets the rest.
-The activations are measured, not guessed: at start the model runner runs one step of
+The weights are what loading the model added to the process's allocator (an earlier engine in the same
+process is not counted as this one's). The activations are measured, not guessed: at start the model runner runs one step of
 ``max_num_batched_tokens`` prompt tokens and samples ``max_num_seqs`` rows through the sampler's most
 expensive path (``ModelRunner.profile_step``), and the torch allocator's peak above what it held before is
 the step's share. Every figure is the process's own (the allocator's counters), so engines starting side
@@ -47,7 +48,8 @@ def gpu_kv_cache_bytes(total: int, free: int, utilization: float, weight_bytes: 
         raise ValueError(
             f"The KV cache would take {budget / _GIB:.2f} GiB (gpu_memory_utilization={utilization:g} of "
             f"{total / _GIB:.2f} GiB, less weights and activations), but only {free / _GIB:.2f} GiB of the GPU is "
-            f"free, {activation_bytes / _GIB:.2f} GiB of which the steps need: other processes use the rest. "
+            f"free, {activation_bytes / _GIB:.2f} GiB of which the steps need: other processes (or other engines in "
+            "this one) use the rest. "
             "Lower gpu_memory_utilization, or give the cache a size (kv_cache_memory_bytes, --kv-cache-gb)."
         )
     return budget

@@ -137,6 +137,7 @@ class ModelRunner:
             raise ValueError("gpu_memory_utilization sizes the KV cache of an engine on a GPU; this one runs on the "
                              "CPU, where the cache takes kv_cache_memory_bytes (--kv-cache-gb, default 4 GiB).")
         self.dtype_name = resolve_dtype(config.dtype, self.device)
+        held_before_load = torch.cuda.memory_allocated() if self.device == "cuda" else 0  # other engines' here
         self.model = load_model(model_dir, self.dtype_name, max_model_len, self.device)
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.use_cpu_kernel = _use_cpu_kernel(backend, self.dtype)
@@ -151,7 +152,7 @@ class ModelRunner:
         if self.use_triton_kernel:
             triton_attention.check_usable(torch.device(self.device))
         self.model.use_kernels(cpu_ops if self.use_cpu_kernel else triton_ops if self.use_triton_kernel else None)
-        self.num_blocks = self._num_kv_blocks(config, max_model_len)
+        self.num_blocks = self._num_kv_blocks(config, max_model_len, held_before_load)
         # Block-major: [num_blocks, layers, 2, kv_heads, block_size, head_dim]. One block holds its tokens'
         # KV for every layer in one contiguous piece, so KV connectors send and receive whole blocks
         # straight from and into the cache, without gathering (as SGLang's "page_first" host layout).
@@ -177,12 +178,13 @@ class ModelRunner:
         config = self.model_config
         return (num_blocks, config.num_hidden_layers, 2, config.num_key_value_heads, self.block_size, config.head_dim)
 
-    def _num_kv_blocks(self, config: EngineConfig, max_model_len: int) -> int:
+    def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, held_before_load: int) -> int:
         """The cache's blocks: as configured, or on CUDA what ``gpu_memory_utilization`` leaves once the weights
-        and the largest step's activations (measured by running one) are counted (``engine/gpu_memory.py``)."""
+        (what loading the model added to this process's CUDA memory) and the largest step's activations
+        (measured by running one) are counted (``engine/gpu_memory.py``)."""
         if self.device != "cuda" or config.num_kv_blocks is not None or config.kv_cache_memory_bytes is not None:
             return num_kv_blocks_for_budget(config, self.model_config, self.dtype_name)
-        weight_bytes = torch.cuda.memory_allocated()
+        weight_bytes = torch.cuda.memory_allocated() - held_before_load
         activation_bytes = measure_step_bytes(
             lambda: self.profile_step(config.max_num_batched_tokens, config.max_num_seqs, max_model_len))
         free, total = torch.cuda.mem_get_info()

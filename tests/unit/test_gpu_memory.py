@@ -37,7 +37,7 @@ def test_a_share_the_weights_and_activations_fill_is_refused_with_the_figures():
 def test_a_cache_that_other_processes_leave_no_room_for_is_refused():
     # 0.9 of 80 GiB less 2 + 3 GiB is 67 GiB; with 3 GiB of activations to keep, 70 GiB must be free, and 60 are.
     with pytest.raises(ValueError, match=r"only 60.00 GiB of the GPU is free, 3.00 GiB of which the steps need: "
-                                         r"other processes use the rest"):
+                                         r"other processes \(or other engines in this one\) use the rest"):
         gpu_kv_cache_bytes(80 * GIB, 60 * GIB, 0.9, 2 * GIB, 3 * GIB)
     assert gpu_kv_cache_bytes(80 * GIB, 70 * GIB, 0.9, 2 * GIB, 3 * GIB) == int(80 * GIB * 0.9) - 5 * GIB
 
