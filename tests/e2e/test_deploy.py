@@ -129,6 +129,12 @@ def test_the_compose_file_and_dockerfiles():
         assert user not in ("root", "0"), name
         assert re.search(r"^HEALTHCHECK .*\n.*splitserve health", text, re.M), name
         assert "prepare-model" in text, f"{name} converts the default model at build time"
+        # The image the workers run in compiles at run time: the C++ kernels on CPU, Triton's launcher on CUDA,
+        # both with a C compiler against Python's headers (the python images carry them; Ubuntu's need -dev).
+        runtime = text[text.rindex("\nFROM "):]
+        assert "g++" in runtime, name
+        if "ubuntu" in runtime.split("\n")[1]:
+            assert "python3-dev" in runtime, f"{name}: Triton's launcher needs Python.h"
 
 
 def _metric_names_used(rendered) -> set[str]:
