@@ -7,7 +7,9 @@ On a CPU the Triton engine runs in Triton's interpreter, in a process of its own
 process has imported), on a tiny KV cache: the interpreter copies every tensor argument's whole
 storage back after each launch, the cache included. It is slow (about 40 s on two idle cores, two
 minutes with other load), so the prompts are short. A budget of 16 tokens a step splits the longest
-prompt, so a later chunk attends to context already in the paged cache while the other requests decode.
+prompt, so a later chunk attends to context already in the paged cache while the other requests decode. The
+step an engine on CUDA runs at start to size its cache (``ModelRunner.profile_step``) runs here through the
+Triton kernels too.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ ENGINE_OPTIONS = {"num_kv_blocks": 16, "max_model_len": 256, "max_num_seqs": 4, 
 
 _GENERATE = """
 import json, sys
+import torch
 from splitserve import LLM, SamplingParams
 model, options, prompts, max_tokens = json.loads(sys.argv[1])
 llm = LLM(model, attention_backend="triton", **options)
@@ -41,8 +44,14 @@ def greedy():
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
     return [output.outputs[0].token_ids for output in outputs]
 eager = greedy()
-# Decode-only steps again, through the static, padded buffers of engine/cuda_graphs.py (without capture: no GPU).
+# The step an engine on CUDA runs at start to size its KV cache (engine/gpu_memory.py), here through the Triton
+# kernels: two requests of 8 tokens on a scratch cache, 4 rows sampled; the engine's own cache stays as it was.
 runner = llm.engine.model_runner
+cache_before = runner.kv_cache.clone()
+scratch = runner.profile_step(16, 4, 8)
+assert scratch == 2 * runner.kv_cache[0].numel() * runner.kv_cache.element_size(), scratch
+assert torch.equal(runner.kv_cache, cache_before)
+# Decode-only steps again, through the static, padded buffers of engine/cuda_graphs.py (without capture: no GPU).
 # Tables 64 tokens wide, not max_model_len's 256 (every request here stays under 30 tokens): the interpreter's
 # time grows with the programs of a launch, and a wider table splits decode attention into more of them.
 runner.decode_graphs = runner.make_decode_graphs(options["max_num_seqs"], 64, capture=False)
