@@ -10,6 +10,11 @@ _DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_KV_CACHE_BYTES = 4 * 1024**3  # on a CPU, like vLLM-CPU's default KV space
 # On a GPU, the share of its memory an engine may take in all (weights, activations, KV cache), as vLLM's default.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# max_num_seqs and max_num_batched_tokens by device when not given: on a CPU vLLM-CPU's server defaults; on a GPU
+# vLLM's server defaults on GPUs (256 sequences; 8,192 tokens a step). A GPU step of a small model is bound by
+# its launches (about 20 ms eager for SmolLM2's 30 layers on an H100 at any size: README "On an H100"), so a
+# larger step costs little more and finishes prompts sooner; more sequences fill the GPU's decode steps.
+DEFAULT_STEP_LIMITS = {"cpu": (64, 2048), "cuda": (256, 8192)}
 
 
 @dataclass
@@ -30,8 +35,9 @@ class EngineConfig:
             activations (measured at start by running one) come first, the KV cache gets the rest (vLLM's
             ``--gpu-memory-utilization``). None: DEFAULT_GPU_MEMORY_UTILIZATION (0.9). Set on a CPU, refused.
         num_kv_blocks: KV cache size in blocks; overrides the byte budget.
-        max_num_seqs: most requests running at once.
-        max_num_batched_tokens: most tokens in one forward pass (the per-step budget).
+        max_num_seqs: most requests running at once (None: 64 on a CPU, 256 on CUDA; DEFAULT_STEP_LIMITS).
+        max_num_batched_tokens: most tokens in one forward pass (the per-step budget; None: 2,048 on a CPU, 8,192
+            on CUDA, and at least max_num_seqs).
         max_model_len: longest prompt + output (None: the model's max_position_embeddings).
         enable_chunked_prefill: split long prompts across steps, mixed with decodes.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
@@ -56,8 +62,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     num_kv_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -76,6 +82,12 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
         _require_positive_int("block_size", self.block_size)
+        if self.max_num_seqs is None or self.max_num_batched_tokens is None:
+            seqs, tokens = DEFAULT_STEP_LIMITS[likely_device(self.device)]
+            if self.max_num_seqs is None:
+                self.max_num_seqs = seqs
+            if self.max_num_batched_tokens is None and isinstance(self.max_num_seqs, int):
+                self.max_num_batched_tokens = max(tokens, self.max_num_seqs)
         if self.kv_cache_memory_bytes is not None:
             _require_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         utilization = self.gpu_memory_utilization
@@ -120,6 +132,16 @@ class EngineConfig:
                 f"one request of max_model_len={max_model_len} needs ({blocks_needed}); raise the "
                 "KV cache budget or lower max_model_len."
             )
+
+
+def likely_device(device: str) -> str:
+    """Where an engine asked to run on ``device`` will run ("cpu" or "cuda"), for defaults: like
+    :func:`resolve_device`, but "cuda" without a CUDA device is left for the engine to refuse."""
+    if device != "auto":
+        return device
+    import torch  # here, not at the top: the router imports nothing of torch, and never builds an EngineConfig
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def resolve_device(device: str, cuda_available: bool) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import EngineConfig, resolve_device, resolve_dtype
+from splitserve.engine.config import DEFAULT_STEP_LIMITS, EngineConfig, likely_device, resolve_device, resolve_dtype
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 
@@ -21,6 +21,8 @@ PromptType = str | dict[str, Any]
 # of the weights, start earlier: the offline workload of benchmarks/offline_throughput.py ran in 19.4 s
 # at 4,096 against 20.6 s at 2,048 (2-core Sapphire Rapids).
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
+# On a GPU, twice a server's too, as vLLM's LLM class on GPUs (16,384 against 8,192 for its server).
+OFFLINE_CUDA_MAX_NUM_BATCHED_TOKENS = 16384
 
 # The offline block size where the C++ kernels attend (CPU, attention backend "auto" or "cpu"): 128
 # tokens, as vLLM's CPU platform sets for every engine there; elsewhere EngineConfig's 16 (vLLM's on GPUs).
@@ -40,14 +42,14 @@ class LLM:
         model: a local Hugging Face Llama-family directory; None for the default model.
         **engine_options: any :class:`EngineConfig` field (dtype, block_size,
             max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, ...).
-            max_num_batched_tokens defaults to OFFLINE_MAX_NUM_BATCHED_TOKENS (4,096; at least
-            max_num_seqs) here, not to a server's 2,048; block_size to OFFLINE_CPU_BLOCK_SIZE (128) where
-            the C++ kernels attend on a CPU, else to 16.
+            max_num_batched_tokens defaults to twice a server's here (at least max_num_seqs):
+            OFFLINE_MAX_NUM_BATCHED_TOKENS (4,096) on a CPU, OFFLINE_CUDA_MAX_NUM_BATCHED_TOKENS (16,384) on
+            CUDA; block_size to OFFLINE_CPU_BLOCK_SIZE (128) where the C++ kernels attend on a CPU, else to 16.
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        engine_options.setdefault("max_num_batched_tokens",
-                                  max(OFFLINE_MAX_NUM_BATCHED_TOKENS, engine_options.get("max_num_seqs", 0)))
+        if engine_options.get("max_num_batched_tokens") is None:
+            engine_options["max_num_batched_tokens"] = offline_max_num_batched_tokens(engine_options)
         if "block_size" not in engine_options and _attends_in_cpu_kernels(engine_options):
             engine_options["block_size"] = OFFLINE_CPU_BLOCK_SIZE
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
@@ -147,6 +149,17 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [final[request_id] for request_id in request_ids]
+
+
+def offline_max_num_batched_tokens(engine_options: dict[str, Any]) -> int:
+    """The offline step budget for an engine with these options: twice a server's on its device, and at least
+    its max_num_seqs (as given, else the device's default)."""
+    device = likely_device(engine_options.get("device", "auto"))
+    budget = OFFLINE_CUDA_MAX_NUM_BATCHED_TOKENS if device == "cuda" else OFFLINE_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs = engine_options.get("max_num_seqs")
+    if not isinstance(max_num_seqs, int):  # None, or a wrong value that EngineConfig refuses with a sentence
+        max_num_seqs = DEFAULT_STEP_LIMITS[device][0]
+    return max(budget, max_num_seqs)
 
 
 def _attends_in_cpu_kernels(engine_options: dict[str, Any]) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from splitserve import __version__
 from splitserve.common.errors import SplitserveError
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES
+from splitserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, DEFAULT_STEP_LIMITS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,8 +121,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         f"KV cache gets the rest, as vLLM's flag (default: {DEFAULT_GPU_MEMORY_UTILIZATION:g}; `splitserve up` "
         "divides it among the workers sharing a GPU); refused on a CPU",
     )
-    group.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default: %(default)s)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: %(default)s)")
+    cpu_limits, cuda_limits = DEFAULT_STEP_LIMITS["cpu"], DEFAULT_STEP_LIMITS["cuda"]
+    group.add_argument("--max-num-seqs", type=int,
+                       help=f"most requests running at once (default: {cpu_limits[0]} on a CPU, {cuda_limits[0]} on "
+                       "CUDA, as vLLM)")
+    group.add_argument("--max-num-batched-tokens", type=int,
+                       help=f"token budget of one step (default: {cpu_limits[1]:,} on a CPU, {cuda_limits[1]:,} on CUDA, "
+                       "as vLLM's servers; `generate` twice that; at least --max-num-seqs)")
     group.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     group.add_argument("--no-chunked-prefill", action="store_true", help="never split a prompt across steps")
     group.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")

@@ -571,10 +571,11 @@ def _resolved_dtype(args: argparse.Namespace) -> str:
 def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
     """The engine flags of ``up``, passed on to every worker."""
     flags = ["--model", model_dir, "--dtype", _resolved_dtype(args), "--block-size", str(args.block_size),
-             "--max-num-seqs", str(args.max_num_seqs),
-             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--engine-seed", str(args.engine_seed), "--attention-backend", args.attention_backend,
              "--device", args.device]
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+        if value is not None:  # else each worker's default for its device
+            flags += [flag, str(value)]
     if args.kv_cache_gb is not None:  # else each worker's default (on GPUs, its share: _memory_shares)
         flags += ["--kv-cache-gb", str(args.kv_cache_gb)]
     if args.max_model_len:

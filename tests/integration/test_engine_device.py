@@ -103,7 +103,8 @@ def test_the_engine_on_cuda_defaults_to_bfloat16(model_dir):
     runner = llm.engine.model_runner
     assert runner.device == "cuda" and runner.dtype_name == "bfloat16"
     assert runner.kv_cache.dtype == torch.bfloat16 and runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert runner.decode_graphs.captured and max(runner.decode_graphs.graphs) == 64  # graphs auto: captured
+    # Graphs auto: captured, up to max_num_seqs (256 on CUDA by default).
+    assert runner.decode_graphs.captured and max(runner.decode_graphs.graphs) == 256
     output = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert len(output.outputs[0].token_ids) == 8 and runner.decode_graphs.num_steps == 7
 
