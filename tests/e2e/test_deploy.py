@@ -22,6 +22,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.cli import build_parser
+from splitserve.engine.config import DEFAULT_STEP_LIMITS
 from splitserve.rpc.worker_config import kv_transfer_problem
 from tests.cluster_helpers import start_cluster, wait_until
 from tests.e2e.test_metrics import scrape
@@ -111,6 +112,26 @@ def test_every_container_command_parses_and_its_ports_and_probes_agree(rendered)
             names = {port["name"] for d in pods for c in d["spec"]["template"]["spec"]["containers"]
                      for port in c["ports"]}
             assert pods and {port["targetPort"] for port in service["spec"]["ports"]} <= names, service
+
+
+def test_step_limits_match_the_device_and_the_prefill_autoscaler_follows_them(rendered):
+    """The gpu overlay's workers take the engine's step limits on CUDA (the base, its CPU ones), and the prefill
+    autoscaler's target is two steps of the prefill workers' budget on either."""
+    parser = build_parser()
+    for overlay, objects in rendered.items():
+        device = "cuda" if overlay == "gpu" else "cpu"
+        seqs, tokens = DEFAULT_STEP_LIMITS[device]
+        budgets = []
+        for _deployment, _container, args in _splitserve_containers(objects):
+            parsed = parser.parse_args(args)
+            if args[0] == "decode":
+                assert parsed.max_num_seqs == seqs, overlay
+            if args[0] == "prefill":
+                assert parsed.max_num_batched_tokens == tokens, overlay
+                budgets.append(parsed.max_num_batched_tokens)
+        [hpa] = [h for h in _of_kind(objects, "HorizontalPodAutoscaler") if h["metadata"]["name"] == "splitserve-prefill"]
+        [metric] = [m for m in hpa["spec"]["metrics"] if m["pods"]["metric"]["name"] == "splitserve_worker_queued_prompt_tokens"]
+        assert budgets and int(metric["pods"]["target"]["averageValue"]) == 2 * budgets[0], overlay
 
 
 def test_the_compose_file_and_dockerfiles():
