@@ -74,10 +74,9 @@ class WorkerRuntime:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.engine = LLMEngine(config.engine)
-        problem = kv_transfer_problem(config.role, config.kv_transfer, self.engine.kv_cache_tensor.device.type != "cpu")
-        if problem:
-            raise ValueError(problem)
         cache = self.engine.kv_cache_tensor
+        if problem := kv_transfer_problem(config.role, config.kv_transfer, cache.device.type != "cpu"):
+            raise ValueError(problem)
         logger.info("KV cache: %d blocks of %d tokens, %.2f GiB on %s", self.engine.num_kv_blocks,
                     config.engine.block_size, cache.numel() * cache.element_size() / 1024**3, cache.device.type)
         self.loop = EngineLoop(self.engine)

@@ -88,12 +88,11 @@ def test_workers_sharing_a_gpu_share_its_memory():
     assert _memory_shares(_parse(), None) is None
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a machine with CUDA the workers run there and the flag holds")
 def test_up_refuses_a_gpu_share_for_workers_on_the_cpu():
     with pytest.raises(ValueError, match="--gpu-memory-utilization sizes the KV caches of workers on GPUs, but they "
                                          "run on the CPU here"):
-        _place_workers(_parse("--gpu-memory-utilization", "0.5"), ["prefill", "decode"])
-    assert _place_workers(_parse(), ["prefill", "decode"]) is None
+        _place_workers(_parse("--device", "cpu", "--gpu-memory-utilization", "0.5"), ["prefill", "decode"])
+    assert _place_workers(_parse("--device", "cpu"), ["prefill", "decode"]) is None
 
 
 @pytest.mark.parametrize(("text", "gib"), [("auto", None), ("AUTO", None), ("2", 2.0), ("0.25", 0.25)])
