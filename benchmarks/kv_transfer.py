@@ -26,6 +26,11 @@ are), nothing gathered and nothing checksummed:
              our LMCache Redis adapter; and a line per row saying where its time goes
              (``benchmarks/lmcache_probe.py``).
 
+With ``--device cuda`` both processes hold their caches on one GPU and only ``p2p`` is measured: its
+blocks are copied within the GPU (CUDA IPC; no checksum, as on every CUDA plane), against the ceiling of
+one copy of the whole payload (gathered once in the sender) out of the sender's memory, mapped in this
+process, into a warm buffer here.
+
 Connector and ceiling transfers alternate (the connector first in one repeat, the
 ceiling first in the next), so drifts of the (shared, 2-core) machine hit both
 alike; the first pair of each point is a warm-up. Medians over ``--repeats``.
@@ -42,6 +47,7 @@ Usage::
     python benchmarks/kv_transfer.py --connectors p2p --checksums xxh3 none
     python benchmarks/kv_transfer.py --connectors redis lmcache
     python -m benchmarks.kv_transfer --connectors lmcache --tokens 1024 4096 --repeats 7
+    python benchmarks/kv_transfer.py --device cuda           # both ends on one GPU (needs one)
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ from splitserve.kvtransfer.connector import KVEndpointInfo
 from splitserve.kvtransfer.header import TransferHeader
 from splitserve.kvtransfer.layout import KVLayout
 layout = KVLayout(30, 3, 64, torch.float32, 16)
-cache = torch.randn(int(sys.argv[1]), 30, 2, 3, 16, 64)  # block-major, as the engine allocates it
+device = torch.device(sys.argv[2])
+cache = torch.randn(int(sys.argv[1]), 30, 2, 3, 16, 64, device=device)  # block-major, as the engine allocates it
 connectors, raw_group, raw_tensors, redis_clients, lmcache_store = {}, None, {}, {}, None
 
 def reply(**fields):
@@ -103,8 +110,13 @@ for line in sys.stdin:
     num_blocks = command["num_blocks"]
     # The blocks a prompt occupies: scattered over the cache, in no order.
     blocks = [(7 * index) % cache.shape[0] for index in range(num_blocks)]
-    if kind in ("raw_gloo", "raw_redis") and num_blocks not in raw_tensors:
+    if kind in ("raw_gloo", "raw_redis", "raw_ipc_export") and num_blocks not in raw_tensors:
         raw_tensors[num_blocks] = cache[blocks].contiguous()  # the payload, gathered once (warm)
+    if kind == "raw_ipc_export":  # the payload's CUDA IPC fields, for the receiver to map once
+        from splitserve.kvtransfer.p2p_mapped import _export_cuda
+        fields = _export_cuda(raw_tensors[num_blocks].untyped_storage())
+        reply(fields=[field.hex() if isinstance(field, bytes) else ["int", int(field)] for field in fields])
+        continue
     if kind == "lmcache_store":
         if lmcache_store is None:
             from benchmarks.lmcache_probe import SenderStore
@@ -117,7 +129,9 @@ for line in sys.stdin:
             redis_clients[options] = redis.Redis.from_url(command["redis_url"], **command["client_options"])
         redis_client = redis_clients[options]
     started = time.monotonic()
-    if kind == "raw_gloo":
+    if kind == "raw_ipc":
+        torch.cuda.synchronize(device)  # the payload is ready: the receiver copies it out of this process
+    elif kind == "raw_gloo":
         raw_group.send([raw_tensors[num_blocks]], 1, 0).wait()
     elif kind == "raw_redis":
         data, piece = payload_bytes(raw_tensors[num_blocks]), command["piece_bytes"]
@@ -129,6 +143,8 @@ for line in sys.stdin:
         connector = connectors.get((kind, command["checksum"]))
         if connector is None:
             options = {"url": command["address"]} if kind == "redis" else {}
+            if device.type == "cuda":
+                options["device"] = str(device)
             connector = connectors[kind, command["checksum"]] = create_connector(
                 kind, "bench-sender", "bench", layout, checksum=command["checksum"], **options)
         header = TransferHeader(command["transfer_id"], "bench", layout, 0, num_blocks * 16, num_blocks * 16,
@@ -146,8 +162,8 @@ if lmcache_store is not None:
 class Sender:
     """The sending process, driven by JSON lines on its stdin."""
 
-    def __init__(self, num_cache_blocks: int) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", SENDER, str(num_cache_blocks)], stdin=subprocess.PIPE,
+    def __init__(self, num_cache_blocks: int, device: str = "cpu") -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", SENDER, str(num_cache_blocks), device], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, cwd=REPOSITORY)
 
     def ask(self, **command) -> dict:
@@ -229,6 +245,30 @@ class GlooCeiling:
         received = time.monotonic()
         thread.join()
         return received - reply["started"]
+
+
+class IpcCeiling:
+    """On one GPU: the payload (gathered once in the sender, on the GPU) copied out of the sender's memory, mapped here
+    over CUDA IPC, into a warm buffer here, in one copy: what the p2p connector's blocks come to on one GPU."""
+
+    def __init__(self, sender: Sender, device: str) -> None:
+        self.sender, self.device = sender, torch.device(device)
+        self.mapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def once(self, num_blocks: int) -> float:
+        from splitserve.kvtransfer.p2p_mapped import _open_cuda
+
+        if num_blocks not in self.mapped:
+            fields = self.sender.ask(kind="raw_ipc_export", num_blocks=num_blocks)["fields"]
+            storage = _open_cuda(tuple(field[1] if isinstance(field, list) else bytes.fromhex(field)
+                                       for field in fields), self.device)
+            source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (storage.nbytes(),), (1,))
+            self.mapped[num_blocks] = source, torch.empty_like(source)
+        source, buffer = self.mapped[num_blocks]
+        reply = self.sender.ask(kind="raw_ipc", num_blocks=num_blocks)
+        buffer.copy_(source)
+        torch.cuda.synchronize(self.device)
+        return time.monotonic() - reply["started"]
 
 
 class RedisCeiling:
@@ -330,23 +370,34 @@ def main(argv=None) -> int:
                         "alone reaches (default: %(default)s)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads in both processes (default: %(default)s, as the workers here run)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both processes hold their caches; cuda: p2p only, both on one GPU (the blocks "
+                        "copied within it over CUDA IPC, no checksum), against one copy of the payload out of the "
+                        "sender's mapped memory (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the arguments and the rows to FILE as JSON")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch finds no CUDA device here")
+        if args.connectors != ["p2p"] and args.connectors != parser.get_default("connectors"):
+            parser.error("--device cuda measures p2p only (redis and lmcache take CPU caches)")
+        args.connectors, args.checksums = ["p2p"], ["none"]
     torch.set_num_threads(args.torch_threads)
     if max(args.tokens) > CACHE_BLOCKS * LAYOUT.block_size:
         parser.error(f"--tokens at most {CACHE_BLOCKS * LAYOUT.block_size}")
 
     launcher = LocalCluster(log_dir=tempfile.mkdtemp(prefix="kv-bench-"))
     url = launcher.start_redis() if {"redis", "lmcache"} & set(args.connectors) else None
-    sender = Sender(CACHE_BLOCKS)
+    sender = Sender(CACHE_BLOCKS, args.device)
     probes, ceilings, rows = {}, {}, []
     try:
-        gloo = GlooCeiling(sender, args.torch_threads)
+        gloo = GlooCeiling(sender, args.torch_threads) if args.device == "cpu" else IpcCeiling(sender, args.device)
         if "lmcache" in args.connectors:
             rows += lmcache_rows(sender, url, args)
         for kind in [kind for kind in args.connectors if kind != "lmcache"]:
             for checksum in args.checksums:
-                probes[kind, checksum] = ConnectorProbe(kind, checksum, sender, {"url": url} if kind == "redis" else {})
+                options = {"url": url} if kind == "redis" else {"device": args.device}
+                probes[kind, checksum] = ConnectorProbe(kind, checksum, sender, options)
             # The redis connector sets one piece per run of consecutive blocks; these blocks are scattered, so
             # one piece per block, and the ceiling sets pieces of that size.
             ceilings[kind] = gloo if kind == "p2p" else RedisCeiling(sender, url, LAYOUT.block_num_bytes)
@@ -375,7 +426,8 @@ def main(argv=None) -> int:
         if launcher.redis is not None:
             launcher.redis.stop(5)
     print(f"checksum xxh3: {CHECKSUM_NAME} of every payload, by the sender and the receiver; medians of {args.repeats}; "
-          f"torch threads {args.torch_threads}")
+          f"torch threads {args.torch_threads}; caches on {args.device}"
+          + (f" ({torch.cuda.get_device_name()}, both processes on it)" if args.device == "cuda" else ""))
     print(f"{'connector':<16} {'checksum':<8} {'tokens':>6} {'MB':>6} {'connector MB/s':>15} {'ceiling MB/s':>13} "
           f"{'ratio':>6}  target >= {TARGET}")
     for row in rows:

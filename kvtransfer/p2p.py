@@ -56,18 +56,20 @@ class P2PConnector(KVConnector):
     (default 10), ``send_timeout_seconds`` (a send's operations and its acknowledgement, default 120),
     ``receive_timeout_seconds`` (a sender silent mid-send, default 60), ``chunk_bytes`` (default 4 MiB),
     ``receive_slots`` (chunks the receiver posts ahead, default 8), ``checksum`` ("xxh3" or "none",
-    see ``header.CHECKSUM_TYPES``)."""
+    see ``header.CHECKSUM_TYPES``), ``device`` (where the cache is: "cpu" or a CUDA device), ``cpu_data_plane``
+    (how blocks between CPU caches travel, see ``p2p_channels.CPU_DATA_PLANES``: "control", the default; "gloo" and
+    "shm" run the CUDA planes' protocols on CPU, for the tests)."""
 
     def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout, host: str = "127.0.0.1",
                  connect_timeout_seconds: float = 10.0, send_timeout_seconds: float = 120.0,
                  receive_timeout_seconds: float = 60.0, chunk_bytes: int = 4 << 20, receive_slots: int = 8,
                  checksum: str = "xxh3", cluster_token: str | None = None, max_pairs: int = 64,
-                 device: str = "cpu", separate_data_group: bool = False) -> None:
+                 device: str = "cpu", cpu_data_plane: str = "control") -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda":
             checksum = "none"
-        self.separate_data_group = bool(separate_data_group)
-        self.plane = plane_name(self.device, self.separate_data_group)  # refuses other devices
+        self.cpu_data_plane = cpu_data_plane
+        self.plane = plane_name(self.device, cpu_data_plane)  # refuses other devices and planes
         super().__init__(worker_id, model_fingerprint, layout, checksum)
         self.host = host
         self._cluster_token = cluster_token
@@ -123,13 +125,16 @@ class P2PConnector(KVConnector):
         """One pair's receive thread (started by the rendezvous server): build this end, receive until it ends."""
         try:
             channels = accept_pair(store, index, local_host, self.connect_timeout, self.device,
-                                   self.separate_data_group)
+                                   self.cpu_data_plane)
             self._receive_groups.append(channels)
         except Exception as error:
             logger.warning("KV pair %d could not be set up: %s", index, error)
             return
-        logger.info("KV pair %d with %s ready (%s)", index, peer, self.plane)
-        PairReceiver(self, channels, f"{peer} (pair {index})").run()
+        logger.info("KV pair %d with %s ready (%s)", index, peer, channels.plane)
+        try:
+            PairReceiver(self, channels, f"{peer} (pair {index})").run()
+        finally:
+            channels.release()
 
     def _deliver(self, header: TransferHeader, data: torch.Tensor) -> None:
         """Verify one received payload (uint8 ``data``, on the cache's device) and hand it to the callback;
@@ -190,7 +195,7 @@ class P2PConnector(KVConnector):
                 if address in self._pairs:
                     return self._pairs[address], True
             pair = connect_pair(address, self.worker_id, self._cluster_token, self.connect_timeout,
-                                self.send_timeout, self.device, self.separate_data_group)
+                                self.send_timeout, self.device, self.cpu_data_plane)
             with self._pairs_lock:
                 self._pairs[address] = pair
             return pair, False

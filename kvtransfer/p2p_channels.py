@@ -1,21 +1,24 @@
 """The two channels of a ``p2p`` pair: control on the host, block data where the caches are.
 
 Control (META, header frames, acknowledgements: small host tensors, matched by
-tag) always runs on a Gloo group. The blocks run on the data group:
+tag) always runs on a Gloo group. The blocks run on the data plane:
 
-- CPU caches: the control group itself (one Gloo group, nothing extra), or with
-  ``separate_data_group`` a second Gloo group, which is how the tests run the
-  CUDA path's two-group protocol on CPU;
-- CUDA caches: a ``ProcessGroupNCCL`` over the same pair store, so the blocks go
-  from one GPU's cache to the other's without touching either host.
+- CPU caches: the control group itself (one Gloo group, nothing extra); for
+  the tests, a second Gloo group (``cpu_data_plane="gloo"``: the NCCL path's
+  two-group protocol on CPU) or shared memory (``"shm"``: the one-GPU path's
+  protocol on CPU, ``p2p_mapped.py``);
+- CUDA caches on two GPUs: a ``ProcessGroupNCCL`` over the same pair store, so
+  the blocks go from one GPU's cache to the other's without touching either host;
+- CUDA caches on one GPU (NCCL refuses two ranks on one device): CUDA IPC, the
+  receiver copying each block out of the sender's cache, mapped into its own
+  process (``p2p_mapped.py``).
 
 Everything else (rendezvous, META, headers, chunking, the receive ring, failure
-handling) is the same code for both; what differs is here: how a group is
+handling) is the same code for all; what differs is here: how a group is
 built, where buffers live, and how a data operation is waited for. NCCL matches
 sends to receives by order, not by tag, so only blocks ever travel on the data
-group (in order on both ends). NCCL refuses two ranks on one GPU, so a pair's two
-workers run on two GPUs: both ends publish their GPU's UUID, and a pair on one GPU is
-refused with a sentence before NCCL is asked.
+group (in order on both ends). Both ends of a CUDA pair publish their GPU's
+UUID: the same GPU on both sides takes CUDA IPC, two take NCCL.
 
 Both ends publish their plane's name in the pair store before building groups;
 a pair whose ends differ (a CPU cache on one side, a CUDA cache on the other) is
@@ -32,41 +35,54 @@ import torch
 import torch.distributed as dist
 
 from splitserve.kvtransfer.errors import KVTransferError
+from splitserve.kvtransfer.p2p_mapped import MappedData
 
 _POLL_SECONDS = 0.0002  # between completion checks of a data operation on a CUDA cache
 
 
-def plane_name(device: torch.device, separate_data_group: bool) -> str:
-    """The name of a pair's data plane: "gloo" (one group), "gloo+gloo" or "gloo+nccl" (control + data)."""
-    if device.type == "cuda":
-        return "gloo+nccl"
-    if device.type != "cpu":
+CPU_DATA_PLANES = {"control": "gloo", "gloo": "gloo+gloo", "shm": "gloo+shm"}
+SAME_GPU_PLANE = "gloo+cuda-ipc"  # what "gloo+nccl" becomes where both ends hold their caches on one GPU
+
+
+def plane_name(device: torch.device, cpu_data_plane: str = "control") -> str:
+    """The name a pair's end announces: "gloo" (one group), "gloo+gloo", "gloo+shm" (CPU caches; see
+    ``CPU_DATA_PLANES``) or "gloo+nccl" (CUDA caches: NCCL, or CUDA IPC once both ends find one GPU)."""
+    if device.type not in ("cpu", "cuda"):
         raise KVTransferError(f"The p2p connector moves KV between CPU or CUDA caches, not {device} ones.")
-    return "gloo+gloo" if separate_data_group else "gloo"
+    if cpu_data_plane not in CPU_DATA_PLANES:
+        raise KVTransferError(f"cpu_data_plane must be one of {', '.join(CPU_DATA_PLANES)}, not {cpu_data_plane!r}.")
+    if device.type == "cuda":
+        if cpu_data_plane != "control":
+            raise KVTransferError("cpu_data_plane applies to CPU caches; a CUDA cache's plane follows its GPU.")
+        return "gloo+nccl"
+    return CPU_DATA_PLANES[cpu_data_plane]
 
 
 class PairChannels:
-    """One end of a pair: ``control`` (Gloo) and ``data`` (Gloo or NCCL; maybe ``control`` itself)."""
+    """One end of a pair: ``control`` (Gloo) and ``data`` (Gloo, NCCL or mapped memory; maybe ``control``
+    itself), over ``plane``."""
 
-    def __init__(self, control, data, device: torch.device) -> None:
+    def __init__(self, control, data, device: torch.device, plane: str) -> None:
         self.control = control
         self.data = data
         self.device = device
+        self.plane = plane
         self.on_cuda = device.type == "cuda"
+        self.over_nccl = plane == "gloo+nccl"
 
     def buffer(self, num_bytes: int) -> torch.Tensor:
         """A uint8 buffer for received blocks, where the data group writes them."""
         return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
 
     def wait_data(self, work, timeout: timedelta) -> None:
-        """Wait for a data-group operation. A Gloo work waits itself; an NCCL work is polled (its own wait only
-        orders the CUDA streams) until its kernel has finished, so that the bytes are in place when this
-        returns and a peer that stalls is seen within ``timeout``.
+        """Wait for a data-group operation. A Gloo work waits itself (a mapped block's lands as it does); an NCCL
+        work is polled (its own wait only orders the CUDA streams) until its kernel has finished, so that the
+        bytes are in place when this returns and a peer that stalls is seen within ``timeout``.
 
         Raises:
             TimeoutError: the NCCL operation did not finish in time (its communicator is aborted).
         """
-        if not self.on_cuda:
+        if not self.over_nccl:
             work.wait(timeout)
             return
         deadline = time.monotonic() + timeout.total_seconds()
@@ -77,14 +93,31 @@ class PairChannels:
             time.sleep(_POLL_SECONDS)
         work.wait()  # raises the communicator's error, if it failed
 
+    def begin_data(self) -> None:
+        """Before a send's blocks go: on a mapped plane, wait for their writes (a group orders its own)."""
+        if isinstance(self.data, MappedData):
+            self.data.begin()
+
+    def finish_data(self) -> None:
+        """Before acknowledging a send: wait for what the data plane queued without waiting (the copies out of a
+        mapped peer's memory; nothing on a group, whose waits are complete)."""
+        if isinstance(self.data, MappedData):
+            self.data.finish()
+
     def abort(self) -> None:
         """Abort an NCCL data group (its pending operations end; the process goes on)."""
         abort = getattr(self.data, "abort", None)
-        if self.on_cuda and abort is not None:
+        if self.over_nccl and abort is not None:
             try:
                 abort()
             except Exception:  # already aborted or torn down
                 pass
+
+    def release(self) -> None:
+        """Drop what the data plane holds of the peer (mapped memory; nothing on a group): the pair is over."""
+        release = getattr(self.data, "release", None)
+        if release is not None and self.data is not self.control:
+            release()
 
     def device_scope(self):
         """A context in which this thread's CUDA operations run on the cache's device (nothing on CPU)."""
@@ -100,16 +133,17 @@ class _NoScope:
 
 
 def build_channels(store: dist.Store, index: int, rank: int, timeout: timedelta, device: torch.device,
-                   host: str | None, separate_data_group: bool = False) -> PairChannels:
+                   host: str | None, cpu_data_plane: str = "control") -> PairChannels:
     """This end's channels of pair ``index`` over the pair's ``store``: publish this end's plane, check the
-    peer's, then build the groups (Gloo sockets bound to ``host``; None: Gloo's default, the hostname).
+    peer's (and for CUDA caches whether both are on one GPU), then build the groups (Gloo sockets bound to
+    ``host``; None: Gloo's default, the hostname).
 
     Raises:
-        KVTransferError: the peer's plane differs from this end's (a sentence naming both), both ends hold
-            their caches on one GPU, or this build of torch has no NCCL for a CUDA cache.
+        KVTransferError: the peer's plane differs from this end's (a sentence naming both), or this build of
+            torch has no NCCL for CUDA caches on two GPUs.
         Whatever Gloo or the store raise when the peer does not come within ``timeout``.
     """
-    plane = plane_name(device, separate_data_group)
+    plane = plane_name(device, cpu_data_plane)
     prefix = f"splitserve/kv/pair/{index}"
     peer_plane = _exchange(store, f"{prefix}/plane", rank, plane, timeout)
     if peer_plane != plane:
@@ -119,17 +153,18 @@ def build_channels(store: dist.Store, index: int, rank: int, timeout: timedelta,
         ))
     if plane == "gloo+nccl":
         identity = gpu_identity(device)
-        problem = same_gpu_problem(identity, _exchange(store, f"{prefix}/gpu", rank, identity, timeout))
-        if problem:
-            _refuse(store, f"{prefix}/gpu", rank, timeout, KVTransferError(problem))
+        if same_gpu(identity, _exchange(store, f"{prefix}/gpu", rank, identity, timeout)):
+            plane = SAME_GPU_PLANE
     control = _gloo_group(dist.PrefixStore(prefix, store), rank, timeout, host)
     if plane == "gloo":
-        return PairChannels(control, control, device)
+        return PairChannels(control, control, device, plane)
     if plane == "gloo+gloo":
         return PairChannels(control, _gloo_group(dist.PrefixStore(f"{prefix}/data", store), rank, timeout, host),
-                            device)
+                            device, plane)
+    if plane in ("gloo+shm", SAME_GPU_PLANE):
+        return PairChannels(control, MappedData(control, device), device, plane)
     return PairChannels(control, _nccl_group(dist.PrefixStore(f"{prefix}/data", store), rank, timeout, device),
-                        device)
+                        device, plane)
 
 
 def gpu_identity(device: torch.device) -> str:
@@ -139,13 +174,10 @@ def gpu_identity(device: torch.device) -> str:
     return "" if uuid is None else str(uuid)
 
 
-def same_gpu_problem(identity: str, peer_identity: str) -> str | None:
-    """The sentence refusing a pair whose two ends hold their caches on one GPU (None: two GPUs, or unknown)."""
-    if not identity or identity != peer_identity:
-        return None
-    return (f"Both ends of this p2p pair hold their KV caches on one GPU ({identity[:40]}), and NCCL cannot pair two "
-            "workers on one GPU: give each worker its own (CUDA_VISIBLE_DEVICES; `splitserve up` places them), or "
-            "move KV through --kv-transfer lmcache.")
+def same_gpu(identity: str, peer_identity: str) -> bool:
+    """Whether a pair's two ends hold their caches on one GPU (False where a torch reports no UUID: NCCL then
+    decides, and refuses two ranks on one device)."""
+    return bool(identity) and identity == peer_identity
 
 
 def _exchange(store: dist.Store, key: str, rank: int, value: str, timeout: timedelta) -> str:

@@ -44,7 +44,7 @@ class SenderPair:
 
 
 def connect_pair(address: str, worker_id: str, cluster_token: str | None, connect_timeout: timedelta,
-                 send_timeout: timedelta, device: torch.device, separate_data_group: bool = False) -> SenderPair:
+                 send_timeout: timedelta, device: torch.device, cpu_data_plane: str = "control") -> SenderPair:
     """Prefill side: prove the cluster token to the decode worker at ``address``, take a pair, build its channels
     for a cache on ``device``.
 
@@ -62,9 +62,9 @@ def connect_pair(address: str, worker_id: str, cluster_token: str | None, connec
         raise KVTransferError(f"Cannot reach the KV endpoint {address} within {timeout:g} s: {error}") from None
     try:
         channels = build_channels(store, store.pair_index, SENDER, connect_timeout, device, store.local_host,
-                                  separate_data_group)
+                                  cpu_data_plane)
         channels.control._set_default_timeout(send_timeout)
-        if channels.data is not channels.control and not channels.on_cuda:
+        if channels.plane == "gloo+gloo":
             channels.data._set_default_timeout(send_timeout)
     except KVTransferError as error:
         store.close()
@@ -77,11 +77,11 @@ def connect_pair(address: str, worker_id: str, cluster_token: str | None, connec
 
 
 def accept_pair(store: dist.Store, index: int, host: str, connect_timeout: timedelta, device: torch.device,
-                separate_data_group: bool = False) -> PairChannels:
+                cpu_data_plane: str = "control") -> PairChannels:
     """Decode side: build this end of pair ``index`` over the pair's ``store``, Gloo bound to ``host``, for a
     cache on ``device``. Returns the channels (which may stay idle as long as both workers live). Raises
     KVTransferError when the sender's plane differs, and whatever Gloo raises when the sender does not build
     its end within ``connect_timeout``."""
-    channels = build_channels(store, index, RECEIVER, connect_timeout, device, host, separate_data_group)
+    channels = build_channels(store, index, RECEIVER, connect_timeout, device, host, cpu_data_plane)
     channels.control._set_default_timeout(IDLE_TIMEOUT)
     return channels

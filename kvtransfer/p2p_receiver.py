@@ -1,8 +1,9 @@
 """The decode end of one ``p2p`` pair: a thread that receives its sends through a ring of chunks.
 
 META, header frames and the acknowledgement go on the pair's control group,
-the blocks on its data group, into a ring where the cache is (host memory,
-or the GPU for a CUDA cache: ``p2p_channels.py``). Gloo (and NCCL) move a
+the blocks on its data plane, into a ring where the cache is (host memory,
+or the GPU for a CUDA cache: ``p2p_channels.py``; on one GPU each block is
+copied into the ring out of the sender's mapped cache, ``p2p_mapped.py``). Gloo (and NCCL) move a
 message only once the receiver has posted a buffer for it, so
 the receiver posts a ring of chunks ahead (``receive_slots``) as soon as META
 (``p2p_wire.py``) tells their sizes (its own layout never sizes a receive: a
@@ -128,6 +129,7 @@ class PairReceiver:
             for work in block_works:
                 self.channels.wait_data(work, timeout)
             if index == num_chunks - 1:
+                self.channels.finish_data()  # every block in place before the sender may reuse its own
                 closing = self.connector._closed.is_set()
                 status = torch.tensor([ACK_CLOSING if closing else ACK_OK], dtype=torch.int64)
                 self.channels.control.send([status], SENDER, TAG_ACK).wait(timeout)

@@ -66,6 +66,7 @@ def send_on_pair(pair: SenderPair, header: TransferHeader, source: BlockSource, 
         raise PairBroken(error, data_sent=False) from None
     try:
         with channels.device_scope():
+            channels.begin_data()
             control_works, data_works, keep = [], [], []  # frames and blocks stay referenced until sent
             for index, chunk in enumerate(headers):
                 first_block = index * blocks_per_chunk

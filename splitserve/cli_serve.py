@@ -75,10 +75,10 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
     _add_lmcache_arguments(up, cluster=True)
     up.add_argument("--gpus", metavar="LIST",
                     help="where the workers run when they run on CUDA: comma-separated GPUs (indices or UUIDs, as "
-                    "CUDA_VISIBLE_DEVICES takes them), each worker given one in turn; with --kv-transfer p2p the "
-                    "prefill and decode pools get GPUs of their own (NCCL cannot pair two workers on one GPU), so "
-                    "it needs two or more (default: every GPU visible to `up`; refused when the workers run on "
-                    "the CPU)")
+                    "CUDA_VISIBLE_DEVICES takes them), each worker given one in turn; with --kv-transfer p2p and two "
+                    "or more GPUs the prefill and decode pools get GPUs of their own (KV over NCCL, GPU to GPU); on "
+                    "one GPU all workers share it (KV copied within it over CUDA IPC) (default: every GPU visible "
+                    "to `up`; refused when the workers run on the CPU)")
     up.add_argument("--threads-per-worker", type=int, help="torch threads of each worker (default: torch's)")
     up.add_argument("--log-dir", help="folder for each process's log (default: a new temporary folder)")
     up.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
@@ -459,7 +459,7 @@ def _place_workers(args: argparse.Namespace, roles: list[str]) -> list[str] | No
 
     Raises:
         ValueError: --gpus or --gpu-memory-utilization where the workers run on the CPU, a KV connector that
-            cannot take caches on CUDA, or GPUs too few for p2p's NCCL pairs (a sentence).
+            cannot take caches on CUDA, or no GPU visible (a sentence).
     """
     import torch
 
@@ -482,7 +482,7 @@ def _place_workers(args: argparse.Namespace, roles: list[str]) -> list[str] | No
         gpus = [entry.strip() for entry in args.gpus.split(",") if entry.strip()]
     else:
         gpus = visible_gpus(dict(os.environ), torch.cuda.device_count())
-    return place_on_gpus(roles, gpus, pairs_over_nccl=args.kv_transfer == "p2p" and not args.colocated)
+    return place_on_gpus(roles, gpus, pairs_over_p2p=args.kv_transfer == "p2p" and not args.colocated)
 
 
 def _memory_shares(args: argparse.Namespace, placement: list[str] | None) -> list[float] | None:

@@ -51,28 +51,24 @@ def visible_gpus(environ: dict[str, str], device_count: int) -> list[str]:
     return [str(index) for index in range(device_count)]
 
 
-def place_on_gpus(roles: list[str], gpus: list[str], pairs_over_nccl: bool) -> list[str]:
+def place_on_gpus(roles: list[str], gpus: list[str], pairs_over_p2p: bool) -> list[str]:
     """One ``CUDA_VISIBLE_DEVICES`` value per worker of ``roles`` (prefill, decode, both), in start order.
 
-    Workers take the GPUs in turn. Where prefill and decode workers pair over NCCL (p2p between CUDA caches),
-    which refuses two ranks on one GPU, the GPUs are first divided between the two pools in proportion to
-    their sizes (each pool at least one), and each pool takes its own in turn: no prefill worker shares a GPU
-    with a decode worker, while workers of one pool may share theirs.
+    Workers take the GPUs in turn. Where prefill and decode workers pair over p2p (NCCL between CUDA caches on
+    two GPUs, CUDA IPC between two on one) and two or more GPUs are visible, the GPUs are first divided between
+    the two pools in proportion to their sizes (each pool at least one), and each pool takes its own in turn: no
+    prefill worker shares a GPU with a decode worker, so every pair moves its blocks GPU to GPU over NCCL, while
+    workers of one pool may share theirs. On one GPU every worker shares it, and pairs copy their blocks within
+    it (CUDA IPC; ``kvtransfer/p2p_mapped.py``).
 
     Raises:
-        ValueError: no GPU to place on, or NCCL pairs wanted with fewer than two GPUs (a sentence saying so).
+        ValueError: no GPU to place on.
     """
     if not gpus:
         raise ValueError("The workers run on CUDA, but no GPU is visible to place them on.")
     num_prefill, num_decode = roles.count("prefill"), roles.count("decode")
-    if not (pairs_over_nccl and num_prefill and num_decode):  # no pair to keep apart
+    if not (pairs_over_p2p and num_prefill and num_decode and len(gpus) > 1):  # no pair to keep apart
         return [gpus[index % len(gpus)] for index in range(len(roles))]
-    if len(gpus) < 2:
-        raise ValueError(
-            f"--kv-transfer p2p moves KV between GPU caches over NCCL, which cannot pair two workers on one GPU, and "
-            f"only one GPU is visible ({gpus[0]}): give the cluster two or more (--gpus), or move KV through "
-            "--kv-transfer lmcache, or run --colocated workers."
-        )
     share = min(len(gpus) - 1, max(1, round(len(gpus) * num_prefill / max(1, num_prefill + num_decode))))
     pools = {"prefill": gpus[:share], "decode": gpus[share:]}
     taken = {"prefill": 0, "decode": 0}

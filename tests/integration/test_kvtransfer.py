@@ -54,12 +54,14 @@ from splitserve.kvtransfer.blocks import BlockSource, gather_blocks
 from splitserve.kvtransfer.connector import KVEndpointInfo
 from splitserve.kvtransfer.header import TransferHeader, payload_checksum
 from splitserve.kvtransfer.layout import KVLayout
-address, worker_id, seed, transfer_id, fingerprint, chunk_bytes, head_size, checksum, separate = sys.argv[1:10]
+address, worker_id, seed, transfer_id, fingerprint, chunk_bytes, head_size, checksum, plane = sys.argv[1:10]
 head_size = int(head_size)
 layout = KVLayout(4, 2, head_size, torch.float32, 4)
 cache = torch.randn((16, 4, 2, 2, 4, head_size), generator=torch.Generator().manual_seed(int(seed)))
+if plane == "shm":
+    cache.share_memory_()  # the receiver maps the cache itself, as it maps a GPU's over CUDA IPC
 connector = create_connector("p2p", worker_id, fingerprint, layout, connect_timeout_seconds=10,
-                             chunk_bytes=int(chunk_bytes), checksum=checksum, separate_data_group=separate == "1")
+                             chunk_bytes=int(chunk_bytes), checksum=checksum, cpu_data_plane=plane)
 destination = KVEndpointInfo("p2p", address, "receiver")
 # Prompt of 11 tokens in blocks [3, 7, 1]: two payloads, the last with the first token.
 # The first as the prefill worker sends (blocks gathered by the connector, which fills in the checksum).
@@ -79,18 +81,19 @@ connector.close()
 
 def run_sender(address: str, worker_id: str, seed: int, transfer_id: str, fingerprint: str = FINGERPRINT,
                chunk_bytes: int = 4 << 20, head_size: int = 8, checksum: str = "xxh3",
-               separate_data_group: bool = False):
+               plane: str = "control"):
     return subprocess.Popen([sys.executable, "-c", SENDER, address, worker_id, str(seed), transfer_id, fingerprint,
-                             str(chunk_bytes), str(head_size), checksum, "1" if separate_data_group else "0"],
+                             str(chunk_bytes), str(head_size), checksum, plane],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture
 def p2p_receiver(request):
-    """A receiving p2p connector on CPU caches: blocks on the control group itself, or (parametrized True) on a
-    data group of their own: the CUDA path's protocol (NCCL carries the data there), with Gloo on both groups."""
+    """A receiving p2p connector on CPU caches: blocks on the control group itself, or (parametrized) on a data
+    group of their own ("gloo": the two-GPU protocol, whose data NCCL carries there) or out of the sender's
+    shared memory ("shm": the one-GPU protocol, whose memory CUDA IPC maps there)."""
     connector = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT,
-                                 separate_data_group=getattr(request, "param", False))
+                                 cpu_data_plane=getattr(request, "param", "control"))
     inbox = Inbox()
     connector.start_receiving(inbox.on_payload, inbox.on_error)
     yield connector, inbox
@@ -99,12 +102,13 @@ def p2p_receiver(request):
     assert time.monotonic() - started < 5
 
 
-@pytest.mark.parametrize("p2p_receiver", [False, True], ids=["one-group", "control+data"], indirect=True)
+@pytest.mark.parametrize("p2p_receiver", ["control", "gloo", "shm"], ids=["one-group", "control+data", "shared-memory"],
+                         indirect=True)
 def test_p2p_across_processes_is_bit_exact(p2p_receiver):
     connector, inbox = p2p_receiver
     address = connector.endpoint().address
     senders = [run_sender(address, f"prefill-{seed}", seed, f"transfer-{seed}",
-                          separate_data_group=connector.separate_data_group) for seed in (11, 12)]
+                          plane=connector.cpu_data_plane) for seed in (11, 12)]
     for sender in senders:
         out, err = sender.communicate(timeout=90)
         assert "SENT" in out, err
@@ -120,13 +124,14 @@ def test_p2p_across_processes_is_bit_exact(p2p_receiver):
         assert torch.equal(target[[10, 2, 5]], seeded_cache(seed)[[3, 7, 1]])
 
 
-@pytest.mark.parametrize("p2p_receiver", [False, True], ids=["one-group", "control+data"], indirect=True)
+@pytest.mark.parametrize("p2p_receiver", ["control", "gloo", "shm"], ids=["one-group", "control+data", "shared-memory"],
+                         indirect=True)
 def test_p2p_splits_sends_into_chunks_and_refuses_another_layout(p2p_receiver):
     connector, inbox = p2p_receiver
     address = connector.endpoint().address
     # Chunks of one block: the first send (2 blocks) arrives as two payloads, each with its own header.
     out, err = run_sender(address, "prefill-c", 15, "chunked", chunk_bytes=LAYOUT.block_num_bytes,
-                          separate_data_group=connector.separate_data_group).communicate(timeout=90)
+                          plane=connector.cpu_data_plane).communicate(timeout=90)
     assert "SENT" in out, err
     inbox.wait(num_payloads=3)
     assert [(p.header.first_token_position, p.header.num_tokens) for p in inbox.payloads] == [(0, 4), (4, 4), (8, 3)]
@@ -137,11 +142,11 @@ def test_p2p_splits_sends_into_chunks_and_refuses_another_layout(p2p_receiver):
     # A sender whose blocks are twice as large (head size 16): refused by the header check, and the
     # receiver, which sized its receives from the sender's announcement, goes on.
     out, err = run_sender(address, "prefill-w", 16, "wide", head_size=16,
-                          separate_data_group=connector.separate_data_group).communicate(timeout=90)
+                          plane=connector.cpu_data_plane).communicate(timeout=90)
     assert "SENT" in out, err
     inbox.wait(num_payloads=3, num_errors=1)
     assert inbox.errors[0][0] == "wide" and "layout" in str(inbox.errors[0][1])
-    out, err = run_sender(address, "prefill-c", 17, "after", separate_data_group=connector.separate_data_group).communicate(timeout=90)
+    out, err = run_sender(address, "prefill-c", 17, "after", plane=connector.cpu_data_plane).communicate(timeout=90)
     assert "SENT" in out, err
     inbox.wait(num_payloads=5)
     assert [p.header.transfer_id for p in inbox.payloads[3:]] == ["after", "after"] and len(inbox.errors) == 1
@@ -169,7 +174,7 @@ def test_p2p_without_checksums_needs_both_sides_to_agree(p2p_receiver):
         relaxed.close()
 
 
-@pytest.mark.parametrize("p2p_receiver", [True], ids=["control+data"], indirect=True)
+@pytest.mark.parametrize("p2p_receiver", ["gloo"], ids=["control+data"], indirect=True)
 def test_p2p_ends_of_different_planes_are_refused_and_the_receiver_goes_on(p2p_receiver):
     # A pair's two ends must carry blocks the same way (a CPU cache against a CUDA one cannot form an NCCL group):
     # the sender is refused with a sentence naming both, at once, and the receiver takes the next sender.
@@ -181,7 +186,7 @@ def test_p2p_ends_of_different_planes_are_refused_and_the_receiver_goes_on(p2p_r
     assert "moves blocks over gloo+gloo, this worker over gloo" in err and "same kind of device" in err, err
     assert time.monotonic() - started < 30
     out, err = run_sender(connector.endpoint().address, "prefill-two", 23, "matched",
-                          separate_data_group=True).communicate(timeout=90)
+                          plane="gloo").communicate(timeout=90)
     assert "SENT" in out, err
     inbox.wait(num_payloads=2)
     assert [p.header.transfer_id for p in inbox.payloads] == ["matched", "matched"] and not inbox.errors

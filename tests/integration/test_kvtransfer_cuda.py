@@ -1,17 +1,20 @@
-"""The p2p connector between CUDA caches: NCCL carries the blocks, Gloo the rest (``kvtransfer/p2p_channels.py``).
+"""The p2p connector between CUDA caches: NCCL carries the blocks between two GPUs, CUDA IPC within one, Gloo
+the rest (``kvtransfer/p2p_channels.py``, ``kvtransfer/p2p_mapped.py``).
 
-The protocol these tests share with the CPU path runs in CI on CPU (tests/integration/test_kvtransfer.py, with
-the blocks on a second Gloo group). These need CUDA: a pair needs two GPUs (NCCL refuses two ranks on one
-device); the checks on one GPU need one (a pair on one GPU is refused with a sentence, checked there; the
-sentence itself is checked on CPU in tests/unit/test_gpu_placement.py). CI has none: each test says so in its skip
-reason.
+The protocols these tests share with the CPU path run in CI on CPU (tests/integration/test_kvtransfer.py, with
+the blocks on a second Gloo group for NCCL's, out of shared memory for CUDA IPC's). These need CUDA: the NCCL
+pair needs two GPUs (NCCL refuses two ranks on one device); the rest one. CI has none: each test says so in its
+skip reason.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from splitserve.kvtransfer import create_connector
 from splitserve.kvtransfer.blocks import scatter_blocks
 from splitserve.kvtransfer.errors import KVVerificationError
 from splitserve.kvtransfer.header import payload_tensor, verify
+from splitserve.kvtransfer.p2p_mapped import MAX_MAPPED
 from tests.kv_helpers import FINGERPRINT, LAYOUT, SHAPE, header_for, seeded_cache
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,7 +39,7 @@ from splitserve.kvtransfer.blocks import BlockSource
 from splitserve.kvtransfer.connector import KVEndpointInfo
 from splitserve.kvtransfer.header import TransferHeader
 from splitserve.kvtransfer.layout import KVLayout
-address, device, seed, transfer_id = sys.argv[1:5]
+address, device, seed, transfer_id, gathered = sys.argv[1:6]
 layout = KVLayout(4, 2, 8, torch.float32, 4)
 cache = torch.randn((16, 4, 2, 2, 4, 8), generator=torch.Generator().manual_seed(int(seed))).to(device)
 connector = create_connector("p2p", "prefill-cuda", "model-a", layout, device=device, chunk_bytes=layout.block_num_bytes)
@@ -44,6 +48,10 @@ for blocks, position, num_tokens, last in (([3, 7], 0, 8, False), ([1], 8, 3, Tr
     header = TransferHeader(transfer_id, "model-a", layout, position, num_tokens, 11,
                             len(blocks) * layout.block_num_bytes, None, last, 99 if last else None)
     connector.send(destination, header, BlockSource(cache, blocks))
+# Then payloads of their own (each a new allocation, as a gathered payload is), more than the receiver maps at once.
+for index in range(int(gathered)):
+    header = TransferHeader(f"{transfer_id}-{index}", "model-a", layout, 0, 4, 4, layout.block_num_bytes, None, True, 7)
+    connector.send(destination, header, cache[index : index + 1].clone())
 print("SENT", flush=True)
 connector.close()
 """
@@ -54,12 +62,16 @@ class DeviceInbox:
 
     def __init__(self, device: str) -> None:
         self.cache = torch.zeros(SHAPE, device=device)
-        self.blocks = {0: [10, 2], 8: [5]}  # by first token position
+        self.blocks = {0: [10], 4: [2], 8: [5]}  # by first token position (the sender's chunks are one block)
         self.payloads, self.errors = [], []
+        self.own = {}  # transfer id -> payload
         self.done = threading.Event()
 
     def on_payload(self, received) -> None:
         assert received.payload.device == self.cache.device
+        if "-" in received.header.transfer_id:  # a payload of its own: kept
+            self.own[received.header.transfer_id] = received.payload.clone()
+            return
         scatter_blocks(self.cache, self.blocks[received.header.first_token_position], received.payload)
         self.payloads.append(received.header)
         if received.header.is_last:
@@ -78,7 +90,7 @@ def test_nccl_pair_moves_blocks_gpu_to_gpu_bit_exact():
     receiver.start_receiving(inbox.on_payload, inbox.on_error)
     try:
         sender = subprocess.run([sys.executable, "-c", CUDA_SENDER, receiver.endpoint().address, "cuda:1", "31",
-                                 "gpu-transfer"], capture_output=True, text=True, timeout=150)
+                                 "gpu", "0"], capture_output=True, text=True, timeout=150)
         assert "SENT" in sender.stdout, sender.stderr
         assert inbox.done.wait(30) and not inbox.errors, inbox.errors
         # Chunks of one block: three payloads, each landed in the decode cache's own blocks.
@@ -96,7 +108,7 @@ def test_a_cuda_sender_and_a_cpu_receiver_are_refused_with_a_sentence():
     receiver.start_receiving(lambda received: None, lambda transfer_id, error: None)
     try:
         sender = subprocess.run([sys.executable, "-c", CUDA_SENDER, receiver.endpoint().address, "cuda:0", "32",
-                                 "refused"], capture_output=True, text=True, timeout=150)
+                                 "refused", "0"], capture_output=True, text=True, timeout=150)
         assert "SENT" not in sender.stdout
         assert "moves blocks over gloo, this worker over gloo+nccl" in sender.stderr, sender.stderr
     finally:
@@ -104,16 +116,29 @@ def test_a_cuda_sender_and_a_cpu_receiver_are_refused_with_a_sentence():
 
 
 @needs_one_gpu
-def test_a_pair_on_one_gpu_is_refused_with_a_sentence_instead_of_hanging_in_nccl():
+def test_a_pair_on_one_gpu_copies_the_blocks_within_it_bit_exact(caplog):
+    # NCCL refuses two ranks on one GPU: the ends find they share it (their UUIDs) and the receiver copies each block
+    # out of the sender's cache, mapped over CUDA IPC; payloads of their own are mapped too, a few at a time.
     receiver = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT, device="cuda:0")
     inbox = DeviceInbox("cuda:0")
     receiver.start_receiving(inbox.on_payload, inbox.on_error)
     try:
-        sender = subprocess.run([sys.executable, "-c", CUDA_SENDER, receiver.endpoint().address, "cuda:0", "34",
-                                 "one-gpu"], capture_output=True, text=True, timeout=150)
-        assert "SENT" not in sender.stdout and sender.returncode != 0
-        assert "Both ends of this p2p pair hold their KV caches on one GPU" in sender.stderr, sender.stderr
-        assert not inbox.payloads
+        with caplog.at_level(logging.INFO, logger="splitserve.kvtransfer.p2p"):
+            sender = subprocess.run([sys.executable, "-c", CUDA_SENDER, receiver.endpoint().address, "cuda:0", "34",
+                                     "one", str(MAX_MAPPED + 3)], capture_output=True, text=True, timeout=150)
+            assert "SENT" in sender.stdout, sender.stderr
+            assert inbox.done.wait(30) and not inbox.errors, inbox.errors
+        assert "ready (gloo+cuda-ipc)" in caplog.text
+        assert [(h.first_token_position, h.num_tokens) for h in inbox.payloads] == [(0, 4), (4, 4), (8, 3)]
+        expected = seeded_cache(34)
+        torch.cuda.synchronize()
+        assert torch.equal(inbox.cache[[10, 2, 5]].cpu(), expected[[3, 7, 1]])
+        deadline = time.monotonic() + 10  # the last payload is delivered just after its acknowledgement
+        while len(inbox.own) < MAX_MAPPED + 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(inbox.own) == sorted(f"one-{index}" for index in range(MAX_MAPPED + 3))
+        for index in range(MAX_MAPPED + 3):
+            assert torch.equal(inbox.own[f"one-{index}"].cpu(), expected[index : index + 1])
     finally:
         receiver.close()
 
@@ -130,3 +155,24 @@ def test_payloads_on_a_gpu_are_verified_without_leaving_it():
         verify(header, data, FINGERPRINT, LAYOUT, checksum_type="xxh3")
     with pytest.raises(KVVerificationError, match="header says"):
         verify(header, data[:-4], FINGERPRINT, LAYOUT, checksum_type="none")
+
+
+BENCHMARK = [sys.executable, "benchmarks/kv_transfer.py", "--device", "cuda", "--tokens", "512", "2048", "--repeats", "1"]
+
+
+@needs_one_gpu
+def test_on_one_gpu_the_transfer_benchmark_times_p2p_against_one_copy(tmp_path):
+    result = subprocess.run([*BENCHMARK, "--json", str(tmp_path / "kv.json")], capture_output=True, text=True,
+                            timeout=170)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "kv.json").read_text())["rows"]
+    assert [(row["connector"], row["checksum"], row["tokens"]) for row in rows] == [("p2p", "none", 512),
+                                                                                  ("p2p", "none", 2048)]
+    assert all(row["connector_ms"] > 0 and row["ceiling_ms"] > 0 for row in rows)
+    assert "caches on cuda" in result.stdout
+
+
+@pytest.mark.skipif(GPUS > 0, reason="this machine has a GPU: --device cuda is valid here")
+def test_without_a_gpu_the_transfer_benchmark_refuses_cuda_in_one_line():
+    result = subprocess.run(BENCHMARK, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--device cuda: torch finds no CUDA device here" in result.stderr

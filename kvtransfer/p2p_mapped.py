@@ -1,0 +1,220 @@
+"""The data plane of a ``p2p`` pair whose two ends share one device's memory: the receiver copies each block
+straight out of the sender's memory, mapped into its own process.
+
+NCCL refuses two ranks on one GPU, but two processes on one GPU can map each other's allocations (CUDA IPC),
+which is how a prefill and a decode worker that share a GPU pair. The sender exports the memory a block lives in
+(the storage of its KV cache: once for as long as the pair lives) and sends, for each block, a descriptor frame
+on the pair's control group where another plane would send the block: which exported memory, at what offset,
+how many bytes. The receiver maps that memory the first time it is named, checks the descriptor against it and
+against the receive it posted, and copies the block into its ring, on the device. Nothing passes through either
+host. The blocks stay the sender's until the send's acknowledgement, as on every plane, so they are read before
+they can change.
+
+CPU caches can share memory the same way (a shared-memory file, into which a sender moves what it sends, opened
+by the receiver through ``/proc``): the ``shm`` plane, which is how the tests run this protocol on a machine
+without a GPU. What differs between the two is two functions, how a storage
+is exported and how it is mapped (``_EXPORTS``).
+
+Both ends keep the same bounded list of exported memories, most recently named last, and drop the oldest past
+``MAX_MAPPED`` in step (they see the same descriptors in the same order): a descriptor carries the export's
+fields only when the sender names memory the list does not hold, and dropping a mapping lets its owner free it.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+
+from splitserve.kvtransfer.errors import KVTransferError
+
+TAG_BLOCK = 4  # on the control group, beside p2p_wire's META, HEADER, PAYLOAD and ACK (0-3)
+DESCRIPTOR_BYTES = 512
+MAX_MAPPED = 4  # exported memories each end keeps: a sender's KV cache, and a few gathered payloads
+_HEAD = struct.Struct("<qqqB")  # key, byte offset in the exported memory, byte count, number of export fields
+_INT, _BYTES = 0, 1
+
+
+def _export_cuda(storage: torch.UntypedStorage) -> tuple:
+    """A CUDA storage's IPC fields (torch's own: the allocation's handle, the storage's size and offset in it, a
+    reference counter that keeps the allocation from being reused while mapped, and an event), less the device
+    index, which the receiver takes from its own cache (the same GPU may have another index in its process)."""
+    # (torch gives no event handle where none is needed: sent as empty bytes)
+    return tuple(b"" if field is None else field for field in storage._share_cuda_()[1:])
+
+
+def _open_cuda(fields: tuple, device: torch.device) -> torch.UntypedStorage:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    handle, size, offset, counter_handle, counter_offset, event_handle, event_sync = fields
+    return torch.UntypedStorage._new_shared_cuda(index, handle, size, offset, counter_handle, counter_offset,
+                                                 event_handle, bool(event_sync))
+
+
+def _export_shm(storage: torch.UntypedStorage) -> tuple:
+    """A CPU storage's shared-memory file, as this process's pid and descriptor (moved into shared memory in place
+    first, where it is not yet there: its address changes), and its size."""
+    if not storage.is_shared():
+        storage.share_memory_()
+    descriptor, size = storage._share_fd_cpu_()
+    return os.getpid(), descriptor, size
+
+
+def _open_shm(fields: tuple, device: torch.device) -> torch.UntypedStorage:
+    pid, descriptor, size = fields
+    opened = os.open(f"/proc/{int(pid)}/fd/{int(descriptor)}", os.O_RDWR)
+    try:
+        return torch.UntypedStorage._new_shared_fd_cpu(opened, size)
+    finally:
+        os.close(opened)
+
+
+_EXPORTS: dict[str, tuple[Callable, Callable]] = {"cuda": (_export_cuda, _open_cuda), "cpu": (_export_shm, _open_shm)}
+
+
+def encode_descriptor(key: int, offset: int, num_bytes: int, fields: tuple) -> torch.Tensor:
+    """A descriptor frame (uint8[DESCRIPTOR_BYTES], zero padded): the head, then each export field as an int64 or
+    as length-prefixed bytes."""
+    parts = [_HEAD.pack(key, offset, num_bytes, len(fields))]
+    for field in fields:
+        if isinstance(field, (bytes, bytearray)):
+            parts.append(struct.pack("<BH", _BYTES, len(field)) + bytes(field))
+        else:
+            parts.append(struct.pack("<Bq", _INT, int(field)))
+    encoded = b"".join(parts)
+    if len(encoded) > DESCRIPTOR_BYTES:
+        raise KVTransferError(f"A KV block descriptor of {len(encoded)} bytes exceeds {DESCRIPTOR_BYTES}.")
+    frame = torch.zeros(DESCRIPTOR_BYTES, dtype=torch.uint8)
+    frame[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    return frame
+
+
+def decode_descriptor(frame: bytes) -> tuple[int, int, int, tuple]:
+    """(key, offset, byte count, export fields) of a descriptor frame.
+
+    Raises:
+        KVTransferError: the frame is not a descriptor (cut short, or a field of an unknown kind).
+    """
+    try:
+        key, offset, num_bytes, num_fields = _HEAD.unpack_from(frame)
+        position, fields = _HEAD.size, []
+        for _ in range(num_fields):
+            (kind,) = struct.unpack_from("<B", frame, position)
+            if kind == _INT:
+                fields.append(struct.unpack_from("<q", frame, position + 1)[0])
+                position += 9
+            elif kind == _BYTES:
+                (length,) = struct.unpack_from("<H", frame, position + 1)
+                if position + 3 + length > len(frame):
+                    raise struct.error("a field runs past the frame")
+                fields.append(bytes(frame[position + 3 : position + 3 + length]))
+                position += 3 + length
+            else:
+                raise struct.error(f"a field of kind {kind}")
+    except struct.error as error:
+        raise KVTransferError(f"The KV peer sent an unreadable block descriptor ({error}).") from None
+    return key, offset, num_bytes, tuple(fields)
+
+
+class MappedData:
+    """The data "group" of a pair on shared memory: ``send`` and ``recv`` of one block each, as a process group's,
+    carried as descriptor frames on ``control``; a receive lands when its work is waited for (``wait(timeout)``).
+    One sender and one receiver per pair, each on one thread."""
+
+    def __init__(self, control, device: torch.device) -> None:
+        self.control = control
+        self.device = device
+        self._export, self._open = _EXPORTS[device.type]
+        # (address, bytes) -> (key, the storage: held, so that its address names nothing else while listed)
+        self._sent: OrderedDict[tuple[int, int], tuple[int, torch.UntypedStorage]] = OrderedDict()
+        self._mapped: OrderedDict[int, torch.Tensor] = OrderedDict()  # key -> uint8 view of the peer's memory
+        self._next_key = 0
+
+    def begin(self) -> None:
+        """Before describing a send's blocks: wait for the writes queued on this thread's stream, as an NCCL send
+        waits for them (the receiver reads the blocks from its own stream, which knows nothing of this one's)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Sent:
+        """Describe one block (a contiguous uint8 tensor, written before ``begin``) to the receiver: export its
+        memory if the receiver has not mapped it, send the descriptor (``tag`` is the caller's PAYLOAD; blocks go
+        under TAG_BLOCK)."""
+        (block,) = tensors
+        storage = block.untyped_storage()
+        listed, fields = self._sent.get((storage.data_ptr(), storage.nbytes())), ()
+        if listed is None:
+            key, self._next_key = self._next_key, self._next_key + 1
+            fields = self._export(storage)
+            self._sent[(storage.data_ptr(), storage.nbytes())] = (key, storage)
+            if len(self._sent) > MAX_MAPPED:
+                self._sent.popitem(last=False)
+        else:
+            key = listed[0]
+            self._sent.move_to_end((storage.data_ptr(), storage.nbytes()))
+        offset = block.data_ptr() - storage.data_ptr()
+        frame = encode_descriptor(key, offset, block.numel() * block.element_size(), fields)
+        return _Sent(self.control.send([frame], dst, TAG_BLOCK), frame)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Receive:
+        """Post the receive of one block into ``tensors[0]`` (a uint8 view of the ring): its descriptor's."""
+        (view,) = tensors
+        frame = torch.empty(DESCRIPTOR_BYTES, dtype=torch.uint8)
+        return _Receive(self, self.control.recv([frame], src, TAG_BLOCK), frame, view)
+
+    def land(self, frame: torch.Tensor, view: torch.Tensor) -> None:
+        """Copy the block a received descriptor names into ``view``.
+
+        Raises:
+            KVTransferError: the descriptor is unreadable, names memory this end has not mapped, or a range that
+                is not inside it or not the receive's size (the pair breaks: the peer does not speak this protocol).
+        """
+        key, offset, num_bytes, fields = decode_descriptor(frame.numpy().tobytes())
+        if fields:
+            try:
+                storage = self._open(fields, self.device)
+            except (OSError, RuntimeError, TypeError, ValueError) as error:
+                raise KVTransferError(f"Cannot map the KV peer's memory: {error}") from None
+            self._mapped[key] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
+                storage, 0, (storage.nbytes(),), (1,))
+            if len(self._mapped) > MAX_MAPPED:
+                self._mapped.popitem(last=False)  # as the sender drops it: its owner may free it
+        elif key in self._mapped:
+            self._mapped.move_to_end(key)
+        else:
+            raise KVTransferError(f"The KV peer names memory {key}, which it never shared with this worker.")
+        memory = self._mapped[key]
+        if num_bytes != view.numel() or not 0 <= offset <= memory.numel() - num_bytes:
+            raise KVTransferError(f"The KV peer describes a block of {num_bytes} bytes at {offset} of {memory.numel()};"
+                                  f" this worker posted {view.numel()}.")
+        view.copy_(memory[offset : offset + num_bytes])  # on this thread's stream, before what reads the ring
+
+    def finish(self) -> None:
+        """Wait for the copies this end has queued (before the send's acknowledgement frees the sender's blocks)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def release(self) -> None:
+        """Drop every mapping (the pair is over)."""
+        self._mapped.clear()
+        self._sent.clear()
+
+
+class _Sent:
+    def __init__(self, work, frame: torch.Tensor) -> None:
+        self.work, self.frame = work, frame  # the frame stays referenced until it is sent
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        self.work.wait() if timeout is None else self.work.wait(timeout)
+
+
+class _Receive:
+    def __init__(self, data: MappedData, work, frame: torch.Tensor, view: torch.Tensor) -> None:
+        self.data, self.work, self.frame, self.view = data, work, frame, view
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        self.work.wait() if timeout is None else self.work.wait(timeout)
+        self.data.land(self.frame, self.view)
