@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.kvtransfer.errors import KVTransferError
-from splitserve.kvtransfer.p2p_mapped import MappedData
+from splitserve.kvtransfer.p2p_mapped import MappedData, descriptor_bytes
 
 _POLL_SECONDS = 0.0002  # between completion checks of a data operation on a CUDA cache
 
@@ -92,6 +92,22 @@ class PairChannels:
                 raise TimeoutError(f"an NCCL block transfer did not finish within {timeout.total_seconds():g} s")
             time.sleep(_POLL_SECONDS)
         work.wait()  # raises the communicator's error, if it failed
+
+    def send_blocks(self, blocks: list[torch.Tensor], peer: int, tag: int, blocks_per_chunk: int) -> list:
+        """Send one chunk's blocks (contiguous uint8 tensors) on the data plane: a message each on a group, one
+        descriptor for the chunk on a mapped plane. Returns the works to wait for (``wait_data``)."""
+        if isinstance(self.data, MappedData):
+            return [self.data.send(blocks, peer, descriptor_bytes(blocks_per_chunk))]
+        return [self.data.send([block], peer, tag) for block in blocks]
+
+    def recv_blocks(self, data: torch.Tensor, num_blocks: int, peer: int, tag: int, blocks_per_chunk: int) -> list:
+        """Post the receives of one chunk of ``num_blocks`` blocks into ``data`` (uint8, where the blocks land in
+        order), as ``send_blocks`` sends them. Returns the works to wait for (``wait_data``)."""
+        if isinstance(self.data, MappedData):
+            return [self.data.recv(data, num_blocks, peer, descriptor_bytes(blocks_per_chunk))]
+        block_bytes = data.numel() // max(1, num_blocks)
+        return [self.data.recv([data[block * block_bytes : (block + 1) * block_bytes]], peer, tag)
+                for block in range(num_blocks)]
 
     def begin_data(self) -> None:
         """Before a send's blocks go: on a mapped plane, wait for their writes (a group orders its own)."""

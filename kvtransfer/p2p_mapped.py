@@ -3,11 +3,12 @@ straight out of the sender's memory, mapped into its own process.
 
 NCCL refuses two ranks on one GPU, but two processes on one GPU can map each other's allocations (CUDA IPC),
 which is how a prefill and a decode worker that share a GPU pair. The sender exports the memory a block lives in
-(the storage of its KV cache: once for as long as the pair lives) and sends, for each block, a descriptor frame
-on the pair's control group where another plane would send the block: which exported memory, at what offset,
-how many bytes. The receiver maps that memory the first time it is named, checks the descriptor against it and
-against the receive it posted, and copies the block into its ring, on the device. Nothing passes through either
-host. The blocks stay the sender's until the send's acknowledgement, as on every plane, so they are read before
+(the storage of its KV cache: once for as long as the pair lives) and sends, for each chunk, one descriptor
+frame on the pair's control group where another plane would send the chunk's blocks: which exported memory, the
+bytes of a block, and each block's offset in it. The receiver maps that memory the first time it is named, checks
+the descriptor against it and against the chunk it posted, and gathers the blocks into its ring on the device,
+in one launch where the offsets fall on whole blocks of the memory (a block-major cache's always do). Nothing
+passes through either host. The blocks stay the sender's until the send's acknowledgement, as on every plane, so they are read before
 they can change.
 
 CPU caches can share memory the same way (a shared-memory file, into which a sender moves what it sends, opened
@@ -33,9 +34,10 @@ import torch
 from splitserve.kvtransfer.errors import KVTransferError
 
 TAG_BLOCK = 4  # on the control group, beside p2p_wire's META, HEADER, PAYLOAD and ACK (0-3)
-DESCRIPTOR_BYTES = 512
+DESCRIPTOR_BASE_BYTES = 512  # a descriptor's head and export fields; each block's offset adds 8
+MAX_DESCRIPTOR_BYTES = 1 << 20  # what a receiver will post for one (131,008 blocks a chunk)
 MAX_MAPPED = 4  # exported memories each end keeps: a sender's KV cache, and a few gathered payloads
-_HEAD = struct.Struct("<qqqB")  # key, byte offset in the exported memory, byte count, number of export fields
+_HEAD = struct.Struct("<qqqB")  # key, bytes of each block, number of blocks, number of export fields
 _INT, _BYTES = 0, 1
 
 
@@ -75,31 +77,40 @@ def _open_shm(fields: tuple, device: torch.device) -> torch.UntypedStorage:
 _EXPORTS: dict[str, tuple[Callable, Callable]] = {"cuda": (_export_cuda, _open_cuda), "cpu": (_export_shm, _open_shm)}
 
 
-def encode_descriptor(key: int, offset: int, num_bytes: int, fields: tuple) -> torch.Tensor:
-    """A descriptor frame (uint8[DESCRIPTOR_BYTES], zero padded): the head, then each export field as an int64 or
-    as length-prefixed bytes."""
-    parts = [_HEAD.pack(key, offset, num_bytes, len(fields))]
+def descriptor_bytes(blocks_per_chunk: int) -> int:
+    """The frame of a chunk's descriptor, for chunks of at most ``blocks_per_chunk`` blocks."""
+    return DESCRIPTOR_BASE_BYTES + 8 * blocks_per_chunk
+
+
+def encode_descriptor(key: int, block_bytes: int, offsets: list[int], fields: tuple, frame_bytes: int) -> torch.Tensor:
+    """A chunk's descriptor frame (uint8[frame_bytes], zero padded): the head, each export field as an int64 or as
+    length-prefixed bytes, then each block's byte offset in the exported memory (int64)."""
+    parts = [_HEAD.pack(key, block_bytes, len(offsets), len(fields))]
     for field in fields:
         if isinstance(field, (bytes, bytearray)):
             parts.append(struct.pack("<BH", _BYTES, len(field)) + bytes(field))
         else:
             parts.append(struct.pack("<Bq", _INT, int(field)))
-    encoded = b"".join(parts)
-    if len(encoded) > DESCRIPTOR_BYTES:
-        raise KVTransferError(f"A KV block descriptor of {len(encoded)} bytes exceeds {DESCRIPTOR_BYTES}.")
-    frame = torch.zeros(DESCRIPTOR_BYTES, dtype=torch.uint8)
-    frame[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    head = b"".join(parts)
+    if len(head) > DESCRIPTOR_BASE_BYTES:
+        raise KVTransferError(f"A KV descriptor's export fields take {len(head)} bytes, over {DESCRIPTOR_BASE_BYTES}.")
+    if len(head) + 8 * len(offsets) > frame_bytes:
+        raise KVTransferError(f"A KV descriptor of {len(offsets)} blocks does not fit a frame of {frame_bytes} bytes.")
+    frame = torch.zeros(frame_bytes, dtype=torch.uint8)
+    frame[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    if offsets:
+        frame[len(head) : len(head) + 8 * len(offsets)] = torch.tensor(offsets, dtype=torch.int64).view(torch.uint8)
     return frame
 
 
-def decode_descriptor(frame: bytes) -> tuple[int, int, int, tuple]:
-    """(key, offset, byte count, export fields) of a descriptor frame.
+def decode_descriptor(frame: bytes) -> tuple[int, int, list[int], tuple]:
+    """(key, bytes of each block, each block's offset, export fields) of a descriptor frame.
 
     Raises:
         KVTransferError: the frame is not a descriptor (cut short, or a field of an unknown kind).
     """
     try:
-        key, offset, num_bytes, num_fields = _HEAD.unpack_from(frame)
+        key, block_bytes, num_blocks, num_fields = _HEAD.unpack_from(frame)
         position, fields = _HEAD.size, []
         for _ in range(num_fields):
             (kind,) = struct.unpack_from("<B", frame, position)
@@ -114,15 +125,18 @@ def decode_descriptor(frame: bytes) -> tuple[int, int, int, tuple]:
                 position += 3 + length
             else:
                 raise struct.error(f"a field of kind {kind}")
+        if not 0 <= num_blocks <= (len(frame) - position) // 8:
+            raise struct.error(f"{num_blocks} block offsets in a frame of {len(frame)} bytes")
+        offsets = list(struct.unpack_from(f"<{num_blocks}q", frame, position))
     except struct.error as error:
         raise KVTransferError(f"The KV peer sent an unreadable block descriptor ({error}).") from None
-    return key, offset, num_bytes, tuple(fields)
+    return key, block_bytes, offsets, tuple(fields)
 
 
 class MappedData:
-    """The data "group" of a pair on shared memory: ``send`` and ``recv`` of one block each, as a process group's,
-    carried as descriptor frames on ``control``; a receive lands when its work is waited for (``wait(timeout)``).
-    One sender and one receiver per pair, each on one thread."""
+    """The data plane of a pair on shared memory: ``send`` and ``recv`` of one chunk's blocks each, carried as a
+    descriptor frame on ``control``; a receive lands when its work is waited for (``wait(timeout)``). One sender
+    and one receiver per pair, each on one thread."""
 
     def __init__(self, control, device: torch.device) -> None:
         self.control = control
@@ -139,40 +153,46 @@ class MappedData:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Sent:
-        """Describe one block (a contiguous uint8 tensor, written before ``begin``) to the receiver: export its
-        memory if the receiver has not mapped it, send the descriptor (``tag`` is the caller's PAYLOAD; blocks go
-        under TAG_BLOCK)."""
-        (block,) = tensors
-        storage = block.untyped_storage()
+    def send(self, blocks: list[torch.Tensor], dst: int, frame_bytes: int) -> _Sent:
+        """Describe one chunk's blocks (contiguous uint8 tensors of one size, in one memory, written before
+        ``begin``) to the receiver in a frame of ``frame_bytes``: export the memory if the receiver has not mapped
+        it, send the descriptor."""
+        storage = blocks[0].untyped_storage()
+        if any(block.untyped_storage().data_ptr() != storage.data_ptr() for block in blocks):
+            raise KVTransferError("The blocks of one KV chunk lie in different memories: the mapped plane sends "
+                                  "each chunk from one.")
         listed, fields = self._sent.get((storage.data_ptr(), storage.nbytes())), ()
         if listed is None:
             key, self._next_key = self._next_key, self._next_key + 1
-            fields = self._export(storage)
+            fields = self._export(storage)  # may move a CPU storage into shared memory: addresses read after
             self._sent[(storage.data_ptr(), storage.nbytes())] = (key, storage)
             if len(self._sent) > MAX_MAPPED:
                 self._sent.popitem(last=False)
         else:
             key = listed[0]
             self._sent.move_to_end((storage.data_ptr(), storage.nbytes()))
-        offset = block.data_ptr() - storage.data_ptr()
-        frame = encode_descriptor(key, offset, block.numel() * block.element_size(), fields)
+        offsets = [block.data_ptr() - storage.data_ptr() for block in blocks]
+        frame = encode_descriptor(key, blocks[0].numel(), offsets, fields, frame_bytes)
         return _Sent(self.control.send([frame], dst, TAG_BLOCK), frame)
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Receive:
-        """Post the receive of one block into ``tensors[0]`` (a uint8 view of the ring): its descriptor's."""
-        (view,) = tensors
-        frame = torch.empty(DESCRIPTOR_BYTES, dtype=torch.uint8)
-        return _Receive(self, self.control.recv([frame], src, TAG_BLOCK), frame, view)
+    def recv(self, data: torch.Tensor, num_blocks: int, src: int, frame_bytes: int) -> _Receive:
+        """Post the receive of one chunk of ``num_blocks`` blocks into ``data`` (a uint8 slice of the ring): its
+        descriptor's, in a frame of ``frame_bytes``."""
+        if frame_bytes > MAX_DESCRIPTOR_BYTES:
+            raise KVTransferError(f"The peer's chunks of this many blocks need descriptors of {frame_bytes} bytes, "
+                                  f"over {MAX_DESCRIPTOR_BYTES}.")
+        frame = torch.empty(frame_bytes, dtype=torch.uint8)
+        return _Receive(self, self.control.recv([frame], src, TAG_BLOCK), frame, data, num_blocks)
 
-    def land(self, frame: torch.Tensor, view: torch.Tensor) -> None:
-        """Copy the block a received descriptor names into ``view``.
+    def land(self, frame: torch.Tensor, data: torch.Tensor, num_blocks: int) -> None:
+        """Gather the blocks a received descriptor names into ``data`` (queued on this thread's stream).
 
         Raises:
-            KVTransferError: the descriptor is unreadable, names memory this end has not mapped, or a range that
-                is not inside it or not the receive's size (the pair breaks: the peer does not speak this protocol).
+            KVTransferError: the descriptor is unreadable, names memory this end has not mapped, or blocks that
+                are not inside it or not the chunk that was posted (the pair breaks: the peer does not speak this
+                protocol).
         """
-        key, offset, num_bytes, fields = decode_descriptor(frame.numpy().tobytes())
+        key, block_bytes, offsets, fields = decode_descriptor(frame.numpy().tobytes())
         if fields:
             try:
                 storage = self._open(fields, self.device)
@@ -187,10 +207,20 @@ class MappedData:
         else:
             raise KVTransferError(f"The KV peer names memory {key}, which it never shared with this worker.")
         memory = self._mapped[key]
-        if num_bytes != view.numel() or not 0 <= offset <= memory.numel() - num_bytes:
-            raise KVTransferError(f"The KV peer describes a block of {num_bytes} bytes at {offset} of {memory.numel()};"
-                                  f" this worker posted {view.numel()}.")
-        view.copy_(memory[offset : offset + num_bytes])  # on this thread's stream, before what reads the ring
+        if len(offsets) != num_blocks or block_bytes * num_blocks != data.numel():
+            raise KVTransferError(f"The KV peer describes {len(offsets)} blocks of {block_bytes} bytes; this worker "
+                                  f"posted {num_blocks} in {data.numel()} bytes.")
+        if any(not 0 <= offset <= memory.numel() - block_bytes for offset in offsets):
+            raise KVTransferError(f"The KV peer describes a block outside the {memory.numel()} bytes it shared.")
+        if not offsets:
+            return
+        rows = data.view(num_blocks, block_bytes)
+        if memory.numel() % block_bytes == 0 and all(offset % block_bytes == 0 for offset in offsets):
+            index = torch.tensor([offset // block_bytes for offset in offsets], dtype=torch.long).to(self.device)
+            torch.index_select(memory.view(-1, block_bytes), 0, index, out=rows)  # one launch for the chunk
+        else:
+            for row, offset in zip(rows, offsets):
+                row.copy_(memory[offset : offset + block_bytes])
 
     def finish(self) -> None:
         """Wait for the copies this end has queued (before the send's acknowledgement frees the sender's blocks)."""
@@ -212,9 +242,9 @@ class _Sent:
 
 
 class _Receive:
-    def __init__(self, data: MappedData, work, frame: torch.Tensor, view: torch.Tensor) -> None:
-        self.data, self.work, self.frame, self.view = data, work, frame, view
+    def __init__(self, plane: MappedData, work, frame: torch.Tensor, data: torch.Tensor, num_blocks: int) -> None:
+        self.plane, self.work, self.frame, self.data, self.num_blocks = plane, work, frame, data, num_blocks
 
     def wait(self, timeout: timedelta | None = None) -> None:
         self.work.wait() if timeout is None else self.work.wait(timeout)
-        self.data.land(self.frame, self.view)
+        self.plane.land(self.frame, self.data, self.num_blocks)

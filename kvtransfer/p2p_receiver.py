@@ -114,8 +114,7 @@ class PairReceiver:
             frame = self.frames[slot * frame_bytes : (slot + 1) * frame_bytes]
             data = self.ring[slot * chunk_bytes : slot * chunk_bytes + chunk_blocks * block_bytes]
             frame_work = self.channels.control.recv([frame], SENDER, TAG_HEADER)
-            block_works = [self.channels.data.recv([data[block * block_bytes : (block + 1) * block_bytes]], SENDER,
-                                                   TAG_PAYLOAD) for block in range(chunk_blocks)]
+            block_works = self.channels.recv_blocks(data, chunk_blocks, SENDER, TAG_PAYLOAD, blocks_per_chunk)
             return frame, frame_work, data, block_works
 
         posted = [post(index) for index in range(num_slots)]

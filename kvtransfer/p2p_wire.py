@@ -7,6 +7,8 @@ One send on a pair: the payload's blocks, grouped in chunks of whole blocks
                        flags (bit 0: goodbye; bits 8-15: this wire protocol's version, 2)
     per chunk: HEADER  uint8[header_frame_bytes]  the chunk's length-prefixed KVTransferHeader, zero padded
                BLOCK   uint8[block_bytes]         one message per block, straight from the cache
+                                                  (on a mapped plane, one descriptor for the chunk's
+                                                  blocks instead: p2p_mapped.py)
     ACK      int64[1]  from the decode side once every chunk is in its memory: 0, or 1 if it is closing
 
 META, HEADER and ACK go on the pair's control group (Gloo, on the host), the
@@ -76,7 +78,7 @@ def send_on_pair(pair: SenderPair, header: TransferHeader, source: BlockSource, 
                     chunk.checksum = checksum_of_pieces(memoryview(block.numpy()) for block in blocks)
                 keep.append((header_frame(chunk, frame_bytes), blocks))
                 control_works.append(channels.control.send([keep[-1][0]], RECEIVER, TAG_HEADER))
-                data_works.extend(channels.data.send([block], RECEIVER, TAG_PAYLOAD) for block in blocks)
+                data_works.extend(channels.send_blocks(blocks, RECEIVER, TAG_PAYLOAD, blocks_per_chunk))
             for work in control_works:
                 work.wait()
             for work in data_works:

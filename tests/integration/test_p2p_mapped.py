@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from splitserve.kvtransfer.errors import KVTransferError
 from splitserve.kvtransfer.p2p_mapped import (
-    DESCRIPTOR_BYTES,
     MAX_MAPPED,
     MappedData,
     decode_descriptor,
+    descriptor_bytes,
     encode_descriptor,
 )
 
@@ -44,25 +44,35 @@ def pair():
     yield MappedData(groups[0], torch.device("cpu")), MappedData(groups[1], torch.device("cpu"))
 
 
-def move(sender: MappedData, receiver: MappedData, block: torch.Tensor) -> torch.Tensor:
-    """One block from sender to receiver: the receive posted first, as the ring posts it."""
-    landed = torch.zeros(block.numel() * block.element_size(), dtype=torch.uint8)
-    receive = receiver.recv([landed], 0, 2)
-    sender.send([block.view(-1).view(torch.uint8)], 1, 2).wait(TIMEOUT)
+FRAME = descriptor_bytes(8)
+
+
+def move(sender: MappedData, receiver: MappedData, *blocks: torch.Tensor) -> torch.Tensor:
+    """One chunk of blocks from sender to receiver: the receive posted first, as the ring posts it."""
+    landed = torch.zeros(sum(block.numel() * block.element_size() for block in blocks), dtype=torch.uint8)
+    receive = receiver.recv(landed, len(blocks), 0, FRAME)
+    sender.send([block.view(-1).view(torch.uint8) for block in blocks], 1, FRAME).wait(TIMEOUT)
     receive.wait(TIMEOUT)
     return landed
 
 
 def test_descriptors_round_trip_and_unreadable_ones_are_refused():
     fields = (b"\x01" * 64, 1 << 40, 0, b"/torch_123", 7, b"", 1)
-    frame = encode_descriptor(3, 4096, 512, fields)
-    assert frame.numel() == DESCRIPTOR_BYTES
-    assert decode_descriptor(frame.numpy().tobytes()) == (3, 4096, 512, fields)
-    assert decode_descriptor(encode_descriptor(0, 0, 8, ()).numpy().tobytes()) == (0, 0, 8, ())
-    with pytest.raises(KVTransferError, match="exceeds 512"):
-        encode_descriptor(0, 0, 8, (b"x" * 600,))
+    offsets = [4096 * index for index in (7, 0, 3)]
+    frame = encode_descriptor(3, 4096, offsets, fields, FRAME)
+    assert frame.numel() == FRAME == 512 + 8 * 8
+    assert decode_descriptor(frame.numpy().tobytes()) == (3, 4096, offsets, fields)
+    assert decode_descriptor(encode_descriptor(0, 8, [], (), FRAME).numpy().tobytes()) == (0, 8, [], ())
+    with pytest.raises(KVTransferError, match="export fields take 628 bytes, over 512"):
+        encode_descriptor(0, 8, [0], (b"x" * 600,), FRAME)
+    with pytest.raises(KVTransferError, match="60 blocks does not fit a frame of 576 bytes"):
+        encode_descriptor(0, 8, [0] * 60, fields, FRAME)  # the frame a receiver posts for chunks of 8
     broken = bytearray(frame.numpy().tobytes())
     broken[25:27] = (4000).to_bytes(2, "little")  # the first field's length runs past the frame
+    with pytest.raises(KVTransferError, match="unreadable block descriptor"):
+        decode_descriptor(bytes(broken))
+    broken = bytearray(frame.numpy().tobytes())
+    broken[16:24] = (100).to_bytes(8, "little")  # more offsets than the frame holds
     with pytest.raises(KVTransferError, match="unreadable block descriptor"):
         decode_descriptor(bytes(broken))
     with pytest.raises(KVTransferError, match="unreadable block descriptor"):
@@ -76,6 +86,12 @@ def test_blocks_are_copied_out_of_the_senders_memory_and_both_ends_map_the_same_
     assert cache.is_shared() and len(receiver._mapped) == 1  # moved into shared memory in place, then mapped
     cache[5] = 7.0  # written after the first send: the receiver reads the sender's memory as it is now
     assert torch.equal(move(sender, receiver, cache[5]).view(torch.float32).view(3, 5), cache[5])
+    # A chunk of blocks in any order: gathered in one launch (whole blocks of the memory).
+    chunk = move(sender, receiver, cache[6], cache[1], cache[5]).view(torch.float32).view(3, 3, 5)
+    assert torch.equal(chunk, cache[[6, 1, 5]])
+    # Blocks that are not whole blocks of the memory (rows of one): copied one by one.
+    rows = move(sender, receiver, cache[4, 2], cache[0, 1]).view(torch.float32).view(2, 5)
+    assert torch.equal(rows, torch.stack([cache[4, 2], cache[0, 1]]))
     assert len(receiver._mapped) == 1  # the cache: exported once
     payloads = [torch.randn(2, 4) for _ in range(MAX_MAPPED + 2)]  # each a memory of its own
     for payload in payloads:
@@ -94,15 +110,23 @@ def test_a_descriptor_the_receiver_cannot_honour_breaks_the_pair_with_a_sentence
     cache = torch.randn(4, 16)
     move(sender, receiver, cache[1])
     key = next(iter(receiver._mapped))
-    landed = torch.zeros(64, dtype=torch.uint8)
+    landed = torch.zeros(128, dtype=torch.uint8)
+
+    def land(key, block_bytes, offsets, fields=()):
+        receiver.land(encode_descriptor(key, block_bytes, offsets, fields, FRAME), landed, 2)
+
     with pytest.raises(KVTransferError, match="names memory 9, which it never shared"):
-        receiver.land(encode_descriptor(9, 0, 64, ()), landed)
-    with pytest.raises(KVTransferError, match="a block of 64 bytes at 256 of 256"):
-        receiver.land(encode_descriptor(key, 256, 64, ()), landed)  # past the end
-    with pytest.raises(KVTransferError, match="a block of 32 bytes at 0 of 256; this worker posted 64"):
-        receiver.land(encode_descriptor(key, 0, 32, ()), landed)
-    with pytest.raises(KVTransferError, match="a block of 64 bytes at -8"):
-        receiver.land(encode_descriptor(key, -8, 64, ()), landed)
+        land(9, 64, [0, 64])
+    with pytest.raises(KVTransferError, match="a block outside the 256 bytes it shared"):
+        land(key, 64, [0, 256])  # past the end
+    with pytest.raises(KVTransferError, match="a block outside"):
+        land(key, 64, [-8, 0])
+    with pytest.raises(KVTransferError, match="describes 2 blocks of 32 bytes; this worker posted 2 in 128 bytes"):
+        land(key, 32, [0, 32])
+    with pytest.raises(KVTransferError, match="describes 1 blocks of 64 bytes"):
+        land(key, 64, [0])
     with pytest.raises(KVTransferError, match="Cannot map the KV peer's memory"):
-        receiver.land(encode_descriptor(11, 0, 64, (2**22 + 12345, 3, 64)), landed)  # no such process
+        land(11, 64, [0, 64], (2**22 + 12345, 3, 64))  # no such process
+    with pytest.raises(KVTransferError, match="descriptors of 2097664 bytes, over 1048576"):
+        receiver.recv(landed, 2, 0, descriptor_bytes(1 << 18))
     assert not landed.any()
