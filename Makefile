@@ -63,7 +63,7 @@ test-faults: install-test
 # then `pip install -e '.[test,triton]'`. The NCCL pair test needs two GPUs and says so on one.
 GPU_TESTS = tests/integration/test_engine_device.py tests/integration/test_kvtransfer_cuda.py \
 	tests/integration/test_triton_attention.py tests/integration/test_triton_ops.py \
-	tests/integration/test_triton_compile.py tests/e2e/test_kernels_benchmark.py
+	tests/integration/test_triton_compile.py tests/e2e/test_kernels_benchmark.py tests/e2e/test_cluster_cuda.py
 test-gpu:
 	$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch finds no CUDA device here')"
 	$(PYTHON) -m pytest -q -rs $(GPU_TESTS)

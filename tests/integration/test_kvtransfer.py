@@ -201,7 +201,8 @@ from splitserve.kvtransfer.header import TransferHeader
 from splitserve.kvtransfer.layout import KVLayout
 layout = KVLayout(4, 2, 8, torch.float32, 4)
 cache = torch.randn((16, 4, 2, 2, 4, 8))
-connector = create_connector("p2p", "prefill-long", "model-a", layout, chunk_bytes=layout.block_num_bytes)
+connector = create_connector("p2p", "prefill-long", "model-a", layout, chunk_bytes=layout.block_num_bytes,
+                             cpu_data_plane=sys.argv[2])
 header = TransferHeader("long", "model-a", layout, 0, 48, 48, 12 * layout.block_num_bytes, None, True, 5)
 print("SENDING", flush=True)
 connector.send(KVEndpointInfo("p2p", sys.argv[1], "receiver"), header, BlockSource(cache, range(12)))
@@ -209,8 +210,10 @@ print("SENT", flush=True)
 """
 
 
-def test_p2p_sender_lost_mid_transfer_fails_that_transfer_and_the_receiver_goes_on():
-    receiver = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT, receive_slots=2)
+@pytest.mark.parametrize("plane", ["control", "shm"], ids=["one-group", "shared-memory"])
+def test_p2p_sender_lost_mid_transfer_fails_that_transfer_and_the_receiver_goes_on(plane):
+    # On shared memory the receiver has the dead sender's memory mapped: it drops the mapping with the pair.
+    receiver = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT, receive_slots=2, cpu_data_plane=plane)
     inbox, first_arrived, release = Inbox(), threading.Event(), threading.Event()
 
     def on_payload(received) -> None:  # holds the receive thread on the first payload
@@ -219,7 +222,7 @@ def test_p2p_sender_lost_mid_transfer_fails_that_transfer_and_the_receiver_goes_
         inbox.on_payload(received)
 
     receiver.start_receiving(on_payload, inbox.on_error)
-    sender = subprocess.Popen([sys.executable, "-c", LONG_SENDER, receiver.endpoint().address],
+    sender = subprocess.Popen([sys.executable, "-c", LONG_SENDER, receiver.endpoint().address, plane],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert first_arrived.wait(60), sender.stderr.read() if sender.poll() is not None else "no payload"
@@ -231,10 +234,11 @@ def test_p2p_sender_lost_mid_transfer_fails_that_transfer_and_the_receiver_goes_
         assert len(inbox.payloads) < 12
         # Another sender reaches the same receiver on a new pair.
         num_before = len(inbox.payloads)
-        out, err = run_sender(receiver.endpoint().address, "prefill-b", 20, "next").communicate(timeout=90)
+        out, err = run_sender(receiver.endpoint().address, "prefill-b", 20, "next", plane=plane).communicate(timeout=90)
         assert "SENT" in out, err
         inbox.wait(num_payloads=num_before + 2)
         assert [p.header.transfer_id for p in inbox.payloads[-2:]] == ["next", "next"]
+        assert not getattr(receiver._receive_groups[0].data, "_mapped", {})  # the dead pair's mappings: dropped
     finally:
         release.set()
         if sender.poll() is None:
