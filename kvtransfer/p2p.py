@@ -40,6 +40,7 @@ from splitserve.kvtransfer.errors import KVTransferError
 from splitserve.kvtransfer.header import TransferHeader, payload_tensor, verify
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.kvtransfer.p2p_channels import plane_name
+from splitserve.kvtransfer.p2p_mapped import MAPPED_RECEIVE_SLOTS
 from splitserve.kvtransfer.p2p_pairs import RECEIVER, SenderPair, accept_pair, connect_pair
 from splitserve.kvtransfer.p2p_receiver import PairReceiver
 from splitserve.kvtransfer.p2p_wire import FLAG_GOODBYE, TAG_META, PairBroken, send_on_pair
@@ -55,7 +56,8 @@ class P2PConnector(KVConnector):
     ``connect_timeout_seconds``
     (default 10), ``send_timeout_seconds`` (a send's operations and its acknowledgement, default 120),
     ``receive_timeout_seconds`` (a sender silent mid-send, default 60), ``chunk_bytes`` (default 4 MiB),
-    ``receive_slots`` (chunks the receiver posts ahead, default 8), ``checksum`` ("xxh3" or "none",
+    ``receive_slots`` (chunks the receiver posts ahead, default 8; a pair on mapped memory sends chunks of
+    ``receive_slots * chunk_bytes / MAPPED_RECEIVE_SLOTS`` and posts that many), ``checksum`` ("xxh3" or "none",
     see ``header.CHECKSUM_TYPES``), ``device`` (where the cache is: "cpu" or a CUDA device), ``cpu_data_plane``
     (how blocks between CPU caches travel, see ``p2p_channels.CPU_DATA_PLANES``: "control", the default; "gloo" and
     "shm" run the CUDA planes' protocols on CPU, for the tests)."""
@@ -79,6 +81,9 @@ class P2PConnector(KVConnector):
         self.receive_timeout = timedelta(seconds=float(receive_timeout_seconds))
         self.blocks_per_chunk = max(1, int(chunk_bytes) // layout.block_num_bytes)
         self.receive_slots = max(2, int(receive_slots))
+        # On mapped memory the same ring bytes in MAPPED_RECEIVE_SLOTS larger chunks (p2p_mapped.py).
+        self.mapped_blocks_per_chunk = max(1, int(chunk_bytes) * self.receive_slots // MAPPED_RECEIVE_SLOTS
+                                           // layout.block_num_bytes)
         self._rendezvous: RendezvousServer | None = None
         self._rendezvous_lock = threading.Lock()
         self._pairs: dict[str, SenderPair] = {}  # by destination address
@@ -173,7 +178,8 @@ class P2PConnector(KVConnector):
             pair, reused = self._pair_to(destination)
             with pair.lock:
                 try:
-                    send_on_pair(pair, header, source, self.blocks_per_chunk, self.send_timeout, self.checksum_type)
+                    blocks_per_chunk = self.mapped_blocks_per_chunk if pair.channels.mapped else self.blocks_per_chunk
+                    send_on_pair(pair, header, source, blocks_per_chunk, self.send_timeout, self.checksum_type)
                     return
                 except PairBroken as error:
                     self._drop_pair(pair)

@@ -69,6 +69,7 @@ class PairChannels:
         self.plane = plane
         self.on_cuda = device.type == "cuda"
         self.over_nccl = plane == "gloo+nccl"
+        self.mapped = isinstance(data, MappedData)
 
     def buffer(self, num_bytes: int) -> torch.Tensor:
         """A uint8 buffer for received blocks, where the data group writes them."""

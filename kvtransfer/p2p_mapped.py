@@ -37,6 +37,10 @@ TAG_BLOCK = 4  # on the control group, beside p2p_wire's META, HEADER, PAYLOAD a
 DESCRIPTOR_BASE_BYTES = 512  # a descriptor's head and export fields; each block's offset adds 8
 MAX_DESCRIPTOR_BYTES = 1 << 20  # what a receiver will post for one (131,008 blocks a chunk)
 MAX_MAPPED = 4  # exported memories each end keeps: a sender's KV cache, and a few gathered payloads
+# A chunk costs a header and a descriptor through the control group, whatever its size (about 300 us on an H100
+# host), and a mapped plane has no wire to keep busy: its ring holds as many bytes as another plane's in this many
+# slots, each chunk that many times larger.
+MAPPED_RECEIVE_SLOTS = 2
 _HEAD = struct.Struct("<qqqB")  # key, bytes of each block, number of blocks, number of export fields
 _INT, _BYTES = 0, 1
 

@@ -26,6 +26,7 @@ import torch
 
 from splitserve.kvtransfer.errors import KVTransferError
 from splitserve.kvtransfer.header import TransferHeader
+from splitserve.kvtransfer.p2p_mapped import MAPPED_RECEIVE_SLOTS
 from splitserve.kvtransfer.p2p_pairs import SENDER
 from splitserve.kvtransfer.p2p_wire import (
     ACK_CLOSING,
@@ -100,7 +101,7 @@ class PairReceiver:
         """Receive one send's chunks through the ring, delivering each as it lands; acknowledge the last."""
         num_chunks = max(1, -(-num_blocks // blocks_per_chunk))
         chunk_bytes = blocks_per_chunk * block_bytes
-        num_slots = min(self.connector.receive_slots, num_chunks)
+        num_slots = min(MAPPED_RECEIVE_SLOTS if self.channels.mapped else self.connector.receive_slots, num_chunks)
         if self.ring.numel() < num_slots * chunk_bytes:
             self.ring = self.channels.buffer(num_slots * chunk_bytes)
         if self.frames.numel() < num_slots * frame_bytes:

@@ -62,7 +62,7 @@ class DeviceInbox:
 
     def __init__(self, device: str) -> None:
         self.cache = torch.zeros(SHAPE, device=device)
-        self.blocks = {0: [10], 4: [2], 8: [5]}  # by first token position (the sender's chunks are one block)
+        self.blocks = [10, 2, 5]  # where the sent prompt's blocks land, in order (4 tokens a block)
         self.payloads, self.errors = [], []
         self.own = {}  # transfer id -> payload
         self.done = threading.Event()
@@ -72,7 +72,8 @@ class DeviceInbox:
         if "-" in received.header.transfer_id:  # a payload of its own: kept
             self.own[received.header.transfer_id] = received.payload.clone()
             return
-        scatter_blocks(self.cache, self.blocks[received.header.first_token_position], received.payload)
+        first = received.header.first_token_position // LAYOUT.block_size
+        scatter_blocks(self.cache, self.blocks[first : first + received.payload.shape[0]], received.payload)
         self.payloads.append(received.header)
         if received.header.is_last:
             self.done.set()
@@ -129,7 +130,8 @@ def test_a_pair_on_one_gpu_copies_the_blocks_within_it_bit_exact(caplog):
             assert "SENT" in sender.stdout, sender.stderr
             assert inbox.done.wait(30) and not inbox.errors, inbox.errors
         assert "ready (gloo+cuda-ipc)" in caplog.text
-        assert [(h.first_token_position, h.num_tokens) for h in inbox.payloads] == [(0, 4), (4, 4), (8, 3)]
+        # Chunks of 4 blocks (the ring's bytes in two slots: p2p_mapped.MAPPED_RECEIVE_SLOTS): the first send whole.
+        assert [(h.first_token_position, h.num_tokens) for h in inbox.payloads] == [(0, 8), (8, 3)]
         expected = seeded_cache(34)
         torch.cuda.synchronize()
         assert torch.equal(inbox.cache[[10, 2, 5]].cpu(), expected[[3, 7, 1]])
