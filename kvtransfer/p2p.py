@@ -43,7 +43,7 @@ from splitserve.kvtransfer.p2p_channels import plane_name
 from splitserve.kvtransfer.p2p_mapped import MAPPED_RECEIVE_SLOTS
 from splitserve.kvtransfer.p2p_pairs import RECEIVER, SenderPair, accept_pair, connect_pair
 from splitserve.kvtransfer.p2p_receiver import PairReceiver
-from splitserve.kvtransfer.p2p_wire import FLAG_GOODBYE, TAG_META, PairBroken, send_on_pair
+from splitserve.kvtransfer.p2p_wire import FLAG_GOODBYE, GOODBYE_WAIT, TAG_ACK, TAG_META, PairBroken, send_on_pair
 from splitserve.kvtransfer.rendezvous_server import RendezvousServer
 
 logger = logging.getLogger(__name__)
@@ -212,8 +212,9 @@ class P2PConnector(KVConnector):
                 del self._pairs[pair.address]
 
     def close(self) -> None:
-        """Say goodbye on idle sender pairs (their receive threads end), stop the watcher; returns within about
-        a second. Receive threads that wait on a live peer end when it sends or goes away."""
+        """Say goodbye on idle sender pairs (their receive threads end; on mapped memory each first drops this
+        process's memory and says so), stop the watcher; returns within about a second a pair. Receive threads that
+        wait on a live peer end when it sends or goes away."""
         if self._closed.is_set():
             return
         self._closed.set()
@@ -223,7 +224,10 @@ class P2PConnector(KVConnector):
             if pair.lock.acquire(timeout=0.5):
                 try:
                     goodbye = torch.tensor([0, 0, 0, 0, FLAG_GOODBYE], dtype=torch.int64)
-                    pair.channels.control.send([goodbye], RECEIVER, TAG_META).wait(timedelta(seconds=0.5))
+                    pair.channels.control.send([goodbye], RECEIVER, TAG_META).wait(GOODBYE_WAIT)
+                    if pair.channels.mapped:  # the receiver has let go of this process's memory
+                        released = torch.empty(1, dtype=torch.int64)
+                        pair.channels.control.recv([released], RECEIVER, TAG_ACK).wait(GOODBYE_WAIT)
                 except Exception:
                     pass
                 finally:

@@ -32,6 +32,7 @@ from splitserve.kvtransfer.p2p_wire import (
     ACK_CLOSING,
     ACK_OK,
     FLAG_GOODBYE,
+    GOODBYE_WAIT,
     MAX_CHUNK_BYTES,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -70,6 +71,7 @@ class PairReceiver:
                 num_blocks, blocks_per_chunk, block_bytes, frame_bytes, flags = (int(value) for value in meta)
                 if flags & FLAG_GOODBYE:
                     logger.info("KV pair with %s closed by the peer", self.peer)
+                    self._release_for_goodbye()
                     return
                 if (flags >> 8) & 0xFF != PROTOCOL_VERSION:
                     raise KVTransferError(f"The peer speaks p2p wire protocol {(flags >> 8) & 0xFF}, this worker "
@@ -96,6 +98,17 @@ class PairReceiver:
                 return
             if connector._closed.is_set():
                 return
+
+    def _release_for_goodbye(self) -> None:
+        """On a mapped plane, drop the peer's memory and say so before the peer exits: an exporter that leaves while
+        its memory is mapped keeps it from being freed (CUDA: torch warns at its exit). A group has nothing to drop."""
+        if not self.channels.mapped:
+            return
+        self.channels.release()
+        try:
+            self.channels.control.send([torch.tensor([ACK_OK], dtype=torch.int64)], SENDER, TAG_ACK).wait(GOODBYE_WAIT)
+        except Exception:  # the peer did not wait for it
+            pass
 
     def _receive_send(self, num_blocks: int, blocks_per_chunk: int, block_bytes: int, frame_bytes: int) -> None:
         """Receive one send's chunks through the ring, delivering each as it lands; acknowledge the last."""

@@ -11,6 +11,10 @@ One send on a pair: the payload's blocks, grouped in chunks of whole blocks
                                                   blocks instead: p2p_mapped.py)
     ACK      int64[1]  from the decode side once every chunk is in its memory: 0, or 1 if it is closing
 
+A sender that closes sends a META with the goodbye flag on each idle pair; on a
+mapped plane the receiver drops the sender's memory and answers with an ACK,
+which the sender waits for (briefly) before it may exit.
+
 META, HEADER and ACK go on the pair's control group (Gloo, on the host), the
 blocks on its data group (the same Gloo group for CPU caches, NCCL for CUDA
 ones: ``p2p_channels.py``). A block of the block-major cache is one contiguous
@@ -39,6 +43,7 @@ PROTOCOL_VERSION = 2  # of the messages above; in META's flags, bits 8-15
 MAX_CHUNK_BYTES = 1 << 30
 MAX_FRAME_BYTES = 1 << 16
 ACK_OK, ACK_CLOSING = 0, 1
+GOODBYE_WAIT = timedelta(seconds=0.5)  # for a goodbye to go out, and on a mapped plane for its acknowledgement
 
 
 class PairBroken(Exception):

@@ -6,6 +6,7 @@ tests/integration/test_kvtransfer_cuda.py."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.kvtransfer.errors import KVTransferError
+from splitserve.kvtransfer.header import TransferHeader
 from splitserve.kvtransfer.p2p_mapped import (
     MAX_MAPPED,
     MappedData,
@@ -130,3 +132,35 @@ def test_a_descriptor_the_receiver_cannot_honour_breaks_the_pair_with_a_sentence
     with pytest.raises(KVTransferError, match="descriptors of 2097664 bytes, over 1048576"):
         receiver.recv(landed, 2, 0, descriptor_bytes(1 << 18))
     assert not landed.any()
+
+
+def test_a_closing_sender_waits_until_the_receiver_has_let_go_of_its_memory():
+    # On a GPU an exporter that exits while its memory is mapped keeps it from being freed (and torch warns): the
+    # goodbye on a mapped pair is acknowledged once the receiver has dropped its mappings.
+    from splitserve.kvtransfer import create_connector
+    from splitserve.kvtransfer.blocks import BlockSource
+    from tests.kv_helpers import FINGERPRINT, LAYOUT, SHAPE
+
+    receiver = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT, cpu_data_plane="shm")
+    delivered, hold = threading.Event(), threading.Event()
+
+    def on_payload(received) -> None:  # keeps the receive thread busy while the sender closes
+        delivered.set()
+        hold.wait(5)
+
+    receiver.start_receiving(on_payload, lambda transfer_id, error: None)
+    sender = create_connector("p2p", "sender", FINGERPRINT, LAYOUT, cpu_data_plane="shm")
+    try:
+        cache = torch.randn(SHAPE)
+        header = TransferHeader("t", FINGERPRINT, LAYOUT, 0, 8, 8, 2 * LAYOUT.block_num_bytes, None, True, 3)
+        sender.send(receiver.endpoint(), header, BlockSource(cache, [3, 7]))
+        assert delivered.wait(10)
+        (channels,) = receiver._receive_groups
+        assert channels.mapped and len(channels.data._mapped) == 1
+        threading.Timer(0.2, hold.set).start()  # the receive thread reads the goodbye 0.2 s after it was sent
+        started = time.monotonic()
+        sender.close()
+        assert not channels.data._mapped and 0.2 <= time.monotonic() - started < 2
+    finally:
+        sender.close()
+        receiver.close()
