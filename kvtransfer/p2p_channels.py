@@ -97,14 +97,14 @@ class PairChannels:
     def send_blocks(self, blocks: list[torch.Tensor], peer: int, tag: int, blocks_per_chunk: int) -> list:
         """Send one chunk's blocks (contiguous uint8 tensors) on the data plane: a message each on a group, one
         descriptor for the chunk on a mapped plane. Returns the works to wait for (``wait_data``)."""
-        if isinstance(self.data, MappedData):
+        if self.mapped:
             return [self.data.send(blocks, peer, descriptor_bytes(blocks_per_chunk))]
         return [self.data.send([block], peer, tag) for block in blocks]
 
     def recv_blocks(self, data: torch.Tensor, num_blocks: int, peer: int, tag: int, blocks_per_chunk: int) -> list:
         """Post the receives of one chunk of ``num_blocks`` blocks into ``data`` (uint8, where the blocks land in
         order), as ``send_blocks`` sends them. Returns the works to wait for (``wait_data``)."""
-        if isinstance(self.data, MappedData):
+        if self.mapped:
             return [self.data.recv(data, num_blocks, peer, descriptor_bytes(blocks_per_chunk))]
         block_bytes = data.numel() // max(1, num_blocks)
         return [self.data.recv([data[block * block_bytes : (block + 1) * block_bytes]], peer, tag)
@@ -112,13 +112,13 @@ class PairChannels:
 
     def begin_data(self) -> None:
         """Before a send's blocks go: on a mapped plane, wait for their writes (a group orders its own)."""
-        if isinstance(self.data, MappedData):
+        if self.mapped:
             self.data.begin()
 
     def finish_data(self) -> None:
         """Before acknowledging a send: wait for what the data plane queued without waiting (the copies out of a
         mapped peer's memory; nothing on a group, whose waits are complete)."""
-        if isinstance(self.data, MappedData):
+        if self.mapped:
             self.data.finish()
 
     def abort(self) -> None:
@@ -132,9 +132,8 @@ class PairChannels:
 
     def release(self) -> None:
         """Drop what the data plane holds of the peer (mapped memory; nothing on a group): the pair is over."""
-        release = getattr(self.data, "release", None)
-        if release is not None and self.data is not self.control:
-            release()
+        if self.mapped:
+            self.data.release()
 
     def device_scope(self):
         """A context in which this thread's CUDA operations run on the cache's device (nothing on CPU)."""

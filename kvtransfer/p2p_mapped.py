@@ -8,13 +8,13 @@ frame on the pair's control group where another plane would send the chunk's blo
 bytes of a block, and each block's offset in it. The receiver maps that memory the first time it is named, checks
 the descriptor against it and against the chunk it posted, and gathers the blocks into its ring on the device,
 in one launch where the offsets fall on whole blocks of the memory (a block-major cache's always do). Nothing
-passes through either host. The blocks stay the sender's until the send's acknowledgement, as on every plane, so they are read before
-they can change.
+passes through either host. The blocks stay the sender's until the send's acknowledgement, as on every plane, so
+they are read before they can change.
 
 CPU caches can share memory the same way (a shared-memory file, into which a sender moves what it sends, opened
 by the receiver through ``/proc``): the ``shm`` plane, which is how the tests run this protocol on a machine
-without a GPU. What differs between the two is two functions, how a storage
-is exported and how it is mapped (``_EXPORTS``).
+without a GPU. What differs between the two is two functions, how a storage is exported and how it is mapped
+(``_EXPORTS``).
 
 Both ends keep the same bounded list of exported memories, most recently named last, and drop the oldest past
 ``MAX_MAPPED`` in step (they see the same descriptors in the same order): a descriptor carries the export's
