@@ -2,9 +2,10 @@
 
 META, header frames and the acknowledgement go on the pair's control group,
 the blocks on its data plane, into a ring where the cache is (host memory,
-or the GPU for a CUDA cache: ``p2p_channels.py``; on one GPU each block is
-copied into the ring out of the sender's mapped cache, ``p2p_mapped.py``). Gloo (and NCCL) move a
-message only once the receiver has posted a buffer for it, so
+or the GPU for a CUDA cache: ``p2p_channels.py``; on one GPU the blocks are
+gathered into the ring out of the sender's mapped cache, ``p2p_mapped.py``).
+Gloo (and NCCL) move a message only once the receiver has posted a buffer
+for it, so
 the receiver posts a ring of chunks ahead (``receive_slots``) as soon as META
 (``p2p_wire.py``) tells their sizes (its own layout never sizes a receive: a
 mismatched size would abort the process inside Gloo; the header check refuses
