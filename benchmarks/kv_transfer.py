@@ -113,8 +113,8 @@ for line in sys.stdin:
     if kind in ("raw_gloo", "raw_redis", "raw_ipc_export") and num_blocks not in raw_tensors:
         raw_tensors[num_blocks] = cache[blocks].contiguous()  # the payload, gathered once (warm)
     if kind == "raw_ipc_export":  # the payload's CUDA IPC fields, for the receiver to map once
-        from splitserve.kvtransfer.p2p_mapped import _export_cuda
-        fields = _export_cuda(raw_tensors[num_blocks].untyped_storage())
+        from splitserve.kvtransfer.p2p_mapped import export_cuda
+        fields = export_cuda(raw_tensors[num_blocks].untyped_storage())
         reply(fields=[field.hex() if isinstance(field, bytes) else ["int", int(field)] for field in fields])
         continue
     if kind == "lmcache_store":
@@ -256,11 +256,11 @@ class IpcCeiling:
         self.mapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def once(self, num_blocks: int) -> float:
-        from splitserve.kvtransfer.p2p_mapped import _open_cuda
+        from splitserve.kvtransfer.p2p_mapped import open_cuda
 
         if num_blocks not in self.mapped:
             fields = self.sender.ask(kind="raw_ipc_export", num_blocks=num_blocks)["fields"]
-            storage = _open_cuda(tuple(field[1] if isinstance(field, list) else bytes.fromhex(field)
+            storage = open_cuda(tuple(field[1] if isinstance(field, list) else bytes.fromhex(field)
                                        for field in fields), self.device)
             source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (storage.nbytes(),), (1,))
             self.mapped[num_blocks] = source, torch.empty_like(source)

@@ -45,7 +45,7 @@ _HEAD = struct.Struct("<qqqB")  # key, bytes of each block, number of blocks, nu
 _INT, _BYTES = 0, 1
 
 
-def _export_cuda(storage: torch.UntypedStorage) -> tuple:
+def export_cuda(storage: torch.UntypedStorage) -> tuple:
     """A CUDA storage's IPC fields (torch's own: the allocation's handle, the storage's size and offset in it, a
     reference counter that keeps the allocation from being reused while mapped, and an event), less the device
     index, which the receiver takes from its own cache (the same GPU may have another index in its process)."""
@@ -53,7 +53,7 @@ def _export_cuda(storage: torch.UntypedStorage) -> tuple:
     return tuple(b"" if field is None else field for field in storage._share_cuda_()[1:])
 
 
-def _open_cuda(fields: tuple, device: torch.device) -> torch.UntypedStorage:
+def open_cuda(fields: tuple, device: torch.device) -> torch.UntypedStorage:
     index = device.index if device.index is not None else torch.cuda.current_device()
     handle, size, offset, counter_handle, counter_offset, event_handle, event_sync = fields
     return torch.UntypedStorage._new_shared_cuda(index, handle, size, offset, counter_handle, counter_offset,
@@ -78,7 +78,7 @@ def _open_shm(fields: tuple, device: torch.device) -> torch.UntypedStorage:
         os.close(opened)
 
 
-_EXPORTS: dict[str, tuple[Callable, Callable]] = {"cuda": (_export_cuda, _open_cuda), "cpu": (_export_shm, _open_shm)}
+_EXPORTS: dict[str, tuple[Callable, Callable]] = {"cuda": (export_cuda, open_cuda), "cpu": (_export_shm, _open_shm)}
 
 
 def descriptor_bytes(blocks_per_chunk: int) -> int:
@@ -98,12 +98,11 @@ def encode_descriptor(key: int, block_bytes: int, offsets: list[int], fields: tu
     head = b"".join(parts)
     if len(head) > DESCRIPTOR_BASE_BYTES:
         raise KVTransferError(f"A KV descriptor's export fields take {len(head)} bytes, over {DESCRIPTOR_BASE_BYTES}.")
-    if len(head) + 8 * len(offsets) > frame_bytes:
+    encoded = head + struct.pack(f"<{len(offsets)}q", *offsets)
+    if len(encoded) > frame_bytes:
         raise KVTransferError(f"A KV descriptor of {len(offsets)} blocks does not fit a frame of {frame_bytes} bytes.")
     frame = torch.zeros(frame_bytes, dtype=torch.uint8)
-    frame[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    if offsets:
-        frame[len(head) : len(head) + 8 * len(offsets)] = torch.tensor(offsets, dtype=torch.int64).view(torch.uint8)
+    frame[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
     return frame
 
 
@@ -241,14 +240,14 @@ class _Sent:
     def __init__(self, work, frame: torch.Tensor) -> None:
         self.work, self.frame = work, frame  # the frame stays referenced until it is sent
 
-    def wait(self, timeout: timedelta | None = None) -> None:
-        self.work.wait() if timeout is None else self.work.wait(timeout)
+    def wait(self, timeout: timedelta) -> None:
+        self.work.wait(timeout)
 
 
 class _Receive:
     def __init__(self, plane: MappedData, work, frame: torch.Tensor, data: torch.Tensor, num_blocks: int) -> None:
         self.plane, self.work, self.frame, self.data, self.num_blocks = plane, work, frame, data, num_blocks
 
-    def wait(self, timeout: timedelta | None = None) -> None:
-        self.work.wait() if timeout is None else self.work.wait(timeout)
+    def wait(self, timeout: timedelta) -> None:
+        self.work.wait(timeout)
         self.plane.land(self.frame, self.data, self.num_blocks)
