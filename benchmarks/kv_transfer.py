@@ -27,9 +27,11 @@ are), nothing gathered and nothing checksummed:
              (``benchmarks/lmcache_probe.py``).
 
 With ``--device cuda`` both processes hold their caches on one GPU and only ``p2p`` is measured: its
-blocks are copied within the GPU (CUDA IPC; no checksum, as on every CUDA plane), against the ceiling of
-one copy of the whole payload (gathered once in the sender) out of the sender's memory, mapped in this
-process, into a warm buffer here.
+blocks are copied within the GPU (CUDA IPC; no checksum, as on every CUDA plane), and ``on_payload``
+writes them into scattered blocks of a cache here as a decode worker does (``write_to``: the mapped
+plane delivers the sender's blocks themselves, so this copy is the transfer's only one), against the
+ceiling of one copy of the whole payload (gathered once in the sender) out of the sender's memory, mapped
+in this process, into a warm buffer here.
 
 Connector and ceiling transfers alternate (the connector first in one repeat, the
 ceiling first in the next), so drifts of the (shared, 2-core) machine hit both
@@ -195,6 +197,10 @@ class ConnectorProbe:
     def __init__(self, kind: str, checksum: str, sender: Sender, options: dict) -> None:
         self.kind, self.checksum, self.sender = kind, checksum, sender
         self.receiver = create_connector(kind, "bench-receiver", "bench", LAYOUT, checksum=checksum, **options)
+        # On a GPU each payload lands in a cache here, as in a decode worker: blocks scattered, unlike the sender's.
+        device = torch.device(options.get("device", "cpu"))
+        self.cache = None if device.type == "cpu" else torch.empty(CACHE_BLOCKS, *LAYOUT.payload_shape(1)[1:],
+                                                                   dtype=LAYOUT.dtype, device=device)
         self.done = threading.Event()
         self.finished = 0.0
         self.errors: list[str] = []
@@ -203,6 +209,11 @@ class ConnectorProbe:
         self.endpoint = self.receiver.endpoint()
 
     def _on_payload(self, received) -> None:
+        if self.cache is not None:
+            first = received.header.first_token_position // LAYOUT.block_size
+            received.write_to(self.cache, [(11 * index + 1) % CACHE_BLOCKS
+                                           for index in range(first, first + received.header.num_blocks)])
+            torch.cuda.synchronize(self.cache.device)
         if received.header.is_last:
             self.finished = time.monotonic()
             self.done.set()

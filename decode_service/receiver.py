@@ -160,7 +160,7 @@ class KVReceiver(KVConnectorBase):
     # ---- the transport's callbacks (its threads) --------------------------------------------------
 
     def on_payload(self, received) -> None:
-        header, payload = received.header, received.payload
+        header = received.header
         with self._lock:
             transfer = self._by_transfer.get(header.transfer_id)
         if transfer is None:
@@ -172,7 +172,7 @@ class KVReceiver(KVConnectorBase):
                 return
             problem = self._check_range(transfer, header)
             if problem is None:
-                self._write(transfer, header, payload)
+                self._write(transfer, received)
                 if not header.is_last:
                     return
                 transfer.state = TransferState.RECEIVED
@@ -204,13 +204,11 @@ class KVReceiver(KVConnectorBase):
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _write(self, transfer: Transfer, header, payload) -> None:
+    def _write(self, transfer: Transfer, received) -> None:
         """Copy a verified payload into its blocks (under the transfer's lock)."""
-        from splitserve.kvtransfer.blocks import scatter_blocks
-
+        header = received.header
         first_block = header.first_token_position // self.block_size
-        scatter_blocks(self._kv_cache, list(transfer.block_ids[first_block : first_block + header.num_blocks]),
-                       payload)
+        received.write_to(self._kv_cache, list(transfer.block_ids[first_block : first_block + header.num_blocks]))
         transfer.num_received_tokens += header.num_tokens
         transfer.num_transferred_tokens += header.num_tokens
         transfer.num_received_bytes += header.payload_num_bytes

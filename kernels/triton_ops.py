@@ -280,18 +280,19 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 # ---- Whole KV blocks into one buffer and back ---------------------------------------------------------
 
 
-def _copy_blocks_kernel(source_ptr, source_block_stride, destination_ptr, destination_block_stride, ids_ptr,
-                        words_per_block, GATHER: tl.constexpr, CHUNK: tl.constexpr):
-    # Program (i, chunk) copies one chunk of words of block i. GATHER: cache[ids[i]] -> buffer[i];
-    # otherwise buffer[i] -> cache[ids[i]]. Words are integers: the copy is bit-exact for any dtype.
-    index = tl.program_id(0)
-    block_id = tl.load(ids_ptr + index).to(tl.int64)
-    if GATHER:
-        source_block = block_id
-        destination_block = index.to(tl.int64)
-    else:
-        source_block = index.to(tl.int64)
-        destination_block = block_id
+def _copy_blocks_kernel(source_ptr, source_block_stride, destination_ptr, destination_block_stride, source_ids_ptr,
+                        destination_ids_ptr, words_per_block, SOURCE_IDS: tl.constexpr, DESTINATION_IDS: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    # Program (i, chunk) copies one chunk of words of the i-th block: source[source_ids[i]] ->
+    # destination[destination_ids[i]], either side's ids the identity where it has none (gather: the source's
+    # only; scatter: the destination's only). Words are integers: the copy is bit-exact for any dtype.
+    index = tl.program_id(0).to(tl.int64)
+    source_block = index
+    destination_block = index
+    if SOURCE_IDS:
+        source_block = tl.load(source_ids_ptr + index).to(tl.int64)
+    if DESTINATION_IDS:
+        destination_block = tl.load(destination_ids_ptr + index).to(tl.int64)
     words = tl.program_id(1).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     mask = words < words_per_block
     data = tl.load(source_ptr + source_block * source_block_stride + words, mask=mask)
@@ -309,7 +310,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids) -> torch.Tensor:
     _import_triton()
     ids = _block_ids(kv_cache, block_ids, "gather_blocks")
     buffer = torch.empty((ids.numel(), *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
-    _copy_blocks(kv_cache, buffer, ids, gather=True)
+    _copy_blocks(kv_cache, ids, buffer, None)
     return buffer
 
 
@@ -327,7 +328,28 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids, buffer: torch.Tensor) -> N
                          f"{(ids.numel(), *kv_cache.shape[1:])} {kv_cache.dtype}")
     if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
         raise ValueError("scatter_blocks: a block id appears twice; each block is written once")
-    _copy_blocks(buffer, kv_cache, ids, gather=False)
+    _copy_blocks(buffer, None, kv_cache, ids)
+
+
+def copy_blocks(source: torch.Tensor, source_ids, destination: torch.Tensor, destination_ids) -> None:
+    """Write block ``source_ids[i]`` of ``source`` into block ``destination_ids[i]`` of ``destination``, in place,
+    in one pass (no intermediate buffer); no other block changes. Both are ``[num_blocks, *block_shape]`` with each
+    block contiguous and of the same bytes (their dtypes may differ: blocks are copied as bytes).
+
+    source_ids: a list or a 1-D integer tensor, any order, repeats allowed
+    destination_ids: as many, no repeats (each block is written once)
+    """
+    _import_triton()
+    if source[:1].numel() * source.element_size() != destination[:1].numel() * destination.element_size():
+        raise ValueError(f"copy_blocks: blocks of {source[:1].numel() * source.element_size()} and "
+                         f"{destination[:1].numel() * destination.element_size()} bytes")
+    from_ids = _block_ids(source, source_ids, "copy_blocks")
+    to_ids = _block_ids(destination, destination_ids, "copy_blocks")
+    if from_ids.numel() != to_ids.numel():
+        raise ValueError(f"copy_blocks: {from_ids.numel()} source blocks for {to_ids.numel()} destination blocks")
+    if to_ids.numel() > 1 and torch.unique(to_ids).numel() != to_ids.numel():
+        raise ValueError("copy_blocks: a destination block id appears twice; each block is written once")
+    _copy_blocks(source, from_ids, destination, to_ids)
 
 
 def _block_ids(kv_cache: torch.Tensor, block_ids, name: str) -> torch.Tensor:
@@ -344,28 +366,33 @@ def _block_ids(kv_cache: torch.Tensor, block_ids, name: str) -> torch.Tensor:
     return ids.to(kv_cache.device, non_blocking=True).contiguous()
 
 
-def _copy_blocks(source: torch.Tensor, destination: torch.Tensor, ids: torch.Tensor, gather: bool) -> None:
+def _copy_blocks(source: torch.Tensor, source_ids: torch.Tensor | None, destination: torch.Tensor,
+                 destination_ids: torch.Tensor | None) -> None:
+    """One launch: block ``source_ids[i]`` (or i) of source into block ``destination_ids[i]`` (or i)."""
+    ids = source_ids if source_ids is not None else destination_ids
     if ids.numel() == 0 or source[:1].numel() == 0:
         return
     if not source[:1].is_contiguous() or not destination[:1].is_contiguous():
-        raise ValueError("gather/scatter_blocks: each block of the cache and of the buffer must be contiguous")
+        raise ValueError("gather/scatter/copy_blocks: each block of the cache and of the buffer must be contiguous")
     word = _word_type(source, destination)
     source_words, destination_words = _as_words(source, word), _as_words(destination, word)
     words_per_block = source_words.shape[1]
     chunk = min(_COPY_CHUNK, triton.next_power_of_2(words_per_block))
     _launch(_copy_blocks_kernel, (ids.numel(), triton.cdiv(words_per_block, chunk)),
-            source_words, source_words.stride(0), destination_words, destination_words.stride(0), ids,
-            words_per_block, GATHER=gather, CHUNK=chunk)
+            source_words, source_words.stride(0), destination_words, destination_words.stride(0),
+            source_ids if source_ids is not None else ids, destination_ids if destination_ids is not None else ids,
+            words_per_block, SOURCE_IDS=source_ids is not None, DESTINATION_IDS=destination_ids is not None,
+            CHUNK=chunk)
 
 
 def _word_type(*tensors: torch.Tensor) -> torch.dtype:
     """The widest integer type (8, 4, 2 or 1 bytes) dividing the block's bytes, and each tensor's block
     stride and start address: blocks are copied in words of it."""
-    element_size = tensors[0].element_size()
-    block_bytes = tensors[0][:1].numel() * element_size
+    block_bytes = tensors[0][:1].numel() * tensors[0].element_size()
     for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
         if block_bytes % size == 0 and all(
-            tensor.stride(0) * element_size % size == 0 and tensor.data_ptr() % size == 0 for tensor in tensors
+            tensor.stride(0) * tensor.element_size() % size == 0 and tensor.data_ptr() % size == 0
+            for tensor in tensors
         ):
             return word
     return torch.uint8

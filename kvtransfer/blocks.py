@@ -10,6 +10,8 @@ pass over the bytes is paid in throughput.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import xxhash
 
@@ -54,6 +56,29 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.
     if payload.shape[0] != len(block_ids):
         raise KVVerificationError(f"The payload holds {payload.shape[0]} blocks; {len(block_ids)} were reserved.")
     kv_cache.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device), payload)
+
+
+def copy_blocks(source: torch.Tensor, source_ids: list[int], kv_cache: torch.Tensor, block_ids: list[int]) -> None:
+    """Write block ``source_ids[i]`` of ``source`` into block ``block_ids[i]`` of the cache, in place: blocks of the
+    same bytes, copied as bytes. On CUDA in one pass (Triton's block copy); elsewhere a gather, then an
+    ``index_copy_``.
+
+    source:   [num_source_blocks, ...], each block contiguous (a peer's cache, or its memory seen as rows of bytes)
+    kv_cache: [num_blocks, layers, 2, kv_heads, block_size, head_size], contiguous   (modified)
+    """
+    if len(source_ids) != len(block_ids):
+        raise KVVerificationError(f"The payload holds {len(source_ids)} blocks; {len(block_ids)} were reserved.")
+    if kv_cache.device.type == "cuda" and importlib.util.find_spec("triton") is not None:  # CUDA torch brings it
+        from splitserve.kernels import triton_ops
+
+        triton_ops.copy_blocks(source, source_ids, kv_cache, block_ids)
+        return
+    block_bytes = kv_cache[:1].numel() * kv_cache.element_size()
+    rows = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+    source_rows = source.reshape(source.shape[0], -1).view(torch.uint8).view(source.shape[0], block_bytes)
+    device = kv_cache.device
+    rows.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=device),
+                     source_rows.index_select(0, torch.tensor(source_ids, dtype=torch.long, device=device)))
 
 
 class BlockSource:

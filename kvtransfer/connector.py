@@ -18,8 +18,8 @@ import torch
 
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.types import KVConnectorKind
-from splitserve.kvtransfer.blocks import BlockSource
-from splitserve.kvtransfer.header import CHECKSUM_TYPES, TransferHeader
+from splitserve.kvtransfer.blocks import BlockSource, copy_blocks, scatter_blocks
+from splitserve.kvtransfer.header import CHECKSUM_TYPES, TransferHeader, payload_tensor
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.v1 import worker_pb2
 
@@ -51,17 +51,44 @@ class KVEndpointInfo:
         return cls(_CONNECTORS_BY_PB[message.connector].value, message.address, message.worker_id, dict(message.options))
 
 
-@dataclass
 class ReceivedPayload:
-    """A payload that passed verification against this worker: its header, and its tensor ``[n, layers, 2,
-    kv_heads, block_size, head_size]`` in the layout's dtype.
+    """A payload that passed verification against this worker: its header, and its blocks, either bytes the
+    connector received (``payload``) or, from a p2p peer that shares this worker's memory, the peer's blocks
+    themselves (``source``), which ``write_to`` copies straight into the cache, one pass.
 
-    The tensor lives in the connector's receive buffer: it is valid only until the callback returns
-    (copy it into the cache there with ``scatter_blocks``, or clone it).
+    Both are valid only until the callback returns: copy the blocks into the cache there (``write_to``), or
+    clone ``payload``.
     """
 
-    header: TransferHeader
-    payload: torch.Tensor
+    def __init__(self, header: TransferHeader, payload: torch.Tensor | None = None,
+                 source: BlockSource | None = None) -> None:
+        if (payload is None) == (source is None):
+            raise ValueError("A received payload has its bytes or a source of blocks, one of the two.")
+        self.header = header
+        self.source = source
+        self._payload = payload
+
+    @property
+    def payload(self) -> torch.Tensor:
+        """The blocks as ``[n, layers, 2, kv_heads, block_size, head_size]`` in the layout's dtype (gathered out of
+        ``source`` on first use, where the connector received no bytes)."""
+        if self._payload is None:
+            gathered = self.source.kv_cache.index_select(
+                0, torch.tensor(self.source.block_ids, dtype=torch.long, device=self.source.kv_cache.device))
+            self._payload = payload_tensor(self.header, gathered.view(-1).view(torch.uint8))
+        return self._payload
+
+    @payload.setter
+    def payload(self, value: torch.Tensor) -> None:
+        self._payload, self.source = value, None
+
+    def write_to(self, kv_cache: torch.Tensor, block_ids: list[int]) -> None:
+        """Copy the payload's blocks into ``block_ids`` of the cache, in order (from ``source`` without an
+        intermediate copy)."""
+        if self.source is not None:
+            copy_blocks(self.source.kv_cache, self.source.block_ids, kv_cache, block_ids)
+        else:
+            scatter_blocks(kv_cache, block_ids, self.payload)
 
 
 OnPayload = Callable[[ReceivedPayload], None]

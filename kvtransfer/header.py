@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.kvtransfer.blocks import checksum, payload_bytes
+from splitserve.kvtransfer.blocks import BlockSource, checksum, checksum_of_pieces, payload_bytes
 from splitserve.kvtransfer.errors import KVTransferError, KVVerificationError
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.v1 import worker_pb2
@@ -118,9 +118,9 @@ def payload_checksum(payload: torch.Tensor) -> int:
     return checksum(payload_bytes(payload))
 
 
-def verify(header: TransferHeader, payload: torch.Tensor | Buffer, model_fingerprint: str, layout: KVLayout,
-           checksum_type: str = "xxh3") -> None:
-    """Check a received payload (its bytes, or a tensor) against this worker's fingerprint and layout.
+def verify(header: TransferHeader, payload: torch.Tensor | Buffer | BlockSource, model_fingerprint: str,
+           layout: KVLayout, checksum_type: str = "xxh3") -> None:
+    """Check a received payload (its bytes, a tensor, or blocks of a memory) against this worker's fingerprint and layout.
 
     Args:
         checksum_type: this worker's --kv-checksum: "xxh3" verifies the checksum and refuses payloads
@@ -142,7 +142,11 @@ def verify(header: TransferHeader, payload: torch.Tensor | Buffer, model_fingerp
     if header.first_token_position % layout.block_size:
         raise KVVerificationError(f"The payload starts at token {header.first_token_position}, not at a block "
                                   f"boundary (block size {layout.block_size}).")
-    if isinstance(payload, torch.Tensor) and payload.device.type != "cpu":
+    if isinstance(payload, BlockSource):  # blocks not gathered (a mapped peer's memory): hashed piece by piece
+        num_bytes = payload.num_bytes
+        data = None if payload.kv_cache.device.type != "cpu" else [
+            payload_bytes(payload.block(index)) for index in range(payload.num_blocks)]
+    elif isinstance(payload, torch.Tensor) and payload.device.type != "cpu":
         data, num_bytes = None, payload.numel() * payload.element_size()  # on a GPU: its bytes stay there
     else:
         data = payload_bytes(payload) if isinstance(payload, torch.Tensor) else memoryview(payload).cast("B")
@@ -161,7 +165,7 @@ def verify(header: TransferHeader, payload: torch.Tensor | Buffer, model_fingerp
     if data is None:
         raise KVVerificationError("A KV payload on a GPU cannot be checksummed on the host: receive it with "
                                   "--kv-checksum none (the p2p connector does so for CUDA caches).")
-    actual = checksum(data)
+    actual = checksum_of_pieces(data) if isinstance(data, list) else checksum(data)
     if actual != header.checksum:
         raise KVVerificationError(f"Checksum mismatch: the payload's XXH3-64 is {actual:016x}, the header says "
                                   f"{(header.checksum or 0):016x}.")

@@ -40,10 +40,18 @@ from splitserve.kvtransfer.errors import KVTransferError
 from splitserve.kvtransfer.header import TransferHeader, payload_tensor, verify
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.kvtransfer.p2p_channels import plane_name
-from splitserve.kvtransfer.p2p_mapped import MAPPED_RECEIVE_SLOTS
+from splitserve.kvtransfer.p2p_mapped import MAX_BLOCKS_PER_DESCRIPTOR
 from splitserve.kvtransfer.p2p_pairs import RECEIVER, SenderPair, accept_pair, connect_pair
 from splitserve.kvtransfer.p2p_receiver import PairReceiver
-from splitserve.kvtransfer.p2p_wire import FLAG_GOODBYE, GOODBYE_WAIT, TAG_ACK, TAG_META, PairBroken, send_on_pair
+from splitserve.kvtransfer.p2p_wire import (
+    FLAG_GOODBYE,
+    GOODBYE_WAIT,
+    MAX_CHUNK_BYTES,
+    TAG_ACK,
+    TAG_META,
+    PairBroken,
+    send_on_pair,
+)
 from splitserve.kvtransfer.rendezvous_server import RendezvousServer
 
 logger = logging.getLogger(__name__)
@@ -56,8 +64,8 @@ class P2PConnector(KVConnector):
     ``connect_timeout_seconds``
     (default 10), ``send_timeout_seconds`` (a send's operations and its acknowledgement, default 120),
     ``receive_timeout_seconds`` (a sender silent mid-send, default 60), ``chunk_bytes`` (default 4 MiB),
-    ``receive_slots`` (chunks the receiver posts ahead, default 8; a pair on mapped memory sends chunks of
-    ``receive_slots * chunk_bytes / MAPPED_RECEIVE_SLOTS`` and posts that many), ``checksum`` ("xxh3" or "none",
+    ``receive_slots`` (chunks the receiver posts ahead, default 8; a pair on mapped memory buffers nothing and
+    sends a payload as one chunk, up to 1 GiB), ``checksum`` ("xxh3" or "none",
     see ``header.CHECKSUM_TYPES``), ``device`` (where the cache is: "cpu" or a CUDA device), ``cpu_data_plane``
     (how blocks between CPU caches travel, see ``p2p_channels.CPU_DATA_PLANES``: "control", the default; "gloo" and
     "shm" run the CUDA planes' protocols on CPU, for the tests)."""
@@ -81,9 +89,9 @@ class P2PConnector(KVConnector):
         self.receive_timeout = timedelta(seconds=float(receive_timeout_seconds))
         self.blocks_per_chunk = max(1, int(chunk_bytes) // layout.block_num_bytes)
         self.receive_slots = max(2, int(receive_slots))
-        # On mapped memory the same ring bytes in MAPPED_RECEIVE_SLOTS larger chunks (p2p_mapped.py).
-        self.mapped_blocks_per_chunk = max(1, int(chunk_bytes) * self.receive_slots // MAPPED_RECEIVE_SLOTS
-                                           // layout.block_num_bytes)
+        # On mapped memory nothing is buffered: a chunk is as large as a descriptor and the receiver allow.
+        self.max_mapped_blocks_per_chunk = max(1, min(MAX_BLOCKS_PER_DESCRIPTOR,
+                                                      MAX_CHUNK_BYTES // layout.block_num_bytes))
         self._rendezvous: RendezvousServer | None = None
         self._rendezvous_lock = threading.Lock()
         self._pairs: dict[str, SenderPair] = {}  # by destination address
@@ -141,20 +149,21 @@ class P2PConnector(KVConnector):
         finally:
             channels.release()
 
-    def _deliver(self, header: TransferHeader, data: torch.Tensor) -> None:
-        """Verify one received payload (uint8 ``data``, on the cache's device) and hand it to the callback;
-        refusals go to on_error, once per transfer."""
+    def _deliver(self, header: TransferHeader, data: torch.Tensor | BlockSource) -> None:
+        """Verify one received payload (uint8 ``data`` on the cache's device, or the blocks in a mapped peer's
+        memory) and hand it to the callback; refusals go to on_error, once per transfer."""
         if header.transfer_id in self._dropped or self._closed.is_set():
             return
         try:
             verify(header, data, self.model_fingerprint, self.layout, checksum_type=self.checksum_type)
-            payload = payload_tensor(header, data)
+            received = (ReceivedPayload(header, source=data) if isinstance(data, BlockSource)
+                        else ReceivedPayload(header, payload_tensor(header, data)))
         except KVTransferError as error:
             self._dropped.add(header.transfer_id)
             self._on_error(header.transfer_id, error)
             return
         try:
-            self._on_payload(ReceivedPayload(header, payload))
+            self._on_payload(received)
         except Exception:
             logger.exception("KV payload handler failed for transfer %s", header.transfer_id)
 
@@ -178,7 +187,8 @@ class P2PConnector(KVConnector):
             pair, reused = self._pair_to(destination)
             with pair.lock:
                 try:
-                    blocks_per_chunk = self.mapped_blocks_per_chunk if pair.channels.mapped else self.blocks_per_chunk
+                    blocks_per_chunk = (min(max(1, source.num_blocks), self.max_mapped_blocks_per_chunk)
+                                        if pair.channels.mapped else self.blocks_per_chunk)
                     send_on_pair(pair, header, source, blocks_per_chunk, self.send_timeout, self.checksum_type)
                     return
                 except PairBroken as error:

@@ -101,14 +101,17 @@ class PairChannels:
             return [self.data.send(blocks, peer, descriptor_bytes(blocks_per_chunk))]
         return [self.data.send([block], peer, tag) for block in blocks]
 
-    def recv_blocks(self, data: torch.Tensor, num_blocks: int, peer: int, tag: int, blocks_per_chunk: int) -> list:
+    def recv_blocks(self, data: torch.Tensor, num_blocks: int, peer: int, tag: int) -> list:
         """Post the receives of one chunk of ``num_blocks`` blocks into ``data`` (uint8, where the blocks land in
-        order), as ``send_blocks`` sends them. Returns the works to wait for (``wait_data``)."""
-        if self.mapped:
-            return [self.data.recv(data, num_blocks, peer, descriptor_bytes(blocks_per_chunk))]
+        order), as ``send_blocks`` sends them on a group. Returns the works to wait for (``wait_data``)."""
         block_bytes = data.numel() // max(1, num_blocks)
         return [self.data.recv([data[block * block_bytes : (block + 1) * block_bytes]], peer, tag)
                 for block in range(num_blocks)]
+
+    def recv_described(self, num_blocks: int, peer: int, blocks_per_chunk: int):
+        """On a mapped plane, post the receive of one chunk's descriptor; its ``wait(timeout, block_bytes)`` returns
+        the chunk's blocks where they lie in the peer's memory (``MappedData.land``)."""
+        return self.data.recv(num_blocks, peer, descriptor_bytes(blocks_per_chunk))
 
     def begin_data(self) -> None:
         """Before a send's blocks go: on a mapped plane, wait for their writes (a group orders its own)."""

@@ -1,15 +1,18 @@
 """The data plane of a ``p2p`` pair whose two ends share one device's memory: the receiver copies each block
-straight out of the sender's memory, mapped into its own process.
+straight out of the sender's memory, mapped into its own process, into its own KV cache.
 
 NCCL refuses two ranks on one GPU, but two processes on one GPU can map each other's allocations (CUDA IPC),
 which is how a prefill and a decode worker that share a GPU pair. The sender exports the memory a block lives in
 (the storage of its KV cache: once for as long as the pair lives) and sends, for each chunk, one descriptor
 frame on the pair's control group where another plane would send the chunk's blocks: which exported memory, the
-bytes of a block, and each block's offset in it. The receiver maps that memory the first time it is named, checks
-the descriptor against it and against the chunk it posted, and gathers the blocks into its ring on the device,
-in one launch where the offsets fall on whole blocks of the memory (a block-major cache's always do). Nothing
-passes through either host. The blocks stay the sender's until the send's acknowledgement, as on every plane, so
-they are read before they can change.
+bytes of a block, and each block's offset in it. The receiver maps that memory the first time it is named and
+checks the descriptor against it and against the chunk the META announced; what it delivers is then the
+sender's blocks themselves (a ``BlockSource`` over the mapped memory, seen as rows of whole blocks where the
+offsets fall on whole blocks, as a block-major cache's always do), which the decode worker copies into the
+blocks it reserved in one pass (``ReceivedPayload.write_to``). No ring, no intermediate copy, nothing through
+either host: a chunk is as large as a descriptor frame allows, so a prompt's KV is usually one chunk. The
+blocks stay the sender's until the send's acknowledgement, which the receiver sends once every chunk is
+delivered and its copies have finished.
 
 CPU caches can share memory the same way (a shared-memory file, into which a sender moves what it sends, opened
 by the receiver through ``/proc``): the ``shm`` plane, which is how the tests run this protocol on a machine
@@ -31,16 +34,15 @@ from datetime import timedelta
 
 import torch
 
+from splitserve.kvtransfer.blocks import BlockSource
 from splitserve.kvtransfer.errors import KVTransferError
 
 TAG_BLOCK = 4  # on the control group, beside p2p_wire's META, HEADER, PAYLOAD and ACK (0-3)
 DESCRIPTOR_BASE_BYTES = 512  # a descriptor's head and export fields; each block's offset adds 8
 MAX_DESCRIPTOR_BYTES = 1 << 20  # what a receiver will post for one (131,008 blocks a chunk)
 MAX_MAPPED = 4  # exported memories each end keeps: a sender's KV cache, and a few gathered payloads
-# A chunk costs a header and a descriptor through the control group, whatever its size (about 300 us on an H100
-# host), and a mapped plane has no wire to keep busy: its ring holds as many bytes as another plane's in this many
-# slots, each chunk that many times larger.
-MAPPED_RECEIVE_SLOTS = 2
+# The most blocks one chunk describes: its descriptor fits MAX_DESCRIPTOR_BYTES.
+MAX_BLOCKS_PER_DESCRIPTOR = (MAX_DESCRIPTOR_BYTES - DESCRIPTOR_BASE_BYTES) // 8
 _HEAD = struct.Struct("<qqqB")  # key, bytes of each block, number of blocks, number of export fields
 _INT, _BYTES = 0, 1
 
@@ -62,7 +64,8 @@ def open_cuda(fields: tuple, device: torch.device) -> torch.UntypedStorage:
 
 def _export_shm(storage: torch.UntypedStorage) -> tuple:
     """A CPU storage's shared-memory file, as this process's pid and descriptor (moved into shared memory in place
-    first, where it is not yet there: its address changes), and its size."""
+    first, where it is not yet there: its address changes, and what another thread writes into it during the move
+    is lost, so a cache an engine writes goes into shared memory before its first step), and its size."""
     if not storage.is_shared():
         storage.share_memory_()
     descriptor, size = storage._share_fd_cpu_()
@@ -138,8 +141,8 @@ def decode_descriptor(frame: bytes) -> tuple[int, int, list[int], tuple]:
 
 class MappedData:
     """The data plane of a pair on shared memory: ``send`` and ``recv`` of one chunk's blocks each, carried as a
-    descriptor frame on ``control``; a receive lands when its work is waited for (``wait(timeout)``). One sender
-    and one receiver per pair, each on one thread."""
+    descriptor frame on ``control``; a receive's ``wait`` returns the blocks it names. One sender and one receiver
+    per pair, each on one thread."""
 
     def __init__(self, control, device: torch.device) -> None:
         self.control = control
@@ -178,24 +181,25 @@ class MappedData:
         frame = encode_descriptor(key, blocks[0].numel(), offsets, fields, frame_bytes)
         return _Sent(self.control.send([frame], dst, TAG_BLOCK), frame)
 
-    def recv(self, data: torch.Tensor, num_blocks: int, src: int, frame_bytes: int) -> _Receive:
-        """Post the receive of one chunk of ``num_blocks`` blocks into ``data`` (a uint8 slice of the ring): its
-        descriptor's, in a frame of ``frame_bytes``."""
+    def recv(self, num_blocks: int, src: int, frame_bytes: int) -> _Receive:
+        """Post the receive of one chunk of ``num_blocks`` blocks: its descriptor, in a frame of ``frame_bytes``.
+        Its ``wait`` returns the blocks (``land``)."""
         if frame_bytes > MAX_DESCRIPTOR_BYTES:
             raise KVTransferError(f"The peer's chunks of this many blocks need descriptors of {frame_bytes} bytes, "
                                   f"over {MAX_DESCRIPTOR_BYTES}.")
         frame = torch.empty(frame_bytes, dtype=torch.uint8)
-        return _Receive(self, self.control.recv([frame], src, TAG_BLOCK), frame, data, num_blocks)
+        return _Receive(self, self.control.recv([frame], src, TAG_BLOCK), frame, num_blocks)
 
-    def land(self, frame: torch.Tensor, data: torch.Tensor, num_blocks: int) -> None:
-        """Gather the blocks a received descriptor names into ``data`` (queued on this thread's stream).
+    def land(self, frame: torch.Tensor, num_blocks: int, block_bytes: int) -> BlockSource:
+        """The blocks a received descriptor names, where they lie in the peer's memory: rows of that memory (no
+        copy; valid until this send is acknowledged), or, where they are not whole rows of it, a copy.
 
         Raises:
             KVTransferError: the descriptor is unreadable, names memory this end has not mapped, or blocks that
-                are not inside it or not the chunk that was posted (the pair breaks: the peer does not speak this
-                protocol).
+                are not inside it or not the chunk the META announced (the pair breaks: the peer does not speak
+                this protocol).
         """
-        key, block_bytes, offsets, fields = decode_descriptor(frame.numpy().tobytes())
+        key, described_bytes, offsets, fields = decode_descriptor(frame.numpy().tobytes())
         if fields:
             try:
                 storage = self._open(fields, self.device)
@@ -210,20 +214,17 @@ class MappedData:
         else:
             raise KVTransferError(f"The KV peer names memory {key}, which it never shared with this worker.")
         memory = self._mapped[key]
-        if len(offsets) != num_blocks or block_bytes * num_blocks != data.numel():
-            raise KVTransferError(f"The KV peer describes {len(offsets)} blocks of {block_bytes} bytes; this worker "
-                                  f"posted {num_blocks} in {data.numel()} bytes.")
+        if len(offsets) != num_blocks or described_bytes != block_bytes:
+            raise KVTransferError(f"The KV peer describes {len(offsets)} blocks of {described_bytes} bytes; it "
+                                  f"announced {num_blocks} of {block_bytes}.")
         if any(not 0 <= offset <= memory.numel() - block_bytes for offset in offsets):
             raise KVTransferError(f"The KV peer describes a block outside the {memory.numel()} bytes it shared.")
-        if not offsets:
-            return
-        rows = data.view(num_blocks, block_bytes)
         if memory.numel() % block_bytes == 0 and all(offset % block_bytes == 0 for offset in offsets):
-            index = torch.tensor([offset // block_bytes for offset in offsets], dtype=torch.long).to(self.device)
-            torch.index_select(memory.view(-1, block_bytes), 0, index, out=rows)  # one launch for the chunk
-        else:
-            for row, offset in zip(rows, offsets):
-                row.copy_(memory[offset : offset + block_bytes])
+            return BlockSource(memory.view(-1, block_bytes), [offset // block_bytes for offset in offsets])
+        rows = torch.empty(num_blocks, block_bytes, dtype=torch.uint8, device=self.device)
+        for row, offset in zip(rows, offsets):
+            row.copy_(memory[offset : offset + block_bytes])
+        return BlockSource(rows, range(num_blocks))
 
     def finish(self) -> None:
         """Wait for the copies this end has queued (before the send's acknowledgement frees the sender's blocks)."""
@@ -245,9 +246,9 @@ class _Sent:
 
 
 class _Receive:
-    def __init__(self, plane: MappedData, work, frame: torch.Tensor, data: torch.Tensor, num_blocks: int) -> None:
-        self.plane, self.work, self.frame, self.data, self.num_blocks = plane, work, frame, data, num_blocks
+    def __init__(self, plane: MappedData, work, frame: torch.Tensor, num_blocks: int) -> None:
+        self.plane, self.work, self.frame, self.num_blocks = plane, work, frame, num_blocks
 
-    def wait(self, timeout: timedelta) -> None:
+    def wait(self, timeout: timedelta, block_bytes: int) -> BlockSource:
         self.work.wait(timeout)
-        self.plane.land(self.frame, self.data, self.num_blocks)
+        return self.plane.land(self.frame, self.num_blocks, block_bytes)

@@ -2,9 +2,10 @@
 
 META, header frames and the acknowledgement go on the pair's control group,
 the blocks on its data plane, into a ring where the cache is (host memory,
-or the GPU for a CUDA cache: ``p2p_channels.py``; on one GPU the blocks are
-gathered into the ring out of the sender's mapped cache, ``p2p_mapped.py``).
-Gloo (and NCCL) move a message only once the receiver has posted a buffer
+or the GPU for a CUDA cache: ``p2p_channels.py``). On one GPU (a mapped
+plane, ``p2p_mapped.py``) there is no ring: each chunk's blocks are delivered
+where they lie in the sender's mapped cache, and the decode worker copies
+them into its own. Gloo (and NCCL) move a message only once the receiver has posted a buffer
 for it, so
 the receiver posts a ring of chunks ahead (``receive_slots``) as soon as META
 (``p2p_wire.py``) tells their sizes (its own layout never sizes a receive: a
@@ -27,7 +28,6 @@ import torch
 
 from splitserve.kvtransfer.errors import KVTransferError
 from splitserve.kvtransfer.header import TransferHeader
-from splitserve.kvtransfer.p2p_mapped import MAPPED_RECEIVE_SLOTS
 from splitserve.kvtransfer.p2p_pairs import SENDER
 from splitserve.kvtransfer.p2p_wire import (
     ACK_CLOSING,
@@ -86,7 +86,10 @@ class PairReceiver:
                 meta_work = self.channels.control.recv([next_meta], SENDER, TAG_META)  # posted ahead: no bubble
                 self.in_send = True
                 with self.channels.device_scope():
-                    self._receive_send(num_blocks, blocks_per_chunk, block_bytes, frame_bytes)
+                    if self.channels.mapped:
+                        self._receive_mapped_send(num_blocks, blocks_per_chunk, block_bytes, frame_bytes)
+                    else:
+                        self._receive_send(num_blocks, blocks_per_chunk, block_bytes, frame_bytes)
                 self.in_send = False
                 meta = next_meta
             except Exception as error:
@@ -115,7 +118,7 @@ class PairReceiver:
         """Receive one send's chunks through the ring, delivering each as it lands; acknowledge the last."""
         num_chunks = max(1, -(-num_blocks // blocks_per_chunk))
         chunk_bytes = blocks_per_chunk * block_bytes
-        num_slots = min(MAPPED_RECEIVE_SLOTS if self.channels.mapped else self.connector.receive_slots, num_chunks)
+        num_slots = min(self.connector.receive_slots, num_chunks)
         if self.ring.numel() < num_slots * chunk_bytes:
             self.ring = self.channels.buffer(num_slots * chunk_bytes)
         if self.frames.numel() < num_slots * frame_bytes:
@@ -129,7 +132,7 @@ class PairReceiver:
             frame = self.frames[slot * frame_bytes : (slot + 1) * frame_bytes]
             data = self.ring[slot * chunk_bytes : slot * chunk_bytes + chunk_blocks * block_bytes]
             frame_work = self.channels.control.recv([frame], SENDER, TAG_HEADER)
-            block_works = self.channels.recv_blocks(data, chunk_blocks, SENDER, TAG_PAYLOAD, blocks_per_chunk)
+            block_works = self.channels.recv_blocks(data, chunk_blocks, SENDER, TAG_PAYLOAD)
             return frame, frame_work, data, block_works
 
         posted = [post(index) for index in range(num_slots)]
@@ -153,6 +156,41 @@ class PairReceiver:
                 self.connector._deliver(header, data)
             if index + num_slots < num_chunks:  # the slot is free again: post a later chunk into it
                 posted[index % num_slots] = post(index + num_slots)
+
+    def _receive_mapped_send(self, num_blocks: int, blocks_per_chunk: int, block_bytes: int, frame_bytes: int) -> None:
+        """Receive one send on a mapped plane: each chunk's header and descriptor (posted a chunk ahead), its blocks
+        delivered where they lie in the sender's memory (the callback copies them into the cache); acknowledged
+        once every chunk is delivered and the copies have finished, since the blocks are the sender's until then."""
+        num_chunks = max(1, -(-num_blocks // blocks_per_chunk))
+        ahead = min(2, num_chunks)
+        if self.frames.numel() < ahead * frame_bytes:
+            self.frames = torch.empty(ahead * frame_bytes, dtype=torch.uint8)
+
+        def post(index: int):
+            frame = self.frames[index % ahead * frame_bytes : (index % ahead + 1) * frame_bytes]
+            chunk_blocks = min(blocks_per_chunk, num_blocks - index * blocks_per_chunk)
+            return (frame, self.channels.control.recv([frame], SENDER, TAG_HEADER),
+                    self.channels.recv_described(chunk_blocks, SENDER, blocks_per_chunk))
+
+        posted = [post(index) for index in range(ahead)]
+        timeout = self.connector.receive_timeout
+        for index in range(num_chunks):
+            frame, frame_work, described = posted[index % ahead]
+            frame_work.wait(timeout)
+            header = self._parse_frame(frame)
+            if header is not None:
+                self.open_transfers.add(header.transfer_id)
+            blocks = described.wait(timeout, block_bytes)
+            if header is not None:
+                self.connector._deliver(header, blocks)
+                if header.is_last:
+                    self.open_transfers.discard(header.transfer_id)
+            if index + ahead < num_chunks:
+                posted[index % ahead] = post(index + ahead)
+        self.channels.finish_data()
+        closing = self.connector._closed.is_set()
+        status = torch.tensor([ACK_CLOSING if closing else ACK_OK], dtype=torch.int64)
+        self.channels.control.send([status], SENDER, TAG_ACK).wait(timeout)
 
     def _parse_frame(self, frame: torch.Tensor) -> TransferHeader | None:
         """The header in a frame, or None after reporting why it is unreadable (its payload is dropped)."""

@@ -1,7 +1,8 @@
 """Two engines in one process joined only by their KV connectors (the prefill worker's KVSender, the decode
-worker's KVReceiver, over the redis transport and a redis-server of the test's own): the engine hands out each
-step's completed blocks and loads them into reserved ones by itself, and the decode engine's greedy tokens
-equal transformers'."""
+worker's KVReceiver, over the redis transport and a redis-server of the test's own, and over a p2p pair on
+shared memory, the one-GPU protocol, whose blocks the decode side copies straight out of the prefill engine's
+cache): the engine hands out each step's completed blocks and loads them into reserved ones by itself, and the
+decode engine's greedy tokens equal transformers'."""
 
 from __future__ import annotations
 
@@ -22,16 +23,23 @@ pytestmark = pytest.mark.timeout(600)
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def engines(model_dir, redis_url):
+@pytest.fixture(scope="module", params=["redis", "p2p-shared-memory"])
+def engines(request, model_dir, redis_url):
     url = redis_url
     # A 128-token step budget: a long prompt prefills in chunks, each step's blocks saved on their own.
     # Engines as a cluster's workers build them: 16-token blocks (the offline LLM's default on CPU is 128).
     prefill = LLM(str(model_dir), num_kv_blocks=160, max_model_len=2048, max_num_batched_tokens=128, block_size=16).engine
     decode = LLM(str(model_dir), num_kv_blocks=160, max_model_len=2048, block_size=16).engine
     layout = KVLayout.from_kv_cache(prefill.model_runner.kv_cache)
-    out = create_connector("redis", "prefill-e", "fingerprint", layout, url=url)
-    into = create_connector("redis", "decode-e", "fingerprint", layout, url=url)
+    if request.param == "redis":
+        out = create_connector("redis", "prefill-e", "fingerprint", layout, url=url)
+        into = create_connector("redis", "decode-e", "fingerprint", layout, url=url)
+    else:
+        # Into shared memory before any step: the plane would move it there on the first send, in place, while the
+        # engine may be writing the next chunk's KV (a CUDA cache is exported where it lies).
+        prefill.model_runner.kv_cache.share_memory_()
+        out = create_connector("p2p", "prefill-e", "fingerprint", layout, cpu_data_plane="shm")
+        into = create_connector("p2p", "decode-e", "fingerprint", layout, cpu_data_plane="shm")
     sender, receiver = KVSender(out), KVReceiver(into, Counters())
     prefill.attach_kv_connector(sender)
     decode.attach_kv_connector(receiver)

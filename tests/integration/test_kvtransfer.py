@@ -208,9 +208,16 @@ layout = KVLayout(4, 2, 8, torch.float32, 4)
 cache = torch.randn((16, 4, 2, 2, 4, 8))
 connector = create_connector("p2p", "prefill-long", "model-a", layout, chunk_bytes=layout.block_num_bytes,
                              cpu_data_plane=sys.argv[2])
-header = TransferHeader("long", "model-a", layout, 0, 48, 48, 12 * layout.block_num_bytes, None, True, 5)
+destination = KVEndpointInfo("p2p", sys.argv[1], "receiver")
 print("SENDING", flush=True)
-connector.send(KVEndpointInfo("p2p", sys.argv[1], "receiver"), header, BlockSource(cache, range(12)))
+if sys.argv[2] == "shm":  # a mapped pair sends a payload as one chunk: 12 sends of a block, as 12 prefill steps would
+    for block in range(12):
+        header = TransferHeader("long", "model-a", layout, 4 * block, 4, 48, layout.block_num_bytes, None,
+                                block == 11, 5 if block == 11 else None)
+        connector.send(destination, header, BlockSource(cache, [block]))
+else:
+    header = TransferHeader("long", "model-a", layout, 0, 48, 48, 12 * layout.block_num_bytes, None, True, 5)
+    connector.send(destination, header, BlockSource(cache, range(12)))
 print("SENT", flush=True)
 """
 
@@ -231,7 +238,7 @@ def test_p2p_sender_lost_mid_transfer_fails_that_transfer_and_the_receiver_goes_
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert first_arrived.wait(60), sender.stderr.read() if sender.poll() is not None else "no payload"
-        sender.kill()  # 12 one-block chunks, 2 posted at a time: the send is far from done
+        sender.kill()  # 12 one-block chunks (or sends), 2 posted at a time: the transfer is far from done
         sender.wait(10)
         release.set()
         inbox.wait(num_errors=1)

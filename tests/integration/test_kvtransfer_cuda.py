@@ -15,13 +15,11 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
 
 from splitserve.kvtransfer import create_connector
-from splitserve.kvtransfer.blocks import scatter_blocks
 from splitserve.kvtransfer.errors import KVVerificationError
 from splitserve.kvtransfer.header import payload_tensor, verify
 from splitserve.kvtransfer.p2p_mapped import MAX_MAPPED
@@ -59,7 +57,8 @@ connector.close()
 
 
 class DeviceInbox:
-    """Scatters each delivered payload into a CUDA cache, as the decode worker's receiver does."""
+    """Writes each delivered payload into a CUDA cache, as the decode worker's receiver does (``write_to``: from a
+    mapped peer's memory straight into the cache)."""
 
     def __init__(self, device: str) -> None:
         self.cache = torch.zeros(SHAPE, device=device)
@@ -74,7 +73,7 @@ class DeviceInbox:
             self.own[received.header.transfer_id] = received.payload.clone()
             return
         first = received.header.first_token_position // LAYOUT.block_size
-        scatter_blocks(self.cache, self.blocks[first : first + received.payload.shape[0]], received.payload)
+        received.write_to(self.cache, self.blocks[first : first + received.header.num_blocks])
         self.payloads.append(received.header)
         if received.header.is_last:
             self.done.set()
@@ -131,14 +130,11 @@ def test_a_pair_on_one_gpu_copies_the_blocks_within_it_bit_exact(caplog):
             assert "SENT" in sender.stdout, sender.stderr
             assert inbox.done.wait(30) and not inbox.errors, inbox.errors
         assert "ready (gloo+cuda-ipc)" in caplog.text
-        # Chunks of 4 blocks (the ring's bytes in two slots: p2p_mapped.MAPPED_RECEIVE_SLOTS): the first send whole.
+        # A mapped pair sends each payload as one chunk, delivered as the sender's blocks themselves (no ring).
         assert [(h.first_token_position, h.num_tokens) for h in inbox.payloads] == [(0, 8), (8, 3)]
         expected = seeded_cache(34)
         torch.cuda.synchronize()
         assert torch.equal(inbox.cache[[10, 2, 5]].cpu(), expected[[3, 7, 1]])
-        deadline = time.monotonic() + 10  # the last payload is delivered just after its acknowledgement
-        while len(inbox.own) < MAX_MAPPED + 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
         assert sorted(inbox.own) == sorted(f"one-{index}" for index in range(MAX_MAPPED + 3))
         for index in range(MAX_MAPPED + 3):
             assert torch.equal(inbox.own[f"one-{index}"].cpu(), expected[index : index + 1])

@@ -50,12 +50,14 @@ FRAME = descriptor_bytes(8)
 
 
 def move(sender: MappedData, receiver: MappedData, *blocks: torch.Tensor) -> torch.Tensor:
-    """One chunk of blocks from sender to receiver: the receive posted first, as the ring posts it."""
-    landed = torch.zeros(sum(block.numel() * block.element_size() for block in blocks), dtype=torch.uint8)
-    receive = receiver.recv(landed, len(blocks), 0, FRAME)
+    """One chunk of blocks from sender to receiver (the receive posted first, as the receiver posts it ahead),
+    gathered out of the sender's memory where the receiver found them."""
+    block_bytes = blocks[0].numel() * blocks[0].element_size()
+    receive = receiver.recv(len(blocks), 0, FRAME)
     sender.send([block.view(-1).view(torch.uint8) for block in blocks], 1, FRAME).wait(TIMEOUT)
-    receive.wait(TIMEOUT)
-    return landed
+    source = receive.wait(TIMEOUT, block_bytes)
+    assert source.num_blocks == len(blocks) and source.block_num_bytes == block_bytes
+    return torch.cat([source.block(index) for index in range(source.num_blocks)]) if blocks else torch.empty(0)
 
 
 def test_descriptors_round_trip_and_unreadable_ones_are_refused():
@@ -88,9 +90,13 @@ def test_blocks_are_copied_out_of_the_senders_memory_and_both_ends_map_the_same_
     assert cache.is_shared() and len(receiver._mapped) == 1  # moved into shared memory in place, then mapped
     cache[5] = 7.0  # written after the first send: the receiver reads the sender's memory as it is now
     assert torch.equal(move(sender, receiver, cache[5]).view(torch.float32).view(3, 5), cache[5])
-    # A chunk of blocks in any order: gathered in one launch (whole blocks of the memory).
-    chunk = move(sender, receiver, cache[6], cache[1], cache[5]).view(torch.float32).view(3, 3, 5)
-    assert torch.equal(chunk, cache[[6, 1, 5]])
+    # A chunk of blocks in any order: rows of the sender's memory itself (whole blocks of it), not copied.
+    receive = receiver.recv(3, 0, FRAME)
+    sender.send([cache[index].view(-1).view(torch.uint8) for index in (6, 1, 5)], 1, FRAME).wait(TIMEOUT)
+    source = receive.wait(TIMEOUT, 60)
+    assert source.block_ids == [6, 1, 5] and source.kv_cache.shape == (8, 60)
+    cache[1] = -3.0  # the receiver sees the sender's memory as it is now
+    assert torch.equal(source.kv_cache[1].view(torch.float32).view(3, 5), cache[1])
     # Blocks that are not whole blocks of the memory (rows of one): copied one by one.
     rows = move(sender, receiver, cache[4, 2], cache[0, 1]).view(torch.float32).view(2, 5)
     assert torch.equal(rows, torch.stack([cache[4, 2], cache[0, 1]]))
@@ -112,10 +118,9 @@ def test_a_descriptor_the_receiver_cannot_honour_breaks_the_pair_with_a_sentence
     cache = torch.randn(4, 16)
     move(sender, receiver, cache[1])
     key = next(iter(receiver._mapped))
-    landed = torch.zeros(128, dtype=torch.uint8)
 
     def land(key, block_bytes, offsets, fields=()):
-        receiver.land(encode_descriptor(key, block_bytes, offsets, fields, FRAME), landed, 2)
+        receiver.land(encode_descriptor(key, block_bytes, offsets, fields, FRAME), 2, 64)  # announced: 2 of 64
 
     with pytest.raises(KVTransferError, match="names memory 9, which it never shared"):
         land(9, 64, [0, 64])
@@ -123,15 +128,14 @@ def test_a_descriptor_the_receiver_cannot_honour_breaks_the_pair_with_a_sentence
         land(key, 64, [0, 256])  # past the end
     with pytest.raises(KVTransferError, match="a block outside"):
         land(key, 64, [-8, 0])
-    with pytest.raises(KVTransferError, match="describes 2 blocks of 32 bytes; this worker posted 2 in 128 bytes"):
+    with pytest.raises(KVTransferError, match="describes 2 blocks of 32 bytes; it announced 2 of 64"):
         land(key, 32, [0, 32])
     with pytest.raises(KVTransferError, match="describes 1 blocks of 64 bytes"):
         land(key, 64, [0])
     with pytest.raises(KVTransferError, match="Cannot map the KV peer's memory"):
         land(11, 64, [0, 64], (2**22 + 12345, 3, 64))  # no such process
     with pytest.raises(KVTransferError, match="descriptors of 2097664 bytes, over 1048576"):
-        receiver.recv(landed, 2, 0, descriptor_bytes(1 << 18))
-    assert not landed.any()
+        receiver.recv(2, 0, descriptor_bytes(1 << 18))
 
 
 def test_a_closing_sender_waits_until_the_receiver_has_let_go_of_its_memory():
@@ -150,17 +154,23 @@ def test_a_closing_sender_waits_until_the_receiver_has_let_go_of_its_memory():
 
     receiver.start_receiving(on_payload, lambda transfer_id, error: None)
     sender = create_connector("p2p", "sender", FINGERPRINT, LAYOUT, cpu_data_plane="shm")
+    sent: list = []
     try:
         cache = torch.randn(SHAPE)
         header = TransferHeader("t", FINGERPRINT, LAYOUT, 0, 8, 8, 2 * LAYOUT.block_num_bytes, None, True, 3)
-        sender.send(receiver.endpoint(), header, BlockSource(cache, [3, 7]))
+        # The send is acknowledged once its payload is delivered: it returns only when on_payload does.
+        sending = threading.Thread(target=lambda: sent.append(
+            sender.send(receiver.endpoint(), header, BlockSource(cache, [3, 7]))))
+        sending.start()
         assert delivered.wait(10)
         (channels,) = receiver._receive_groups
-        assert channels.mapped and len(channels.data._mapped) == 1
+        assert channels.mapped and len(channels.data._mapped) == 1 and sending.is_alive()
         threading.Timer(0.2, hold.set).start()  # the receive thread reads the goodbye 0.2 s after it was sent
         started = time.monotonic()
-        sender.close()
+        sender.close()  # waits for the send, says goodbye, waits for the receiver to let go
         assert not channels.data._mapped and 0.2 <= time.monotonic() - started < 2
+        sending.join(5)
+        assert sent == [None]
     finally:
         sender.close()
         receiver.close()

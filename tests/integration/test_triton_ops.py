@@ -275,6 +275,30 @@ def test_gather_and_scatter_of_no_blocks_and_repeats():
     assert torch.equal(_bits(triton_ops.gather_blocks(cache, [3, 3, 1])), _bits(cache[[3, 3, 1]]))
 
 
+@pytest.mark.parametrize("dtype, block_shape", [(torch.float32, (2, 2, 3, 16, 64)), (torch.bfloat16, (1, 2, 1, 3, 5))])
+def test_copy_blocks_moves_blocks_between_caches_in_one_pass(dtype, block_shape):
+    # A p2p pair on one GPU lands the sender's blocks in the decode cache this way: the source seen as rows of
+    # bytes (the peer's memory), the destination the cache itself.
+    source = _random_bits_cache(23, block_shape, dtype, seed=11)
+    target = _random_bits_cache(31, block_shape, dtype, seed=12)
+    expected = target.clone()
+    source_ids, destination_ids = [17, 3, 3, 22, 0], [30, 1, 7, 12, 0]
+    expected[destination_ids] = source[source_ids]
+    rows = source.view(source.shape[0], -1).view(torch.uint8)
+    triton_ops.copy_blocks(rows, source_ids, target, torch.tensor(destination_ids))
+    assert torch.equal(_bits(target), _bits(expected))
+    triton_ops.copy_blocks(rows, [], target, [])
+    assert torch.equal(_bits(target), _bits(expected))
+    with pytest.raises(ValueError, match="twice"):
+        triton_ops.copy_blocks(rows, [1, 2], target, [4, 4])
+    with pytest.raises(ValueError, match="2 source blocks for 1 destination"):
+        triton_ops.copy_blocks(rows, [1, 2], target, [4])
+    with pytest.raises(ValueError, match="blocks of"):
+        triton_ops.copy_blocks(rows[:, 1:], [1], target, [4])
+    with pytest.raises(IndexError, match=r"\[0, 23\)"):
+        triton_ops.copy_blocks(rows, [23], target, [4])
+
+
 def test_gather_and_scatter_refuse_bad_ids_and_buffers():
     cache = torch.zeros(5, 2, 4, device=DEVICE)
     with pytest.raises(IndexError, match=r"\[0, 5\)"):
