@@ -322,12 +322,10 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids, buffer: torch.Tensor) -> N
     buffer:   [len(block_ids), *block_shape] of the cache's dtype, each block contiguous
     """
     _import_triton()
-    ids = _block_ids(kv_cache, block_ids, "scatter_blocks")
+    ids = _block_ids(kv_cache, block_ids, "scatter_blocks", unique=True)
     if buffer.shape != (ids.numel(), *kv_cache.shape[1:]) or buffer.dtype != kv_cache.dtype:
         raise ValueError(f"scatter_blocks: the buffer is {tuple(buffer.shape)} {buffer.dtype}; expected "
                          f"{(ids.numel(), *kv_cache.shape[1:])} {kv_cache.dtype}")
-    if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
-        raise ValueError("scatter_blocks: a block id appears twice; each block is written once")
     _copy_blocks(buffer, None, kv_cache, ids)
 
 
@@ -344,17 +342,15 @@ def copy_blocks(source: torch.Tensor, source_ids, destination: torch.Tensor, des
         raise ValueError(f"copy_blocks: blocks of {source[:1].numel() * source.element_size()} and "
                          f"{destination[:1].numel() * destination.element_size()} bytes")
     from_ids = _block_ids(source, source_ids, "copy_blocks")
-    to_ids = _block_ids(destination, destination_ids, "copy_blocks")
+    to_ids = _block_ids(destination, destination_ids, "copy_blocks", unique=True)
     if from_ids.numel() != to_ids.numel():
         raise ValueError(f"copy_blocks: {from_ids.numel()} source blocks for {to_ids.numel()} destination blocks")
-    if to_ids.numel() > 1 and torch.unique(to_ids).numel() != to_ids.numel():
-        raise ValueError("copy_blocks: a destination block id appears twice; each block is written once")
     _copy_blocks(source, from_ids, destination, to_ids)
 
 
-def _block_ids(kv_cache: torch.Tensor, block_ids, name: str) -> torch.Tensor:
+def _block_ids(kv_cache: torch.Tensor, block_ids, name: str, unique: bool = False) -> torch.Tensor:
     """block_ids as an int64 tensor on the cache's device, checked against the cache (on the host for a list
-    or a CPU tensor; a CUDA tensor is checked where it is, one device sync)."""
+    or a CPU tensor; a CUDA tensor is checked where it is, one device sync); ``unique``: each id once."""
     if kv_cache.dim() < 2 or not kv_cache[:1].is_contiguous():
         raise ValueError(f"{name}: the cache must be [num_blocks, ...] with each block contiguous, got shape "
                          f"{tuple(kv_cache.shape)} strides {kv_cache.stride()}")
@@ -363,6 +359,8 @@ def _block_ids(kv_cache: torch.Tensor, block_ids, name: str) -> torch.Tensor:
         low, high = ids.min().item(), ids.max().item()
         if low < 0 or high >= kv_cache.shape[0]:
             raise IndexError(f"{name}: block ids must be in [0, {kv_cache.shape[0]}), got {low}..{high}")
+    if unique and ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
+        raise ValueError(f"{name}: a block id appears twice; each block is written once")
     return ids.to(kv_cache.device, non_blocking=True).contiguous()
 
 

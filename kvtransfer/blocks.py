@@ -60,8 +60,9 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.
 
 def copy_blocks(source: torch.Tensor, source_ids: list[int], kv_cache: torch.Tensor, block_ids: list[int]) -> None:
     """Write block ``source_ids[i]`` of ``source`` into block ``block_ids[i]`` of the cache, in place: blocks of the
-    same bytes, copied as bytes. On CUDA in one pass (Triton's block copy); elsewhere a gather, then an
-    ``index_copy_``.
+    same bytes, copied as bytes. On CUDA in one pass (Triton's block copy; without Triton a gather, then an
+    ``index_copy_``); on CPU one ``copy_`` a block (a memcpy each: over three times torch's indexed copies of
+    rows of bytes here).
 
     source:   [num_source_blocks, ...], each block contiguous (a peer's cache, or its memory seen as rows of bytes)
     kv_cache: [num_blocks, layers, 2, kv_heads, block_size, head_size], contiguous   (modified)
@@ -76,6 +77,13 @@ def copy_blocks(source: torch.Tensor, source_ids: list[int], kv_cache: torch.Ten
     block_bytes = kv_cache[:1].numel() * kv_cache.element_size()
     rows = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
     source_rows = source.reshape(source.shape[0], -1).view(torch.uint8).view(source.shape[0], block_bytes)
+    if kv_cache.device.type == "cpu":
+        for ids, count in ((source_ids, source_rows.shape[0]), (block_ids, rows.shape[0])):
+            if ids and not (0 <= min(ids) and max(ids) < count):
+                raise IndexError(f"Block ids {min(ids)}..{max(ids)} are outside the {count} blocks.")
+        for source_id, block_id in zip(source_ids, block_ids):
+            rows[block_id].copy_(source_rows[source_id])
+        return
     device = kv_cache.device
     rows.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=device),
                      source_rows.index_select(0, torch.tensor(source_ids, dtype=torch.long, device=device)))

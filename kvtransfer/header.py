@@ -144,8 +144,7 @@ def verify(header: TransferHeader, payload: torch.Tensor | Buffer | BlockSource,
                                   f"boundary (block size {layout.block_size}).")
     if isinstance(payload, BlockSource):  # blocks not gathered (a mapped peer's memory): hashed piece by piece
         num_bytes = payload.num_bytes
-        data = None if payload.kv_cache.device.type != "cpu" else [
-            payload_bytes(payload.block(index)) for index in range(payload.num_blocks)]
+        data = None if payload.kv_cache.device.type != "cpu" else payload
     elif isinstance(payload, torch.Tensor) and payload.device.type != "cpu":
         data, num_bytes = None, payload.numel() * payload.element_size()  # on a GPU: its bytes stay there
     else:
@@ -165,7 +164,10 @@ def verify(header: TransferHeader, payload: torch.Tensor | Buffer | BlockSource,
     if data is None:
         raise KVVerificationError("A KV payload on a GPU cannot be checksummed on the host: receive it with "
                                   "--kv-checksum none (the p2p connector does so for CUDA caches).")
-    actual = checksum_of_pieces(data) if isinstance(data, list) else checksum(data)
+    if isinstance(data, BlockSource):
+        actual = checksum_of_pieces(payload_bytes(data.block(index)) for index in range(data.num_blocks))
+    else:
+        actual = checksum(data)
     if actual != header.checksum:
         raise KVVerificationError(f"Checksum mismatch: the payload's XXH3-64 is {actual:016x}, the header says "
                                   f"{(header.checksum or 0):016x}.")

@@ -94,12 +94,15 @@ class PairChannels:
             time.sleep(_POLL_SECONDS)
         work.wait()  # raises the communicator's error, if it failed
 
-    def send_blocks(self, blocks: list[torch.Tensor], peer: int, tag: int, blocks_per_chunk: int) -> list:
-        """Send one chunk's blocks (contiguous uint8 tensors) on the data plane: a message each on a group, one
-        descriptor for the chunk on a mapped plane. Returns the works to wait for (``wait_data``)."""
-        if self.mapped:
-            return [self.data.send(blocks, peer, descriptor_bytes(blocks_per_chunk))]
+    def send_blocks(self, blocks: list[torch.Tensor], peer: int, tag: int) -> list:
+        """Send one chunk's blocks (contiguous uint8 tensors) on a group's data plane, a message each. Returns the
+        works to wait for (``wait_data``)."""
         return [self.data.send([block], peer, tag) for block in blocks]
+
+    def send_described(self, cache: torch.Tensor, block_ids: list[int], peer: int, blocks_per_chunk: int) -> list:
+        """On a mapped plane, send one chunk's descriptor: blocks ``block_ids`` of ``cache``. Returns the works to
+        wait for (``wait_data``)."""
+        return [self.data.send(cache, block_ids, peer, descriptor_bytes(blocks_per_chunk))]
 
     def recv_blocks(self, data: torch.Tensor, num_blocks: int, peer: int, tag: int) -> list:
         """Post the receives of one chunk of ``num_blocks`` blocks into ``data`` (uint8, where the blocks land in

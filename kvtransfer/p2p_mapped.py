@@ -159,14 +159,14 @@ class MappedData:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def send(self, blocks: list[torch.Tensor], dst: int, frame_bytes: int) -> _Sent:
-        """Describe one chunk's blocks (contiguous uint8 tensors of one size, in one memory, written before
-        ``begin``) to the receiver in a frame of ``frame_bytes``: export the memory if the receiver has not mapped
-        it, send the descriptor."""
-        storage = blocks[0].untyped_storage()
-        if any(block.untyped_storage().data_ptr() != storage.data_ptr() for block in blocks):
-            raise KVTransferError("The blocks of one KV chunk lie in different memories: the mapped plane sends "
-                                  "each chunk from one.")
+    def send(self, cache: torch.Tensor, block_ids: list[int], dst: int, frame_bytes: int) -> _Sent:
+        """Describe blocks ``block_ids`` of ``cache`` (``[num_blocks, ...]``, each block contiguous, written before
+        ``begin``) to the receiver in a frame of ``frame_bytes``: export the cache's memory if the receiver has not
+        mapped it, send the descriptor. Each block's offset is computed from the cache's strides: no tensor is made
+        per block."""
+        if cache.dim() < 1 or not cache[:1].is_contiguous():
+            raise KVTransferError("The mapped plane sends whole blocks of a cache whose blocks are contiguous.")
+        storage = cache.untyped_storage()
         listed, fields = self._sent.get((storage.data_ptr(), storage.nbytes())), ()
         if listed is None:
             key, self._next_key = self._next_key, self._next_key + 1
@@ -177,8 +177,10 @@ class MappedData:
         else:
             key = listed[0]
             self._sent.move_to_end((storage.data_ptr(), storage.nbytes()))
-        offsets = [block.data_ptr() - storage.data_ptr() for block in blocks]
-        frame = encode_descriptor(key, blocks[0].numel(), offsets, fields, frame_bytes)
+        element = cache.element_size()
+        start, stride = cache.storage_offset() * element, cache.stride(0) * element
+        offsets = [start + stride * block_id for block_id in block_ids]
+        frame = encode_descriptor(key, cache[:1].numel() * element, offsets, fields, frame_bytes)
         return _Sent(self.control.send([frame], dst, TAG_BLOCK), frame)
 
     def recv(self, num_blocks: int, src: int, frame_bytes: int) -> _Receive:

@@ -77,13 +77,19 @@ def send_on_pair(pair: SenderPair, header: TransferHeader, source: BlockSource, 
             control_works, data_works, keep = [], [], []  # frames and blocks stay referenced until sent
             for index, chunk in enumerate(headers):
                 first_block = index * blocks_per_chunk
-                blocks = [source.block(first_block + offset).contiguous().view(-1).view(torch.uint8)
-                          for offset in range(chunk.num_blocks)]
+                blocks = [] if channels.mapped and not compute_checksums else [
+                    source.block(first_block + offset).contiguous().view(-1).view(torch.uint8)
+                    for offset in range(chunk.num_blocks)]
                 if compute_checksums:  # while the previous chunk's blocks are on the wire
                     chunk.checksum = checksum_of_pieces(memoryview(block.numpy()) for block in blocks)
                 keep.append((header_frame(chunk, frame_bytes), blocks))
                 control_works.append(channels.control.send([keep[-1][0]], RECEIVER, TAG_HEADER))
-                data_works.extend(channels.send_blocks(blocks, RECEIVER, TAG_PAYLOAD, blocks_per_chunk))
+                if channels.mapped:  # one descriptor: where the blocks lie in the cache
+                    data_works.extend(channels.send_described(
+                        source.kv_cache, source.block_ids[first_block : first_block + chunk.num_blocks], RECEIVER,
+                        blocks_per_chunk))
+                else:
+                    data_works.extend(channels.send_blocks(blocks, RECEIVER, TAG_PAYLOAD))
             for work in control_works:
                 work.wait()
             for work in data_works:

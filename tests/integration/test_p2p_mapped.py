@@ -49,15 +49,15 @@ def pair():
 FRAME = descriptor_bytes(8)
 
 
-def move(sender: MappedData, receiver: MappedData, *blocks: torch.Tensor) -> torch.Tensor:
-    """One chunk of blocks from sender to receiver (the receive posted first, as the receiver posts it ahead),
-    gathered out of the sender's memory where the receiver found them."""
-    block_bytes = blocks[0].numel() * blocks[0].element_size()
-    receive = receiver.recv(len(blocks), 0, FRAME)
-    sender.send([block.view(-1).view(torch.uint8) for block in blocks], 1, FRAME).wait(TIMEOUT)
+def move(sender: MappedData, receiver: MappedData, cache: torch.Tensor, *block_ids: int) -> torch.Tensor:
+    """Blocks ``block_ids`` of ``cache`` from sender to receiver as one chunk (the receive posted first, as the
+    receiver posts it ahead), gathered out of the sender's memory where the receiver found them."""
+    block_bytes = cache[:1].numel() * cache.element_size()
+    receive = receiver.recv(len(block_ids), 0, FRAME)
+    sender.send(cache, list(block_ids), 1, FRAME).wait(TIMEOUT)
     source = receive.wait(TIMEOUT, block_bytes)
-    assert source.num_blocks == len(blocks) and source.block_num_bytes == block_bytes
-    return torch.cat([source.block(index) for index in range(source.num_blocks)]) if blocks else torch.empty(0)
+    assert source.num_blocks == len(block_ids) and source.block_num_bytes == block_bytes
+    return torch.cat([source.block(index) for index in range(source.num_blocks)])
 
 
 def test_descriptors_round_trip_and_unreadable_ones_are_refused():
@@ -86,28 +86,31 @@ def test_descriptors_round_trip_and_unreadable_ones_are_refused():
 def test_blocks_are_copied_out_of_the_senders_memory_and_both_ends_map_the_same_few(pair):
     sender, receiver = pair
     cache = torch.randn(8, 3, 5)
-    assert torch.equal(move(sender, receiver, cache[2]).view(torch.float32).view(3, 5), cache[2])
+    assert torch.equal(move(sender, receiver, cache, 2).view(torch.float32).view(3, 5), cache[2])
     assert cache.is_shared() and len(receiver._mapped) == 1  # moved into shared memory in place, then mapped
     cache[5] = 7.0  # written after the first send: the receiver reads the sender's memory as it is now
-    assert torch.equal(move(sender, receiver, cache[5]).view(torch.float32).view(3, 5), cache[5])
+    assert torch.equal(move(sender, receiver, cache, 5).view(torch.float32).view(3, 5), cache[5])
     # A chunk of blocks in any order: rows of the sender's memory itself (whole blocks of it), not copied.
     receive = receiver.recv(3, 0, FRAME)
-    sender.send([cache[index].view(-1).view(torch.uint8) for index in (6, 1, 5)], 1, FRAME).wait(TIMEOUT)
+    sender.send(cache, [6, 1, 5], 1, FRAME).wait(TIMEOUT)
     source = receive.wait(TIMEOUT, 60)
     assert source.block_ids == [6, 1, 5] and source.kv_cache.shape == (8, 60)
     cache[1] = -3.0  # the receiver sees the sender's memory as it is now
     assert torch.equal(source.kv_cache[1].view(torch.float32).view(3, 5), cache[1])
-    # Blocks that are not whole blocks of the memory (rows of one): copied one by one.
-    rows = move(sender, receiver, cache[4, 2], cache[0, 1]).view(torch.float32).view(2, 5)
+    # Rows of the cache as blocks: whole rows of the memory too.
+    rows = move(sender, receiver, cache.view(-1, 5), 4 * 3 + 2, 1).view(torch.float32).view(2, 5)
     assert torch.equal(rows, torch.stack([cache[4, 2], cache[0, 1]]))
+    # Blocks that are not whole blocks of the memory (a view one float in): copied one by one.
+    shifted = cache.view(-1)[1:81].view(4, 20)
+    assert torch.equal(move(sender, receiver, shifted, 3, 0).view(torch.float32).view(2, 20), shifted[[3, 0]])
     assert len(receiver._mapped) == 1  # the cache: exported once
     payloads = [torch.randn(2, 4) for _ in range(MAX_MAPPED + 2)]  # each a memory of its own
     for payload in payloads:
-        assert torch.equal(move(sender, receiver, payload).view(torch.float32).view(2, 4), payload)
+        assert torch.equal(move(sender, receiver, payload.view(1, 2, 4), 0).view(torch.float32).view(2, 4), payload)
         assert [key for key, _ in sender._sent.values()] == list(receiver._mapped)  # dropped in step
     assert len(receiver._mapped) == MAX_MAPPED
     # The cache was dropped on both ends: it is exported again, under a new key, and lands right.
-    assert torch.equal(move(sender, receiver, cache[0]).view(torch.float32).view(3, 5), cache[0])
+    assert torch.equal(move(sender, receiver, cache, 0).view(torch.float32).view(3, 5), cache[0])
     assert [key for key, _ in sender._sent.values()] == list(receiver._mapped)
     receiver.release()
     assert not receiver._mapped
@@ -116,7 +119,7 @@ def test_blocks_are_copied_out_of_the_senders_memory_and_both_ends_map_the_same_
 def test_a_descriptor_the_receiver_cannot_honour_breaks_the_pair_with_a_sentence(pair):
     sender, receiver = pair
     cache = torch.randn(4, 16)
-    move(sender, receiver, cache[1])
+    move(sender, receiver, cache, 1)
     key = next(iter(receiver._mapped))
 
     def land(key, block_bytes, offsets, fields=()):

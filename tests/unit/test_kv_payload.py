@@ -6,7 +6,8 @@ import pytest
 import torch
 import xxhash
 
-from splitserve.kvtransfer.blocks import BlockSource, gather_blocks, scatter_blocks
+from splitserve.kvtransfer.blocks import BlockSource, copy_blocks, gather_blocks, scatter_blocks
+from splitserve.kvtransfer.connector import ReceivedPayload
 from splitserve.kvtransfer.errors import KVTransferError, KVVerificationError
 from splitserve.kvtransfer.header import TransferHeader, verify
 from splitserve.kvtransfer.layout import KVLayout
@@ -39,6 +40,34 @@ def test_gather_scatter_round_trip_into_other_blocks():
     assert torch.equal(target[[10, 2, 5]], source[[3, 7, 1]])
     untouched = [b for b in range(16) if b not in (10, 2, 5)]
     assert not target[untouched].any()
+
+
+def test_a_payload_received_as_blocks_of_a_peers_memory_is_verified_and_copied_in_one_pass():
+    # What a mapped p2p pair delivers: the sender's blocks where they lie, its memory seen as rows of bytes.
+    source_cache = seeded_cache(4)
+    memory = source_cache.view(16, -1).view(torch.uint8)
+    blocks = BlockSource(memory, [3, 7, 1])
+    header = header_for(gather_blocks(source_cache, [3, 7, 1]), "t", 0, 11, 11, True)
+    verify(header, blocks, FINGERPRINT, LAYOUT)  # the checksum over the blocks where they lie
+    source_cache[7, 0, 0, 0, 0, 0] += 1.0
+    with pytest.raises(KVVerificationError, match="Checksum mismatch"):
+        verify(header, blocks, FINGERPRINT, LAYOUT)
+    received = ReceivedPayload(header, source=blocks)
+    target = torch.zeros(SHAPE)
+    received.write_to(target, [10, 2, 5])
+    assert torch.equal(target[[10, 2, 5]], source_cache[[3, 7, 1]])
+    assert not target[[b for b in range(16) if b not in (10, 2, 5)]].any()
+    assert torch.equal(received.payload, source_cache[[3, 7, 1]])  # gathered on first use
+    received.payload = received.payload.clone()  # kept past the callback: no longer the peer's memory
+    assert received.source is None
+    with pytest.raises(KVVerificationError, match="holds 3 blocks; 2 were reserved"):
+        copy_blocks(memory, [3, 7, 1], target, [0, 1])
+    with pytest.raises(IndexError, match="outside the 16 blocks"):
+        copy_blocks(memory, [3, 16], target, [0, 1])
+    with pytest.raises(IndexError, match="outside the 16 blocks"):
+        copy_blocks(memory, [3, 4], target, [-1, 1])
+    with pytest.raises(ValueError, match="one of the two"):
+        ReceivedPayload(header)
 
 
 def test_block_source_pieces_are_the_payload_without_copies():
