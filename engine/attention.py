@@ -18,6 +18,7 @@ and all prefill chunks in one varlen launch).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -103,6 +104,9 @@ class AttentionMetadata:
     # runner; None: no prefills, or the C++ kernels do not take this head size and torch attends them).
     use_triton_kernels: bool = False
     prefill_batch: PrefillBatch | None = None
+    # A piecewise CUDA graph's break (``engine/piecewise_graphs.py``): called instead of attending, with
+    # (query, key, value, key_cache, value_cache, scale); returns the attention's output tensor.
+    graph_break: Callable | None = None
 
 
 def write_kv(
@@ -135,8 +139,10 @@ def paged_attention(
     query: [num_tokens, q_heads, head_dim]; key, value: [num_tokens, kv_heads, head_dim].
     Returns: [num_tokens, q_heads, head_dim].
     """
+    if metadata.graph_break is not None:
+        return metadata.graph_break(query, key, value, key_cache, value_cache, scale)
     if metadata.use_triton_kernels:
-        return _paged_attention_triton(query, key, value, key_cache, value_cache, metadata, scale)
+        return paged_attention_triton(query, key, value, key_cache, value_cache, metadata, scale)
     if metadata.use_cpu_kernels:
         cpu_ops.write_kv_(key_cache, value_cache, key, value, metadata.slot_mapping)
     else:
@@ -163,7 +169,7 @@ def paged_attention(
     return output
 
 
-def _paged_attention_triton(
+def paged_attention_triton(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -171,12 +177,14 @@ def _paged_attention_triton(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_attention through the Triton kernels: the KV write, one decode launch per group and one
     varlen launch for every prefill chunk (their context read from the cache in place), each writing its
-    rows of the step's output in place (no copy: on a GPU an eager step pays for every launch)."""
+    rows of the step's output (``out``, or a new tensor) in place (no copy: on a GPU an eager step pays for
+    every launch)."""
     triton_attention.store_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
-    output = torch.empty_like(query)
+    output = torch.empty_like(query) if out is None else out
     for group in metadata.decode_groups:
         rows = slice(group.row_start, group.row_end)
         triton_attention.paged_decode_attention(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 _DTYPES = ("auto", "float32", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 _DEVICES = ("auto", "cpu", "cuda")
+CUDA_GRAPH_MODES = ("full_and_piecewise", "full_decode_only", "piecewise")
 DEFAULT_KV_CACHE_BYTES = 4 * 1024**3  # on a CPU, like vLLM-CPU's default KV space
 # On a GPU, the share of its memory an engine may take in all (weights, activations, KV cache), as vLLM's default.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -50,10 +51,14 @@ class EngineConfig:
             On CUDA, "auto" is "triton" and "cpu" is refused.
         device: where the model, the KV cache, the step's tensors and sampling live: "cpu", "cuda" (the
             current CUDA device), or "auto" (cuda when torch finds one, else cpu); see :func:`resolve_device`.
-        cuda_graphs: replay decode-only steps of up to ``max_num_seqs`` requests from CUDA graphs captured at
-            start (``engine/cuda_graphs.py``; CUDA and the Triton backend only): True asks for them (refused
-            with a sentence where they cannot run), False never captures (vLLM's ``enforce_eager``), None
-            captures wherever they can run (CUDA with the Triton backend), as vLLM does by default.
+        cuda_graphs: replay steps from CUDA graphs captured at start (CUDA and the Triton backend only): True
+            asks for them (refused with a sentence where they cannot run), False never captures (vLLM's
+            ``enforce_eager``), None captures wherever they can run (CUDA with the Triton backend), as vLLM
+            does by default. Which steps: ``cuda_graph_mode``.
+        cuda_graph_mode: with graphs, "full_and_piecewise" (vLLM's default name; None means it): decode-only steps of up to
+            ``max_num_seqs`` requests captured whole (``engine/cuda_graphs.py``) and the other steps of up to
+            2,048 tokens in pieces around attention (``engine/piecewise_graphs.py``); "full_decode_only": the
+            decode graphs alone; "piecewise": the pieces alone, for every step that fits (a prefill worker's).
     """
 
     model: str | None = None
@@ -71,8 +76,14 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "auto"
     cuda_graphs: bool | None = None
+    cuda_graph_mode: str | None = "full_and_piecewise"
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_mode is None:  # a flag left out
+            self.cuda_graph_mode = CUDA_GRAPH_MODES[0]
+        if self.cuda_graph_mode not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graph_mode must be one of {', '.join(CUDA_GRAPH_MODES)}, got "
+                             f"{self.cuda_graph_mode!r}.")
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {', '.join(_DEVICES)}, got {self.device!r}.")
         if self.attention_backend not in _ATTENTION_BACKENDS:

@@ -29,6 +29,7 @@ from splitserve.engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from splitserve.engine.gpu_memory import gpu_kv_cache_bytes, measure_step_bytes
 from splitserve.engine.host_allocator import keep_freed_buffers_in_heap
 from splitserve.engine.models import ModelConfig, load_model
+from splitserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -152,7 +153,8 @@ class ModelRunner:
         if self.use_triton_kernel:
             triton_attention.check_usable(torch.device(self.device))
         self.model.use_kernels(cpu_ops if self.use_cpu_kernel else triton_ops if self.use_triton_kernel else None)
-        self.num_blocks = self._num_kv_blocks(config, max_model_len, held_before_load)
+        use_pieces = bool(use_graphs) and config.cuda_graph_mode != "full_decode_only"
+        self.num_blocks = self._num_kv_blocks(config, max_model_len, held_before_load, use_pieces)
         # Block-major: [num_blocks, layers, 2, kv_heads, block_size, head_dim]. One block holds its tokens'
         # KV for every layer in one contiguous piece, so KV connectors send and receive whole blocks
         # straight from and into the cache, without gathering (as SGLang's "page_first" host layout).
@@ -161,8 +163,11 @@ class ModelRunner:
         self.kv_caches = _layer_views(self.kv_cache)
         self.sampler = Sampler(config.seed)
         self.decode_graphs: DecodeGraphs | None = None
-        if use_graphs:
+        self.piecewise_graphs: PiecewiseGraphs | None = None
+        if use_graphs and config.cuda_graph_mode != "piecewise":
             self.decode_graphs = self.make_decode_graphs(config.max_num_seqs, max_model_len, capture=True)
+        if use_pieces:
+            self.piecewise_graphs = self.make_piecewise_graphs(config.max_num_batched_tokens, capture=True)
 
     def make_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> DecodeGraphs:
         """Static decode buffers over this runner's model and cache, their graphs captured when ``capture``.
@@ -174,19 +179,35 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs, max_model_len, self.device,
                             capture)
 
+    def make_piecewise_graphs(self, max_num_batched_tokens: int, capture: bool) -> PiecewiseGraphs:
+        """Static buffers for steps with prompt chunks, their pieces captured when ``capture``.
+
+        Raises:
+            ValueError: capture asked for off CUDA, or outside the Triton backend (a sentence saying so).
+        """
+        _check_graphs_possible(self.device if capture else None, self.attention_backend)
+        config = self.model_config
+        return PiecewiseGraphs(self.model, self.kv_caches, config.num_attention_heads, config.head_dim, self.dtype,
+                               max_num_batched_tokens, self.device, capture)
+
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         config = self.model_config
         return (num_blocks, config.num_hidden_layers, 2, config.num_key_value_heads, self.block_size, config.head_dim)
 
-    def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, held_before_load: int) -> int:
+    def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, held_before_load: int,
+                       use_pieces: bool) -> int:
         """The cache's blocks: as configured, or on CUDA what ``gpu_memory_utilization`` leaves once the weights
         (what loading the model added to this process's CUDA memory) and the largest step's activations
-        (measured by running one) are counted (``engine/gpu_memory.py``)."""
+        (measured by running one) are counted (``engine/gpu_memory.py``), and with piecewise graphs those of
+        their largest size again (their memory pool holds them for the engine's life, beside an eager step's)."""
         if self.device != "cuda" or config.num_kv_blocks is not None or config.kv_cache_memory_bytes is not None:
             return num_kv_blocks_for_budget(config, self.model_config, self.dtype_name)
         weight_bytes = torch.cuda.memory_allocated() - held_before_load
         activation_bytes = measure_step_bytes(
             lambda: self.profile_step(config.max_num_batched_tokens, config.max_num_seqs, max_model_len))
+        if use_pieces:
+            largest = piecewise_sizes(config.max_num_batched_tokens)[-1]
+            activation_bytes += measure_step_bytes(lambda: self.profile_step(largest, 1, max_model_len))
         free, total = torch.cuda.mem_get_info()
         utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         budget = gpu_kv_cache_bytes(total, free, utilization, weight_bytes, activation_bytes)
@@ -231,7 +252,11 @@ class ModelRunner:
             hidden = graphs.run(step)
         else:
             inputs = self._prepare(scheduled, block_tables)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            pieces = self.piecewise_graphs
+            if pieces is not None and pieces.can_run(inputs.input_ids.numel()):
+                hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.metadata)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
             sample_rows, sample_requests = inputs.sample_rows, inputs.sample_requests
         if not sample_rows:
             return []

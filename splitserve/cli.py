@@ -11,7 +11,12 @@ from collections.abc import Sequence
 from splitserve import __version__
 from splitserve.common.errors import SplitserveError
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, DEFAULT_STEP_LIMITS
+from splitserve.engine.config import (
+    CUDA_GRAPH_MODES,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_STEP_LIMITS,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,13 +154,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     graphs = group.add_mutually_exclusive_group()
     graphs.add_argument(
         "--cuda-graphs", action="store_true",
-        help="require decode-only steps replayed from CUDA graphs captured at start, one per padded batch size "
-        "up to --max-num-seqs (one launch a step instead of hundreds); refused where they cannot run (a CPU, "
-        "the torch backend). Default: captured wherever they can run (CUDA with the triton backend)")
+        help="require steps replayed from CUDA graphs captured at start (one launch a step, or one a layer, instead "
+        "of hundreds; which steps: --cuda-graph-mode); refused where they cannot run (a CPU, the torch backend). "
+        "Default: captured wherever they can run (CUDA with the triton backend)")
     graphs.add_argument(
         "--enforce-eager", action="store_true",
         help="never capture CUDA graphs: every step launches its kernels one by one (as vLLM's flag; for "
         "debugging, or to save the capture's start-up time and memory)")
+    group.add_argument(
+        "--cuda-graph-mode", choices=CUDA_GRAPH_MODES, default=None,
+        help="which steps the graphs replay (vLLM's mode names): full_and_piecewise, decode-only steps of up to "
+        "--max-num-seqs requests whole (one graph per padded batch size) and the other steps of up to 2,048 "
+        "tokens in pieces around attention (one graph per layer, per padded token count); full_decode_only, the "
+        "decode graphs alone; piecewise, the pieces alone (default: piecewise on a prefill worker, which never "
+        "takes a decode step, full_and_piecewise elsewhere)")
 
 
 def _gib_or_auto(text: str) -> float | None:
@@ -200,6 +212,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         attention_backend=args.attention_backend,
         device=args.device,
         cuda_graphs=True if args.cuda_graphs else False if args.enforce_eager else None,
+        cuda_graph_mode=args.cuda_graph_mode,
     )
 
 

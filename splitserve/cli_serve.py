@@ -318,11 +318,11 @@ def _run_router(args: argparse.Namespace) -> int:
 
 
 def worker_engine_options(role: str, options: dict) -> dict:
-    """A worker's EngineConfig keyword arguments from the engine flags' (``options``): CUDA graphs are left
-    uncaptured on a prefill worker unless asked for (it runs each request for one token, so it never takes a
-    decode step to replay)."""
-    if role == "prefill" and options["cuda_graphs"] is None:
-        return {**options, "cuda_graphs": False}
+    """A worker's EngineConfig keyword arguments from the engine flags' (``options``): a prefill worker's graphs
+    are its steps' pieces alone unless another mode is asked for (it runs each request for one token, so it
+    never takes a decode step to replay)."""
+    if role == "prefill" and options.get("cuda_graph_mode") is None:
+        return {**options, "cuda_graph_mode": "piecewise"}
     return options
 
 
@@ -588,4 +588,6 @@ def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
         flags.append("--cuda-graphs")
     if args.enforce_eager:
         flags.append("--enforce-eager")
+    if args.cuda_graph_mode:
+        flags += ["--cuda-graph-mode", args.cuda_graph_mode]
     return flags

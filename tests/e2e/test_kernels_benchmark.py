@@ -136,3 +136,32 @@ def test_on_a_gpu_the_decode_graphs_benchmark_times_both_engines_on_the_same_ids
     rows = json.loads(out.read_text())["rows"]
     assert [row["batch"] for row in rows] == [1, 5]
     assert all(row["identical_ids"] and row["eager_ms"] > 0 and row["graphs_ms"] > 0 for row in rows)
+
+
+PREFILL_GRAPHS_SCRIPT = ROOT / "benchmarks" / "prefill_graphs.py"
+
+
+@without_a_gpu
+def test_the_prefill_graphs_benchmark_says_it_finds_no_gpu():
+    result = subprocess.run([sys.executable, str(PREFILL_GRAPHS_SCRIPT), "--tokens", "64"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "no CUDA device here" in result.stdout and "Traceback" not in result.stderr
+
+
+def test_the_prefill_graphs_benchmark_refuses_steps_it_cannot_capture():
+    result = subprocess.run([sys.executable, str(PREFILL_GRAPHS_SCRIPT), "--tokens", "4096"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and "every --tokens between --requests and 2048" in result.stderr
+
+
+@with_a_gpu
+def test_on_a_gpu_the_prefill_graphs_benchmark_times_both_engines_on_the_same_tokens(tmp_path):
+    out = tmp_path / "pieces.json"
+    result = subprocess.run([sys.executable, str(PREFILL_GRAPHS_SCRIPT), "--tokens", "40", "300", "--requests", "2",
+                             "--repeats", "2", "--dtype", "float32", "--json", str(out)],
+                            capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["tokens"] for row in rows] == [40, 300]
+    assert all(row["same_first_tokens"] and row["replayed_steps"] == 2 and row["eager_ms"] > 0 for row in rows)

@@ -9,7 +9,8 @@ storage back after each launch, the cache included. It is slow (about 40 s on tw
 minutes with other load), so the prompts are short. A budget of 16 tokens a step splits the longest
 prompt, so a later chunk attends to context already in the paged cache while the other requests decode. The
 step an engine on CUDA runs at start to size its cache (``ModelRunner.profile_step``) runs here through the
-Triton kernels too.
+Triton kernels too, and so do the padded static buffers CUDA graphs replay, decode steps whole and the other
+steps in pieces around attention (without capture).
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ assert torch.equal(runner.kv_cache, cache_before)
 # time grows with the programs of a launch, and a wider table splits decode attention into more of them.
 runner.decode_graphs = runner.make_decode_graphs(options["max_num_seqs"], 64, capture=False)
 padded = greedy()
-print(json.dumps([eager, padded, runner.decode_graphs.num_steps]))
+# And the steps with prompt chunks through engine/piecewise_graphs.py's padded buffers, split at each attention
+# (without capture): every such step here pads to 16 tokens, the one size for a budget of 16.
+runner.piecewise_graphs = runner.make_piecewise_graphs(options["max_num_batched_tokens"], capture=False)
+pieced = greedy()
+print(json.dumps([eager, padded, runner.decode_graphs.num_steps, pieced, runner.piecewise_graphs.num_steps]))
 """
 
 
@@ -67,7 +72,8 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(model_dir):
         capture_output=True, text=True, timeout=380,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    triton_tokens, padded_tokens, padded_steps = json.loads(result.stdout.strip().splitlines()[-1])
+    triton_tokens, padded_tokens, padded_steps, pieced_tokens, pieced_steps = json.loads(
+        result.stdout.strip().splitlines()[-1])
 
     reference = LLM(str(model_dir), attention_backend="torch", **ENGINE_OPTIONS)
     outputs = reference.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
@@ -77,6 +83,8 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(model_dir):
     assert triton_tokens == torch_tokens
     # Decode steps of 3 requests ran padded to 4 through the static buffers a CUDA graph replays.
     assert padded_steps > 0 and padded_tokens == torch_tokens
+    # Prompt chunks (3 prompts of 5 to 14 tokens, with decodes beside them) ran padded to 16 tokens, in pieces.
+    assert pieced_steps > 0 and pieced_tokens == torch_tokens
 
 
 def test_triton_backend_on_a_cpu_refuses_to_start_outside_the_interpreter(model_dir, monkeypatch):

@@ -103,10 +103,13 @@ def test_the_engine_on_cuda_defaults_to_bfloat16(model_dir):
     runner = llm.engine.model_runner
     assert runner.device == "cuda" and runner.dtype_name == "bfloat16"
     assert runner.kv_cache.dtype == torch.bfloat16 and runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
-    # Graphs auto: captured, up to max_num_seqs (256 on CUDA by default).
+    # Graphs auto: decode steps captured up to max_num_seqs (256 on CUDA by default), the others in pieces up to
+    # 2,048 tokens (the budget is 8,192).
     assert runner.decode_graphs.captured and max(runner.decode_graphs.graphs) == 256
+    assert runner.piecewise_graphs.captured and max(runner.piecewise_graphs._pieces) == 2048
     output = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert len(output.outputs[0].token_ids) == 8 and runner.decode_graphs.num_steps == 7
+    assert runner.piecewise_graphs.num_steps == 1  # the prompt
 
 
 @needs_cuda
@@ -119,6 +122,24 @@ def test_decode_steps_replayed_from_cuda_graphs_give_transformers_tokens(model_d
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], GREEDY)
     assert [output.outputs[0].token_ids for output in outputs] == hf_reference
     assert graphs.num_steps > 0  # decode steps went through the graphs, not the eager forward pass
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
+def test_prompt_steps_replayed_in_pieces_give_transformers_tokens(model_dir, prompt_token_ids, hf_reference, mode):
+    # A 64-token budget: the long prompts prefill in chunks beside the others' decodes (mixed steps of up to 64
+    # tokens, padded to 16, 32, 48 or 64), every one of them through the pieces, attention between them.
+    llm = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, device="cuda", dtype="float32",
+              max_num_seqs=6, max_num_batched_tokens=64, cuda_graphs=True, cuda_graph_mode=mode)
+    runner = llm.engine.model_runner
+    pieces = runner.piecewise_graphs
+    assert pieces.captured and sorted(pieces._pieces) == [16, 32, 48, 64]
+    num_layers = runner.model_config.num_hidden_layers
+    assert all(len(size.graphs) == num_layers + 1 and len(size.sites) == num_layers for size in pieces._pieces.values())
+    assert (runner.decode_graphs is None) == (mode == "piecewise")
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], GREEDY)
+    assert [output.outputs[0].token_ids for output in outputs] == hf_reference
+    assert pieces.num_steps > 0
 
 
 def test_cuda_graphs_are_refused_on_a_cpu_with_a_sentence(model_dir):
