@@ -69,6 +69,7 @@ test-gpu:
 	$(PYTHON) -m pytest -q -rs $(GPU_TESTS)
 	$(PYTHON) benchmarks/kernels.py --json kernels.json
 	$(PYTHON) benchmarks/decode_graphs.py --json decode_graphs.json
+	$(PYTHON) benchmarks/prefill_graphs.py --json prefill_graphs.json
 
 lint: install-test
 	$(PYTHON) -m ruff check .
