@@ -33,23 +33,29 @@ NO_GPU = ("no CUDA device here (torch.cuda.is_available() is False): nothing to 
           "decode steps replayed from CUDA graphs with eager launches on a GPU.")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="ms per decode step of the engine on a CUDA GPU with --cuda-graphs against without, in the "
-        "same run, and the ratio (medians of interleaved repeats). Without a GPU it says so and exits 0.")
+def add_common_arguments(parser: argparse.ArgumentParser, repeats: int) -> None:
+    """--model, --dtype, --repeats, --seed and --json: the options this benchmark shares with
+    benchmarks/prefill_graphs.py."""
     parser.add_argument("--model", default=None,
                         help="local Hugging Face model directory (default: the converted default model, "
                         "SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                         help="weights, activations and KV cache (default: %(default)s, the engine's on CUDA)")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help="timed runs per size and engine, interleaved; medians reported (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt generator (default: %(default)s)")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write every timing to this JSON file")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="ms per decode step of the engine on a CUDA GPU with --cuda-graphs against without, in the "
+        "same run, and the ratio (medians of interleaved repeats). Without a GPU it says so and exits 0.")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64],
                         help="requests decoding together (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed per run (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="timed runs per batch size and engine, interleaved; medians reported (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt generator (default: %(default)s)")
-    parser.add_argument("--json", default=None, metavar="OUT", help="write every timing to this JSON file")
+    add_common_arguments(parser, repeats=5)
     args = parser.parse_args(argv)
     if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.steps < 1 or args.repeats < 1:
         parser.error("--batch-sizes, --prompt-len, --steps and --repeats must be >= 1")

@@ -25,6 +25,11 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.decode_graphs import add_common_arguments  # noqa: E402
 
 NO_GPU = ("no CUDA device here (torch.cuda.is_available() is False): nothing to time. This benchmark compares "
           "prompt steps replayed from piecewise CUDA graphs with eager launches on a GPU.")
@@ -34,19 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="ms per prompt step of the engine on a CUDA GPU with piecewise CUDA graphs against without, in "
         "the same run, and the ratio (medians of interleaved repeats). Without a GPU it says so and exits 0.")
-    parser.add_argument("--model", default=None,
-                        help="local Hugging Face model directory (default: the converted default model, "
-                        "SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                        help="weights, activations and KV cache (default: %(default)s, the engine's on CUDA)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 512, 2048],
                         help="prompt tokens in one step, at most 2,048, the largest captured (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=1,
                         help="prompts sharing each step's tokens equally (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=7,
-                        help="timed steps per size and engine, interleaved; medians reported (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt generator (default: %(default)s)")
-    parser.add_argument("--json", default=None, metavar="OUT", help="write every timing to this JSON file")
+    add_common_arguments(parser, repeats=7)
     args = parser.parse_args(argv)
     if args.requests < 1 or args.repeats < 1 or min(args.tokens) < args.requests or max(args.tokens) > 2048:
         parser.error("--requests and --repeats must be >= 1, and every --tokens between --requests and 2048")
