@@ -1,7 +1,7 @@
 """Triton kernels against the GPU's peak memory bandwidth and their torch references, in the same run.
 
 Kernels: the element-wise ones of ``kernels/triton_ops.py`` (``rms_norm``, ``add_rms_norm``, ``rotary_``,
-``silu_and_mul``), the KV block copies (``gather_blocks``, ``scatter_blocks``), and those of
+``silu_and_mul``), the KV block copies (``gather_blocks``, ``scatter_blocks``, ``copy_blocks``), and those of
 ``kernels/triton_attention.py`` (``store_kv``, ``paged_decode_attention``, ``paged_prefill_attention``);
 a kernel not there yet is skipped with a sentence.
 
@@ -59,7 +59,7 @@ PEAK_BANDWIDTH_GBPS = (
 )
 H100_SXM_GBPS = 3350.0
 ELEMENTWISE = ("rms_norm", "add_rms_norm", "rotary_", "silu_and_mul", "store_kv")
-BLOCK_COPIES = ("gather_blocks", "scatter_blocks")
+BLOCK_COPIES = ("gather_blocks", "scatter_blocks", "copy_blocks")
 ATTENTION = ("paged_decode_attention", "paged_prefill_attention")
 ALL_KERNELS = ELEMENTWISE + BLOCK_COPIES + ATTENTION
 ATTENTION_MODULE = "splitserve.kernels.triton_attention"
@@ -124,8 +124,7 @@ def cases(args, model: ModelShape, element_size: int) -> list[Case]:
         for name in BLOCK_COPIES:
             rows.append(Case(name, f"context={context} ({num_blocks} blocks, {m.layers} layers)",
                              2 * num_blocks * block_bytes, 0,
-                             lambda d, t, c=context, g=(name == "gather_blocks"): _build_block_copy(m, c, g, d, t),
-                             context))
+                             lambda d, t, c=context, k=name: _build_block_copy(m, c, k, d, t), context))
     for batch in args.batch_sizes:
         for context in args.contexts:
             kv_bytes = 2 * batch * context * m.kv_heads * m.head_dim * e
@@ -268,7 +267,9 @@ def _build_store_kv(m, tokens, device, dtype):
         (lambda: write_kv(ref_keys, ref_values, key, value, slots)), check
 
 
-def _build_block_copy(m, context, gather: bool, device, dtype):
+def _build_block_copy(m, context, kind: str, device, dtype):
+    """gather_blocks (cache -> buffer), scatter_blocks (buffer -> cache) or copy_blocks (one cache's blocks into
+    another's: a p2p pair on one GPU), each against its torch reference."""
     import torch
 
     ops = _ops()
@@ -277,11 +278,24 @@ def _build_block_copy(m, context, gather: bool, device, dtype):
     block_ids = torch.randperm(2 * num_blocks)[:num_blocks].tolist()  # shuffled, as a transfer's are
     ids_on_device = torch.tensor(block_ids, device=device)
     buffer = torch.randn((num_blocks, *cache.shape[1:]), device=device).to(dtype)
-    if gather:
+    if kind == "gather_blocks":
         return (lambda: ops.gather_blocks(cache, block_ids)), \
             (lambda: cache.index_select(0, torch.tensor(block_ids).to(device))), \
             lambda: float(not torch.equal(ops.gather_blocks(cache, block_ids).view(torch.uint8),
                                           cache[block_ids].view(torch.uint8)))
+    if kind == "copy_blocks":
+        source, _, _ = _layer_caches(m, 2 * num_blocks, device, dtype)
+        source_ids = torch.randperm(2 * num_blocks)[:num_blocks].tolist()
+        source_on_device = torch.tensor(source_ids, device=device)
+
+        def check_copy():
+            cache[ids_on_device] = 0
+            ops.copy_blocks(source, source_ids, cache, block_ids)
+            return float(not torch.equal(cache[ids_on_device].view(torch.uint8),
+                                         source[source_on_device].view(torch.uint8)))
+
+        return (lambda: ops.copy_blocks(source, source_ids, cache, block_ids)), \
+            (lambda: cache.index_copy_(0, ids_on_device, source.index_select(0, source_on_device))), check_copy
 
     def check_scatter():
         cache[ids_on_device] = 0

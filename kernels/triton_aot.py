@@ -195,6 +195,8 @@ def launch_engine_kernels(model: ModelShape, dtype: torch.dtype, arch: int) -> N
     cache = zeros(blocks, 2, 2, m.kv_heads, m.block_size, m.head_dim)
     key_cache, value_cache = cache[:, 1].permute(1, 2, 0, 3, 4)
     triton_ops.scatter_blocks(cache, [3, 1, 2], triton_ops.gather_blocks(cache, [2, 1, 3]))
+    # A p2p pair on one GPU: the peer's memory as rows of bytes into the cache's blocks.
+    triton_ops.copy_blocks(cache.view(blocks, -1).view(torch.uint8), [0, 2], cache, [1, 3])
     triton_attention.store_kv(key_cache, value_cache, key, value, torch.arange(tokens, dtype=torch.int64))
 
     tables = torch.arange(batch * 8, dtype=torch.int64).reshape(batch, 8) % blocks
