@@ -55,10 +55,11 @@ class EngineConfig:
             asks for them (refused with a sentence where they cannot run), False never captures (vLLM's
             ``enforce_eager``), None captures wherever they can run (CUDA with the Triton backend), as vLLM
             does by default. Which steps: ``cuda_graph_mode``.
-        cuda_graph_mode: with graphs, "full_and_piecewise" (vLLM's default name; None means it): decode-only steps of up to
-            ``max_num_seqs`` requests captured whole (``engine/cuda_graphs.py``) and the other steps of up to
-            2,048 tokens in pieces around attention (``engine/piecewise_graphs.py``); "full_decode_only": the
-            decode graphs alone; "piecewise": the pieces alone, for every step that fits (a prefill worker's).
+        cuda_graph_mode: with graphs, "full_and_piecewise" (vLLM's default name; None means it): decode-only
+            steps of up to ``max_num_seqs`` requests captured whole (``engine/cuda_graphs.py``) and the other
+            steps of up to 2,048 tokens in pieces around attention (``engine/piecewise_graphs.py``);
+            "full_decode_only": the decode graphs alone; "piecewise": the pieces alone, for every step that
+            fits (a prefill worker's).
     """
 
     model: str | None = None

@@ -9,7 +9,8 @@ One send on a pair: the payload's blocks, grouped in chunks of whole blocks
                BLOCK   uint8[block_bytes]         one message per block, straight from the cache
                                                   (on a mapped plane, one descriptor for the chunk's
                                                   blocks instead: p2p_mapped.py)
-    ACK      int64[1]  from the decode side once every chunk is in its memory: 0, or 1 if it is closing
+    ACK      int64[1]  from the decode side once every chunk is in its memory (on a mapped plane: once
+                       every chunk is delivered and copied out of the sender's): 0, or 1 if it is closing
 
 A sender that closes sends a META with the goodbye flag on each idle pair; on a
 mapped plane the receiver drops the sender's memory and answers with an ACK,
