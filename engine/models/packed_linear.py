@@ -6,6 +6,8 @@ after loading; ``engine/models/__init__.py`` decides whether to.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -19,8 +21,22 @@ def can_pack_linear_weights(dtype: torch.dtype) -> bool:
     packed bfloat16 ran 340-410 GFLOP/s from 64 to 2,048 rows on the SmolLM2 projections, against 180-207
     for packed float32 and 256-383 for bfloat16 through ``F.linear``.
     """
-    return (dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    if not (dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype != torch.bfloat16 or _reorders_bfloat16()
+
+
+@functools.cache
+def _reorders_bfloat16() -> bool:
+    """Whether oneDNN reorders bfloat16 weights on this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT,
+    and refuses elsewhere (a Zen 3 has only AVX2), where bfloat16 projections stay in ``F.linear``. Tried once
+    on a small weight, as the refusal is what says so."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
