@@ -47,6 +47,20 @@ def add_common_arguments(parser: argparse.ArgumentParser, repeats: int) -> None:
     parser.add_argument("--json", default=None, metavar="OUT", help="write every timing to this JSON file")
 
 
+def gpu_engine_options(args: argparse.Namespace, no_gpu: str) -> dict | None:
+    """The LLM options both graph benchmarks share (the model, CUDA, --dtype, the Triton backend, no prefix
+    caching), or None after printing ``no_gpu`` where torch sees no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print(no_gpu)
+        return None
+    from splitserve.engine.model_store import prepare_default_model
+
+    return dict(model=args.model or str(prepare_default_model()), device="cuda", dtype=args.dtype,
+                attention_backend="triton", enable_prefix_caching=False)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="ms per decode step of the engine on a CUDA GPU with --cuda-graphs against without, in the "
@@ -96,23 +110,19 @@ def agreement(differences: list[int | None], tokens: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    options = gpu_engine_options(args, NO_GPU)
+    if options is None:
+        return 0
     import torch
 
-    if not torch.cuda.is_available():
-        print(NO_GPU)
-        return 0
     from splitserve import LLM
-    from splitserve.engine.model_store import prepare_default_model
 
-    model = args.model or str(prepare_default_model())
     max_batch = max(args.batch_sizes)
     max_model_len = args.prompt_len + args.steps + 1
-    blocks = max_batch * (-(-max_model_len // 16) + 1)
-    options = dict(device="cuda", dtype=args.dtype, attention_backend="triton", max_num_seqs=max_batch,
-                   max_num_batched_tokens=max(2048, max_batch), max_model_len=max_model_len, num_kv_blocks=blocks,
-                   enable_prefix_caching=False)
+    options.update(max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch), max_model_len=max_model_len,
+                   num_kv_blocks=max_batch * (-(-max_model_len // 16) + 1))
     print(f"{torch.cuda.get_device_name()}: loading two engines (eager, graphs) ...", file=sys.stderr)
-    engines = {"eager": LLM(model, cuda_graphs=False, **options), "graphs": LLM(model, cuda_graphs=True, **options)}
+    engines = {"eager": LLM(cuda_graphs=False, **options), "graphs": LLM(cuda_graphs=True, **options)}
     vocab = engines["eager"].engine.model_config.vocab_size
     rng = random.Random(args.seed)
     rows = []

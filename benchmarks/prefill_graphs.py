@@ -29,7 +29,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.decode_graphs import add_common_arguments  # noqa: E402
+from benchmarks.decode_graphs import add_common_arguments, gpu_engine_options  # noqa: E402
 
 NO_GPU = ("no CUDA device here (torch.cuda.is_available() is False): nothing to time. This benchmark compares "
           "prompt steps replayed from piecewise CUDA graphs with eager launches on a GPU.")
@@ -62,23 +62,19 @@ def timed_step(llm, prompts: list[list[int]]) -> tuple[float, list[int]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    options = gpu_engine_options(args, NO_GPU)
+    if options is None:
+        return 0
     import torch
 
-    if not torch.cuda.is_available():
-        print(NO_GPU)
-        return 0
     from splitserve import LLM
-    from splitserve.engine.model_store import prepare_default_model
 
-    model = args.model or str(prepare_default_model())
     largest = max(args.tokens)
-    blocks = args.requests * (-(-largest // args.requests // 16) + 2)
-    options = dict(device="cuda", dtype=args.dtype, attention_backend="triton", max_num_seqs=args.requests,
-                   max_num_batched_tokens=largest, max_model_len=largest + 16, num_kv_blocks=blocks,
-                   enable_prefix_caching=False)
+    options.update(max_num_seqs=args.requests, max_num_batched_tokens=largest, max_model_len=largest + 16,
+                   num_kv_blocks=args.requests * (-(-largest // args.requests // 16) + 2))
     print(f"{torch.cuda.get_device_name()}: loading two engines (eager, pieces) ...", file=sys.stderr)
-    engines = {"eager": LLM(model, cuda_graphs=False, **options),
-               "pieces": LLM(model, cuda_graphs=True, cuda_graph_mode="piecewise", **options)}
+    engines = {"eager": LLM(cuda_graphs=False, **options),
+               "pieces": LLM(cuda_graphs=True, cuda_graph_mode="piecewise", **options)}
     pieces = engines["pieces"].engine.model_runner.piecewise_graphs
     vocab = engines["eager"].engine.model_config.vocab_size
     rng = random.Random(args.seed)
