@@ -6,7 +6,9 @@ per chunk; a chunk with cached context first gathers its blocks and builds a mas
 ``kernels/cpu_paged_attention.cpp`` against ``decode_attention`` (gathered blocks, two batched matmuls).
 Each case runs all the model's layers, alternating kernel and reference, and prints medians, the
 reference/kernel ratio (above 1: the kernel is faster), the kernel's rate (GFLOP/s for prefill, the
-causal FLOPs only; GB/s of KV read for decode) and the largest difference between the two outputs.
+causal FLOPs only; GB/s of KV read for decode) and the largest difference between the two outputs. Where
+decode attention runs in AMX tiles (a bfloat16 cache on an AMX CPU), its AVX-512 path is timed in the same
+runs too, and the two are compared after the table.
 
     python benchmarks/cpu_attention.py                      # SmolLM2-135M's shape, default cases
     python benchmarks/cpu_attention.py --prefill 0:2048 --prefill 1024:512 0:64 --decode 64x320 --repeats 9
@@ -69,15 +71,22 @@ def _layer_caches(shape: Shape, num_blocks: int, generator: torch.Generator):
     return [cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(shape.layers)]
 
 
-def _median_pair(kernel, reference, repeats: int) -> tuple[float, float]:
-    kernel(), reference()  # warm-up (and first touches)
-    kernel_times, reference_times = [], []
+def _median_times(functions: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each function, the functions alternating within every repeat (after a warm-up run)."""
+    for function in functions.values():  # warm-up (and first touches)
+        function()
+    times: dict[str, list[float]] = {name: [] for name in functions}
     for _ in range(repeats):
-        for function, times in ((kernel, kernel_times), (reference, reference_times)):
+        for name, function in functions.items():
             start = time.perf_counter()
             function()
-            times.append(time.perf_counter() - start)
-    return statistics.median(kernel_times), statistics.median(reference_times)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _median_pair(kernel, reference, repeats: int) -> tuple[float, float]:
+    times = _median_times({"kernel": kernel, "reference": reference}, repeats)
+    return times["kernel"], times["reference"]
 
 
 def prefill_case(shape: Shape, chunks: list[tuple[int, int]], repeats: int, seed: int = 0) -> dict:
@@ -141,11 +150,22 @@ def decode_case(shape: Shape, requests: int, context: int, repeats: int, seed: i
         return [decode_attention(query, k, v, group, scale) for k, v in layers]
 
     difference = (kernel()[0].float() - reference()[0].float()).abs().max().item()
-    kernel_s, reference_s = _median_pair(kernel, reference, repeats)
     element_size = torch.empty((), dtype=shape.dtype).element_size()
     kv_bytes = 2 * requests * context * shape.kv_heads * shape.head_dim * element_size * shape.layers
-    return {"kind": "decode", "case": f"{requests}x{context}", "kernel_s": kernel_s, "reference_s": reference_s,
-            "rate": kv_bytes / kernel_s / 1e9, "unit": "GB/s", "difference": difference}
+    result = {"kind": "decode", "case": f"{requests}x{context}", "difference": difference}
+    if not cpu_ops.decodes_in_amx(shape.head_dim, shape.block_size, shape.q_heads // shape.kv_heads):
+        kernel_s, reference_s = _median_pair(kernel, reference, repeats)
+        return result | {"kernel_s": kernel_s, "reference_s": reference_s, "rate": kv_bytes / kernel_s / 1e9,
+                         "unit": "GB/s"}
+
+    # A bfloat16 cache on an AMX machine: the tiles, with the AVX-512 path of the same kernel as a second baseline.
+    def vectors():
+        with cpu_ops.amx_disabled():
+            return kernel()
+
+    times = _median_times({"kernel": kernel, "reference": reference, "avx512": vectors}, repeats)
+    return result | {"kernel_s": times["kernel"], "reference_s": times["reference"], "avx512_s": times["avx512"],
+                     "rate": kv_bytes / times["kernel"] / 1e9, "unit": "GB/s"}
 
 
 def run(args) -> list[dict]:
@@ -174,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the cache, queries and the torch reference's arithmetic (default: %(default)s); the "
-                             "kernels compute in float32 either way")
+                             "kernels accumulate in float32 either way (in bfloat16 on an AMX CPU, decode attention "
+                             "runs in AMX tiles and its AVX-512 path is timed beside it)")
     args = parser.parse_args(argv)
     if not cpu_ops.prefill_supports(args.head_dim):
         parser.error(f"--head-dim {args.head_dim}: the C++ prefill kernel takes multiples of 64")
@@ -189,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r['kind']:8} {r['case']:28} {r['kernel_s'] * 1e3:10.2f} {r['reference_s'] * 1e3:10.2f} "
               f"{r['reference_s'] / r['kernel_s']:12.2f}x {r['rate']:10.1f} {r['unit']:>5} {r['difference']:9.1e}")
+    in_tiles = [r for r in results if "avx512_s" in r]
+    if in_tiles:
+        print("Decode attention ran in AMX tiles (a bfloat16 cache on an AMX CPU); its AVX-512 path in the same runs:")
+        for r in in_tiles:
+            print(f"  {r['case']}: AVX-512 {r['avx512_s'] * 1e3:.2f} ms, AMX {r['kernel_s'] * 1e3:.2f} ms, "
+                  f"AVX-512/AMX {r['avx512_s'] / r['kernel_s']:.2f}x")
     return 0
 
 

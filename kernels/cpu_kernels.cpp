@@ -15,8 +15,13 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 bool small_gemm_supported();
 bool bfloat16_dot_supported();
+bool amx_decode_supported(int64_t head_dim, int64_t block_size, int64_t group);
+bool set_amx_enabled(bool enabled);
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor bias, int64_t out_features);
+bool small_gemm_bfloat16_supported();
+torch::Tensor pack_panels_bfloat16(torch::Tensor weight);
+torch::Tensor small_gemm_bfloat16(torch::Tensor x, torch::Tensor panels, torch::Tensor bias, int64_t out_features);
 }  // namespace splitserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -31,6 +36,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_supported", &splitserve::small_gemm_supported, "whether small_gemm was built (AVX-512)");
   m.def("bfloat16_dot_supported", &splitserve::bfloat16_dot_supported,
         "whether attention over a bfloat16 cache multiplies in AVX512-BF16 (queries rounded to bfloat16)");
+  m.def("amx_decode_supported", &splitserve::amx_decode_supported,
+        "whether decode attention over a bfloat16 cache of this head size, block size and group runs in AMX tiles");
+  m.def("set_amx_enabled", &splitserve::set_amx_enabled, "allow or forbid AMX tiles in the kernels; returns the previous setting");
   m.def("pack_panels", &splitserve::pack_panels, "an [out, in] weight as [panels, in, 32] (float32)");
   m.def("small_gemm", &splitserve::small_gemm, "x @ weight^T + bias for decode-sized batches (float32)");
+  m.def("small_gemm_bfloat16_supported", &splitserve::small_gemm_bfloat16_supported,
+        "whether small_gemm_bfloat16 was built (AVX512-BF16)");
+  m.def("pack_panels_bfloat16", &splitserve::pack_panels_bfloat16, "an [out, in] weight as [panels, in / 2, 64] (bfloat16)");
+  m.def("small_gemm_bfloat16", &splitserve::small_gemm_bfloat16,
+        "x @ weight^T + bias for a few rows, bfloat16 in and out, float32 sums (AVX512-BF16)");
 }

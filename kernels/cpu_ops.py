@@ -13,6 +13,7 @@ and compared with it in ``tests/test_kernels.py``.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import logging
@@ -150,6 +151,26 @@ def rounds_bfloat16_queries(head_dim: int) -> bool:
     return _module.bfloat16_dot_supported() and head_dim % 32 == 0
 
 
+def decodes_in_amx(head_dim: int, block_size: int, group: int) -> bool:
+    """Whether :func:`paged_decode_attention` over a bfloat16 cache of this shape runs in AMX tiles
+    (``kernels/cpu_amx_attention.h``): on CPUs with AMX-BF16 that Linux lets this process use, head sizes 64
+    and 128, blocks of a multiple of 16 tokens. There the softmax weights are rounded to bfloat16 before they
+    multiply the values, as well as the queries (see :func:`rounds_bfloat16_queries`). Call :func:`available`
+    first."""
+    return _module.amx_decode_supported(head_dim, block_size, group)
+
+
+@contextlib.contextmanager
+def amx_disabled():
+    """Within the block the kernels leave AMX alone and run their AVX-512 paths (process-wide), so that
+    tests and ``benchmarks/cpu_attention.py`` reach both on an AMX machine. Call :func:`available` first."""
+    previous = _module.set_amx_enabled(False)
+    try:
+        yield
+    finally:
+        _module.set_amx_enabled(previous)
+
+
 def prefill_supports(head_dim: int) -> bool:
     """Whether :func:`paged_prefill_attention` takes this head size (its micro-kernels work on 64 lanes)."""
     return head_dim % 64 == 0
@@ -248,3 +269,34 @@ def small_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
 
 
 _EMPTY = torch.empty(0)
+
+
+# Up to this many rows a bfloat16 projection runs in small_gemm_bfloat16, above it in oneDNN's packed bfloat16
+# GEMM (AMX or AVX512-BF16). With the 120 SmolLM2 projections of a step in turn (2-core Emerald Rapids, AMX,
+# medians of 9): 1.99x oneDNN at 1 row (the weights streamed at 21.6 GB/s against 10.9), 1.68x at 4, 1.21x at
+# 8, 0.73x at 16, where oneDNN's AMX tiles pull ahead.
+SMALL_GEMM_BFLOAT16_MAX_ROWS = 8
+
+
+def small_gemm_bfloat16_supported() -> bool:
+    """Whether :func:`small_gemm_bfloat16` was built here (it needs AVX512-BF16: Intel from Cooper Lake, AMD
+    from Zen 4). Call :func:`available` first."""
+    return _module is not None and _module.small_gemm_bfloat16_supported()
+
+
+def pack_panels_bfloat16(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 nn.Linear weight [out_features, in_features] (in_features even) as
+    :func:`small_gemm_bfloat16`'s panels [ceil(out / 32), in_features / 2, 64] (a new tensor)."""
+    return _module.pack_panels_bfloat16(weight.to(torch.bfloat16).contiguous())
+
+
+def small_gemm_bfloat16(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                        out_features: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in bfloat16 for a few rows of x: [rows, in_features] and the weight's
+    :func:`pack_panels_bfloat16`: products summed in float32 in VDPBF16PS pairs, each output rounded to bfloat16
+    once (as oneDNN does, in another order). Returns a new bfloat16 [rows, out_features]; needs
+    :func:`small_gemm_bfloat16_supported`."""
+    if x.stride(-1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.contiguous()
+    bias = _EMPTY if bias is None else bias.float()
+    return _module.small_gemm_bfloat16(x, panels, bias, out_features)

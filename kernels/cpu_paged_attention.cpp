@@ -30,10 +30,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 
 #include <omp.h>
 
+#include "cpu_amx_attention.h"
 #include "cpu_vector16.h"
 #include "cpu_vector_math.h"
 
@@ -422,9 +424,43 @@ void decode_all(const float* q_ptr, const KV* k_ptr, const KV* v_ptr, const int6
   }
 }
 
+#ifdef SPLITSERVE_AMX
+// A bfloat16 cache in AMX tiles (cpu_amx_attention.h), shared out as decode_all does: whole requests per task
+// when there are enough of them, else (request, KV head) pairs. Each thread releases the tiles when done
+// (oneDNN configures its own before each use).
+void decode_all_amx(const float* q_ptr, const vec16::BFloat16* k_ptr, const vec16::BFloat16* v_ptr,
+                    const int64_t* table_ptr, const int64_t* len_ptr, int64_t num_requests, int64_t num_q_heads,
+                    int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks, const DecodeShape& shape,
+                    float scale_f, float* out_ptr) {
+  const amx::DecodeTiles config(shape.group);
+  const bool whole_requests = num_requests >= kRequestsPerThreadForWholeRequests * omp_get_max_threads();
+  const int64_t heads_per_task = whole_requests ? num_kv_heads : 1;
+  const int64_t tasks_per_request = num_kv_heads / heads_per_task;
+#pragma omp parallel
+  {
+    auto scratch = std::make_unique<amx::DecodeScratch>();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_requests * tasks_per_request; ++task) {
+      const int64_t r = task / tasks_per_request, first = task % tasks_per_request * heads_per_task;
+      const amx::RequestView view{k_ptr, v_ptr, table_ptr + r * max_blocks, len_ptr[r], (len_ptr[r] + 31) / 32 * 32,
+                                  shape.group, head_dim, shape.block_size, shape.block_stride, shape.head_stride};
+      amx::attend_heads(q_ptr + r * num_q_heads * head_dim, first, heads_per_task, view, scale_f,
+                        out_ptr + r * num_q_heads * head_dim, *scratch, config);
+    }
+    _tile_release();
+  }
+}
+#endif
+
 }  // namespace
 
 bool bfloat16_dot_supported() { return kBFloat16Dot; }
+
+bool amx_decode_supported(int64_t head_dim, int64_t block_size, int64_t group) {
+  return amx::decode_supported(head_dim, block_size, group);
+}
+
+bool set_amx_enabled(bool enabled) { return amx::enabled().exchange(enabled); }
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -463,6 +499,13 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
     }
   }
   const DecodeShape shape{group, block_size, key_cache.stride(1), key_cache.stride(0)};
+#ifdef SPLITSERVE_AMX
+  if (key_cache.scalar_type() == torch::kBFloat16 && amx::decode_supported(head_dim, block_size, group)) {
+    decode_all_amx(q_ptr, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache), table_ptr,
+                   len_ptr, num_requests, num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);
+    return out;
+  }
+#endif
   if (key_cache.scalar_type() == torch::kBFloat16)
     decode_all(q_ptr, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache), table_ptr,
                len_ptr, num_requests, num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);

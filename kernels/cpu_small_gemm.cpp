@@ -142,6 +142,57 @@ constexpr TileFunction kTiles[kTileRows + 1] = {nullptr,          multiply_tile<
 
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define SPLITSERVE_SMALL_GEMM_BFLOAT16 1
+
+// bfloat16 x and weight, float32 sums: the weight as panels of 32 output columns, each k-pair of a panel one
+// 128-byte row [32 columns][2] (dims 2j and 2j + 1 of every column side by side), so that VDPBF16PS multiplies a
+// broadcast pair of x by 16 columns' pairs and adds both products to 16 float32 sums. ROWS rows x 32 columns in
+// 2 x ROWS registers; the next panel prefetched into L2 as in the float32 tiles.
+template <int ROWS>
+void multiply_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pairs, const float* bias,
+                        int64_t columns, uint16_t* out, int64_t out_stride, const char* prefetch, int64_t lines_per_k) {
+  __m512 low[ROWS], high[ROWS];
+  for (int r = 0; r < ROWS; ++r) low[r] = high[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    const __m512bh w_low = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanelColumns);
+    const __m512bh w_high = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanelColumns + 32);
+    if (prefetch != nullptr) {
+      for (int64_t line = 0; line < lines_per_k; ++line)
+        _mm_prefetch(prefetch + (j * lines_per_k + line) * kCacheLine, _MM_HINT_T1);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * x_stride + 2 * j, sizeof(pair));
+      const __m512bh value = (__m512bh)_mm512_set1_epi32(pair);
+      low[r] = _mm512_dpbf16_ps(low[r], value, w_low);
+      high[r] = _mm512_dpbf16_ps(high[r], value, w_high);
+    }
+  }
+  const __mmask16 mask_low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
+  const __mmask16 mask_high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
+  __m512 bias_low = _mm512_setzero_ps(), bias_high = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    bias_low = _mm512_maskz_loadu_ps(mask_low, bias);
+    bias_high = _mm512_maskz_loadu_ps(mask_high, bias + 16);
+  }
+  for (int r = 0; r < ROWS; ++r) {  // rounded to bfloat16 once, as oneDNN rounds its float32 sums
+    _mm256_mask_storeu_epi16(out + r * out_stride, mask_low, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(low[r], bias_low)));
+    _mm256_mask_storeu_epi16(out + r * out_stride + 16, mask_high,
+                             (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(high[r], bias_high)));
+  }
+}
+
+using TileFunctionBFloat16 = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, int64_t,
+                                      uint16_t*, int64_t, const char*, int64_t);
+constexpr int64_t kTileRowsBFloat16 = 8;
+constexpr TileFunctionBFloat16 kTilesBFloat16[kTileRowsBFloat16 + 1] = {
+    nullptr, multiply_tile_bf16<1>, multiply_tile_bf16<2>, multiply_tile_bf16<3>, multiply_tile_bf16<4>,
+    multiply_tile_bf16<5>, multiply_tile_bf16<6>, multiply_tile_bf16<7>, multiply_tile_bf16<8>};
+
+#endif
+
 }  // namespace
 
 bool small_gemm_supported() {
@@ -204,6 +255,83 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor bi
         kTiles[tile_rows](x_ptr + row * x_stride, x_stride, panel, in_features,
                           bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanelColumns, columns,
                           out_ptr + row * out_features + p * kPanelColumns, out_features, prefetch, lines_per_k);
+      }
+    }
+  }
+#endif
+  return out;
+}
+
+}  // namespace splitserve
+
+namespace splitserve {
+
+bool small_gemm_bfloat16_supported() {
+#ifdef SPLITSERVE_SMALL_GEMM_BFLOAT16
+  return true;
+#else
+  return false;
+#endif
+}
+
+// An nn.Linear weight [out, in] (bfloat16, in even) as [panels, in / 2, 64]: panel p, pair j holds, for each of
+// the columns 32p .. 32p + 31 in turn, its dims 2j and 2j + 1 (zero past out_features).
+torch::Tensor pack_panels_bfloat16(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 && weight.size(1) % 2 == 0,
+              "pack_panels_bfloat16: a bfloat16 [out, in] weight with an even number of input features");
+  const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  const int64_t num_panels = (out_features + kPanelColumns - 1) / kPanelColumns;
+  auto padded = torch::zeros({num_panels * kPanelColumns, in_features}, weight.options());
+  padded.narrow(0, 0, out_features).copy_(weight);
+  // [panels, 32, in / 2, 2] -> [panels, in / 2, 32, 2]
+  return padded.view({num_panels, kPanelColumns, in_features / 2, 2}).transpose(1, 2).contiguous()
+      .view({num_panels, in_features / 2, 2 * kPanelColumns});
+}
+
+// out = x @ weight^T (+ bias): x [rows, in] bfloat16 (rows contiguous), panels from pack_panels_bfloat16, bias
+// float32 [out] or empty. Sums in float32 (pairs of products added in VDPBF16PS order), each output rounded to
+// bfloat16 once. Returns [rows, out_features] bfloat16.
+torch::Tensor small_gemm_bfloat16(torch::Tensor x, torch::Tensor panels, torch::Tensor bias, int64_t out_features) {
+  TORCH_CHECK(small_gemm_bfloat16_supported(), "small_gemm_bfloat16: built without AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
+              "small_gemm_bfloat16: x must be bfloat16 [rows, in_features] with contiguous rows");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kBFloat16 && panels.is_contiguous() &&
+                  panels.size(2) == 2 * kPanelColumns, "small_gemm_bfloat16: panels must be contiguous [panels, in / 2, 64]");
+  const int64_t rows = x.size(0), in_features = x.size(1), num_panels = panels.size(0), pairs = panels.size(1);
+  TORCH_CHECK(in_features == 2 * pairs, "small_gemm_bfloat16: x has ", in_features, " features, the weight ", 2 * pairs);
+  TORCH_CHECK(x.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0,
+              "small_gemm_bfloat16: x's rows must start on 4-byte boundaries");
+  TORCH_CHECK(out_features > (num_panels - 1) * kPanelColumns && out_features <= num_panels * kPanelColumns,
+              "small_gemm_bfloat16: out_features does not match the panels");
+  const bool has_bias = bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == out_features && bias.is_contiguous() &&
+                            bias.scalar_type() == torch::kFloat32), "small_gemm_bfloat16: bias must be float32 [out_features]");
+  auto out = torch::empty({rows, out_features}, x.options());
+#ifdef SPLITSERVE_SMALL_GEMM_BFLOAT16
+  if (rows == 0) return out;
+  const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* panel_ptr = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  const float* bias_ptr = has_bias ? bias.data_ptr<float>() : nullptr;
+  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t x_stride = x.stride(0), panel_elements = pairs * 2 * kPanelColumns;
+  const int64_t num_tiles = (rows + kTileRowsBFloat16 - 1) / kTileRowsBFloat16;
+  const int64_t panel_lines = panel_elements * 2 / kCacheLine;
+  const int64_t lines_per_k = std::max<int64_t>(1, (panel_lines + num_tiles * pairs - 1) / (num_tiles * pairs));
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    const int64_t first = num_panels * thread / threads, last = num_panels * (thread + 1) / threads;
+    for (int64_t p = first; p < last; ++p) {
+      const uint16_t* panel = panel_ptr + p * panel_elements;
+      const char* next = reinterpret_cast<const char*>(panel + panel_elements);
+      const int64_t columns = std::min(kPanelColumns, out_features - p * kPanelColumns);
+      for (int64_t tile = 0; tile < num_tiles; ++tile) {
+        const int64_t row = tile * kTileRowsBFloat16, tile_rows = std::min(kTileRowsBFloat16, rows - row);
+        const int64_t first_line = tile * pairs * lines_per_k;
+        const char* prefetch = p + 1 < last && first_line < panel_lines ? next + first_line * kCacheLine : nullptr;
+        kTilesBFloat16[tile_rows](x_ptr + row * x_stride, x_stride, panel, pairs,
+                                  bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanelColumns, columns,
+                                  out_ptr + row * out_features + p * kPanelColumns, out_features, prefetch, lines_per_k);
       }
     }
   }

@@ -57,27 +57,36 @@ class PackedLinear(nn.Module):
         # An opaque oneDNN tensor, not a parameter: module-wide .to() / state_dict() do not apply to it.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = linear.bias
-        # The C++ small-batch GEMM and its copy of the weight (see use_kernels); None: oneDNN for every batch.
+        # The C++ small-batch GEMM (the module, the function's name in it, the most rows it takes) and its copy
+        # of the weight (see use_kernels); None: oneDNN for every batch.
         self.small_gemm_kernels = None
+        self.small_gemm_name, self.small_rows = "", 0
         self.panels: torch.Tensor | None = None
 
     def use_kernels(self, kernels) -> None:
-        """Run batches of up to ``kernels.SMALL_GEMM_MAX_ROWS`` rows through ``kernels.small_gemm`` when
-        ``kernels`` is splitserve's C++ module and it was built with that GEMM (AVX-512, or AVX2 with FMA) and
-        the weight is float32; otherwise, and for ``kernels`` None, oneDNN for every batch (bfloat16 weights
-        too: the small GEMM computes in float32 only). Taking the small GEMM keeps a second copy of the
-        weight, in its panel layout (for SmolLM2-135M, 425 MB beside oneDNN's)."""
-        if (self.dtype == torch.float32 and kernels is not None
-                and getattr(kernels, "small_gemm_supported", lambda: False)()):
-            if self.panels is None:
-                self.panels = kernels.pack_panels(self.packed_weight.to_dense())
-            self.small_gemm_kernels = kernels
+        """Run small batches through splitserve's C++ small-batch GEMM when ``kernels`` is its C++ module
+        and it was built with the GEMM for this weight's dtype: float32 batches of up to
+        ``kernels.SMALL_GEMM_MAX_ROWS`` rows in ``small_gemm`` (AVX-512, or AVX2 with FMA), bfloat16 ones of
+        up to ``kernels.SMALL_GEMM_BFLOAT16_MAX_ROWS`` in ``small_gemm_bfloat16`` (AVX512-BF16); otherwise,
+        and for ``kernels`` None, oneDNN for every batch. Taking a small GEMM keeps a second copy of the
+        weight in its panel layout (for SmolLM2-135M, 425 MB beside oneDNN's in float32, 212 MB in
+        bfloat16)."""
+        self.small_gemm_kernels, self.panels = None, None
+        if kernels is None:
+            return
+        if self.dtype == torch.float32 and getattr(kernels, "small_gemm_supported", lambda: False)():
+            self.panels = kernels.pack_panels(self.packed_weight.to_dense())
+            self.small_gemm_name, self.small_rows = "small_gemm", kernels.SMALL_GEMM_MAX_ROWS
+        elif (self.dtype == torch.bfloat16 and self.in_features % 2 == 0
+                and getattr(kernels, "small_gemm_bfloat16_supported", lambda: False)()):
+            self.panels = kernels.pack_panels_bfloat16(self.packed_weight.to_dense())
+            self.small_gemm_name, self.small_rows = "small_gemm_bfloat16", kernels.SMALL_GEMM_BFLOAT16_MAX_ROWS
         else:
-            self.small_gemm_kernels, self.panels = None, None
+            return
+        self.small_gemm_kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [rows, in_features] -> [rows, out_features]."""
-        kernels = self.small_gemm_kernels
-        if kernels is not None and x.shape[0] <= kernels.SMALL_GEMM_MAX_ROWS:
-            return kernels.small_gemm(x, self.panels, self.bias, self.out_features)
+        if self.small_gemm_kernels is not None and x.shape[0] <= self.small_rows:
+            return getattr(self.small_gemm_kernels, self.small_gemm_name)(x, self.panels, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

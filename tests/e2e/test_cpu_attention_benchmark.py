@@ -30,3 +30,27 @@ def test_cpu_attention_benchmark_refuses_a_head_size_the_prefill_kernel_does_not
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_attention.py"), "--head-dim", "32"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2 and "multiples of 64" in result.stderr
+
+
+def test_cpu_attention_benchmark_in_bfloat16_compares_amx_with_avx512_where_the_cpu_has_amx():
+    from splitserve.common.model_info import cache_dir
+    from splitserve.kernels import cpu_ops
+
+    assert cpu_ops.available(str(cache_dir()))
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_attention.py"), "--layers", "2", "--repeats", "1",
+         "--dtype", "bfloat16", "--prefill", "0:64", "--decode", "4x70", "1x16"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    decode_rows = [line.split() for line in lines if line.startswith("decode ")]
+    assert [row[1] for row in decode_rows] == ["4x70", "1x16"]
+    assert all(float(row[-1]) < 0.05 for row in decode_rows)  # bfloat16 torch against the kernel
+    compared = [line for line in lines if "AVX-512/AMX" in line]
+    if cpu_ops.decodes_in_amx(64, 16, 3):
+        assert [line.split(":")[0].strip() for line in compared] == ["4x70", "1x16"]
+        for line in compared:
+            assert float(line.rsplit(" ", 1)[1].rstrip("x")) > 0
+    else:
+        assert compared == [] and "AMX" not in result.stdout

@@ -370,6 +370,84 @@ def test_packed_linear_sends_decode_batches_to_small_gemm_and_prompt_chunks_to_o
     assert packed.panels is None and packed.small_gemm_kernels is None
 
 
+def _small_gemm_bfloat16_kernels():
+    kernels = _kernels()
+    if not kernels.small_gemm_bfloat16_supported():
+        pytest.skip("small_gemm_bfloat16 needs AVX512-BF16, which this CPU lacks (oneDNN takes every bfloat16 batch)")
+    return kernels
+
+
+@pytest.mark.parametrize(
+    "rows, in_features, out_features, with_bias",
+    [
+        (1, 576, 960, False),  # batch 1: SmolLM's qkv
+        (7, 18, 45, True),  # a partial row tile, a partial last panel, a bias
+        (8, 64, 32, False),  # exactly one tile and one panel (SMALL_GEMM_BFLOAT16_MAX_ROWS rows)
+        (9, 40, 31, True),  # one row past a tile; fewer columns than one panel
+        (3, 1536, 576, False),  # down's shape
+    ],
+)
+def test_small_gemm_bfloat16_matches_linear(rows, in_features, out_features, with_bias):
+    """bfloat16 in and out, float32 sums: each output is the exact sum rounded to bfloat16 once, but for the order
+    of the float32 additions (oneDNN's differs too), so within one bfloat16 unit of it."""
+    kernels = _small_gemm_bfloat16_kernels()
+    assert kernels.SMALL_GEMM_BFLOAT16_MAX_ROWS == 8
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features + 6, generator=generator).bfloat16()[:, :in_features]  # rows at a stride
+    panels = kernels.pack_panels_bfloat16(weight)
+    assert panels.shape == (-(-out_features // 32), in_features // 2, 64) and panels.dtype == torch.bfloat16
+    actual = kernels.small_gemm_bfloat16(x, panels, bias, out_features)
+    assert actual.shape == (rows, out_features) and actual.dtype == torch.bfloat16 and actual.is_contiguous()
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    assert (actual.double() - exact).abs().max() <= (2**-8 * exact.abs()).max() + 1e-4
+    assert (actual == exact.bfloat16()).float().mean() > 0.99  # nearly all rounded as the exact sum rounds
+    reference = F.linear(x, weight, None if bias is None else bias.bfloat16())
+    assert ((actual.float() - reference.float()).abs() <= 2**-7 * reference.float().abs() + 2**-7).all()
+
+
+def test_small_gemm_bfloat16_refuses_bad_shapes():
+    kernels = _small_gemm_bfloat16_kernels()
+    panels = kernels.pack_panels_bfloat16(torch.randn(40, 16))
+    assert kernels.small_gemm_bfloat16(torch.empty(0, 16).bfloat16(), panels, None, 40).shape == (0, 40)
+    with pytest.raises(RuntimeError, match="x has 14 features, the weight 16"):
+        kernels.small_gemm_bfloat16(torch.randn(2, 14).bfloat16(), panels, None, 40)
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        kernels.small_gemm_bfloat16(torch.randn(2, 16).bfloat16(), panels, None, 65)
+    with pytest.raises(RuntimeError, match="an even number of input features"):
+        kernels.pack_panels_bfloat16(torch.randn(4, 15))
+
+
+def test_packed_linear_sends_bfloat16_batches_of_up_to_8_rows_to_small_gemm_bfloat16():
+    from splitserve.engine.models.packed_linear import PackedLinear, can_pack_linear_weights
+
+    kernels = _small_gemm_bfloat16_kernels()
+    assert can_pack_linear_weights(torch.bfloat16)  # oneDNN reorders bfloat16 wherever AVX512-BF16 is
+    generator = torch.Generator().manual_seed(6)
+    linear = torch.nn.Linear(96, 80, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(80, 96, generator=generator))
+        linear.bias.copy_(torch.randn(80, generator=generator))
+    weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
+    packed = PackedLinear(linear)
+    packed.use_kernels(kernels)
+    assert packed.panels is not None and packed.panels.dtype == torch.bfloat16
+    calls = []
+    original = kernels.small_gemm_bfloat16
+    try:
+        kernels.small_gemm_bfloat16 = lambda *args: calls.append(args[0].shape[0]) or original(*args)
+        for rows in (1, 8, 9, 64):
+            x = torch.randn(rows, 96, generator=generator).bfloat16()
+            expected = F.linear(x.float(), weight.float(), bias.float())
+            assert ((packed(x).float() - expected).abs() <= 2**-7 * expected.abs() + 2**-6).all()
+    finally:
+        kernels.small_gemm_bfloat16 = original
+    assert calls == [1, 8]
+    packed.use_kernels(None)
+    assert packed.panels is None and packed.small_gemm_kernels is None
+
+
 def _tiny_mlp():
     """A Llama MLP of hidden size 64 and intermediate size 96, with random weights."""
     from splitserve.common.model_info import ModelConfig
@@ -511,7 +589,14 @@ def block_major_like(key_cache, value_cache, dtype):
     ],
 )
 def test_decode_kernel_reads_a_bfloat16_cache(num_q_heads, num_kv_heads, head_dim, block_size, lengths):
+    """The AVX-512 (or AVX2) path; on AMX machines test_amx_decode_kernel covers the tiles."""
     kernels = _kernels()
+    with kernels.amx_disabled():
+        assert not kernels.decodes_in_amx(head_dim, block_size, num_q_heads // num_kv_heads)
+        _check_bfloat16_decode(kernels, num_q_heads, num_kv_heads, head_dim, block_size, lengths)
+
+
+def _check_bfloat16_decode(kernels, num_q_heads, num_kv_heads, head_dim, block_size, lengths):
     generator = torch.Generator().manual_seed(5)
     num_blocks = sum(-(-length // block_size) for length in lengths) + 2
     key_cache, value_cache = block_major_like(*block_major_caches(num_kv_heads, num_blocks, block_size, head_dim,
@@ -532,6 +617,65 @@ def test_decode_kernel_reads_a_bfloat16_cache(num_q_heads, num_kv_heads, head_di
     actual = kernels.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
     assert actual.dtype == torch.bfloat16
     assert torch.equal(actual, expected.bfloat16()) or (actual.float() - expected).abs().max() <= 2**-8 * expected.abs().max()
+
+
+def weights_rounded_reference(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """Decode attention as the AMX kernel rounds it: queries times the scale and the softmax weights
+    exp(score - max) rounded to bfloat16 before their products, everything else float32 (a bfloat16 cache)."""
+    num_kv_heads, _, block_size, head_dim = key_cache.shape
+    num_requests, num_q_heads, _ = query.shape
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(num_requests, num_q_heads, head_dim)
+    weight_max = 0.0
+    for r in range(num_requests):
+        length = int(seq_lens[r])
+        blocks = block_tables[r, : -(-length // block_size)]
+        keys = key_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :length].float()
+        values = value_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :length].float()
+        q = (query[r] * scale).bfloat16().float().view(num_kv_heads, group, head_dim)
+        scores = q @ keys.transpose(1, 2)
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+        denominators = weights.sum(-1, keepdim=True)
+        weight_max = max(weight_max, (weights / denominators).max().item())
+        out[r] = ((weights.bfloat16().float() @ values) / denominators).reshape(num_q_heads, head_dim)
+    return out, weight_max
+
+
+@pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads, head_dim, block_size, lengths",
+    [
+        (9, 3, 64, 16, [1, 15, 16, 17, 31, 32, 33, 300, 576]),  # per (request, KV head); chunk and step edges
+        (9, 3, 64, 16, MANY_LENGTHS),  # whole requests per thread
+        (8, 1, 128, 128, [1, 127, 128, 129, 2000] * 8),  # head size 128 (two passes over the values)
+        (16, 1, 64, 32, [1, 63, 64, 65, 1000]),  # sixteen query heads per KV head, blocks of 32
+        (4, 4, 64, 16, MANY_LENGTHS),  # no grouping
+    ],
+)
+def test_amx_decode_kernel(num_q_heads, num_kv_heads, head_dim, block_size, lengths):
+    """On CPUs with AMX (Sapphire Rapids and later), decode attention over a bfloat16 cache runs in tiles, with the
+    softmax weights rounded to bfloat16. Against a reference rounding them the same way, outputs agree to float32
+    rounding except where the two exp implementations put a weight on either side of a bfloat16 rounding
+    boundary: one unit (at most 2^-7 of the weight) times a value row."""
+    kernels = _kernels()
+    if not kernels.decodes_in_amx(head_dim, block_size, num_q_heads // num_kv_heads):
+        pytest.skip("this CPU has no AMX-BF16 (or Linux does not grant it): the AVX-512 path runs, tested above")
+    generator = torch.Generator().manual_seed(11)
+    num_blocks = sum(-(-length // block_size) for length in lengths) + 2
+    key_cache, value_cache = block_major_like(*block_major_caches(num_kv_heads, num_blocks, block_size, head_dim,
+                                                                  generator), torch.bfloat16)
+    seq_lens = torch.tensor(lengths, dtype=torch.int64)
+    tables = shuffled_block_tables(lengths, block_size, num_blocks, generator)
+    query = torch.randn(len(lengths), num_q_heads, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    expected, weight_max = weights_rounded_reference(query, key_cache, value_cache, tables, seq_lens, scale)
+    actual = kernels.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
+    difference = (actual - expected).abs()
+    assert difference.max().item() <= 1e-5 + 2**-7 * weight_max * value_cache.float().abs().max().item()
+    assert difference.mean().item() <= 1e-6
+    # Not the AVX-512 path's figures (which keep the weights in float32): the tiles really ran.
+    with kernels.amx_disabled():
+        other = kernels.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
+    assert (other - expected).abs().max().item() > difference.max().item()
 
 
 @pytest.mark.parametrize(
