@@ -10,6 +10,7 @@ difference between the two outputs are printed.
 
     python benchmarks/cpu_gemm.py                                  # SmolLM2-135M's four projections
     python benchmarks/cpu_gemm.py --rows 1 64 256 --shapes 4096x4096 --layers 4 --repeats 9
+    python benchmarks/cpu_gemm.py --dtype bfloat16 --rows 1 4 8 16         # small_gemm_bfloat16 (AVX512-BF16)
 """
 
 from __future__ import annotations
@@ -38,20 +39,24 @@ def _parse_shape(text: str) -> tuple[int, int]:
 
 
 def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repeats: int, evict_mb: int,
-              seed: int = 0) -> dict:
-    """One step's worth of one projection (``layers`` distinct weights) at ``rows`` rows, both ways."""
+              seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    """One step's worth of one projection (``layers`` distinct weights) at ``rows`` rows, both ways: in float32
+    small_gemm, in bfloat16 small_gemm_bfloat16, against oneDNN's packed GEMM in the same dtype."""
     generator = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(out_features, in_features, generator=generator) for _ in range(layers)]
+    weights = [torch.randn(out_features, in_features, generator=generator).to(dtype) for _ in range(layers)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(weight, None) for weight in weights]
-    panels = [cpu_ops.pack_panels(weight) for weight in weights]
-    x = torch.randn(rows, in_features, generator=generator)
+    bfloat16 = dtype == torch.bfloat16
+    pack, multiply = ((cpu_ops.pack_panels_bfloat16, cpu_ops.small_gemm_bfloat16) if bfloat16
+                      else (cpu_ops.pack_panels, cpu_ops.small_gemm))
+    panels = [pack(weight) for weight in weights]
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
     evict = torch.zeros(evict_mb * 1024 * 1024 // 4)
 
     def onednn(layer):
         return torch.ops.mkldnn._linear_pointwise(x, packed[layer], None, "none", [], "")
 
     def small(layer):
-        return cpu_ops.small_gemm(x, panels[layer], None, out_features)
+        return multiply(x, panels[layer], None, out_features)
 
     def timed(function) -> float:
         seconds = 0.0
@@ -62,7 +67,7 @@ def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repea
             seconds += time.perf_counter() - start
         return seconds
 
-    difference = (small(0) - onednn(0)).abs().max().item()
+    difference = (small(0).float() - onednn(0).float()).abs().max().item()
     timed(small), timed(onednn)  # warm-up
     small_times, onednn_times = [], []
     for _ in range(repeats):
@@ -89,23 +94,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each side, alternating; medians (default: 5)")
     parser.add_argument("--evict-mb", type=int, default=256,
                         help="MB written before each call to push the weights out of the caches (default: 256)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights and activations (default: %(default)s); bfloat16 times small_gemm_bfloat16 "
+                             f"(AVX512-BF16; the engine sends it up to {cpu_ops.SMALL_GEMM_BFLOAT16_MAX_ROWS} rows) "
+                             "against oneDNN's packed bfloat16 GEMM (AMX where the CPU has it)")
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     if any(rows < 1 for rows in args.rows) or args.layers < 1 or args.repeats < 1:
         parser.error("--rows, --layers and --repeats must be positive")
     if not cpu_ops.available(str(cache_dir())):
         print("The C++ CPU kernels could not be built here: nothing to time.", file=sys.stderr)
         return 1
-    if not cpu_ops.small_gemm_supported():
+    if dtype == torch.float32 and not cpu_ops.small_gemm_supported():
         print("small_gemm needs AVX-512, or AVX2 with FMA, which this build of the kernels lacks: the engine uses oneDNN for every batch here.",
               file=sys.stderr)
         return 1
-    print(f"{torch.get_num_threads()} threads, {args.layers} weights per shape, caches evicted before each call; "
-          f"medians of {args.repeats}")
+    if dtype == torch.bfloat16 and not cpu_ops.small_gemm_bfloat16_supported():
+        print("small_gemm_bfloat16 needs AVX512-BF16, which this CPU lacks: the engine uses oneDNN for every bfloat16 "
+              "batch here.", file=sys.stderr)
+        return 1
+    print(f"{torch.get_num_threads()} threads, {args.dtype}, {args.layers} weights per shape, caches evicted before "
+          f"each call; medians of {args.repeats}")
     print(f"{'shape':>10} {'rows':>5} {'small ms':>9} {'oneDNN ms':>10} {'oneDNN/small':>13} {'small GFLOP/s':>14} "
           f"{'oneDNN GFLOP/s':>15} {'max diff':>9}")
     for in_features, out_features in args.shapes:
         for rows in args.rows:
-            r = gemm_case(in_features, out_features, rows, args.layers, args.repeats, args.evict_mb)
+            r = gemm_case(in_features, out_features, rows, args.layers, args.repeats, args.evict_mb, dtype=dtype)
             print(f"{r['shape']:>10} {r['rows']:5d} {r['small_s'] * 1e3:9.3f} {r['onednn_s'] * 1e3:10.3f} "
                   f"{r['onednn_s'] / r['small_s']:12.2f}x {r['small_gflops']:14.0f} {r['onednn_gflops']:15.0f} "
                   f"{r['difference']:9.1e}", flush=True)

@@ -272,9 +272,10 @@ _EMPTY = torch.empty(0)
 
 
 # Up to this many rows a bfloat16 projection runs in small_gemm_bfloat16, above it in oneDNN's packed bfloat16
-# GEMM (AMX or AVX512-BF16). With the 120 SmolLM2 projections of a step in turn (2-core Emerald Rapids, AMX,
-# medians of 9): 1.99x oneDNN at 1 row (the weights streamed at 21.6 GB/s against 10.9), 1.68x at 4, 1.21x at
-# 8, 0.73x at 16, where oneDNN's AMX tiles pull ahead.
+# GEMM (AMX or AVX512-BF16). `benchmarks/cpu_gemm.py --dtype bfloat16` (2-core Emerald Rapids with AMX, cold
+# weights, medians of 5): 1.9-2.8x oneDNN from 1 to 8 rows on SmolLM2's four projections, 0.96-1.9x at 16, and
+# 0.4-1.0x at 64, where oneDNN's AMX tiles are far ahead. The 120 projections of a step in turn, weights not
+# evicted (medians of 9): 1.99x at 1 row (the weights streamed at 21.6 GB/s against 10.9), 1.21x at 8, 0.73x at 16.
 SMALL_GEMM_BFLOAT16_MAX_ROWS = 8
 
 

@@ -36,6 +36,22 @@ def test_cpu_gemm_benchmark_prints_each_shape_and_batch_with_its_ratio_and_agree
         assert float(row[-1]) < 1e-4  # the two GEMMs agree
 
 
+def test_cpu_gemm_benchmark_in_bfloat16_times_the_bfloat16_small_gemm_or_says_why_not():
+    assert cpu_ops.available(str(cache_dir()))
+    result = _run("--dtype", "bfloat16", "--shapes", "64x96", "--rows", "1", "8", "--layers", "2", "--repeats", "1",
+                  "--evict-mb", "8")
+    if not cpu_ops.small_gemm_bfloat16_supported():
+        assert result.returncode == 1 and "AVX512-BF16" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr
+    assert "bfloat16" in result.stdout.splitlines()[0]
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("64x96")]
+    assert [row[1] for row in rows] == ["1", "8"]
+    for row in rows:
+        assert float(row[4].rstrip("x")) > 0
+        assert float(row[-1]) <= 0.25  # sums of 64 products of unit normals, each side rounded to bfloat16 once
+
+
 def test_cpu_gemm_benchmark_refuses_a_batch_of_no_rows():
     result = _run("--rows", "0")
     assert result.returncode == 2 and "must be positive" in result.stderr

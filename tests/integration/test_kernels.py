@@ -448,6 +448,39 @@ def test_packed_linear_sends_bfloat16_batches_of_up_to_8_rows_to_small_gemm_bflo
     assert packed.panels is None and packed.small_gemm_kernels is None
 
 
+def test_bfloat16_logits_of_a_few_rows_run_in_small_gemm_bfloat16():
+    """In bfloat16 with the C++ kernels, logits of up to 8 rows come from the head's panels (AVX512-BF16), more rows
+    from oneDNN; both within bfloat16 rounding of the float32 product."""
+    from splitserve.common.model_info import ModelConfig
+    from splitserve.engine.models import llama
+
+    kernels = _small_gemm_bfloat16_kernels()
+    config = ModelConfig("llama", "LlamaForCausalLM", vocab_size=1000, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rms_norm_eps=1e-5, max_position_embeddings=64, rope_theta=10000.0, tie_word_embeddings=True)
+    model = llama.LlamaForCausalLM(config, 64).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.randn(1000, 64, generator=generator))
+    model.keep_transposed_head()
+    model.use_kernels(kernels)
+    calls = []
+    original = kernels.small_gemm_bfloat16
+    try:
+        kernels.small_gemm_bfloat16 = lambda *args: calls.append(args[0].shape[0]) or original(*args)
+        for rows in (1, 8, 9):
+            hidden = torch.randn(rows, 64, generator=generator).bfloat16()
+            logits = model.compute_logits(hidden)
+            expected = hidden.float() @ model.model.embed_tokens.weight.float().T
+            assert logits.dtype == torch.float32 and logits.shape == (rows, 1000)
+            assert ((logits - expected).abs() <= 2**-8 * expected.abs() + 1e-3).all()
+    finally:
+        kernels.small_gemm_bfloat16 = original
+    assert calls == [1, 8]
+    model.use_kernels(None)  # the torch backend: the panels are dropped
+    assert model._head_panels is None
+
+
 def _tiny_mlp():
     """A Llama MLP of hidden size 64 and intermediate size 96, with random weights."""
     from splitserve.common.model_info import ModelConfig
