@@ -7,8 +7,8 @@ per chunk; a chunk with cached context first gathers its blocks and builds a mas
 Each case runs all the model's layers, alternating kernel and reference, and prints medians, the
 reference/kernel ratio (above 1: the kernel is faster), the kernel's rate (GFLOP/s for prefill, the
 causal FLOPs only; GB/s of KV read for decode) and the largest difference between the two outputs. Where
-decode attention runs in AMX tiles (a bfloat16 cache on an AMX CPU), its AVX-512 path is timed in the same
-runs too, and the two are compared after the table.
+a kernel runs in AMX tiles (a bfloat16 cache on an AMX CPU), its AVX-512 path is timed in the same runs too,
+and the two are compared after the table.
 
     python benchmarks/cpu_attention.py                      # SmolLM2-135M's shape, default cases
     python benchmarks/cpu_attention.py --prefill 0:2048 --prefill 1024:512 0:64 --decode 64x320 --repeats 9
@@ -121,13 +121,29 @@ def prefill_case(shape: Shape, chunks: list[tuple[int, int]], repeats: int, seed
                 for k, v in layers]
 
     difference = (kernel()[0].float() - reference()[0].float()).abs().max().item()
-    kernel_s, reference_s = _median_pair(kernel, reference, repeats)
+    times = _times_with_avx512(kernel, reference, repeats, shape.dtype == torch.bfloat16
+                               and cpu_ops.prefills_in_amx(shape.head_dim, shape.block_size))
     # Causal FLOPs: each query token against its visible keys, QK^T and PV, every query head and layer.
     visible = sum(length * context + length * (length + 1) / 2 for context, length in chunks)
     flops = 4 * visible * shape.head_dim * shape.q_heads * shape.layers
     label = " ".join(f"{context}:{length}" for context, length in chunks)
-    return {"kind": "prefill", "case": label, "kernel_s": kernel_s, "reference_s": reference_s,
-            "rate": flops / kernel_s / 1e9, "unit": "GFLOP/s", "difference": difference}
+    return {"kind": "prefill", "case": label, **times, "rate": flops / times["kernel_s"] / 1e9, "unit": "GFLOP/s",
+            "difference": difference}
+
+
+def _times_with_avx512(kernel, reference, repeats: int, in_tiles: bool) -> dict:
+    """kernel_s and reference_s, medians of alternating runs; where the kernel runs in AMX tiles (a bfloat16 cache
+    on an AMX CPU), avx512_s too: the same kernel with AMX turned off, as a second baseline in the same runs."""
+    if not in_tiles:
+        kernel_s, reference_s = _median_pair(kernel, reference, repeats)
+        return {"kernel_s": kernel_s, "reference_s": reference_s}
+
+    def vectors():
+        with cpu_ops.amx_disabled():
+            return kernel()
+
+    times = _median_times({"kernel": kernel, "reference": reference, "avx512": vectors}, repeats)
+    return {"kernel_s": times["kernel"], "reference_s": times["reference"], "avx512_s": times["avx512"]}
 
 
 def decode_case(shape: Shape, requests: int, context: int, repeats: int, seed: int = 0) -> dict:
@@ -152,20 +168,10 @@ def decode_case(shape: Shape, requests: int, context: int, repeats: int, seed: i
     difference = (kernel()[0].float() - reference()[0].float()).abs().max().item()
     element_size = torch.empty((), dtype=shape.dtype).element_size()
     kv_bytes = 2 * requests * context * shape.kv_heads * shape.head_dim * element_size * shape.layers
-    result = {"kind": "decode", "case": f"{requests}x{context}", "difference": difference}
-    if not cpu_ops.decodes_in_amx(shape.head_dim, shape.block_size, shape.q_heads // shape.kv_heads):
-        kernel_s, reference_s = _median_pair(kernel, reference, repeats)
-        return result | {"kernel_s": kernel_s, "reference_s": reference_s, "rate": kv_bytes / kernel_s / 1e9,
-                         "unit": "GB/s"}
-
-    # A bfloat16 cache on an AMX machine: the tiles, with the AVX-512 path of the same kernel as a second baseline.
-    def vectors():
-        with cpu_ops.amx_disabled():
-            return kernel()
-
-    times = _median_times({"kernel": kernel, "reference": reference, "avx512": vectors}, repeats)
-    return result | {"kernel_s": times["kernel"], "reference_s": times["reference"], "avx512_s": times["avx512"],
-                     "rate": kv_bytes / times["kernel"] / 1e9, "unit": "GB/s"}
+    times = _times_with_avx512(kernel, reference, repeats, shape.dtype == torch.bfloat16 and cpu_ops.decodes_in_amx(
+        shape.head_dim, shape.block_size, shape.q_heads // shape.kv_heads))
+    return {"kind": "decode", "case": f"{requests}x{context}", **times, "rate": kv_bytes / times["kernel_s"] / 1e9,
+            "unit": "GB/s", "difference": difference}
 
 
 def run(args) -> list[dict]:
@@ -194,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the cache, queries and the torch reference's arithmetic (default: %(default)s); the "
-                             "kernels accumulate in float32 either way (in bfloat16 on an AMX CPU, decode attention "
-                             "runs in AMX tiles and its AVX-512 path is timed beside it)")
+                             "kernels accumulate in float32 either way (in bfloat16 on an AMX CPU, both kernels run in "
+                             "AMX tiles and their AVX-512 paths are timed beside them)")
     args = parser.parse_args(argv)
     if not cpu_ops.prefill_supports(args.head_dim):
         parser.error(f"--head-dim {args.head_dim}: the C++ prefill kernel takes multiples of 64")
@@ -212,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['reference_s'] / r['kernel_s']:12.2f}x {r['rate']:10.1f} {r['unit']:>5} {r['difference']:9.1e}")
     in_tiles = [r for r in results if "avx512_s" in r]
     if in_tiles:
-        print("Decode attention ran in AMX tiles (a bfloat16 cache on an AMX CPU); its AVX-512 path in the same runs:")
+        print("The kernels ran in AMX tiles (a bfloat16 cache on an AMX CPU); their AVX-512 paths in the same runs:")
         for r in in_tiles:
-            print(f"  {r['case']}: AVX-512 {r['avx512_s'] * 1e3:.2f} ms, AMX {r['kernel_s'] * 1e3:.2f} ms, "
+            print(f"  {r['kind']} {r['case']}: AVX-512 {r['avx512_s'] * 1e3:.2f} ms, AMX {r['kernel_s'] * 1e3:.2f} ms, "
                   f"AVX-512/AMX {r['avx512_s'] / r['kernel_s']:.2f}x")
     return 0
 

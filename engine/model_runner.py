@@ -142,12 +142,15 @@ class ModelRunner:
         self.model = load_model(model_dir, self.dtype_name, max_model_len, self.device)
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.use_cpu_kernel = _use_cpu_kernel(backend, self.dtype)
-        # Prompt chunks attend in one C++ call over the paged cache where the kernel takes the head size, except
-        # in bfloat16 on CPUs with AMX: torch's SDPA multiplies in AMX tiles there and runs prompt attention
-        # 1.6-3.3x faster than the kernel's AVX-512 pair dot products, even gathering the context first
-        # (benchmarks/cpu_attention.py --dtype bfloat16 on a 2-core AMX Xeon; README "bfloat16 on CPUs").
-        self.use_cpu_prefill_kernel = (self.use_cpu_kernel and cpu_ops.prefill_supports(model_config.head_dim)
-                                       and not (self.dtype == torch.bfloat16 and cpu_ops.has_amx_bfloat16()))
+        # Prompt chunks attend in one C++ call over the paged cache where the kernel takes the head size. In
+        # bfloat16 on CPUs with AMX the kernel multiplies in AMX tiles itself where it takes the head and block
+        # sizes (cpu_ops.prefills_in_amx); where it does not, torch's SDPA does there, which reaches oneDNN's AMX
+        # kernels and ran prompt attention 1.6-3.3x faster than the kernel's AVX-512 pair dot products, even
+        # gathering the context first (benchmarks/cpu_attention.py --dtype bfloat16; README "bfloat16 on CPUs").
+        amx_cpu = self.dtype == torch.bfloat16 and cpu_ops.has_amx_bfloat16()
+        self.use_cpu_prefill_kernel = (
+            self.use_cpu_kernel and cpu_ops.prefill_supports(model_config.head_dim)
+            and (not amx_cpu or cpu_ops.prefills_in_amx(model_config.head_dim, self.block_size)))
         # Triton: KV writes, all attention and the fused element-wise layer operations.
         self.use_triton_kernel = backend == "triton"
         if self.use_triton_kernel:

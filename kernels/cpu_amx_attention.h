@@ -65,6 +65,12 @@ inline std::atomic<bool>& enabled() {
   return flag;
 }
 
+// Prompt chunks (prefill_item): head sizes 64 and 128, blocks of a multiple of 16 tokens.
+inline bool prefill_supported(int64_t head_dim, int64_t block_size) {
+  return enabled().load(std::memory_order_relaxed) && granted() && (head_dim == 64 || head_dim == 128) &&
+         block_size % 16 == 0;
+}
+
 inline bool decode_supported(int64_t head_dim, int64_t block_size, int64_t group) {
   return enabled().load(std::memory_order_relaxed) && granted() && (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && group >= 1 && group <= 16;
 }
@@ -311,6 +317,187 @@ inline void attend_heads(const float* q_request, int64_t first, int64_t heads, c
     weigh(scratch.scores.data() + h * rows, maximum.data() + h * 16, view, scratch.weights.data() + h * rows, inverse);
     weighted_values(view.values + (first + h) * view.head_stride, scratch.weights.data() + h * rows, inverse, view,
                     out_request + (first + h) * q_stride, scratch);
+  }
+}
+
+// ---- prompt chunks ----------------------------------------------------------------------------------
+//
+// Paged prefill attention over a bfloat16 cache (cpu_prefill_attention.cpp's contract), in AMX tiles. A work
+// item is one (chunk, query head, tile of up to 16 query tokens), attended in two passes over the keys it sees
+// (its request's context and its chunk up to its last token):
+//
+//  1. Scores, transposed: 16 key rows loaded into a tile straight from the cache, times the tile's queries
+//     (scale applied, rounded to bfloat16, in pair layout): [16 keys, 16 tokens] float32, stored as rows of a
+//     scratch [keys, 16]. One lane per query token, so the causal mask, the maximum and the softmax sums are
+//     lane-wise: no horizontal operation anywhere.
+//  2. Weighted values, transposed: the weights exp(score - max) of two keys interleaved per 32-bit lane form the
+//     second operand [32 keys, 16 tokens]; the values, transposed into [16 dims, 32 keys] tiles once per (chunk,
+//     KV head) for all its items and query heads (prefill_values below), the first; four accumulator tiles hold
+//     [64 dims, 16 tokens] for the whole context (head sizes above 64 take this pass once per 64 dims).
+//
+// The weights are rounded to bfloat16 before they multiply the values, as in the decode kernel above.
+
+// A chunk's values for one KV head as pass 2's first operand: for each 32 keys and 16 dims, a [16 dims, 16 key
+// pairs] tile whose row d holds (value[2j][d], value[2j + 1][d]) for j = 0 .. 15; zero past the chunk's keys.
+// `tiles` holds padded / 32 x head_dim / 16 tiles of 256 words.
+inline void prefill_values(const vec16::BFloat16* v_head, const int64_t* table, int64_t keys, int64_t padded,
+                           int64_t head_dim, int64_t block_size, int64_t block_stride, uint32_t* tiles) {
+  const int64_t blocks_of_dims = head_dim / 16;
+  alignas(64) uint32_t pairs[16][16];  // [key pair][dim]
+  for (int64_t start = 0; start < padded; start += 32) {
+    for (int64_t dims = 0; dims < blocks_of_dims; ++dims) {
+      for (int64_t j = 0; j < 16; ++j) {
+        __m512i both = _mm512_setzero_si512();
+        for (int64_t k = 0; k < 2; ++k) {
+          const int64_t t = start + 2 * j + k;
+          if (t >= keys) continue;
+          const vec16::BFloat16* row = v_head + table[t / block_size] * block_stride + (t % block_size) * head_dim;
+          const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * dims)));
+          both = _mm512_or_si512(both, k == 0 ? wide : _mm512_slli_epi32(wide, 16));
+        }
+        _mm512_store_si512(pairs[j], both);
+      }
+      uint32_t* tile = tiles + (start / 32 * blocks_of_dims + dims) * 256;
+      for (int64_t d = 0; d < 16; ++d)  // transposed: row d, one column per key pair
+        for (int64_t j = 0; j < 16; ++j) tile[d * 16 + j] = pairs[j][d];
+    }
+  }
+}
+
+// Per thread: one item's scores and staging areas.
+struct PrefillScratch {
+  std::vector<float> scores;                  // [keys padded to 32, 16 tokens]
+  alignas(64) uint32_t queries[4][16 * 16];   // the tile's queries, per 32 dims (head_dim up to 128)
+  alignas(64) uint32_t weights[16 * 16];      // pass 2's second operand: [16 key pairs, 16 tokens]
+  alignas(64) float accumulated[4][16 * 16];  // tiles 4-7 stored: [16 dims, 16 tokens] each
+};
+
+// The tiles of the prefill item: 0 scores [16 keys, 16 tokens]; 1 key rows, then values [16, 32 bfloat16]; 2-3
+// the queries of two 32-dim slices, then (2) the weights; 4-7 the weighted values [16 dims, 16 tokens]. All
+// 16 rows x 64 bytes.
+inline TileConfig prefill_tiles() { return score_tiles(); }
+
+// One item: query rows `query` [tokens, q_heads, head_dim] (float32) of `tokens` (<= 16) consecutive tokens at
+// positions context + first ..; `values` from prefill_values for this chunk and KV head; out likewise.
+inline void prefill_item(const float* query, int64_t q_row_stride, int64_t tokens, int64_t first_position,
+                         const vec16::BFloat16* k_head, const int64_t* table, int64_t block_size, int64_t block_stride,
+                         int64_t head_dim, const uint32_t* values, float scale, float* out, int64_t out_row_stride,
+                         PrefillScratch& scratch) {
+  const int64_t visible = first_position + tokens;  // keys 0 .. visible - 1: the last token's context and itself
+  const int64_t padded = (visible + 31) / 32 * 32, slices = head_dim / 32, row_bytes = head_dim * 2;
+  if (static_cast<int64_t>(scratch.scores.size()) < padded * 16) scratch.scores.resize(padded * 16);
+  float* scores = scratch.scores.data();
+
+  // Row j of slice i: dims 32i + 2j and 32i + 2j + 1 of each token, side by side (tokens past the tile zero).
+  // Each token's 32 dims of a slice, rounded, are its 16 pairs in order: rounded as a row, then transposed.
+  alignas(64) uint32_t rows[16][16];
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < slices; ++i) {
+    for (int64_t q = 0; q < 16; ++q) {
+      __m512i pairs = _mm512_setzero_si512();
+      if (q < tokens) {
+        const float* x = query + q * q_row_stride + 32 * i;
+        pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + 16), scale16),
+                                             _mm512_mul_ps(_mm512_loadu_ps(x), scale16));
+      }
+      _mm512_store_si512(rows[q], pairs);
+    }
+    for (int64_t j = 0; j < 16; ++j)
+      for (int64_t q = 0; q < 16; ++q) scratch.queries[i][j * 16 + q] = rows[q][j];
+  }
+
+  // Pass 1. Lane q sees keys up to first_position + q; lanes past the tile's tokens see them all (their
+  // queries are zero and their results dropped), so that no lane is left without a key.
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i last_key = _mm512_mask_blend_epi32(
+      _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(tokens))),
+      _mm512_set1_epi32(static_cast<int>(visible - 1)),
+      _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(first_position))));
+  const __m512 minus_infinity = _mm512_set1_ps(vec16::kNegativeInfinity);
+  __m512 maximum = minus_infinity;
+  // Two chunks of 16 keys a step, in tiles 0 and 4 with their keys in 1 and 5 (4-7 are free until pass 2), so
+  // that one chunk's products need not wait on the other's.
+  for (int64_t start = 0; start < visible; start += 32) {
+    const vec16::BFloat16* keys = k_head + table[start / block_size] * block_stride + (start % block_size) * head_dim;
+    const vec16::BFloat16* next = start + 16 < visible
+        ? k_head + table[(start + 16) / block_size] * block_stride + ((start + 16) % block_size) * head_dim : keys;
+    _tile_zero(0);
+    _tile_zero(4);
+    for (int64_t i = 0; i < slices; i += 2) {
+      _tile_loadd(2, scratch.queries[i], 64);
+      _tile_loadd(3, scratch.queries[i + 1], 64);
+      _tile_loadd(1, keys + 32 * i, row_bytes);
+      _tile_loadd(5, next + 32 * i, row_bytes);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_dpbf16ps(4, 5, 2);
+      _tile_loadd(1, keys + 32 * (i + 1), row_bytes);
+      _tile_loadd(5, next + 32 * (i + 1), row_bytes);
+      _tile_dpbf16ps(0, 1, 3);
+      _tile_dpbf16ps(4, 5, 3);
+    }
+    _tile_stored(0, scores + start * 16, 64);
+    _tile_stored(4, scores + (start + 16) * 16, 64);
+    for (int64_t c = start; c < std::min(start + 32, visible); c += 16) {
+      float* chunk = scores + c * 16;
+      const bool masked = c + 15 > first_position;  // a key past some token's position, or past the keys
+      for (int64_t t = 0; t < 16; ++t) {
+        __m512 row = _mm512_loadu_ps(chunk + t * 16);
+        if (masked) {
+          row = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(c + t)), last_key),
+                                     row, minus_infinity);
+          _mm512_storeu_ps(chunk + t * 16, row);
+        }
+        maximum = _mm512_max_ps(maximum, row);
+      }
+    }
+  }
+  for (int64_t t = (visible + 15) / 16 * 16; t < padded; ++t) _mm512_storeu_ps(scores + t * 16, minus_infinity);
+
+  // Pass 2.
+  // Word 2q of a row of the second operand is token q's weight of the first key of the pair, word 2q + 1 its
+  // weight of the second.
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const int64_t blocks_of_dims = head_dim / 16;
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t quarter = 0; quarter < head_dim / 64; ++quarter) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t start = 0; start < padded; start += 32) {
+      for (int64_t j = 0; j < 16; ++j) {
+        const float* rows = scores + (start + 2 * j) * 16;
+        const __m512 first = (__m512)vec16::exp16(vec16::load16(rows) - (vec16::f32x16)maximum);
+        const __m512 second = (__m512)vec16::exp16(vec16::load16(rows + 16) - (vec16::f32x16)maximum);
+        if (quarter == 0) sum = _mm512_add_ps(sum, _mm512_add_ps(first, second));
+        // 16-bit lanes: first[0], second[0], first[1], second[1], ...: each token's two weights side by side.
+        const __m512i low = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(first));
+        const __m512i both = _mm512_inserti64x4(low, (__m256i)_mm512_cvtneps_pbh(second), 1);
+        const __m512i words = _mm512_permutexvar_epi16(interleave, both);
+        _mm512_store_si512(scratch.weights + j * 16, words);
+      }
+      _tile_loadd(2, scratch.weights, 64);
+      const uint32_t* tiles = values + (start / 32 * blocks_of_dims + 4 * quarter) * 256;
+      _tile_loadd(1, tiles, 64);
+      _tile_dpbf16ps(4, 1, 2);
+      _tile_loadd(1, tiles + 256, 64);
+      _tile_dpbf16ps(5, 1, 2);
+      _tile_loadd(1, tiles + 512, 64);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_loadd(1, tiles + 768, 64);
+      _tile_dpbf16ps(7, 1, 2);
+    }
+    _tile_stored(4, scratch.accumulated[0], 64);
+    _tile_stored(5, scratch.accumulated[1], 64);
+    _tile_stored(6, scratch.accumulated[2], 64);
+    _tile_stored(7, scratch.accumulated[3], 64);
+    alignas(64) float inverse[16];
+    _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+    for (int64_t q = 0; q < tokens; ++q)
+      for (int64_t d = 0; d < 64; ++d)
+        out[q * out_row_stride + 64 * quarter + d] = scratch.accumulated[d / 16][(d % 16) * 16 + q] * inverse[q];
   }
 }
 

@@ -160,6 +160,13 @@ def decodes_in_amx(head_dim: int, block_size: int, group: int) -> bool:
     return _module.amx_decode_supported(head_dim, block_size, group)
 
 
+def prefills_in_amx(head_dim: int, block_size: int) -> bool:
+    """Whether :func:`paged_prefill_attention` over a bfloat16 cache of this shape runs in AMX tiles
+    (``kernels/cpu_amx_attention.h``; the conditions of :func:`decodes_in_amx`, any number of query heads per KV
+    head), rounding the softmax weights to bfloat16 too. Call :func:`available` first."""
+    return _module.amx_prefill_supported(head_dim, block_size)
+
+
 @contextlib.contextmanager
 def amx_disabled():
     """Within the block the kernels leave AMX alone and run their AVX-512 paths (process-wide), so that

@@ -32,9 +32,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_amx_attention.h"
 #include "cpu_vector16.h"
 
 #pragma GCC optimize("fp-contract=fast")
@@ -270,7 +272,62 @@ void attend_items(const std::vector<WorkItem>& items, const Batch& b, const KV* 
   }
 }
 
+#ifdef SPLITSERVE_AMX
+// A bfloat16 cache in AMX tiles (cpu_amx_attention.h): first each (chunk, KV head)'s values transposed for the
+// tiles, then the items (chunk, query head, up to 16 tokens), longest first.
+void prefill_amx(const Batch& batch, int64_t num_chunks, int64_t num_kv_heads, const BFloat16* k_ptr,
+                 const BFloat16* v_ptr, const Shape& shape) {
+  const int64_t head_dim = shape.head_dim, words_per_step = head_dim / 16 * 256;
+  std::vector<int64_t> offsets(num_chunks * num_kv_heads + 1, 0);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t length = batch.starts[c + 1] - batch.starts[c];
+    const int64_t padded = length == 0 ? 0 : (batch.contexts[c] + length + 31) / 32 * 32;
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      offsets[c * num_kv_heads + h + 1] = offsets[c * num_kv_heads + h] + padded / 32 * words_per_step;
+  }
+  std::unique_ptr<uint32_t[]> values(new uint32_t[std::max<int64_t>(1, offsets.back())]);
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t c = 0; c < num_chunks; ++c)
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t length = batch.starts[c + 1] - batch.starts[c];
+      if (length == 0) continue;
+      const int64_t keys = batch.contexts[c] + length;
+      amx::prefill_values(v_ptr + h * shape.head_stride, batch.tables + c * batch.max_blocks, keys,
+                          (keys + 31) / 32 * 32, head_dim, shape.block_size, shape.block_stride,
+                          values.get() + offsets[c * num_kv_heads + h]);
+    }
+  std::vector<WorkItem> items;  // (chunk, query head, tokens first .. last)
+  for (int64_t c = 0; c < num_chunks; ++c)
+    for (int64_t first = 0; first < batch.starts[c + 1] - batch.starts[c]; first += 16)
+      for (int64_t h = 0; h < shape.num_q_heads; ++h)
+        items.push_back({c, h, first, std::min<int64_t>(first + 16, batch.starts[c + 1] - batch.starts[c])});
+  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
+    return batch.contexts[a.chunk] + a.last > batch.contexts[b.chunk] + b.last;
+  });
+  const amx::TileConfig config = amx::prefill_tiles();
+  const int64_t row_stride = shape.num_q_heads * head_dim;
+#pragma omp parallel
+  {
+    _tile_loadconfig(&config);
+    auto scratch = std::make_unique<amx::PrefillScratch>();
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < items.size(); ++i) {
+      const WorkItem& item = items[i];
+      const int64_t kv_head = item.head / shape.group, row = batch.starts[item.chunk] + item.first;
+      amx::prefill_item(batch.query + row * row_stride + item.head * head_dim, row_stride, item.last - item.first,
+                        batch.contexts[item.chunk] + item.first, k_ptr + kv_head * shape.head_stride,
+                        batch.tables + item.chunk * batch.max_blocks, shape.block_size, shape.block_stride, head_dim,
+                        values.get() + offsets[item.chunk * num_kv_heads + kv_head], batch.scale,
+                        batch.out + row * row_stride + item.head * head_dim, row_stride, *scratch);
+    }
+    _tile_release();
+  }
+}
+#endif
+
 }  // namespace
+
+bool amx_prefill_supported(int64_t head_dim, int64_t block_size) { return amx::prefill_supported(head_dim, block_size); }
 
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor query_start_loc, torch::Tensor context_lens,
@@ -324,6 +381,13 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
   const Shape shape{num_q_heads, group, head_dim, block_size, key_cache.stride(0), key_cache.stride(1)};
   const Batch batch{query.data_ptr<float>(), out.data_ptr<float>(), starts, contexts, tables, max_blocks,
                     static_cast<float>(scale)};
+#ifdef SPLITSERVE_AMX
+  if (key_cache.scalar_type() == torch::kBFloat16 && amx::prefill_supported(head_dim, block_size)) {
+    prefill_amx(batch, num_chunks, num_kv_heads, reinterpret_cast<const BFloat16*>(key_cache.data_ptr()),
+                reinterpret_cast<const BFloat16*>(value_cache.data_ptr()), shape);
+    return out;
+  }
+#endif
   if (key_cache.scalar_type() == torch::kBFloat16)
     attend_items(items, batch, reinterpret_cast<const BFloat16*>(key_cache.data_ptr()),
                  reinterpret_cast<const BFloat16*>(value_cache.data_ptr()), shape);

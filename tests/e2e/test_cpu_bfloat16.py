@@ -40,11 +40,14 @@ def hf_bfloat16(model_dir, prompt_token_ids):
 @pytest.mark.parametrize("prompt_attention", ["cpu kernel", "torch sdpa"])
 def test_bfloat16_engine_runs_the_kernels_and_agrees_with_transformers(model_dir, prompt_token_ids, hf_bfloat16,
                                                                      prompt_attention):
-    """Prompt attention in the C++ kernel (the default without AMX) and in torch's SDPA (the default in bfloat16
-    on CPUs with AMX, see ModelRunner): each is set here whatever this CPU has."""
+    """Prompt attention in the C++ kernel (the default; in AMX tiles on CPUs with AMX) and in torch's SDPA (the
+    default on AMX CPUs where the kernel's tiles do not take the shape, see ModelRunner): each is set here
+    whatever this CPU has."""
     llm = LLM(str(model_dir), dtype="bfloat16", num_kv_blocks=64, max_model_len=2048)
     runner = llm.engine.model_runner
-    assert runner.use_cpu_kernel and runner.use_cpu_prefill_kernel == (not cpu_ops.has_amx_bfloat16())
+    # With AMX the C++ kernel attends prompt chunks in tiles where it takes the shape (here it does), else SDPA.
+    assert runner.use_cpu_kernel and runner.use_cpu_prefill_kernel == (
+        not cpu_ops.has_amx_bfloat16() or cpu_ops.prefills_in_amx(64, runner.block_size))
     runner.use_cpu_prefill_kernel = prompt_attention == "cpu kernel"
     assert runner.kv_cache.dtype == torch.bfloat16 and runner.block_size == 128
     projections = [module for module in runner.model.modules() if isinstance(module, PackedLinear)]

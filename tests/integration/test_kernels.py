@@ -719,16 +719,75 @@ def test_amx_decode_kernel(num_q_heads, num_kv_heads, head_dim, block_size, leng
     ],
 )
 def test_prefill_kernel_reads_a_bfloat16_cache(num_q_heads, num_kv_heads, head_dim, block_size, chunks):
+    """The AVX-512 (or AVX2) path; on AMX machines test_amx_prefill_kernel covers the tiles."""
+    kernels = _kernels()
     query, key, value, key_cache, value_cache, spans, scale = prefill_case(num_q_heads, num_kv_heads, head_dim,
                                                                            block_size, chunks, seed=6)
     key_cache, value_cache = block_major_like(key_cache, value_cache, torch.bfloat16)
     # The reference attends the chunks' own rows as the cache now holds them: rounded to bfloat16.
     expected = prefill_reference(queries_as_the_kernels_multiply(query, scale, head_dim), key.bfloat16().float(),
                                  value.bfloat16().float(), key_cache.float(), value_cache.float(), spans, scale)
+    with kernels.amx_disabled():
+        assert not kernels.prefills_in_amx(head_dim, block_size)
+        actual = run_prefill_kernel(query, key_cache, value_cache, spans, scale)
+        assert actual.dtype == torch.float32
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=2e-5)
+        assert run_prefill_kernel(query.bfloat16(), key_cache, value_cache, spans, scale).dtype == torch.bfloat16
+
+
+def weights_rounded_prefill_reference(query, key_cache, value_cache, spans, scale):
+    """Prompt attention as the AMX kernel rounds it (as weights_rounded_reference for decode): each chunk's
+    tokens causally over their request's context and the chunk, read back from a bfloat16 cache. Also returns
+    the largest normalized weight."""
+    num_kv_heads, _, block_size, head_dim = key_cache.shape
+    num_q_heads = query.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    weight_max = 0.0
+    for span in spans:
+        length = span.query_end - span.query_start
+        total = span.num_context_tokens + length
+        blocks = span.block_table[: -(-total // block_size)]
+        keys = key_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :total].float()
+        values = value_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :total].float()
+        q = (query[span.query_start:span.query_end] * scale).bfloat16().float()
+        hidden = torch.arange(total).unsqueeze(0) > (span.num_context_tokens + torch.arange(length)).unsqueeze(1)
+        for head in range(num_q_heads):
+            scores = (q[:, head] @ keys[head // group].T).masked_fill(hidden, float("-inf"))
+            weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+            denominators = weights.sum(-1, keepdim=True)
+            weight_max = max(weight_max, (weights / denominators).max().item())
+            out[span.query_start:span.query_end, head] = (weights.bfloat16().float() @ values[head // group]) / denominators
+    return out, weight_max
+
+
+@pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads, head_dim, block_size, chunks",
+    [
+        # Whole prompts on and around 16- and 32-token edges, chunked prefill, a single-token chunk.
+        (9, 3, 64, 16, [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33), (16, 16), (17, 1), (5, 30), (100, 7)]),
+        (8, 1, 128, 128, [(0, 300), (1500, 129)]),  # head size 128 (two passes over the values), 128-token blocks
+        (4, 4, 64, 32, [(0, 65), (31, 2), (64, 64)]),  # no grouping, blocks of 32
+        (9, 3, 64, 128, [(0, 512), (0, 300), (200, 100)]),  # the offline LLM's blocks
+    ],
+)
+def test_amx_prefill_kernel(num_q_heads, num_kv_heads, head_dim, block_size, chunks):
+    """On CPUs with AMX, prompt attention over a bfloat16 cache runs in tiles too, the softmax weights rounded to
+    bfloat16: against a reference rounding them the same way, as test_amx_decode_kernel."""
+    kernels = _kernels()
+    if not kernels.prefills_in_amx(head_dim, block_size):
+        pytest.skip("this CPU has no AMX-BF16 (or Linux does not grant it): the AVX-512 path runs, tested above")
+    query, key, value, key_cache, value_cache, spans, scale = prefill_case(num_q_heads, num_kv_heads, head_dim,
+                                                                           block_size, chunks, seed=12)
+    key_cache, value_cache = block_major_like(key_cache, value_cache, torch.bfloat16)
+    expected, weight_max = weights_rounded_prefill_reference(query, key_cache, value_cache, spans, scale)
     actual = run_prefill_kernel(query, key_cache, value_cache, spans, scale)
-    assert actual.dtype == torch.float32
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=2e-5)
-    assert run_prefill_kernel(query.bfloat16(), key_cache, value_cache, spans, scale).dtype == torch.bfloat16
+    difference = (actual - expected).abs()
+    assert difference.max().item() <= 1e-5 + 2**-7 * weight_max * value_cache.float().abs().max().item()
+    assert difference.mean().item() <= 1e-6
+    with kernels.amx_disabled():  # the AVX-512 path keeps the weights in float32: not what ran above
+        other = run_prefill_kernel(query, key_cache, value_cache, spans, scale)
+    assert (other - expected).abs().max().item() > difference.max().item()
 
 
 def test_write_kv_stores_bfloat16_rows_and_refuses_mixed_dtypes():
