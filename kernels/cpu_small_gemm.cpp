@@ -193,6 +193,48 @@ constexpr TileFunctionBFloat16 kTilesBFloat16[kTileRowsBFloat16 + 1] = {
 
 #endif
 
+// The panel loop both small GEMMs share. Each thread takes a contiguous run of panels, so that its weight reads
+// are one sequential stream, and runs tiles[rows] over each panel's row tiles of up to max_rows rows; the next
+// panel's lines are prefetched spread evenly over this panel's tiles and their `steps` k steps. A panel is
+// steps x 128 bytes: in_features x 32 floats, or in_features / 2 pairs x 32 columns x 2 bfloat16.
+template <typename T, typename Tile>
+void run_panels(const T* x_ptr, int64_t x_stride, int64_t rows, const T* panel_ptr, int64_t num_panels, int64_t steps,
+                const float* bias_ptr, T* out_ptr, int64_t out_features, int64_t max_rows, const Tile* tiles) {
+  const int64_t panel_elements = steps * 128 / static_cast<int64_t>(sizeof(T));
+  const int64_t num_tiles = (rows + max_rows - 1) / max_rows;
+  const int64_t panel_lines = steps * 128 / kCacheLine;
+  const int64_t lines_per_k = std::max<int64_t>(1, (panel_lines + num_tiles * steps - 1) / (num_tiles * steps));
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    const int64_t first = num_panels * thread / threads, last = num_panels * (thread + 1) / threads;
+    for (int64_t p = first; p < last; ++p) {
+      const T* panel = panel_ptr + p * panel_elements;
+      const char* next = reinterpret_cast<const char*>(panel + panel_elements);
+      const int64_t columns = std::min(kPanelColumns, out_features - p * kPanelColumns);
+      for (int64_t tile = 0; tile < num_tiles; ++tile) {
+        const int64_t row = tile * max_rows, tile_rows = std::min(max_rows, rows - row);
+        const int64_t first_line = tile * steps * lines_per_k;
+        const char* prefetch = p + 1 < last && first_line < panel_lines ? next + first_line * kCacheLine : nullptr;
+        tiles[tile_rows](x_ptr + row * x_stride, x_stride, panel, steps,
+                         bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanelColumns, columns,
+                         out_ptr + row * out_features + p * kPanelColumns, out_features, prefetch, lines_per_k);
+      }
+    }
+  }
+}
+
+// The checks both small GEMMs make of out_features against the panels and of the bias (float32 [out_features] or
+// empty); returns whether there is a bias.
+bool check_output(int64_t num_panels, const torch::Tensor& bias, int64_t out_features, const char* name) {
+  TORCH_CHECK(out_features > (num_panels - 1) * kPanelColumns && out_features <= num_panels * kPanelColumns, name,
+              ": out_features does not match the panels");
+  const bool has_bias = bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == out_features && bias.is_contiguous() &&
+                            bias.scalar_type() == torch::kFloat32), name, ": bias must be float32 [out_features]");
+  return has_bias;
+}
+
 }  // namespace
 
 bool small_gemm_supported() {
@@ -222,42 +264,12 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor bi
   const int64_t rows = x.size(0), in_features = x.size(1), num_panels = panels.size(0);
   TORCH_CHECK(panels.size(1) == in_features, "small_gemm: x has ", in_features, " features, the weight ",
               panels.size(1));
-  TORCH_CHECK(out_features > (num_panels - 1) * kPanelColumns && out_features <= num_panels * kPanelColumns,
-              "small_gemm: out_features does not match the panels");
-  const bool has_bias = bias.numel() > 0;
-  TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == out_features && bias.is_contiguous() &&
-                            bias.scalar_type() == torch::kFloat32), "small_gemm: bias must be float32 [out_features]");
+  const bool has_bias = check_output(num_panels, bias, out_features, "small_gemm");
   auto out = torch::empty({rows, out_features}, x.options());
 #ifdef SPLITSERVE_SMALL_GEMM
   if (rows == 0) return out;
-  const float* x_ptr = x.data_ptr<float>();
-  const float* panel_ptr = panels.data_ptr<float>();
-  const float* bias_ptr = has_bias ? bias.data_ptr<float>() : nullptr;
-  float* out_ptr = out.data_ptr<float>();
-  const int64_t x_stride = x.stride(0), panel_elements = in_features * kPanelColumns;
-  const int64_t num_tiles = (rows + kTileRows - 1) / kTileRows;
-  const int64_t panel_lines = panel_elements * static_cast<int64_t>(sizeof(float)) / kCacheLine;
-  // The next panel's lines, spread evenly over this panel's tiles and their k steps.
-  const int64_t lines_per_k = std::max<int64_t>(1, (panel_lines + num_tiles * in_features - 1) / (num_tiles * in_features));
-#pragma omp parallel
-  {
-    // Each thread takes a contiguous run of panels: its weight reads are one sequential stream.
-    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-    const int64_t first = num_panels * thread / threads, last = num_panels * (thread + 1) / threads;
-    for (int64_t p = first; p < last; ++p) {
-      const float* panel = panel_ptr + p * panel_elements;
-      const char* next = reinterpret_cast<const char*>(panel + panel_elements);
-      const int64_t columns = std::min(kPanelColumns, out_features - p * kPanelColumns);
-      for (int64_t tile = 0; tile < num_tiles; ++tile) {
-        const int64_t row = tile * kTileRows, tile_rows = std::min(kTileRows, rows - row);
-        const int64_t first_line = tile * in_features * lines_per_k;
-        const char* prefetch = p + 1 < last && first_line < panel_lines ? next + first_line * kCacheLine : nullptr;
-        kTiles[tile_rows](x_ptr + row * x_stride, x_stride, panel, in_features,
-                          bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanelColumns, columns,
-                          out_ptr + row * out_features + p * kPanelColumns, out_features, prefetch, lines_per_k);
-      }
-    }
-  }
+  run_panels(x.data_ptr<float>(), x.stride(0), rows, panels.data_ptr<float>(), num_panels, in_features,
+             has_bias ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), out_features, kTileRows, kTiles);
 #endif
   return out;
 }
@@ -301,40 +313,14 @@ torch::Tensor small_gemm_bfloat16(torch::Tensor x, torch::Tensor panels, torch::
   TORCH_CHECK(in_features == 2 * pairs, "small_gemm_bfloat16: x has ", in_features, " features, the weight ", 2 * pairs);
   TORCH_CHECK(x.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0,
               "small_gemm_bfloat16: x's rows must start on 4-byte boundaries");
-  TORCH_CHECK(out_features > (num_panels - 1) * kPanelColumns && out_features <= num_panels * kPanelColumns,
-              "small_gemm_bfloat16: out_features does not match the panels");
-  const bool has_bias = bias.numel() > 0;
-  TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == out_features && bias.is_contiguous() &&
-                            bias.scalar_type() == torch::kFloat32), "small_gemm_bfloat16: bias must be float32 [out_features]");
+  const bool has_bias = check_output(num_panels, bias, out_features, "small_gemm_bfloat16");
   auto out = torch::empty({rows, out_features}, x.options());
 #ifdef SPLITSERVE_SMALL_GEMM_BFLOAT16
   if (rows == 0) return out;
-  const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* panel_ptr = reinterpret_cast<const uint16_t*>(panels.data_ptr());
-  const float* bias_ptr = has_bias ? bias.data_ptr<float>() : nullptr;
-  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t x_stride = x.stride(0), panel_elements = pairs * 2 * kPanelColumns;
-  const int64_t num_tiles = (rows + kTileRowsBFloat16 - 1) / kTileRowsBFloat16;
-  const int64_t panel_lines = panel_elements * 2 / kCacheLine;
-  const int64_t lines_per_k = std::max<int64_t>(1, (panel_lines + num_tiles * pairs - 1) / (num_tiles * pairs));
-#pragma omp parallel
-  {
-    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-    const int64_t first = num_panels * thread / threads, last = num_panels * (thread + 1) / threads;
-    for (int64_t p = first; p < last; ++p) {
-      const uint16_t* panel = panel_ptr + p * panel_elements;
-      const char* next = reinterpret_cast<const char*>(panel + panel_elements);
-      const int64_t columns = std::min(kPanelColumns, out_features - p * kPanelColumns);
-      for (int64_t tile = 0; tile < num_tiles; ++tile) {
-        const int64_t row = tile * kTileRowsBFloat16, tile_rows = std::min(kTileRowsBFloat16, rows - row);
-        const int64_t first_line = tile * pairs * lines_per_k;
-        const char* prefetch = p + 1 < last && first_line < panel_lines ? next + first_line * kCacheLine : nullptr;
-        kTilesBFloat16[tile_rows](x_ptr + row * x_stride, x_stride, panel, pairs,
-                                  bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanelColumns, columns,
-                                  out_ptr + row * out_features + p * kPanelColumns, out_features, prefetch, lines_per_k);
-      }
-    }
-  }
+  run_panels(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), rows,
+             reinterpret_cast<const uint16_t*>(panels.data_ptr()), num_panels, pairs,
+             has_bias ? bias.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(out.data_ptr()), out_features,
+             kTileRowsBFloat16, kTilesBFloat16);
 #endif
   return out;
 }
