@@ -68,7 +68,12 @@ class PairReceiver:
         meta_work = self.channels.control.recv([meta], SENDER, TAG_META)
         while True:
             try:
-                meta_work.wait()  # idle: as long as the peer lives
+                if self.open_transfers:
+                    # A transfer is part-way: its next send comes when the sender's next prefill step is done,
+                    # which on a slow or busy worker takes longer than the group's own (connect) timeout.
+                    meta_work.wait(connector.receive_timeout)
+                else:
+                    meta_work.wait()  # idle: the group's timeout, after which the pair closes (the sender rebuilds)
                 num_blocks, blocks_per_chunk, block_bytes, frame_bytes, flags = (int(value) for value in meta)
                 if flags & FLAG_GOODBYE:
                     logger.info("KV pair with %s closed by the peer", self.peer)

@@ -429,10 +429,7 @@ def _run_up(args: argparse.Namespace) -> int:
         else:
             print(f"Starting {args.prefill} prefill and {args.decode} decode worker(s){on_gpus}, KV over "
                   f"{args.kv_transfer}...", file=sys.stderr)
-            cluster.start_workers("prefill", args.prefill, gpus=placement and placement[: args.prefill],
-                                  memory_shares=shares and shares[: args.prefill])
-            cluster.start_workers("decode", args.decode, gpus=placement and placement[args.prefill :],
-                                  memory_shares=shares and shares[args.prefill :])
+            cluster.start_pools(args.prefill, args.decode, gpus=placement, memory_shares=shares)
         print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start).", file=sys.stderr)
         print("Processes: " + ", ".join(f"{p.name} pid {p.pid}" for p in cluster.processes()), file=sys.stderr)
         if args.prompt or args.chat:

@@ -351,6 +351,25 @@ class LocalCluster:
         ``gpus``: one ``CUDA_VISIBLE_DEVICES`` value per worker (:func:`place_on_gpus`); None leaves it alone.
         ``memory_shares``: one ``--gpu-memory-utilization`` per worker (:func:`gpu_memory_shares`); None passes none.
         """
+        return self.await_workers(self.spawn_workers(role, count, extra_args, env, gpus, memory_shares))
+
+    def start_pools(self, prefill: int, decode: int, gpus: list[str] | None = None,
+                    memory_shares: list[float] | None = None) -> list[Process]:
+        """Start ``prefill`` prefill and ``decode`` decode workers side by side (the decode pool does not wait
+        for the prefill pool to load its model); waits until all are ready. ``gpus`` and ``memory_shares``:
+        one per worker, the prefill workers' first (as :meth:`start_workers`)."""
+        spawned = []
+        for role, count, first in (("prefill", prefill, 0), ("decode", decode, prefill)):
+            if count:
+                spawned += self.spawn_workers(role, count, gpus=gpus and gpus[first:first + count],
+                                              memory_shares=memory_shares and memory_shares[first:first + count])
+        return self.await_workers(spawned)
+
+    def spawn_workers(self, role: str, count: int = 1, extra_args: list[str] | None = None,
+                      env: dict[str, str] | None = None, gpus: list[str] | None = None,
+                      memory_shares: list[float] | None = None) -> list[Process]:
+        """Launch ``count`` workers of ``role`` without waiting for them (:meth:`await_workers` does); they are
+        in ``workers`` at once, so :meth:`stop` stops them whatever happens next."""
         for name, placements in (("GPU placements", gpus), ("memory shares", memory_shares)):
             if placements is not None and len(placements) != count:
                 raise ValueError(f"{count} workers need {count} {name}, got {len(placements)}.")
@@ -370,12 +389,21 @@ class LocalCluster:
             if memory_shares is not None:
                 args += ["--gpu-memory-utilization", f"{memory_shares[index]:.6g}"]
             worker_env = {**(env or {}), **({"CUDA_VISIBLE_DEVICES": gpus[index]} if gpus is not None else {})}
-            started.append(self._spawn(f"{role}{len(self.workers) + len(started)}", args, worker_env))
-        for process in started:
+            process = self._spawn(f"{role}{len(self.workers)}", args, worker_env)
+            self.workers.append(process)
+            started.append(process)
+        return started
+
+    def await_workers(self, processes: list[Process]) -> list[Process]:
+        """Wait until each of ``processes`` (from :meth:`spawn_workers`) is ready; sets its address and worker id.
+
+        Raises:
+            ClusterStartError: as :func:`_wait_ready` (a worker that exited or did not get ready in time).
+        """
+        for process in processes:
             line = _wait_ready(process, self.ready_timeout, self.progress).split()
             process.address, process.worker_id = line[1], line[3]
-        self.workers.extend(started)
-        return started
+        return processes
 
     def processes(self) -> list[Process]:
         """Every process started so far: Redis, the router, then the workers in start order."""

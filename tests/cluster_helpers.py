@@ -26,10 +26,7 @@ def start_cluster(kv_transfer: str, log_dir, prefill: int = 1, decode: int = 1, 
                            generate_cluster_token=credentials, require_api_key=credentials, tls=tls)
     try:
         cluster.start_router()
-        if prefill:
-            cluster.start_workers("prefill", prefill)
-        if decode:
-            cluster.start_workers("decode", decode)
+        cluster.start_pools(prefill, decode)
     except BaseException:
         cluster.stop()
         raise

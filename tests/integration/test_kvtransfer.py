@@ -54,7 +54,8 @@ from splitserve.kvtransfer.blocks import BlockSource, gather_blocks
 from splitserve.kvtransfer.connector import KVEndpointInfo
 from splitserve.kvtransfer.header import TransferHeader, payload_checksum
 from splitserve.kvtransfer.layout import KVLayout
-address, worker_id, seed, transfer_id, fingerprint, chunk_bytes, head_size, checksum, plane = sys.argv[1:10]
+import time
+address, worker_id, seed, transfer_id, fingerprint, chunk_bytes, head_size, checksum, plane, pause = sys.argv[1:11]
 head_size = int(head_size)
 layout = KVLayout(4, 2, head_size, torch.float32, 4)
 cache = torch.randn((16, 4, 2, 2, 4, head_size), generator=torch.Generator().manual_seed(int(seed)))
@@ -74,6 +75,8 @@ for blocks, position, num_tokens, last in (([3, 7], 0, 8, False), ([1], 8, 3, Tr
     header = TransferHeader(transfer_id, fingerprint, layout, position, num_tokens, 11,
                             len(blocks) * layout.block_num_bytes, checksum, last, 99 if last else None)
     connector.send(destination, header, payload)
+    if not last:
+        time.sleep(float(pause))  # the prefill worker's next step
 print("SENT", flush=True)
 connector.close()
 """
@@ -81,9 +84,10 @@ connector.close()
 
 def run_sender(address: str, worker_id: str, seed: int, transfer_id: str, fingerprint: str = FINGERPRINT,
                chunk_bytes: int = 4 << 20, head_size: int = 8, checksum: str = "xxh3",
-               plane: str = "control"):
+               plane: str = "control", pause: float = 0.0):
+    """A process sending one transfer of two payloads, ``pause`` seconds apart."""
     return subprocess.Popen([sys.executable, "-c", SENDER, address, worker_id, str(seed), transfer_id, fingerprint,
-                             str(chunk_bytes), str(head_size), checksum, plane],
+                             str(chunk_bytes), str(head_size), checksum, plane, str(pause)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -220,6 +224,29 @@ else:
     connector.send(destination, header, BlockSource(cache, range(12)))
 print("SENT", flush=True)
 """
+
+
+@pytest.mark.parametrize("plane", ["control", "shm"], ids=["one-group", "shared-memory"])
+def test_p2p_transfer_waits_out_a_slow_step_between_its_sends(plane):
+    """The sends of one transfer come as the sender's prefill steps finish them; a step may take longer than
+    the pair's connect timeout (a bfloat16 prompt chunk on a 2-core AVX2 CPU took 7 s, beside a 10 s timeout),
+    and the receiver waits up to its receive timeout for the next send instead of breaking the pair."""
+    receiver = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT, connect_timeout_seconds=2,
+                                receive_timeout_seconds=30, cpu_data_plane=plane)
+    inbox = Inbox()
+    receiver.start_receiving(inbox.on_payload, inbox.on_error)
+    try:
+        out, err = run_sender(receiver.endpoint().address, "prefill-slow", 3, "slow", plane=plane,
+                              pause=4).communicate(timeout=90)
+        assert "SENT" in out, err
+        inbox.wait(num_payloads=2)
+        assert [p.header.transfer_id for p in inbox.payloads] == ["slow", "slow"] and not inbox.errors
+        target = torch.zeros(SHAPE)
+        scatter_blocks(target, [10, 2], inbox.payloads[0].payload)
+        scatter_blocks(target, [5], inbox.payloads[1].payload)
+        assert torch.equal(target[[10, 2, 5]], seeded_cache(3)[[3, 7, 1]])
+    finally:
+        receiver.close()
 
 
 @pytest.mark.parametrize("plane", ["control", "shm"], ids=["one-group", "shared-memory"])
