@@ -13,8 +13,6 @@ at a gap of 0 or 0.125 (exact bfloat16 ties or one rounding step of a logit), ag
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 
@@ -89,16 +87,14 @@ def _assert_near_tie(index: int, at: int, ours: int, theirs: int, our_top: dict 
 
 def test_bfloat16_cluster_moves_bfloat16_kv_and_agrees_with_transformers(tmp_path, prompt_token_ids, hf_bfloat16):
     """Prefill and decode workers in bfloat16 with KV over p2p (Gloo): the blocks travel as bfloat16 (half the
-    float32 bytes), and every output agrees with transformers' as the offline engine's does. The prompts stream
-    side by side, so the decode worker batches them (as it would serve them)."""
+    float32 bytes), and every output agrees with transformers' as the offline engine's does."""
     cluster = start_cluster("p2p", tmp_path, worker_args=["--dtype", "bfloat16"])
     try:
         decode = next(p for p in cluster.workers if p.name.startswith("decode"))
         with Client(cluster.router.address) as client:
-            with ThreadPoolExecutor(len(prompt_token_ids)) as pool:
-                outputs = list(pool.map(lambda ids: stream_tokens(client, ids, MAX_TOKENS)[0], prompt_token_ids))
             identical = 0
-            for index, (ours, (tokens, top)) in enumerate(zip(outputs, hf_bfloat16)):
+            for index, (ids, (tokens, top)) in enumerate(zip(prompt_token_ids, hf_bfloat16)):
+                ours = stream_tokens(client, ids, MAX_TOKENS)[0]
                 at = first_difference(ours, tokens)
                 if at is None:
                     identical += 1
