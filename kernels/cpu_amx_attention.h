@@ -29,7 +29,6 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <cstdlib>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
