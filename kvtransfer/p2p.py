@@ -63,7 +63,8 @@ class P2PConnector(KVConnector):
     peers must be open too; never logged), ``max_pairs`` (prefill workers paired at once, default 64),
     ``connect_timeout_seconds``
     (default 10), ``send_timeout_seconds`` (a send's operations and its acknowledgement, default 120),
-    ``receive_timeout_seconds`` (a sender silent mid-send or between the sends of a transfer, default 60), ``chunk_bytes`` (default 4 MiB),
+    ``receive_timeout_seconds`` (a sender silent mid-send or between the sends of a transfer, default 60),
+    ``chunk_bytes`` (default 4 MiB),
     ``receive_slots`` (chunks the receiver posts ahead, default 8; a pair on mapped memory buffers nothing and
     sends a payload as one chunk, up to 1 GiB), ``checksum`` ("xxh3" or "none",
     see ``header.CHECKSUM_TYPES``), ``device`` (where the cache is: "cpu" or a CUDA device), ``cpu_data_plane``

@@ -91,6 +91,15 @@ def run_sender(address: str, worker_id: str, seed: int, transfer_id: str, finger
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def assert_sender_blocks(payloads, source: torch.Tensor) -> None:
+    """The two payloads of a sender's transfer (blocks [3, 7], then [1] of its cache ``source``), written into
+    other blocks of a cache here, hold exactly those blocks."""
+    target = torch.zeros(SHAPE)
+    scatter_blocks(target, [10, 2], payloads[0].payload)
+    scatter_blocks(target, [5], payloads[1].payload)
+    assert torch.equal(target[[10, 2, 5]], source[[3, 7, 1]])
+
+
 @pytest.fixture
 def p2p_receiver(request):
     """A receiving p2p connector on CPU caches: blocks on the control group itself, or (parametrized) on a data
@@ -122,10 +131,7 @@ def test_p2p_across_processes_is_bit_exact(p2p_receiver):
         received = [p for p in inbox.payloads if p.header.transfer_id == f"transfer-{seed}"]
         assert [p.header.first_token_position for p in received] == [0, 8]
         assert received[-1].header.is_last and received[-1].header.first_token_id == 99
-        target = torch.zeros(SHAPE)
-        scatter_blocks(target, [10, 2], received[0].payload)
-        scatter_blocks(target, [5], received[1].payload)
-        assert torch.equal(target[[10, 2, 5]], seeded_cache(seed)[[3, 7, 1]])
+        assert_sender_blocks(received, seeded_cache(seed))
 
 
 @pytest.mark.parametrize("p2p_receiver", ["control", "gloo", "shm"], ids=["one-group", "control+data", "shared-memory"],
@@ -175,10 +181,7 @@ def test_p2p_without_checksums_needs_both_sides_to_agree(p2p_receiver):
         assert "SENT" in out, err
         relaxed_inbox.wait(num_payloads=2)
         assert not relaxed_inbox.errors
-        target = torch.zeros(SHAPE)
-        scatter_blocks(target, [10, 2], relaxed_inbox.payloads[0].payload)
-        scatter_blocks(target, [5], relaxed_inbox.payloads[1].payload)
-        assert torch.equal(target[[10, 2, 5]], seeded_cache(19)[[3, 7, 1]])
+        assert_sender_blocks(relaxed_inbox.payloads, seeded_cache(19))
     finally:
         relaxed.close()
 
@@ -241,10 +244,7 @@ def test_p2p_transfer_waits_out_a_slow_step_between_its_sends(plane):
         assert "SENT" in out, err
         inbox.wait(num_payloads=2)
         assert [p.header.transfer_id for p in inbox.payloads] == ["slow", "slow"] and not inbox.errors
-        target = torch.zeros(SHAPE)
-        scatter_blocks(target, [10, 2], inbox.payloads[0].payload)
-        scatter_blocks(target, [5], inbox.payloads[1].payload)
-        assert torch.equal(target[[10, 2, 5]], seeded_cache(3)[[3, 7, 1]])
+        assert_sender_blocks(inbox.payloads, seeded_cache(3))
     finally:
         receiver.close()
 
@@ -366,10 +366,7 @@ def test_redis_transfer_is_bit_exact_and_leaves_nothing(redis_url):
             payload, header.checksum = BlockSource(source, blocks), None
         sender.send(destination, header, payload)
     inbox.wait(num_payloads=2)
-    target = torch.zeros(SHAPE)
-    scatter_blocks(target, [10, 2], inbox.payloads[0].payload)
-    scatter_blocks(target, [5], inbox.payloads[1].payload)
-    assert torch.equal(target[[10, 2, 5]], source[[3, 7, 1]])
+    assert_sender_blocks(inbox.payloads, source)
     assert inbox.payloads[1].header.first_token_id == 7
 
     # A corrupted piece is refused with the reason; a cancelled transfer is dropped; keys never linger.
