@@ -3,10 +3,10 @@ residual add, rotary and SiLU-and-multiply in the Triton kernels) gives the torc
 CPU it refuses to start outside the interpreter.
 
 On a CPU the Triton engine runs in Triton's interpreter, in a process of its own started with
-``TRITON_INTERPRET=1`` (which must be set before that process imports triton, whatever this pytest
-process has imported), on a tiny KV cache: the interpreter copies every tensor argument's whole
-storage back after each launch, the cache included. It is slow (about three minutes on a 2-core Zen 3), so
-the prompts are short, and the passes through the padded buffers generate fewer tokens. A budget of 16 tokens a step splits the longest
+``TRITON_INTERPRET=1`` (which must be set before that process imports triton, whatever this pytest process has
+imported), on a tiny KV cache: the interpreter copies every tensor argument's whole storage back after each
+launch, the cache included. It is slow (about three minutes on a 2-core Zen 3), so the prompts are short, and
+the passes through the padded buffers generate fewer tokens. A budget of 16 tokens a step splits the longest
 prompt, so a later chunk attends to context already in the paged cache while the other requests decode. The
 step an engine on CUDA runs at start to size its cache (``ModelRunner.profile_step``) runs here through the
 Triton kernels too, and so do the padded static buffers CUDA graphs replay, decode steps whole and the other
