@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from splitserve.common.model_info import SUPPORTED_MODEL_TYPES, ModelConfig
-from splitserve.engine.models.llama import LlamaForCausalLM
+from splitserve.engine.models.llama import LlamaForCausalLM, uninitialised_weights
 from splitserve.engine.models.packed_linear import can_pack_linear_weights
 
 __all__ = ["ModelConfig", "SUPPORTED_MODEL_TYPES", "load_model", "iterate_safetensors"]
@@ -36,10 +36,8 @@ def load_model(model_dir: str | Path, dtype: str, max_positions: int, device: st
     "cuda": loaded on the host, then moved once; oneDNN's weight packing is for CPU only)."""
     config = ModelConfig.from_model_dir(model_dir)
     torch_dtype = _DTYPES[dtype]
-    with torch.device("meta"):
+    with uninitialised_weights():  # every weight is the checkpoint's
         model = LlamaForCausalLM(config, max_positions)
-    model = model.to_empty(device="cpu")
-    model.model.rotary = type(model.model.rotary)(config, max_positions)
     model.to(torch_dtype)
     model.model.rotary.float()
     model.load_weights(iterate_safetensors(model_dir))

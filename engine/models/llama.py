@@ -9,6 +9,9 @@ The layers shared with other families live beside it: ``rms_norm.py``,
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +35,32 @@ _SMALL_BATCH_ROWS = 4
 # runs whole: its intermediates live in device memory either way, and larger GEMMs fill more of the SMs.
 _MLP_CHUNK_ROWS = 256
 
+_UNINITIALISED = contextvars.ContextVar("splitserve_uninitialised_weights", default=False)
+
+
+@contextlib.contextmanager
+def uninitialised_weights():
+    """Layers built inside leave their weights as allocated (``torch.empty``: pages untouched until the checkpoint
+    is copied in) instead of drawing random ones. Building on the meta device does the same, but its first
+    operation imports ``torch._dynamo``: about a second of every worker's start."""
+    token = _UNINITIALISED.set(True)
+    try:
+        yield
+    finally:
+        _UNINITIALISED.reset(token)
+
+
+class _Linear(nn.Linear):
+    def reset_parameters(self) -> None:
+        if not _UNINITIALISED.get():
+            super().reset_parameters()
+
+
+class _Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        if not _UNINITIALISED.get():
+            super().reset_parameters()
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -42,8 +71,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
+        self.qkv_proj = _Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = _Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
         self.kernels = None  # set by LlamaForCausalLM.use_kernels
 
     def forward(
@@ -72,8 +101,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = _Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = _Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.kernels = None  # set by LlamaForCausalLM.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +147,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
@@ -140,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, max_positions)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = _Linear(config.hidden_size, config.vocab_size, bias=False)
         self._transposed_head: torch.Tensor | None = None
         self._packed_head: torch.Tensor | None = None
         # The C++ bfloat16 small GEMM and the head in its panels (see use_kernels), or None.

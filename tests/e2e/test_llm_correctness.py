@@ -149,3 +149,32 @@ def test_remote_kv_without_first_token_recomputes_only_the_last_prompt_token(mod
     # One prompt token recomputed, then one token per decode step.
     assert decode.engine.stats.num_computed_tokens == 1 + len(tokens) - 1
     assert decode.engine.free_block_count == decode.engine.num_kv_blocks
+
+
+LOAD_AND_REPORT = r"""
+import sys, torch
+from splitserve.engine.models import load_model
+from splitserve.engine.models.llama import LlamaMLP
+from splitserve.common.model_info import ModelConfig
+model = load_model(sys.argv[1], "float32", 512)
+print("dynamo imported:", "torch._dynamo" in sys.modules)
+mlp = LlamaMLP(ModelConfig("llama", "LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           rms_norm_eps=1e-5, max_position_embeddings=64, rope_theta=10000.0))
+print("built outside load_model:", float(mlp.down_proj.weight.std()))
+"""
+
+
+def test_loading_the_model_skips_random_init_and_torch_dynamo(model_dir):
+    # Every weight comes from the checkpoint: building the layers on the meta device instead imported
+    # torch._dynamo (about a second of every worker's start, a quarter of it on two cores). Layers built
+    # outside load_model (the kernel tests' random models) keep torch's initialisation.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LOAD_AND_REPORT, str(model_dir)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "dynamo imported: False" in out.stdout, out.stdout
+    std = float(out.stdout.split("built outside load_model:")[1])
+    assert 0.01 < std < 0.2, out.stdout  # kaiming-uniform of 96 inputs: about 0.059
