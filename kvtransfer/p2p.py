@@ -64,6 +64,8 @@ class P2PConnector(KVConnector):
     ``connect_timeout_seconds``
     (default 10), ``send_timeout_seconds`` (a send's operations and its acknowledgement, default 120),
     ``receive_timeout_seconds`` (a sender silent mid-send or between the sends of a transfer, default 60),
+    ``idle_timeout_seconds`` (a pair with no transfer open for this long is closed by the receiver, which frees
+    what it holds of a sender gone without a word; the sender builds a new one for its next send; default 300),
     ``chunk_bytes`` (default 4 MiB),
     ``receive_slots`` (chunks the receiver posts ahead, default 8; a pair on mapped memory buffers nothing and
     sends a payload as one chunk, up to 1 GiB), ``checksum`` ("xxh3" or "none",
@@ -73,7 +75,8 @@ class P2PConnector(KVConnector):
 
     def __init__(self, worker_id: str, model_fingerprint: str, layout: KVLayout, host: str = "127.0.0.1",
                  connect_timeout_seconds: float = 10.0, send_timeout_seconds: float = 120.0,
-                 receive_timeout_seconds: float = 60.0, chunk_bytes: int = 4 << 20, receive_slots: int = 8,
+                 receive_timeout_seconds: float = 60.0, idle_timeout_seconds: float = 300.0,
+                 chunk_bytes: int = 4 << 20, receive_slots: int = 8,
                  checksum: str = "xxh3", cluster_token: str | None = None, max_pairs: int = 64,
                  device: str = "cpu", cpu_data_plane: str = "control") -> None:
         self.device = torch.device(device)
@@ -88,6 +91,7 @@ class P2PConnector(KVConnector):
         self.connect_timeout = timedelta(seconds=float(connect_timeout_seconds))
         self.send_timeout = timedelta(seconds=float(send_timeout_seconds))
         self.receive_timeout = timedelta(seconds=float(receive_timeout_seconds))
+        self.idle_timeout = timedelta(seconds=float(idle_timeout_seconds))
         self.blocks_per_chunk = max(1, int(chunk_bytes) // layout.block_num_bytes)
         self.receive_slots = max(2, int(receive_slots))
         # On mapped memory nothing is buffered: a chunk is as large as a descriptor and the receiver allow.

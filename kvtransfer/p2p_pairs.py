@@ -30,7 +30,6 @@ from splitserve.kvtransfer.rendezvous_protocol import HandshakeRefused
 logger = logging.getLogger(__name__)
 
 SENDER, RECEIVER = 0, 1
-IDLE_TIMEOUT = timedelta(days=7)  # a pair may stay idle as long as both workers live
 
 
 class SenderPair:
@@ -79,9 +78,7 @@ def connect_pair(address: str, worker_id: str, cluster_token: str | None, connec
 def accept_pair(store: dist.Store, index: int, host: str, connect_timeout: timedelta, device: torch.device,
                 cpu_data_plane: str = "control") -> PairChannels:
     """Decode side: build this end of pair ``index`` over the pair's ``store``, Gloo bound to ``host``, for a
-    cache on ``device``. Returns the channels (which may stay idle as long as both workers live). Raises
+    cache on ``device``. Returns the channels (the receive thread's waits name their own timeouts). Raises
     KVTransferError when the sender's plane differs, and whatever Gloo raises when the sender does not build
     its end within ``connect_timeout``."""
-    channels = build_channels(store, index, RECEIVER, connect_timeout, device, host, cpu_data_plane)
-    channels.control._set_default_timeout(IDLE_TIMEOUT)
-    return channels
+    return build_channels(store, index, RECEIVER, connect_timeout, device, host, cpu_data_plane)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,13 +68,15 @@ class PairReceiver:
         meta = torch.empty(5, dtype=torch.int64)
         meta_work = self.channels.control.recv([meta], SENDER, TAG_META)
         while True:
+            idle_since = None
             try:
                 if self.open_transfers:
                     # A transfer is part-way: its next send comes when the sender's next prefill step is done,
                     # which on a slow or busy worker takes longer than the group's own (connect) timeout.
                     meta_work.wait(connector.receive_timeout)
-                else:
-                    meta_work.wait()  # idle: the group's timeout, after which the pair closes (the sender rebuilds)
+                else:  # idle: up to the idle timeout, after which the pair closes (the sender builds a new one)
+                    idle_since = time.monotonic()
+                    meta_work.wait(connector.idle_timeout)
                 num_blocks, blocks_per_chunk, block_bytes, frame_bytes, flags = (int(value) for value in meta)
                 if flags & FLAG_GOODBYE:
                     logger.info("KV pair with %s closed by the peer", self.peer)
@@ -98,7 +101,11 @@ class PairReceiver:
                 self.in_send = False
                 meta = next_meta
             except Exception as error:
-                if not self.open_transfers and not self.in_send and not isinstance(error, KVTransferError):
+                idle_for = None if idle_since is None else time.monotonic() - idle_since
+                if idle_for is not None and idle_for >= connector.idle_timeout.total_seconds():
+                    logger.info("KV pair with %s idle for %.0f s: closed (the sender pairs again when it next "
+                                "sends)", self.peer, idle_for)
+                elif not self.open_transfers and not self.in_send and not isinstance(error, KVTransferError):
                     logger.info("KV pair with %s closed by the peer", self.peer)
                 else:
                     logger.warning("KV pair with %s broke: %s", self.peer, error)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -245,6 +246,56 @@ def test_p2p_transfer_waits_out_a_slow_step_between_its_sends(plane):
         inbox.wait(num_payloads=2)
         assert [p.header.transfer_id for p in inbox.payloads] == ["slow", "slow"] and not inbox.errors
         assert_sender_blocks(inbox.payloads, seeded_cache(3))
+    finally:
+        receiver.close()
+
+
+IDLE_SENDER = r"""
+import logging, sys, time, torch
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+from splitserve.kvtransfer import create_connector
+from splitserve.kvtransfer.blocks import BlockSource
+from splitserve.kvtransfer.connector import KVEndpointInfo
+from splitserve.kvtransfer.header import TransferHeader
+from tests.kv_helpers import FINGERPRINT, LAYOUT, seeded_cache
+connector = create_connector("p2p", "prefill-idle", FINGERPRINT, LAYOUT, cpu_data_plane=sys.argv[2])
+cache = seeded_cache(4)
+if sys.argv[2] == "shm":
+    cache.share_memory_()
+destination = KVEndpointInfo("p2p", sys.argv[1], "receiver")
+for index, pause in enumerate(map(float, sys.argv[3:])):
+    time.sleep(pause)  # no transfer open: the pair is idle
+    header = TransferHeader(f"t{index}", FINGERPRINT, LAYOUT, 0, 4, 4, LAYOUT.block_num_bytes, None, True, 1)
+    connector.send(destination, header, BlockSource(cache, [index]))
+print("SENT", flush=True)
+connector.close()
+"""
+
+
+@pytest.mark.parametrize("plane", ["control", "shm"], ids=["one-group", "shared-memory"])
+def test_p2p_pair_stays_open_while_idle_until_the_idle_timeout(plane, caplog):
+    """Between transfers a pair is idle: it stays open past the connect timeout (it used to close after it, so
+    that a sender sending every few seconds paired again for every transfer), and the receiver closes it once
+    it has been idle for the idle timeout; the sender then pairs again when it next sends."""
+    caplog.set_level(logging.INFO, logger="splitserve.kvtransfer.p2p_receiver")
+    receiver = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT, connect_timeout_seconds=1,
+                                idle_timeout_seconds=6, cpu_data_plane=plane)
+    inbox = Inbox()
+    receiver.start_receiving(inbox.on_payload, inbox.on_error)
+    try:
+        # Idle 3 s (past the connect timeout, inside the idle one), then 9 s (past both).
+        out, err = subprocess.Popen([sys.executable, "-c", IDLE_SENDER, receiver.endpoint().address, plane,
+                                     "0", "3", "9"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True).communicate(timeout=90)
+        assert "SENT" in out, err
+        inbox.wait(num_payloads=3)
+        assert [p.header.transfer_id for p in inbox.payloads] == ["t0", "t1", "t2"] and not inbox.errors
+        target = seeded_cache(4)
+        assert all(torch.equal(p.payload.view(torch.float32).view(SHAPE[1:]), target[index])
+                   for index, p in enumerate(inbox.payloads))
+        assert err.count("ready in") == 2 and err.count("broke while idle") == 1, err  # paired twice, not three times
+        assert len(receiver._receive_groups) == 2
+        assert "idle for" in caplog.text and "closed (the sender pairs again" in caplog.text
     finally:
         receiver.close()
 
