@@ -279,13 +279,13 @@ def test_p2p_pair_stays_open_while_idle_until_the_idle_timeout(plane, caplog):
     it has been idle for the idle timeout; the sender then pairs again when it next sends."""
     caplog.set_level(logging.INFO, logger="splitserve.kvtransfer.p2p_receiver")
     receiver = create_connector("p2p", "receiver", FINGERPRINT, LAYOUT, connect_timeout_seconds=1,
-                                idle_timeout_seconds=6, cpu_data_plane=plane)
+                                idle_timeout_seconds=4, cpu_data_plane=plane)
     inbox = Inbox()
     receiver.start_receiving(inbox.on_payload, inbox.on_error)
     try:
-        # Idle 3 s (past the connect timeout, inside the idle one), then 9 s (past both).
+        # Idle 2 s (past the connect timeout, inside the idle one), then 6 s (past both).
         out, err = subprocess.Popen([sys.executable, "-c", IDLE_SENDER, receiver.endpoint().address, plane,
-                                     "0", "3", "9"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     "0", "2", "6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True).communicate(timeout=90)
         assert "SENT" in out, err
         inbox.wait(num_payloads=3)
