@@ -79,7 +79,9 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
                     "or more GPUs the prefill and decode pools get GPUs of their own (KV over NCCL, GPU to GPU); on "
                     "one GPU all workers share it (KV copied within it over CUDA IPC) (default: every GPU visible "
                     "to `up`; refused when the workers run on the CPU)")
-    up.add_argument("--threads-per-worker", type=int, help="torch threads of each worker (default: torch's)")
+    up.add_argument("--threads-per-worker", type=int, metavar="N",
+                    help="torch threads of each worker (default: the CPUs this process may run on, divided among the "
+                    "workers, at least 1: workers whose threads outnumber the cores wait on each other's)")
     up.add_argument("--log-dir", help="folder for each process's log (default: a new temporary folder)")
     up.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
                     help="prompts shorter than this are prefilled by the decode worker (default: %(default)s)")
@@ -369,7 +371,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 def _run_up(args: argparse.Namespace) -> int:
     from splitserve.engine.model_store import resolve_model
-    from splitserve.launcher import LocalCluster
+    from splitserve.launcher import LocalCluster, threads_per_worker
     from splitserve.rpc.server import bind_problem
 
     if args.colocated < 0 or args.prefill < 0 or args.decode < 0:
@@ -384,8 +386,10 @@ def _run_up(args: argparse.Namespace) -> int:
     # Convert the default model once, before any process starts: the router reads it but never converts it.
     model_dir = str(resolve_model(args.model))
     worker_args = _engine_flags(args, model_dir)
-    if args.threads_per_worker:
-        worker_args += ["--threads", str(args.threads_per_worker)]
+    if args.threads_per_worker is not None and args.threads_per_worker < 1:
+        raise ValueError("--threads-per-worker must be at least 1.")
+    threads = args.threads_per_worker or threads_per_worker(args.colocated or args.prefill + args.decode)
+    worker_args += ["--threads", str(threads)]
     if args.redis_url:
         from splitserve.kvtransfer.redis_access import public_redis_url
 
@@ -423,6 +427,7 @@ def _run_up(args: argparse.Namespace) -> int:
         print(f"Starting the router on {args.host}:{args.port} (logs in {cluster.log_dir})...", file=sys.stderr)
         address = cluster.start_router()
         on_gpus = f" on GPUs {', '.join(placement)}" if placement else ""
+        on_gpus += f", {threads} torch thread{'s' if threads > 1 else ''} each"
         if args.colocated:
             print(f"Starting {args.colocated} colocated worker(s){on_gpus}...", file=sys.stderr)
             cluster.start_workers("both", args.colocated, gpus=placement, memory_shares=shares)

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.launcher import free_port
+from splitserve.launcher import free_port, threads_per_worker
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG are Linux's")
 
-UP_ARGS = ["--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.25", "--threads-per-worker", "1",
-           "--max-model-len", "512"]
+UP_ARGS = ["--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.25", "--max-model-len", "512"]
 READY_TIMEOUT = 240.0
 
 
@@ -120,6 +119,11 @@ def test_children_die_with_a_killed_launcher(tmp_path, model_dir):
     children: dict[int, str] = {}
     try:
         children = _wait_serving(launcher, stderr_path)
+        # Without --threads-per-worker the two workers share out the CPUs this process may run on.
+        threads = threads_per_worker(2)
+        workers = [cmdline for cmdline in children.values() if " prefill " in cmdline or " decode " in cmdline]
+        assert len(workers) == 2 and all(f" --threads {threads} " in cmdline for cmdline in workers), workers
+        assert f", {threads} torch thread{'s' if threads > 1 else ''} each" in stderr_path.read_text()
         launcher.kill()
         launcher.wait(10)
         left = _wait_gone(children, 15)

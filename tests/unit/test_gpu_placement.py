@@ -1,12 +1,13 @@
-"""Where `splitserve up` puts its workers when they run on CUDA (splitserve/launcher.py: visible_gpus, place_on_gpus).
-Pure functions: checked here for any number of GPUs, none of which this machine needs."""
+"""Where `splitserve up` puts its workers when they run on CUDA (splitserve/launcher.py: visible_gpus, place_on_gpus),
+and how many torch threads each gets (threads_per_worker). Pure functions: checked here for any number of GPUs and
+CPUs, none of which this machine needs."""
 
 from __future__ import annotations
 
 import pytest
 
 from splitserve.kvtransfer.p2p_channels import same_gpu
-from splitserve.launcher import place_on_gpus, visible_gpus
+from splitserve.launcher import place_on_gpus, threads_per_worker, visible_gpus
 
 
 def test_the_visible_gpus_are_those_cuda_visible_devices_lists_else_every_one_counted():
@@ -55,3 +56,20 @@ def test_a_p2p_pair_on_one_gpu_is_told_from_its_uuids():
     assert same_gpu("GPU-1111", "GPU-1111")
     assert not same_gpu("GPU-1111", "GPU-2222")
     assert not same_gpu("", "")  # a torch that reports no UUID: NCCL decides
+
+
+@pytest.mark.parametrize(("workers", "cpus", "expected"), [
+    (2, 2, 1),  # a prefill and a decode worker on two cores: one thread each, not two that spin on each other
+    (1, 2, 2),
+    (2, 16, 8),
+    (3, 16, 5),
+    (5, 2, 1),  # more workers than CPUs: still one thread each
+])
+def test_local_workers_share_out_the_cpus(workers, cpus, expected):
+    assert threads_per_worker(workers, cpus) == expected
+
+
+def test_threads_per_worker_counts_the_cpus_this_process_may_use():
+    import os
+
+    assert threads_per_worker(1) == len(os.sched_getaffinity(0))
