@@ -42,7 +42,7 @@ _UNINITIALISED = contextvars.ContextVar("splitserve_uninitialised_weights", defa
 def uninitialised_weights():
     """Layers built inside leave their weights as allocated (``torch.empty``: pages untouched until the checkpoint
     is copied in) instead of drawing random ones. Building on the meta device does the same, but its first
-    operation imports ``torch._dynamo``: about a second of every worker's start."""
+    operation imports ``torch._dynamo``: 0.6 s of a worker's 4.7 s start on two Zen 4 cores."""
     token = _UNINITIALISED.set(True)
     try:
         yield
