@@ -84,11 +84,6 @@ def _median_times(functions: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _median_pair(kernel, reference, repeats: int) -> tuple[float, float]:
-    times = _median_times({"kernel": kernel, "reference": reference}, repeats)
-    return times["kernel"], times["reference"]
-
-
 def prefill_case(shape: Shape, chunks: list[tuple[int, int]], repeats: int, seed: int = 0) -> dict:
     """One step of prompt chunks ``(context, length)`` through every layer."""
     generator = torch.Generator().manual_seed(seed)
@@ -131,19 +126,28 @@ def prefill_case(shape: Shape, chunks: list[tuple[int, int]], repeats: int, seed
             "difference": difference}
 
 
-def _times_with_avx512(kernel, reference, repeats: int, in_tiles: bool) -> dict:
+def _times_with_avx512(kernel, reference, repeats: int, in_tiles: bool, other_prefetch: bool = False) -> dict:
     """kernel_s and reference_s, medians of alternating runs; where the kernel runs in AMX tiles (a bfloat16 cache
-    on an AMX CPU), avx512_s too: the same kernel with AMX turned off, as a second baseline in the same runs."""
-    if not in_tiles:
-        kernel_s, reference_s = _median_pair(kernel, reference, repeats)
-        return {"kernel_s": kernel_s, "reference_s": reference_s}
+    on an AMX CPU), avx512_s too: the same kernel with AMX turned off, as a second baseline in the same runs. With
+    ``other_prefetch`` (decode cases), other_prefetch_s too: the kernel fetching ahead into the cache level this
+    CPU's default does not use (L2 where it is L1, and the other way round)."""
+    functions = {"kernel": kernel, "reference": reference}
+    if in_tiles:
+        def vectors():
+            with cpu_ops.amx_disabled():
+                return kernel()
 
-    def vectors():
-        with cpu_ops.amx_disabled():
-            return kernel()
+        functions["avx512"] = vectors
+    if other_prefetch:
+        other_level = 3 - cpu_ops.decode_prefetch_level()
 
-    times = _median_times({"kernel": kernel, "reference": reference, "avx512": vectors}, repeats)
-    return {"kernel_s": times["kernel"], "reference_s": times["reference"], "avx512_s": times["avx512"]}
+        def other():
+            with cpu_ops.decode_prefetch_into(other_level):
+                return kernel()
+
+        functions["other_prefetch"] = other
+    times = _median_times(functions, repeats)
+    return {f"{name}_s": seconds for name, seconds in times.items()}
 
 
 def decode_case(shape: Shape, requests: int, context: int, repeats: int, seed: int = 0) -> dict:
@@ -169,7 +173,7 @@ def decode_case(shape: Shape, requests: int, context: int, repeats: int, seed: i
     element_size = torch.empty((), dtype=shape.dtype).element_size()
     kv_bytes = 2 * requests * context * shape.kv_heads * shape.head_dim * element_size * shape.layers
     times = _times_with_avx512(kernel, reference, repeats, shape.dtype == torch.bfloat16 and cpu_ops.decodes_in_amx(
-        shape.head_dim, shape.block_size, shape.q_heads // shape.kv_heads))
+        shape.head_dim, shape.block_size, shape.q_heads // shape.kv_heads), other_prefetch=True)
     return {"kind": "decode", "case": f"{requests}x{context}", **times, "rate": kv_bytes / times["kernel_s"] / 1e9,
             "unit": "GB/s", "difference": difference}
 
@@ -222,6 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in in_tiles:
             print(f"  {r['kind']} {r['case']}: AVX-512 {r['avx512_s'] * 1e3:.2f} ms, AMX {r['kernel_s'] * 1e3:.2f} ms, "
                   f"AVX-512/AMX {r['avx512_s'] / r['kernel_s']:.2f}x")
+    fetched = [r for r in results if "other_prefetch_s" in r]
+    if fetched:
+        level = cpu_ops.decode_prefetch_level()
+        print(f"Decode attention fetched each chunk's successor into L{level} (this CPU's default); into "
+              f"L{3 - level} in the same runs:")
+        for r in fetched:
+            print(f"  decode {r['case']}: L{3 - level} {r['other_prefetch_s'] * 1e3:.2f} ms, L{level} "
+                  f"{r['kernel_s'] * 1e3:.2f} ms, L{3 - level}/L{level} {r['other_prefetch_s'] / r['kernel_s']:.2f}x")
     return 0
 
 

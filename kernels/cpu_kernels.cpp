@@ -17,6 +17,8 @@ bool small_gemm_supported();
 bool bfloat16_dot_supported();
 bool amx_decode_supported(int64_t head_dim, int64_t block_size, int64_t group);
 bool set_amx_enabled(bool enabled);
+int64_t set_decode_prefetch_level(int64_t level);
+int64_t decode_prefetch_level();
 bool amx_prefill_supported(int64_t head_dim, int64_t block_size);
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor bias, int64_t out_features);
@@ -41,6 +43,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether decode attention over a bfloat16 cache of this head size, block size and group runs in AMX tiles");
   m.def("amx_prefill_supported", &splitserve::amx_prefill_supported,
         "whether prefill attention over a bfloat16 cache of this head size and block size runs in AMX tiles");
+  m.def("set_decode_prefetch_level", &splitserve::set_decode_prefetch_level,
+        "the cache level (1 or 2; 0: this CPU's default) decode attention fetches ahead into; returns the previous one");
+  m.def("decode_prefetch_level", &splitserve::decode_prefetch_level, "the cache level decode attention fetches ahead into");
   m.def("set_amx_enabled", &splitserve::set_amx_enabled, "allow or forbid AMX tiles in the kernels; returns the previous setting");
   m.def("pack_panels", &splitserve::pack_panels, "an [out, in] weight as [panels, in, 32] (float32)");
   m.def("small_gemm", &splitserve::small_gemm, "x @ weight^T + bias for decode-sized batches (float32)");

@@ -178,6 +178,24 @@ def amx_disabled():
         _module.set_amx_enabled(previous)
 
 
+def decode_prefetch_level() -> int:
+    """The cache level (1 or 2) :func:`paged_decode_attention` fetches each chunk's successor into: by default L1
+    where the CPU's L1 data cache holds 48 KB or more, else L2 (measured in ``kernels/cpu_paged_attention.cpp``).
+    Call :func:`available` first."""
+    return _module.decode_prefetch_level()
+
+
+@contextlib.contextmanager
+def decode_prefetch_into(level: int):
+    """Within the block decode attention fetches ahead into cache level ``level`` (1 or 2; process-wide), so that
+    ``benchmarks/cpu_attention.py`` can time both on any CPU. Call :func:`available` first."""
+    previous = _module.set_decode_prefetch_level(level)
+    try:
+        yield
+    finally:
+        _module.set_decode_prefetch_level(previous)
+
+
 def prefill_supports(head_dim: int) -> bool:
     """Whether :func:`paged_prefill_attention` takes this head size (its micro-kernels work on 64 lanes)."""
     return head_dim % 64 == 0

@@ -27,6 +27,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -34,6 +35,7 @@
 #include <type_traits>
 
 #include <omp.h>
+#include <unistd.h>
 
 #include "cpu_amx_attention.h"
 #include "cpu_vector16.h"
@@ -97,12 +99,27 @@ inline float dot(const float* a, const float* b, int64_t head_dim) {
   return result;
 }
 
-// Into L2 (prefetcht1), not L1: a chunk's 8 KB of keys and values fetched ahead into a 32 KB L1 evicted what the
-// chunk in hand was using. 2-core Zen 4, cpu_attention.py --decode 64x320 8x2048 --block-size 128, medians of 9:
-// 41.5-43.7 and 31.1-33.3 ms into L2 against 48.5-50.7 and 36.4-41.2 into L1 (prefetcht2: 43.1, 32.2;
-// prefetchnta: 47.9, 37.0).
+// Where a chunk's successor goes: L1 (prefetcht0) or L2 (prefetcht1). The fit depends on the size of L1:
+//  - 32 KB (Zen 3, Zen 4): into L2. A chunk's 8 KB of keys and values fetched ahead into L1 evicted what the
+//    chunk in hand was using. 2-core Zen 4, cpu_attention.py --decode 64x320 8x2048 --block-size 128, medians
+//    of 9: 41.5-43.7 and 31.1-33.3 ms into L2 against 48.5-50.7 and 36.4-41.2 into L1 (prefetcht2: 43.1,
+//    32.2; prefetchnta: 47.9, 37.0).
+//  - 48 KB (Zen 5; Intel since Ice Lake): into L1. 2-core Zen 5, the same cases and 32x1024, medians of 4
+//    interleaved runs of 5: 31.1, 20.2 and 44.8 ms into L1 against 33.5, 24.6 and 51.5 into L2.
+// set_decode_prefetch_level changes it for the process, so that benchmarks/cpu_attention.py times both.
+int default_prefetch_level() {
+  const long l1_bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+  return l1_bytes >= 48 * 1024 ? 1 : 2;
+}
+
+std::atomic<int> g_prefetch_level{default_prefetch_level()};
+
 inline void prefetch_row(const char* row, int64_t num_bytes) {
-  for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(row + offset, 0, 2);
+  if (g_prefetch_level.load(std::memory_order_relaxed) == 1) {
+    for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(row + offset, 0, 3);
+  } else {
+    for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(row + offset, 0, 2);
+  }
 }
 
 // One (request, KV head): the group's query rows over the request's blocks.
@@ -465,6 +482,14 @@ bool amx_decode_supported(int64_t head_dim, int64_t block_size, int64_t group) {
 }
 
 bool set_amx_enabled(bool enabled) { return amx::enabled().exchange(enabled); }
+
+int64_t set_decode_prefetch_level(int64_t level) {
+  TORCH_CHECK(level == 0 || level == 1 || level == 2,
+              "set_decode_prefetch_level: the level must be 1 (L1), 2 (L2) or 0 (this CPU's default), not ", level);
+  return g_prefetch_level.exchange(level == 0 ? default_prefetch_level() : static_cast<int>(level));
+}
+
+int64_t decode_prefetch_level() { return g_prefetch_level.load(); }
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {

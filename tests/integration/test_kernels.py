@@ -92,6 +92,37 @@ def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, blo
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_kernel_fetches_ahead_into_either_cache_level_with_the_same_result():
+    """Where the kernel fetches each chunk's successor (L1 or L2, chosen by the size of L1) changes its speed only:
+    both give the same bits. 128-token blocks, so that blocks have several chunks to fetch ahead."""
+    assert cpu_ops.available(str(cache_dir()))
+    getconf = shutil.which("getconf")
+    if getconf is not None:
+        l1_bytes = int(subprocess.run([getconf, "LEVEL1_DCACHE_SIZE"], capture_output=True, text=True).stdout or 0)
+        assert cpu_ops.decode_prefetch_level() == (1 if l1_bytes >= 48 * 1024 else 2)
+    default = cpu_ops.decode_prefetch_level()
+    generator = torch.Generator().manual_seed(5)
+    lengths = [1, 127, 128, 129, 300, 576] * 11  # whole requests per thread, then per (request, head)
+    key_cache, value_cache = block_major_caches(3, 400, 128, 64, generator)
+    tables = shuffled_block_tables(lengths, 128, 400, generator)
+    seq_lens = torch.tensor(lengths, dtype=torch.int64)
+    query = torch.randn(len(lengths), 9, 64, generator=generator)
+    expected = reference(query, key_cache, value_cache, tables, seq_lens, 0.125)
+    for count in (len(lengths), 2):
+        outputs = []
+        for level in (1, 2):
+            with cpu_ops.decode_prefetch_into(level):
+                assert cpu_ops.decode_prefetch_level() == level
+                outputs.append(cpu_ops.paged_decode_attention(query[:count], key_cache, value_cache, tables[:count],
+                                                              seq_lens[:count], 0.125))
+            assert cpu_ops.decode_prefetch_level() == default
+        assert torch.equal(outputs[0], outputs[1])
+        torch.testing.assert_close(outputs[0], expected[:count], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="the level must be 1 \\(L1\\), 2 \\(L2\\)"):
+        cpu_ops.decode_prefetch_into(3).__enter__()
+    assert cpu_ops.decode_prefetch_level() == default
+
+
 def test_kernel_refuses_bad_block_ids():
     assert cpu_ops.available(str(cache_dir()))
     key_cache = torch.zeros(1, 4, 4, 8)
