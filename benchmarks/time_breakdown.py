@@ -11,7 +11,9 @@ The ceiling: each projection shape of the model timed alone through the same one
 ``--ceiling-rows`` rows (best of several), as GFLOP/s; the workload's GEMM work (every row every projection
 and the logits saw, counted during the run) at that rate is the time no engine on this machine can beat
 with these kernels. Its ratio to the measured GEMM time is how close the GEMMs run to it; output tokens
-over it is the throughput bound if everything else cost nothing. With ``--vllm-tok-s`` (vLLM's figure from
+over it is the throughput bound if everything else cost nothing. The projections' time and FLOPs are also
+split by the GEMM each call ran in (decode-sized batches in the C++ small GEMM, prompt steps in oneDNN), each
+with its own GFLOP/s. With ``--vllm-tok-s`` (vLLM's figure from
 ``offline_throughput.py --vllm-python`` on the same workload) the report says what 1.2x vLLM needs.
 
 Usage::
@@ -48,23 +50,38 @@ GEMM_CATEGORIES = ("projections (GEMM)", "logits (GEMM)")
 
 
 class Clocks:
-    """Seconds per category, and GEMM FLOPs, accumulated by wrapped functions."""
+    """Seconds per category, and GEMM FLOPs, accumulated by wrapped functions; for the projections, seconds and
+    FLOPs per path too (:func:`projection_path`)."""
 
     def __init__(self) -> None:
         self.seconds: collections.Counter = collections.Counter()
         self.gemm_flops = 0
+        self.path_seconds: collections.Counter = collections.Counter()
+        self.path_flops: collections.Counter = collections.Counter()
 
-    def wrap(self, function, category: str, flops=None):
+    def wrap(self, function, category: str, flops=None, path=None):
         @functools.wraps(function)
         def clocked(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
-                self.seconds[category] += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                self.seconds[category] += elapsed
                 if flops is not None:
                     self.gemm_flops += flops(*args, **kwargs)
+                if path is not None:
+                    name = path(*args, **kwargs)
+                    self.path_seconds[name] += elapsed
+                    self.path_flops[name] += flops(*args, **kwargs)
         return clocked
+
+
+def projection_path(module, x) -> str:
+    """Which GEMM a projection of ``x`` runs in: the C++ small GEMM (decode-sized batches) or oneDNN's packed one."""
+    if module.small_gemm_kernels is not None and x.shape[0] <= module.small_rows:
+        return "decode-sized (C++ small GEMM)"
+    return "prompt-sized (oneDNN)"
 
 
 @contextlib.contextmanager
@@ -82,23 +99,23 @@ def clocked_engine(clocks: Clocks):
         return 2 * hidden.shape[0] * hidden.shape[1] * model.config.vocab_size
 
     patches = [
-        (PackedLinear, "forward", "projections (GEMM)", linear_flops),
-        (llama.LlamaForCausalLM, "compute_logits", "logits (GEMM)", logits_flops),
-        (attention, "prefill_attention", "prompt attention", None),
-        (cpu_ops, "paged_prefill_attention", "prompt attention", None),
-        (cpu_ops, "paged_decode_attention", "decode attention", None),
-        (cpu_ops, "write_kv_", "KV write", None),
-        (cpu_ops, "rms_norm", "norms, rotary, SiLU", None),
-        (cpu_ops, "add_rms_norm", "norms, rotary, SiLU", None),
-        (cpu_ops, "rotary_", "norms, rotary, SiLU", None),
-        (cpu_ops, "silu_and_mul", "norms, rotary, SiLU", None),
-        (llama.LlamaForCausalLM, "forward", "forward", None),
-        (model_runner.ModelRunner, "_prepare", "step inputs", None),
-        (model_runner.Sampler, "__call__", "sampling", None),
+        (PackedLinear, "forward", "projections (GEMM)", linear_flops, projection_path),
+        (llama.LlamaForCausalLM, "compute_logits", "logits (GEMM)", logits_flops, None),
+        (attention, "prefill_attention", "prompt attention", None, None),
+        (cpu_ops, "paged_prefill_attention", "prompt attention", None, None),
+        (cpu_ops, "paged_decode_attention", "decode attention", None, None),
+        (cpu_ops, "write_kv_", "KV write", None, None),
+        (cpu_ops, "rms_norm", "norms, rotary, SiLU", None, None),
+        (cpu_ops, "add_rms_norm", "norms, rotary, SiLU", None, None),
+        (cpu_ops, "rotary_", "norms, rotary, SiLU", None, None),
+        (cpu_ops, "silu_and_mul", "norms, rotary, SiLU", None, None),
+        (llama.LlamaForCausalLM, "forward", "forward", None, None),
+        (model_runner.ModelRunner, "_prepare", "step inputs", None, None),
+        (model_runner.Sampler, "__call__", "sampling", None, None),
     ]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _, _ in patches]
-    for owner, name, category, flops in patches:
-        setattr(owner, name, clocks.wrap(getattr(owner, name), category, flops))
+    originals = [(owner, name, getattr(owner, name)) for owner, name, *_ in patches]
+    for owner, name, category, flops, path in patches:
+        setattr(owner, name, clocks.wrap(getattr(owner, name), category, flops, path))
     try:
         yield
     finally:
@@ -118,6 +135,14 @@ def breakdown(clocks: Clocks, wall: float) -> dict[str, float]:
                                                                                "sampling"))
     result["scheduler, detokenizer, engine Python"] = max(0.0, wall - covered)
     return result
+
+
+def median_paths(paths: list[dict[str, tuple[float, float]]]) -> dict[str, dict[str, float]]:
+    """Per projection path, the median seconds and GFLOP over the clocked runs (a path a run never took counts 0)."""
+    names = sorted({name for run in paths for name in run})
+    return {name: {"seconds": statistics.median(run.get(name, (0.0, 0.0))[0] for run in paths),
+                   "gflop": statistics.median(run.get(name, (0.0, 0.0))[1] for run in paths) / 1e9}
+            for name in names}
 
 
 def measure_gemm_ceiling(llm, rows: int, repeats: int = 7) -> dict[str, float]:
@@ -193,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
 
-    plain, clocked, parts, flops = [], [], [], []
+    plain, clocked, parts, flops, paths = [], [], [], [], []
     for repeat in range(args.repeats):
         print(f"run {repeat + 1}/{args.repeats}: plain, then clocked", file=sys.stderr, flush=True)
         start = time.perf_counter()
@@ -207,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         clocked.append(wall)
         parts.append(breakdown(clocks, wall))
         flops.append(clocks.gemm_flops)
+        paths.append({name: (clocks.path_seconds[name], clocks.path_flops[name]) for name in clocks.path_seconds})
     print("measuring the GEMM ceiling", file=sys.stderr, flush=True)
     rates = measure_gemm_ceiling(llm, args.ceiling_rows)
 
@@ -222,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                      "output_tokens": output_tokens},
         "plain_seconds": plain, "clocked_seconds": clocked, "parts_seconds": median_parts,
         "gemm_gflop": gemm_flops / 1e9, "gemm_ceiling_gflops": rates, "gemm_ceiling_seconds": ceiling_seconds,
+        "projection_paths": median_paths(paths),
         "torch_threads": torch.get_num_threads(),
     }
 
@@ -238,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
           f"({gemm_flops / gemm_seconds / 1e9:.0f} GFLOP/s, {ceiling_seconds / gemm_seconds:.0%} of the ceiling; "
           f"projections alone peak at {projection_rate:.0f}). At the ceiling they take {ceiling_seconds:.2f} s: "
           f"with nothing else, {output_tokens / ceiling_seconds:.1f} output tok/s at most.")
+    for name, path in report["projection_paths"].items():
+        if path["seconds"] > 0:
+            print(f"  projections, {name}: {path['gflop']:,.0f} GFLOP in {path['seconds']:.2f} s "
+                  f"({path['gflop'] / path['seconds']:.0f} GFLOP/s)")
     non_gemm = wall - gemm_seconds
     print(f"Everything but the GEMMs: {non_gemm:.2f} s, {non_gemm / wall:.0%} of the run.")
     if args.vllm_tok_s:

@@ -32,6 +32,10 @@ def test_the_clocked_engine_gives_the_same_tokens_and_counts_every_gemm_flop(mod
     tokens = (7 + 23 + 40) + 3 * (5 - 1)
     expected = 2 * tokens * per_token * config.num_hidden_layers + 2 * 3 * 5 * hidden * config.vocab_size
     assert clocks.gemm_flops == expected
+    # The projections' seconds and FLOPs, split by the GEMM each call ran in, add up to theirs.
+    assert set(clocks.path_flops) <= {"decode-sized (C++ small GEMM)", "prompt-sized (oneDNN)"}
+    assert sum(clocks.path_flops.values()) == expected - 2 * 3 * 5 * hidden * config.vocab_size
+    assert sum(clocks.path_seconds.values()) == pytest.approx(clocks.seconds["projections (GEMM)"])
     for part in ("projections (GEMM)", "logits (GEMM)", "prompt attention", "decode attention", "KV write",
                  "norms, rotary, SiLU", "forward", "step inputs", "sampling"):
         assert clocks.seconds[part] > 0, part
@@ -49,3 +53,6 @@ def test_the_benchmark_runs_and_writes_its_report(model_dir, tmp_path, capsys):
     assert sum(report["parts_seconds"].values()) == pytest.approx(report["clocked_seconds"][0], rel=0.02)
     printed = capsys.readouterr().out
     assert "GEMM ceiling" in printed and "1.2x vLLM (50.0 tok/s) needs" in printed
+    paths = report["projection_paths"]
+    assert paths and all(path["seconds"] > 0 and path["gflop"] > 0 for path in paths.values())
+    assert all(f"projections, {name}:" in printed for name in paths)
