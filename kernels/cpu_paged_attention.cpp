@@ -108,7 +108,11 @@ inline float dot(const float* a, const float* b, int64_t head_dim) {
 //    interleaved runs of 5: 31.1, 20.2 and 44.8 ms into L1 against 33.5, 24.6 and 51.5 into L2.
 // set_decode_prefetch_level changes it for the process, so that benchmarks/cpu_attention.py times both.
 int default_prefetch_level() {
+#ifdef _SC_LEVEL1_DCACHE_SIZE  // glibc; where the size is unknown (0 or -1) or cannot be asked, L2
   const long l1_bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+#else
+  const long l1_bytes = 0;
+#endif
   return l1_bytes >= 48 * 1024 ? 1 : 2;
 }
 
