@@ -8,7 +8,8 @@ Each case runs all the model's layers, alternating kernel and reference, and pri
 reference/kernel ratio (above 1: the kernel is faster), the kernel's rate (GFLOP/s for prefill, the
 causal FLOPs only; GB/s of KV read for decode) and the largest difference between the two outputs. Where
 a kernel runs in AMX tiles (a bfloat16 cache on an AMX CPU), its AVX-512 path is timed in the same runs too,
-and the two are compared after the table.
+and the two are compared after the table. The decode kernel is also timed fetching ahead into the cache level
+this CPU's default does not use (L2 where L1 holds 48 KB or more, else L1), and compared after the table.
 
     python benchmarks/cpu_attention.py                      # SmolLM2-135M's shape, default cases
     python benchmarks/cpu_attention.py --prefill 0:2048 --prefill 1024:512 0:64 --decode 64x320 --repeats 9
