@@ -73,6 +73,12 @@ MANY_LENGTHS = [1, 15, 16, 17, 33, 100, 2, 31] * 8
         (6, 2, 48, 16, MANY_LENGTHS),  # a head size the 16-float path does not take: the per-key loop
         (9, 3, 64, 128, [1, 127, 128, 129, 300, 576]),  # the offline LLM's CPU blocks, per (request, head)
         (9, 3, 64, 128, [1, 127, 128, 129, 300, 576] * 11),  # and whole requests
+        # Blocks of more than one 16-row chunk run in two passes (scores, then values): every head size
+        (8, 2, 16, 32, [1, 31, 32, 33, 70, 96]),  # head size 16, per (request, head)
+        (4, 4, 32, 64, [1, 63, 64, 65, 200] * 10),  # head size 32, whole requests
+        (8, 4, 128, 32, MANY_LENGTHS),  # head size 128, whole requests
+        (4, 1, 256, 32, [1, 31, 32, 33, 100]),  # head size 256
+        (8, 2, 64, 256, [1, 255, 256, 257, 600] * 10),  # the largest block the kernel takes
     ],
 )
 def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, block_size, lengths):
