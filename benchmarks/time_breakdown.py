@@ -69,11 +69,12 @@ class Clocks:
                 elapsed = time.perf_counter() - start
                 self.seconds[category] += elapsed
                 if flops is not None:
-                    self.gemm_flops += flops(*args, **kwargs)
-                if path is not None:
-                    name = path(*args, **kwargs)
-                    self.path_seconds[name] += elapsed
-                    self.path_flops[name] += flops(*args, **kwargs)
+                    counted = flops(*args, **kwargs)
+                    self.gemm_flops += counted
+                    if path is not None:
+                        name = path(*args, **kwargs)
+                        self.path_seconds[name] += elapsed
+                        self.path_flops[name] += counted
         return clocked
 
 

@@ -239,7 +239,7 @@ struct HeadState {
     }
   }
 
-  // The bfloat16 queries for attend_chunk's dot products (with a bfloat16 cache, after start).
+  // The bfloat16 queries for attend_block's dot products (with a bfloat16 cache, after start).
   void start_pairs(int64_t group) {
 #ifdef SPLITSERVE_BFLOAT16_DOT
     if constexpr (kPairs)
@@ -271,44 +271,13 @@ struct HeadState {
     return sum;
   }
 
-  // Attend to `count` (1 to 16) consecutive key and value rows.
-  template <typename KV>
-  void attend_chunk(const KV* keys, const KV* values, int64_t count, int64_t group) {
-    using namespace vec16;
-    constexpr int64_t head_dim = 16 * D;
-    alignas(64) float weights[kMaxGroup][16];
-    for (int64_t g = 0; g < group; ++g) {
-      f32x16 products[16];
-      for (int64_t t = 0; t < 16; ++t) {
-        const KV* key = keys + std::min(t, count - 1) * head_dim;  // lanes past count are masked below
-        products[t] = dot_lanes(g, key);
-      }
-      const f32x16 scores = keep_first(sum_each(products), count, kNegativeInfinity);
-      const float chunk_max = horizontal_max(scores);
-      if (chunk_max > running_max[g]) {  // rescale what was accumulated (by 0 on the first chunk)
-        const float correction = std::exp(running_max[g] - chunk_max);
-        running_max[g] = chunk_max;
-        for (int d = 0; d < D; ++d) acc[g][d] *= correction;
-        denominator[g] *= correction;
-      }
-      const f32x16 p = exp16(scores - running_max[g]);
-      denominator[g] += p;
-      store16(weights[g], p);
-    }
-    for (int64_t t = 0; t < count; ++t) {
-      f32x16 value[D];
-      for (int d = 0; d < D; ++d) value[d] = load16(values + t * head_dim + 16 * d);
-      for (int64_t g = 0; g < group; ++g)
-        for (int d = 0; d < D; ++d) acc[g][d] += weights[g][t] * value[d];
-    }
-  }
-
-  // Attend to one block's first `count` rows. A block of one chunk (16-token blocks, the workers' default) is
-  // attend_chunk. A longer one runs in two passes: every chunk's scores first, reading the keys as one stream;
-  // then one softmax update for the whole block; then the weighted values, reading the values as one stream.
-  // Against the chunks one by one (each with its own softmax update, keys and values read side by side), the
-  // offline workload's decode attention took 1.39 s instead of 1.72 and the run 15.20 s instead of 15.61, with
-  // the same tokens (2-core AMD EPYC Zen 5, 128-token blocks, medians of 5 alternating runs in one process).
+  // Attend to one block's first `count` rows in two passes: every 16-row chunk's scores first, reading the keys
+  // as one stream; then one softmax update for the whole block; then the weighted values, reading the values as
+  // one stream. A block of one chunk (16-token blocks, the workers' default) is the same arithmetic, in the same
+  // order, as that chunk alone. Against the chunks one by one (each with its own softmax update, keys and
+  // values read side by side), the offline workload's decode attention took 1.39 s instead of 1.72 and the run
+  // 15.20 s instead of 15.61, with the same tokens (2-core AMD EPYC Zen 5, 128-token blocks, medians of 5
+  // alternating runs in one process).
   // Each pass fetches its next chunk while the chunk in hand computes, and the keys' last chunk fetches the
   // values' first. With head_dim 64 a chunk's keys (and its values) fill one 4 KB page, where the hardware
   // prefetcher stops; fetching one chunk ahead read 64 requests x 320 tokens in 128-token blocks at 33.5 GB/s
@@ -316,10 +285,6 @@ struct HeadState {
   template <typename KV>
   void attend_block(const KV* k_block, const KV* v_block, int64_t count, int64_t group) {
     using namespace vec16;
-    if (count <= 16) {
-      attend_chunk(k_block, v_block, count, group);
-      return;
-    }
     constexpr int64_t head_dim = 16 * D;
     constexpr int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(KV));
     alignas(64) float weights[kMaxGroup][kMaxBlockSize];
@@ -328,7 +293,7 @@ struct HeadState {
     for (int64_t chunk = 0; chunk < count; chunk += 16) {  // scores
       const int64_t rows = std::min<int64_t>(16, count - chunk), next_rows = std::min<int64_t>(16, count - chunk - 16);
       if (next_rows > 0) prefetch_row(reinterpret_cast<const char*>(k_block + (chunk + 16) * head_dim), next_rows * row_bytes);
-      else prefetch_row(reinterpret_cast<const char*>(v_block), 16 * row_bytes);
+      else if (count > 16) prefetch_row(reinterpret_cast<const char*>(v_block), 16 * row_bytes);
       const KV* keys = k_block + chunk * head_dim;
       for (int64_t g = 0; g < group; ++g) {
         f32x16 products[16];
