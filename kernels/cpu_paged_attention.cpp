@@ -216,6 +216,42 @@ void attend_one_head(const float* q_group, const KV* k_head, const KV* v_head, c
 // values stay float32. Head sizes of 32 and more (an even number of 16-float vectors).
 using vec16::kBFloat16Dot;
 
+// The geometry both drivers share: query heads per KV head, and one layer of the cache.
+struct DecodeShape {
+  int64_t group, block_size, block_stride, head_stride;
+};
+
+// The rows one softmax update covers: a request's consecutive blocks, up to kSpanRows rows, cut into pieces
+// of at most 16 contiguous rows (a 16-row chunk of a block, or a block of 16 tokens or fewer). 16-token blocks
+// (the workers' default) lie anywhere in the cache, so a span of them is up to 8 pieces at 8 addresses; one
+// 128-token block is 8 pieces at one. The same span serves every KV head of a request: offsets are in
+// elements from a head's first block, which is where the cache views of a head begin.
+constexpr int64_t kSpanRows = 128;
+constexpr int64_t kMaxPieces = kMaxBlockSize / 16;
+
+struct Span {
+  int64_t offset[kMaxPieces];  // from the head's base to the piece's first row
+  int64_t rows[kMaxPieces];    // 1 to 16
+  int64_t pieces = 0;
+
+  // Blocks per span: as many as fit kSpanRows rows and kMaxPieces pieces, at least one.
+  static int64_t blocks_for(int64_t block_size) {
+    const int64_t pieces_per_block = (block_size + 15) / 16;
+    return std::max<int64_t>(1, std::min(kSpanRows / block_size, kMaxPieces / pieces_per_block));
+  }
+
+  // Rows [start, start + count) of a request (start at a block's first row) whose blocks are `table`.
+  Span(const int64_t* table, int64_t start, int64_t count, const DecodeShape& shape, int64_t head_dim) {
+    for (int64_t row = 0; row < count;) {
+      const int64_t position = start + row, in_block = position % shape.block_size;
+      const int64_t rows_here = std::min({int64_t{16}, shape.block_size - in_block, count - row});
+      offset[pieces] = table[position / shape.block_size] * shape.block_stride + in_block * head_dim;
+      this->rows[pieces++] = rows_here;
+      row += rows_here;
+    }
+  }
+};
+
 // The online softmax of one KV head's query group (head_dim = 16 * D).
 template <int D>
 struct HeadState {
@@ -239,7 +275,7 @@ struct HeadState {
     }
   }
 
-  // The bfloat16 queries for attend_block's dot products (with a bfloat16 cache, after start).
+  // The bfloat16 queries for attend_span's dot products (with a bfloat16 cache, after start).
   void start_pairs(int64_t group) {
 #ifdef SPLITSERVE_BFLOAT16_DOT
     if constexpr (kPairs)
@@ -271,61 +307,76 @@ struct HeadState {
     return sum;
   }
 
-  // Attend to one block's first `count` rows in two passes: every 16-row chunk's scores first, reading the keys
-  // as one stream; then one softmax update for the whole block; then the weighted values, reading the values as
-  // one stream. A block of one chunk (16-token blocks, the workers' default) is the same arithmetic, in the same
-  // order, as that chunk alone. Against the chunks one by one (each with its own softmax update, keys and
-  // values read side by side), the offline workload's decode attention took 1.39 s instead of 1.72 and the run
-  // 15.20 s instead of 15.61, with the same tokens (2-core AMD EPYC Zen 5, 128-token blocks, medians of 5
-  // alternating runs in one process).
-  // Each pass fetches its next chunk while the chunk in hand computes, and the keys' last chunk fetches the
-  // values' first. With head_dim 64 a chunk's keys (and its values) fill one 4 KB page, where the hardware
-  // prefetcher stops; fetching one chunk ahead read 64 requests x 320 tokens in 128-token blocks at 33.5 GB/s
-  // against 26.2 without (Zen 5, C++ harness, medians of 7; two chunks ahead: 29.9).
+  // Attending to a span takes three stages: every piece's scores (score_piece, reading the keys as one stream),
+  // one softmax update for the whole span (update), then the weighted values (add_values, reading the values as
+  // one stream). `weights` holds the group's scores, then weights: query head g's of piece p at
+  // weights[g * kMaxPieces * 16 + p * 16], 16 lanes, those past the piece's rows masked. A span of one piece is
+  // the same arithmetic, in the same order, as that piece alone. Against the 16-row chunks of a 128-token
+  // block one by one (each with its own softmax update, keys and values read side by side), the offline
+  // workload's decode attention took 1.39 s instead of 1.72 and the run 15.20 s instead of 15.61, with the
+  // same tokens (2-core AMD EPYC Zen 5, medians of 5 alternating runs in one process).
   template <typename KV>
-  void attend_block(const KV* k_block, const KV* v_block, int64_t count, int64_t group) {
+  void score_piece(const KV* keys, int64_t rows, int64_t p, float* weights, vec16::f32x16* span_max,
+                   int64_t group) const {
     using namespace vec16;
-    constexpr int64_t head_dim = 16 * D;
-    constexpr int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(KV));
-    alignas(64) float weights[kMaxGroup][kMaxBlockSize];
-    f32x16 block_max[kMaxGroup];
-    for (int64_t g = 0; g < group; ++g) block_max[g] = splat(kNegativeInfinity);
-    for (int64_t chunk = 0; chunk < count; chunk += 16) {  // scores
-      const int64_t rows = std::min<int64_t>(16, count - chunk), next_rows = std::min<int64_t>(16, count - chunk - 16);
-      if (next_rows > 0) prefetch_row(reinterpret_cast<const char*>(k_block + (chunk + 16) * head_dim), next_rows * row_bytes);
-      else if (count > 16) prefetch_row(reinterpret_cast<const char*>(v_block), 16 * row_bytes);
-      const KV* keys = k_block + chunk * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
-        f32x16 products[16];
-        for (int64_t t = 0; t < 16; ++t) products[t] = dot_lanes(g, keys + std::min(t, rows - 1) * head_dim);
-        const f32x16 scores = keep_first(sum_each(products), rows, kNegativeInfinity);  // lanes past rows masked
-        store16(weights[g] + chunk, scores);
-        block_max[g] = maximum(block_max[g], scores);
-      }
+    for (int64_t g = 0; g < group; ++g) {
+      f32x16 products[16];
+      for (int64_t t = 0; t < 16; ++t) products[t] = dot_lanes(g, keys + std::min(t, rows - 1) * 16 * D);
+      const f32x16 scores = keep_first(sum_each(products), rows, kNegativeInfinity);  // lanes past rows masked
+      store16(weights + g * kMaxPieces * 16 + 16 * p, scores);
+      span_max[g] = p == 0 ? scores : maximum(span_max[g], scores);
     }
-    for (int64_t g = 0; g < group; ++g) {  // the softmax update, then the block's weights
-      const float new_max = horizontal_max(block_max[g]);
-      if (new_max > running_max[g]) {  // rescale what was accumulated (by 0 on the first block)
+  }
+
+  void update(float* weights, const vec16::f32x16* span_max, int64_t pieces, int64_t group) {
+    using namespace vec16;
+    for (int64_t g = 0; g < group; ++g) {  // the softmax update, then the span's weights
+      const float new_max = horizontal_max(span_max[g]);
+      if (new_max > running_max[g]) {  // rescale what was accumulated (by 0 on the first span)
         const float correction = std::exp(running_max[g] - new_max);
         running_max[g] = new_max;
         for (int d = 0; d < D; ++d) acc[g][d] *= correction;
         denominator[g] *= correction;
       }
-      for (int64_t chunk = 0; chunk < count; chunk += 16) {
-        const f32x16 p = exp16(load16(weights[g] + chunk) - running_max[g]);
-        denominator[g] += p;
-        store16(weights[g] + chunk, p);
+      float* w = weights + g * kMaxPieces * 16;
+      for (int64_t p = 0; p < pieces; ++p) {
+        const f32x16 weight = exp16(load16(w + 16 * p) - running_max[g]);
+        denominator[g] += weight;
+        store16(w + 16 * p, weight);
       }
     }
-    for (int64_t chunk = 0; chunk < count; chunk += 16) {  // weighted values
-      const int64_t rows = std::min<int64_t>(16, count - chunk), next_rows = std::min<int64_t>(16, count - chunk - 16);
-      if (next_rows > 0) prefetch_row(reinterpret_cast<const char*>(v_block + (chunk + 16) * head_dim), next_rows * row_bytes);
-      for (int64_t t = chunk; t < chunk + rows; ++t) {
-        f32x16 value[D];
-        for (int d = 0; d < D; ++d) value[d] = load16(v_block + t * head_dim + 16 * d);
-        for (int64_t g = 0; g < group; ++g)
-          for (int d = 0; d < D; ++d) acc[g][d] += weights[g][t] * value[d];
-      }
+  }
+
+  template <typename KV>
+  void add_values(const KV* values, int64_t rows, int64_t p, const float* weights, int64_t group) {
+    using namespace vec16;
+    for (int64_t t = 0; t < rows; ++t) {
+      f32x16 value[D];
+      for (int d = 0; d < D; ++d) value[d] = load16(values + t * 16 * D + 16 * d);
+      for (int64_t g = 0; g < group; ++g)
+        for (int d = 0; d < D; ++d) acc[g][d] += weights[g * kMaxPieces * 16 + 16 * p + t] * value[d];
+    }
+  }
+
+  // One head's span, the three stages in turn. Each pass fetches its next piece while the piece in hand
+  // computes, and the keys' last piece fetches the values' first. With head_dim 64 a chunk's keys (and its
+  // values) fill one 4 KB page, where the hardware prefetcher stops; fetching one chunk ahead read 64 requests
+  // x 320 tokens in 128-token blocks at 33.5 GB/s against 26.2 without (Zen 5, C++ harness, medians of 7; two
+  // chunks ahead: 29.9).
+  template <typename KV>
+  void attend_span(const KV* k_base, const KV* v_base, const Span& span, int64_t group) {
+    constexpr int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(KV));
+    alignas(64) float weights[kMaxGroup * kMaxPieces * 16];
+    vec16::f32x16 span_max[kMaxGroup];
+    for (int64_t p = 0; p < span.pieces; ++p) {
+      if (p + 1 < span.pieces) prefetch_row(reinterpret_cast<const char*>(k_base + span.offset[p + 1]), span.rows[p + 1] * row_bytes);
+      else if (span.pieces > 1) prefetch_row(reinterpret_cast<const char*>(v_base + span.offset[0]), span.rows[0] * row_bytes);
+      score_piece(k_base + span.offset[p], span.rows[p], p, weights, span_max, group);
+    }
+    update(weights, span_max, span.pieces, group);
+    for (int64_t p = 0; p < span.pieces; ++p) {
+      if (p + 1 < span.pieces) prefetch_row(reinterpret_cast<const char*>(v_base + span.offset[p + 1]), span.rows[p + 1] * row_bytes);
+      add_values(v_base + span.offset[p], span.rows[p], p, weights, group);
     }
   }
 
@@ -338,34 +389,31 @@ struct HeadState {
   }
 };
 
-// The geometry both drivers share: query heads per KV head, and one layer of the cache.
-struct DecodeShape {
-  int64_t group, block_size, block_stride, head_stride;
-};
-
 // One (request, KV head) as attend_one_head, head_dim = 16 * D.
 template <int D, typename KV>
 void attend_head16(const float* q_group, const KV* k_head, const KV* v_head, const int64_t* table,
                    int64_t length, const DecodeShape& shape, float scale, float* out_group) {
+  constexpr int64_t head_dim = 16 * D;
   HeadState<D> state;
   state.start(q_group, shape.group, scale);
   if constexpr (!std::is_same_v<KV, float>) state.start_pairs(shape.group);
-  const int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(KV));
-  for (int64_t block_start = 0; block_start < length; block_start += shape.block_size) {
-    const int64_t block = table[block_start / shape.block_size];
-    const int64_t in_block = std::min(shape.block_size, length - block_start);
-    if (block_start + shape.block_size < length) {  // the next block's first keys and values, fetched now
-      const int64_t next = table[block_start / shape.block_size + 1];
-      const int64_t prefetch_bytes = std::min(in_block, kPrefetchRows) * row_bytes;
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(KV));
+  const int64_t span_rows = Span::blocks_for(shape.block_size) * shape.block_size;
+  for (int64_t start = 0; start < length; start += span_rows) {
+    const Span span(table, start, std::min(span_rows, length - start), shape, head_dim);
+    if (start + span_rows < length) {  // the next span's first keys and values, fetched now
+      const int64_t next = table[(start + span_rows) / shape.block_size];
+      const int64_t prefetch_bytes = std::min(shape.block_size, kPrefetchRows) * row_bytes;
       prefetch_row(reinterpret_cast<const char*>(k_head + next * shape.block_stride), prefetch_bytes);
       prefetch_row(reinterpret_cast<const char*>(v_head + next * shape.block_stride), prefetch_bytes);
     }
-    state.attend_block(k_head + block * shape.block_stride, v_head + block * shape.block_stride, in_block, shape.group);
+    state.attend_span(k_head, v_head, span, shape.group);
   }
   state.finish(out_group, shape.group);
 }
 
-// One request, all num_kv_heads heads, block by block (heads in passes of as many as fit 64 KB of state).
+// One request, all num_kv_heads heads, span by span (heads in passes of as many as fit 64 KB of state and 64 KB
+// of weights).
 template <int D, typename KV>
 void attend_request16(const float* q_request, const KV* k_layer, const KV* v_layer, const int64_t* table,
                       int64_t length, int64_t num_kv_heads, const DecodeShape& shape, float scale,
@@ -373,28 +421,51 @@ void attend_request16(const float* q_request, const KV* k_layer, const KV* v_lay
   constexpr int64_t kHeadsPerPass = std::max<int64_t>(1, 65536 / sizeof(HeadState<D>));
   constexpr int64_t head_dim = 16 * D;
   const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(KV));
+  const int64_t span_rows = Span::blocks_for(shape.block_size) * shape.block_size;
+  // A head's scores and weights take group x kMaxPieces x 16 floats: at most 64 KB of them for a pass.
+  const int64_t head_weights = shape.group * kMaxPieces * 16;
+  const int64_t heads_per_pass = std::min<int64_t>(kHeadsPerPass, (16384 / head_weights));
   HeadState<D> states[kHeadsPerPass];
-  for (int64_t first = 0; first < num_kv_heads; first += kHeadsPerPass) {
-    const int64_t heads = std::min(kHeadsPerPass, num_kv_heads - first);
+  alignas(64) float weights[16384];
+  vec16::f32x16 span_max[kHeadsPerPass][kMaxGroup];
+  // Heads [first, first + heads) of one piece: rows at `offset` from each head's base.
+  const auto prefetch_heads = [&](const KV* layer, int64_t first, int64_t heads, int64_t offset, int64_t bytes) {
+    for (int64_t h = first; h < first + heads; ++h)
+      prefetch_row(reinterpret_cast<const char*>(layer + h * shape.head_stride + offset), bytes);
+  };
+  for (int64_t first = 0; first < num_kv_heads; first += heads_per_pass) {
+    const int64_t heads = std::min(heads_per_pass, num_kv_heads - first);
     for (int64_t h = 0; h < heads; ++h) {
       states[h].start(q_request + (first + h) * shape.group * head_dim, shape.group, scale);
       if constexpr (!std::is_same_v<KV, float>) states[h].start_pairs(shape.group);
     }
-    for (int64_t block_start = 0; block_start < length; block_start += shape.block_size) {
-      const int64_t block = table[block_start / shape.block_size];
-      const int64_t in_block = std::min(shape.block_size, length - block_start);
-      if (block_start + shape.block_size < length) {  // every head's first rows of the next block
-        const int64_t next = table[block_start / shape.block_size + 1] * shape.block_stride;
-        const int64_t prefetch_bytes = std::min(in_block, kPrefetchRows) * row_bytes;
+    for (int64_t start = 0; start < length; start += span_rows) {
+      const Span span(table, start, std::min(span_rows, length - start), shape, head_dim);
+      if (start + span_rows < length) {  // every head's first rows of the next span
+        const int64_t next = table[(start + span_rows) / shape.block_size] * shape.block_stride;
+        const int64_t prefetch_bytes = std::min(shape.block_size, kPrefetchRows) * row_bytes;
         for (int64_t h = first; h < first + heads; ++h) {
           prefetch_row(reinterpret_cast<const char*>(k_layer + h * shape.head_stride + next), prefetch_bytes);
           prefetch_row(reinterpret_cast<const char*>(v_layer + h * shape.head_stride + next), prefetch_bytes);
         }
       }
-      const int64_t offset = block * shape.block_stride;
+      // The three stages, each piece for every head before the next piece: a block's keys of every head lie
+      // together in the cache (and its values), so each piece is read as one run of heads x rows.
+      for (int64_t p = 0; p < span.pieces; ++p) {
+        if (p + 1 < span.pieces) prefetch_heads(k_layer, first, heads, span.offset[p + 1], span.rows[p + 1] * row_bytes);
+        else if (span.pieces > 1) prefetch_heads(v_layer, first, heads, span.offset[0], span.rows[0] * row_bytes);
+        for (int64_t h = 0; h < heads; ++h)
+          states[h].score_piece(k_layer + (first + h) * shape.head_stride + span.offset[p], span.rows[p], p,
+                                weights + h * head_weights, span_max[h], shape.group);
+      }
       for (int64_t h = 0; h < heads; ++h)
-        states[h].attend_block(k_layer + (first + h) * shape.head_stride + offset,
-                               v_layer + (first + h) * shape.head_stride + offset, in_block, shape.group);
+        states[h].update(weights + h * head_weights, span_max[h], span.pieces, shape.group);
+      for (int64_t p = 0; p < span.pieces; ++p) {
+        if (p + 1 < span.pieces) prefetch_heads(v_layer, first, heads, span.offset[p + 1], span.rows[p + 1] * row_bytes);
+        for (int64_t h = 0; h < heads; ++h)
+          states[h].add_values(v_layer + (first + h) * shape.head_stride + span.offset[p], span.rows[p], p,
+                               weights + h * head_weights, shape.group);
+      }
     }
     for (int64_t h = 0; h < heads; ++h) states[h].finish(out_request + (first + h) * shape.group * head_dim, shape.group);
   }

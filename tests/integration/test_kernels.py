@@ -79,6 +79,13 @@ MANY_LENGTHS = [1, 15, 16, 17, 33, 100, 2, 31] * 8
         (8, 4, 128, 32, MANY_LENGTHS),  # head size 128, whole requests
         (4, 1, 256, 32, [1, 31, 32, 33, 100]),  # head size 256
         (8, 2, 64, 256, [1, 255, 256, 257, 600] * 10),  # the largest block the kernel takes
+        # Spans of several blocks (up to 128 rows in one softmax update), lengths on and one past span ends
+        (9, 3, 64, 16, [127, 128, 129, 256, 257, 1000]),  # 8 blocks of 16 a span, per (request, head)
+        (9, 3, 64, 16, [127, 128, 129, 256, 257, 1000] * 11),  # and whole requests
+        (6, 2, 32, 24, [23, 24, 25, 120, 121, 500] * 11),  # 24-token blocks: pieces of 16 and 8 rows, 5 a span
+        (4, 4, 64, 8, [7, 8, 9, 128, 129, 700]),  # 8-token blocks: 16 pieces a span
+        (8, 1, 128, 48, [47, 48, 49, 96, 97, 300]),  # 48-token blocks: 2 a span (96 rows)
+        (96, 6, 32, 16, [1, 128, 129, 300] * 16),  # groups of 16: the weights fit 4 heads a pass, so 2 passes
     ],
 )
 def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, block_size, lengths):
