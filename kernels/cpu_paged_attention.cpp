@@ -51,10 +51,6 @@ constexpr int64_t kMaxHeadDim = 256;
 // Below this many requests per thread, tasks are (request, KV head) pairs, so that a few requests still
 // fill every thread; from it on, whole requests (see attend_request16).
 constexpr int64_t kRequestsPerThreadForWholeRequests = 4;
-// Rows of the next block prefetched per head while a block computes: all of a 16-token block; of larger
-// blocks only their start, the hardware prefetcher streaming the rest (prefetching all of a 128-token block
-// at once, 192 KB for SmolLM, read it at 25 GB/s against 27 for its first 16 rows or none, 2-core Zen 4).
-constexpr int64_t kPrefetchRows = 16;
 
 // scores[t] = exp(scores[t] - shift) for t < count; returns their sum.
 inline float exp_shifted_sum(float* scores, int64_t count, float shift) {
@@ -233,6 +229,7 @@ struct Span {
   int64_t offset[kMaxPieces];  // from the head's base to the piece's first row
   int64_t rows[kMaxPieces];    // 1 to 16
   int64_t pieces = 0;
+  int64_t next_offset = 0, next_rows = 0;  // the next span's first piece (no rows: this span is the last)
 
   // Blocks per span: as many as fit kSpanRows rows and kMaxPieces pieces, at least one.
   static int64_t blocks_for(int64_t block_size) {
@@ -241,7 +238,10 @@ struct Span {
   }
 
   // Rows [start, start + count) of a request (start at a block's first row) whose blocks are `table`.
-  Span(const int64_t* table, int64_t start, int64_t count, const DecodeShape& shape, int64_t head_dim) {
+  // Rows [start, start + count) of a request of `length` rows (start at a block's first row) whose blocks are
+  // `table`.
+  Span(const int64_t* table, int64_t start, int64_t count, int64_t length, const DecodeShape& shape,
+       int64_t head_dim) {
     for (int64_t row = 0; row < count;) {
       const int64_t position = start + row, in_block = position % shape.block_size;
       const int64_t rows_here = std::min({int64_t{16}, shape.block_size - in_block, count - row});
@@ -249,6 +249,23 @@ struct Span {
       this->rows[pieces++] = rows_here;
       row += rows_here;
     }
+    if (start + count < length) {
+      next_offset = table[(start + count) / shape.block_size] * shape.block_stride;
+      next_rows = std::min({int64_t{16}, shape.block_size, length - start - count});
+    }
+  }
+
+  // What is read after key piece p, and after value piece p: where it lies from a head's base (the keys' or the
+  // values'), and its rows (none: nothing follows).
+  struct Ahead {
+    bool values;
+    int64_t offset, rows;
+  };
+  Ahead after_keys(int64_t p) const {
+    return p + 1 < pieces ? Ahead{false, offset[p + 1], rows[p + 1]} : Ahead{true, offset[0], rows[0]};
+  }
+  Ahead after_values(int64_t p) const {
+    return p + 1 < pieces ? Ahead{true, offset[p + 1], rows[p + 1]} : Ahead{false, next_offset, next_rows};
   }
 };
 
@@ -315,16 +332,70 @@ struct HeadState {
   // block one by one (each with its own softmax update, keys and values read side by side), the offline
   // workload's decode attention took 1.39 s instead of 1.72 and the run 15.20 s instead of 15.61, with the
   // same tokens (2-core AMD EPYC Zen 5, medians of 5 alternating runs in one process).
+  //
+  // Each stage fetches the piece read after it (`ahead`, `ahead_rows` rows) one row per row it computes, so that
+  // the fetches spread over the piece's arithmetic. Fetching a whole piece (or every head's) at once, before
+  // computing, stalled on the prefetches: a profile put a quarter of the kernel's time on them, the core waiting
+  // for free miss buffers. Spread out, 64 requests x 320 tokens x 30 layers read the cache at 29 GB/s against
+  // 22-24 (2-core AMD EPYC Zen 4, 128- and 16-token blocks alike). Fetching ahead at all matters because with
+  // head_dim 64 a piece's keys (and its values) fill one 4 KB page, where the hardware prefetcher stops: one
+  // chunk ahead read 64 requests x 320 tokens in 128-token blocks at 33.5 GB/s against 26.2 without (Zen 5,
+  // C++ harness, medians of 7; two chunks ahead: 29.9).
+  // Query heads at once in score_piece and add_values: as many as keep their queries (or accumulators) in half
+  // the vector registers, up to 4. Each key or value row is then loaded once for them all: Zen 4 loads one
+  // 64-byte vector a cycle, and loading a row (and the queries) again for each head left the multiply-adds
+  // waiting on loads.
+  static constexpr int kHeadsAtOnce = std::clamp((vec16::kVectorRegisters == 32 ? 16 : 4) / D, 1, 4);
+
   template <typename KV>
   void score_piece(const KV* keys, int64_t rows, int64_t p, float* weights, vec16::f32x16* span_max,
-                   int64_t group) const {
+                   int64_t group, const KV* ahead, int64_t ahead_rows) const {
+    for (int64_t g = 0; g < group; g += kHeadsAtOnce) {
+      const int64_t fetch_rows = g == 0 ? ahead_rows : 0;
+      switch (std::min<int64_t>(kHeadsAtOnce, group - g)) {
+        case 1: score_heads<1>(g, keys, rows, p, weights, span_max, ahead, fetch_rows); break;
+        case 2: score_heads<std::min(2, kHeadsAtOnce)>(g, keys, rows, p, weights, span_max, ahead, fetch_rows); break;
+        case 3: score_heads<std::min(3, kHeadsAtOnce)>(g, keys, rows, p, weights, span_max, ahead, fetch_rows); break;
+        default: score_heads<kHeadsAtOnce>(g, keys, rows, p, weights, span_max, ahead, fetch_rows); break;
+      }
+    }
+  }
+
+  // Query heads [g0, g0 + NG) against a piece's keys: each key row loaded once, then its NG dot products (the
+  // same operations, in the same order, as dot_lanes).
+  template <int NG, typename KV>
+  void score_heads(int64_t g0, const KV* keys, int64_t rows, int64_t p, float* weights, vec16::f32x16* span_max,
+                   const KV* ahead, int64_t ahead_rows) const {
     using namespace vec16;
-    for (int64_t g = 0; g < group; ++g) {
-      f32x16 products[16];
-      for (int64_t t = 0; t < 16; ++t) products[t] = dot_lanes(g, keys + std::min(t, rows - 1) * 16 * D);
-      const f32x16 scores = keep_first(sum_each(products), rows, kNegativeInfinity);  // lanes past rows masked
-      store16(weights + g * kMaxPieces * 16 + 16 * p, scores);
-      span_max[g] = p == 0 ? scores : maximum(span_max[g], scores);
+    constexpr int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(KV));
+    f32x16 products[NG][16];
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t < ahead_rows) prefetch_row(reinterpret_cast<const char*>(ahead + t * 16 * D), row_bytes);
+      const KV* key = keys + std::min(t, rows - 1) * 16 * D;
+#ifdef SPLITSERVE_BFLOAT16_DOT
+      if constexpr (kPairs && !std::is_same_v<KV, float>) {
+        __m512bh pairs[D / 2];
+        for (int d = 0; d < D / 2; ++d) pairs[d] = (__m512bh)_mm512_loadu_si512(key + 32 * d);
+        for (int i = 0; i < NG; ++i) {
+          __m512 sum = _mm512_setzero_ps();
+          for (int d = 0; d < D / 2; ++d) sum = _mm512_dpbf16_ps(sum, q_pairs[g0 + i][d], pairs[d]);
+          products[i][t] = (f32x16)sum;
+        }
+        continue;
+      }
+#endif
+      f32x16 k[D];
+      for (int d = 0; d < D; ++d) k[d] = load16(key + 16 * d);
+      for (int i = 0; i < NG; ++i) {
+        f32x16 sum = q[g0 + i][0] * k[0];
+        for (int d = 1; d < D; ++d) sum += q[g0 + i][d] * k[d];
+        products[i][t] = sum;
+      }
+    }
+    for (int i = 0; i < NG; ++i) {
+      const f32x16 scores = keep_first(sum_each(products[i]), rows, kNegativeInfinity);  // lanes past rows masked
+      store16(weights + (g0 + i) * kMaxPieces * 16 + 16 * p, scores);
+      span_max[g0 + i] = p == 0 ? scores : maximum(span_max[g0 + i], scores);
     }
   }
 
@@ -348,35 +419,58 @@ struct HeadState {
   }
 
   template <typename KV>
-  void add_values(const KV* values, int64_t rows, int64_t p, const float* weights, int64_t group) {
+  void add_values(const KV* values, int64_t rows, int64_t p, const float* weights, int64_t group, const KV* ahead,
+                  int64_t ahead_rows) {
     using namespace vec16;
-    for (int64_t t = 0; t < rows; ++t) {
-      f32x16 value[D];
-      for (int d = 0; d < D; ++d) value[d] = load16(values + t * 16 * D + 16 * d);
-      for (int64_t g = 0; g < group; ++g)
-        for (int d = 0; d < D; ++d) acc[g][d] += weights[g * kMaxPieces * 16 + 16 * p + t] * value[d];
+    constexpr int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(KV));
+    for (int64_t t = rows; t < ahead_rows; ++t) prefetch_row(reinterpret_cast<const char*>(ahead + t * 16 * D), row_bytes);
+    for (int64_t t = 0; t < std::min(rows, ahead_rows); ++t)
+      prefetch_row(reinterpret_cast<const char*>(ahead + t * 16 * D), row_bytes);
+    for (int64_t g = 0; g < group; g += kHeadsAtOnce) {
+      switch (std::min<int64_t>(kHeadsAtOnce, group - g)) {
+        case 1: add_heads<1>(g, values, rows, p, weights); break;
+        case 2: add_heads<std::min(2, kHeadsAtOnce)>(g, values, rows, p, weights); break;
+        case 3: add_heads<std::min(3, kHeadsAtOnce)>(g, values, rows, p, weights); break;
+        default: add_heads<kHeadsAtOnce>(g, values, rows, p, weights); break;
+      }
     }
   }
 
-  // One head's span, the three stages in turn. Each pass fetches its next piece while the piece in hand
-  // computes, and the keys' last piece fetches the values' first. With head_dim 64 a chunk's keys (and its
-  // values) fill one 4 KB page, where the hardware prefetcher stops; fetching one chunk ahead read 64 requests
-  // x 320 tokens in 128-token blocks at 33.5 GB/s against 26.2 without (Zen 5, C++ harness, medians of 7; two
-  // chunks ahead: 29.9).
+  // Query heads [g0, g0 + NG), their accumulators in registers over the piece's rows, each value row loaded
+  // once for them all (the same operations, in the same order, for each head).
+  template <int NG, typename KV>
+  void add_heads(int64_t g0, const KV* values, int64_t rows, int64_t p, const float* weights) {
+    using namespace vec16;
+    f32x16 sum[NG][D];
+    for (int i = 0; i < NG; ++i)
+      for (int d = 0; d < D; ++d) sum[i][d] = acc[g0 + i][d];
+    for (int64_t t = 0; t < rows; ++t) {
+      f32x16 value[D];
+      for (int d = 0; d < D; ++d) value[d] = load16(values + t * 16 * D + 16 * d);
+      for (int i = 0; i < NG; ++i) {
+        const f32x16 weight = splat(weights[(g0 + i) * kMaxPieces * 16 + 16 * p + t]);
+        for (int d = 0; d < D; ++d) sum[i][d] += weight * value[d];
+      }
+    }
+    for (int i = 0; i < NG; ++i)
+      for (int d = 0; d < D; ++d) acc[g0 + i][d] = sum[i][d];
+  }
+
+  // One head's span, the three stages in turn, each fetching what the next reads.
   template <typename KV>
   void attend_span(const KV* k_base, const KV* v_base, const Span& span, int64_t group) {
-    constexpr int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(KV));
     alignas(64) float weights[kMaxGroup * kMaxPieces * 16];
     vec16::f32x16 span_max[kMaxGroup];
     for (int64_t p = 0; p < span.pieces; ++p) {
-      if (p + 1 < span.pieces) prefetch_row(reinterpret_cast<const char*>(k_base + span.offset[p + 1]), span.rows[p + 1] * row_bytes);
-      else if (span.pieces > 1) prefetch_row(reinterpret_cast<const char*>(v_base + span.offset[0]), span.rows[0] * row_bytes);
-      score_piece(k_base + span.offset[p], span.rows[p], p, weights, span_max, group);
+      const Span::Ahead ahead = span.after_keys(p);
+      score_piece(k_base + span.offset[p], span.rows[p], p, weights, span_max, group,
+                  (ahead.values ? v_base : k_base) + ahead.offset, ahead.rows);
     }
     update(weights, span_max, span.pieces, group);
     for (int64_t p = 0; p < span.pieces; ++p) {
-      if (p + 1 < span.pieces) prefetch_row(reinterpret_cast<const char*>(v_base + span.offset[p + 1]), span.rows[p + 1] * row_bytes);
-      add_values(v_base + span.offset[p], span.rows[p], p, weights, group);
+      const Span::Ahead ahead = span.after_values(p);
+      add_values(v_base + span.offset[p], span.rows[p], p, weights, group,
+                 (ahead.values ? v_base : k_base) + ahead.offset, ahead.rows);
     }
   }
 
@@ -393,22 +487,13 @@ struct HeadState {
 template <int D, typename KV>
 void attend_head16(const float* q_group, const KV* k_head, const KV* v_head, const int64_t* table,
                    int64_t length, const DecodeShape& shape, float scale, float* out_group) {
-  constexpr int64_t head_dim = 16 * D;
   HeadState<D> state;
   state.start(q_group, shape.group, scale);
   if constexpr (!std::is_same_v<KV, float>) state.start_pairs(shape.group);
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(KV));
   const int64_t span_rows = Span::blocks_for(shape.block_size) * shape.block_size;
-  for (int64_t start = 0; start < length; start += span_rows) {
-    const Span span(table, start, std::min(span_rows, length - start), shape, head_dim);
-    if (start + span_rows < length) {  // the next span's first keys and values, fetched now
-      const int64_t next = table[(start + span_rows) / shape.block_size];
-      const int64_t prefetch_bytes = std::min(shape.block_size, kPrefetchRows) * row_bytes;
-      prefetch_row(reinterpret_cast<const char*>(k_head + next * shape.block_stride), prefetch_bytes);
-      prefetch_row(reinterpret_cast<const char*>(v_head + next * shape.block_stride), prefetch_bytes);
-    }
-    state.attend_span(k_head, v_head, span, shape.group);
-  }
+  for (int64_t start = 0; start < length; start += span_rows)
+    state.attend_span(k_head, v_head, Span(table, start, std::min(span_rows, length - start), length, shape, 16 * D),
+                      shape.group);
   state.finish(out_group, shape.group);
 }
 
@@ -420,19 +505,13 @@ void attend_request16(const float* q_request, const KV* k_layer, const KV* v_lay
                       float* out_request) {
   constexpr int64_t kHeadsPerPass = std::max<int64_t>(1, 65536 / sizeof(HeadState<D>));
   constexpr int64_t head_dim = 16 * D;
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(KV));
   const int64_t span_rows = Span::blocks_for(shape.block_size) * shape.block_size;
   // A head's scores and weights take group x kMaxPieces x 16 floats: at most 64 KB of them for a pass.
   const int64_t head_weights = shape.group * kMaxPieces * 16;
-  const int64_t heads_per_pass = std::min<int64_t>(kHeadsPerPass, (16384 / head_weights));
+  const int64_t heads_per_pass = std::min<int64_t>(kHeadsPerPass, 16384 / head_weights);
   HeadState<D> states[kHeadsPerPass];
   alignas(64) float weights[16384];
   vec16::f32x16 span_max[kHeadsPerPass][kMaxGroup];
-  // Heads [first, first + heads) of one piece: rows at `offset` from each head's base.
-  const auto prefetch_heads = [&](const KV* layer, int64_t first, int64_t heads, int64_t offset, int64_t bytes) {
-    for (int64_t h = first; h < first + heads; ++h)
-      prefetch_row(reinterpret_cast<const char*>(layer + h * shape.head_stride + offset), bytes);
-  };
   for (int64_t first = 0; first < num_kv_heads; first += heads_per_pass) {
     const int64_t heads = std::min(heads_per_pass, num_kv_heads - first);
     for (int64_t h = 0; h < heads; ++h) {
@@ -440,31 +519,27 @@ void attend_request16(const float* q_request, const KV* k_layer, const KV* v_lay
       if constexpr (!std::is_same_v<KV, float>) states[h].start_pairs(shape.group);
     }
     for (int64_t start = 0; start < length; start += span_rows) {
-      const Span span(table, start, std::min(span_rows, length - start), shape, head_dim);
-      if (start + span_rows < length) {  // every head's first rows of the next span
-        const int64_t next = table[(start + span_rows) / shape.block_size] * shape.block_stride;
-        const int64_t prefetch_bytes = std::min(shape.block_size, kPrefetchRows) * row_bytes;
-        for (int64_t h = first; h < first + heads; ++h) {
-          prefetch_row(reinterpret_cast<const char*>(k_layer + h * shape.head_stride + next), prefetch_bytes);
-          prefetch_row(reinterpret_cast<const char*>(v_layer + h * shape.head_stride + next), prefetch_bytes);
-        }
-      }
+      const Span span(table, start, std::min(span_rows, length - start), length, shape, head_dim);
       // The three stages, each piece for every head before the next piece: a block's keys of every head lie
       // together in the cache (and its values), so each piece is read as one run of heads x rows.
       for (int64_t p = 0; p < span.pieces; ++p) {
-        if (p + 1 < span.pieces) prefetch_heads(k_layer, first, heads, span.offset[p + 1], span.rows[p + 1] * row_bytes);
-        else if (span.pieces > 1) prefetch_heads(v_layer, first, heads, span.offset[0], span.rows[0] * row_bytes);
-        for (int64_t h = 0; h < heads; ++h)
-          states[h].score_piece(k_layer + (first + h) * shape.head_stride + span.offset[p], span.rows[p], p,
-                                weights + h * head_weights, span_max[h], shape.group);
+        const Span::Ahead ahead = span.after_keys(p);
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t head = (first + h) * shape.head_stride;
+          states[h].score_piece(k_layer + head + span.offset[p], span.rows[p], p, weights + h * head_weights,
+                                span_max[h], shape.group, (ahead.values ? v_layer : k_layer) + head + ahead.offset,
+                                ahead.rows);
+        }
       }
       for (int64_t h = 0; h < heads; ++h)
         states[h].update(weights + h * head_weights, span_max[h], span.pieces, shape.group);
       for (int64_t p = 0; p < span.pieces; ++p) {
-        if (p + 1 < span.pieces) prefetch_heads(v_layer, first, heads, span.offset[p + 1], span.rows[p + 1] * row_bytes);
-        for (int64_t h = 0; h < heads; ++h)
-          states[h].add_values(v_layer + (first + h) * shape.head_stride + span.offset[p], span.rows[p], p,
-                               weights + h * head_weights, shape.group);
+        const Span::Ahead ahead = span.after_values(p);
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t head = (first + h) * shape.head_stride;
+          states[h].add_values(v_layer + head + span.offset[p], span.rows[p], p, weights + h * head_weights,
+                               shape.group, (ahead.values ? v_layer : k_layer) + head + ahead.offset, ahead.rows);
+        }
       }
     }
     for (int64_t h = 0; h < heads; ++h) states[h].finish(out_request + (first + h) * shape.group * head_dim, shape.group);
