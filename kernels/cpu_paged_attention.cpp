@@ -1,6 +1,6 @@
 // Paged decode attention for CPUs: one query token per request, keys and values
 // read straight from the paged KV cache (no gathered copy), softmax computed
-// online block by block. Parallel with OpenMP over (request, KV head) pairs, or
+// online block by block (span by span on 16-float vectors: see Span). Parallel with OpenMP over (request, KV head) pairs, or
 // over requests when there are enough of them.
 //
 // Layouts (query and output float32; the cache float32 or bfloat16, read as float32 or, for the keys, in
@@ -188,14 +188,15 @@ void attend_one_head(const float* q_group, const KV* k_head, const KV* v_head, c
 
 // ---- 16-key tiles on 16-float vectors (head_dim a multiple of 16) ---------------------------------
 //
-// The same attention, written for wide vectors: per chunk of up to 16 keys, each query head's 16 dot
+// The same attention, written for wide vectors: per piece of up to 16 keys, each query head's 16 dot
 // products are summed into one vector at once (a transpose-and-add tree instead of a horizontal sum
-// per key), the chunk's softmax runs on that vector, and the weighted values accumulate on vectors.
-// The softmax denominators stay lane-wise vectors until the end, and a chunk's maximum is a shuffle
-// tree, so no chunk waits on a chain of scalar operations. Two ways to share the work out:
+// per key), a span's pieces share one softmax update on those vectors, and the weighted values
+// accumulate on vectors. The softmax denominators stay lane-wise vectors until the end, and a span's
+// maximum is a shuffle tree, so no piece waits on a chain of scalar operations. Two ways to share the
+// work out:
 //  - attend_head16: one (request, KV head) per task, as attend_one_head; used when there are few
 //    requests, so that one request's heads still spread over the threads.
-//  - attend_request16: one request per task, all its KV heads block by block. A block's keys and values
+//  - attend_request16: one request per task, all its KV heads span by span. A block's keys and values
 //    of every head of a layer lie together in the cache (2 x kv_heads x block_size x head_dim floats,
 //    24 KB for SmolLM), so each block is read as one piece instead of 2 x kv_heads pieces of 4 KB.
 //    Measured on a 2-core AMD EPYC (Zen 4), 64 requests x 320 tokens x 30 layers from memory:

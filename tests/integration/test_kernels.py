@@ -686,6 +686,7 @@ def block_major_like(key_cache, value_cache, dtype):
         (9, 3, 64, 16, [1, 15, 16, 17, 300, 576]),  # per (request, KV head)
         (9, 3, 64, 16, MANY_LENGTHS),  # whole requests per thread
         (8, 1, 128, 128, [1, 127, 128, 129, 2000] * 8),  # head size 128, eight query heads per KV head
+        (16, 2, 64, 16, [1, 127, 128, 129, 300] * 4),  # sixteen query heads per KV head: 4 at once, 4 times
         (6, 2, 48, 16, MANY_LENGTHS),  # the per-key loop
     ],
 )
