@@ -238,7 +238,6 @@ struct Span {
     return std::max<int64_t>(1, std::min(kSpanRows / block_size, kMaxPieces / pieces_per_block));
   }
 
-  // Rows [start, start + count) of a request (start at a block's first row) whose blocks are `table`.
   // Rows [start, start + count) of a request of `length` rows (start at a block's first row) whose blocks are
   // `table`.
   Span(const int64_t* table, int64_t start, int64_t count, int64_t length, const DecodeShape& shape,
