@@ -304,26 +304,6 @@ struct HeadState {
 #endif
   }
 
-  // Query head g against one key row, as 16 lanes whose sum is the dot product.
-  vec16::f32x16 dot_lanes(int64_t g, const float* key) const {
-    vec16::f32x16 sum = q[g][0] * vec16::load16(key);
-    for (int d = 1; d < D; ++d) sum += q[g][d] * vec16::load16(key + 16 * d);
-    return sum;
-  }
-
-  vec16::f32x16 dot_lanes(int64_t g, const vec16::BFloat16* key) const {
-#ifdef SPLITSERVE_BFLOAT16_DOT
-    if constexpr (kPairs) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int d = 0; d < D / 2; ++d) sum = _mm512_dpbf16_ps(sum, q_pairs[g][d], (__m512bh)_mm512_loadu_si512(key + 32 * d));
-      return (vec16::f32x16)sum;
-    }
-#endif
-    vec16::f32x16 sum = q[g][0] * vec16::load16(key);
-    for (int d = 1; d < D; ++d) sum += q[g][d] * vec16::load16(key + 16 * d);
-    return sum;
-  }
-
   // Attending to a span takes three stages: every piece's scores (score_piece, reading the keys as one stream),
   // one softmax update for the whole span (update), then the weighted values (add_values, reading the values as
   // one stream). `weights` holds the group's scores, then weights: query head g's of piece p at
@@ -333,9 +313,10 @@ struct HeadState {
   // workload's decode attention took 1.39 s instead of 1.72 and the run 15.20 s instead of 15.61, with the
   // same tokens (2-core AMD EPYC Zen 5, medians of 5 alternating runs in one process).
   //
-  // Each stage fetches the piece read after it (`ahead`, `ahead_rows` rows) one row per row it computes, so that
-  // the fetches spread over the piece's arithmetic. Fetching a whole piece (or every head's) at once, before
-  // computing, stalled on the prefetches: a profile put a quarter of the kernel's time on them, the core waiting
+  // Each stage fetches the piece read after it (`ahead`, `ahead_rows` rows): the scores one row per key row they
+  // compute, so that the fetches spread over the piece's arithmetic; the values one head's piece before their
+  // rows. Fetching every head's next piece at once (12 KB for SmolLM) before computing stalled on the
+  // prefetches: a profile put a quarter of the kernel's time on them, the core waiting
   // for free miss buffers. Spread out, 64 requests x 320 tokens x 30 layers read the cache at 29 GB/s against
   // 22-24 (2-core AMD EPYC Zen 4, 128- and 16-token blocks alike). Fetching ahead at all matters because with
   // head_dim 64 a piece's keys (and its values) fill one 4 KB page, where the hardware prefetcher stops: one
@@ -347,22 +328,30 @@ struct HeadState {
   // waiting on loads.
   static constexpr int kHeadsAtOnce = std::clamp((vec16::kVectorRegisters == 32 ? 16 : 4) / D, 1, 4);
 
-  template <typename KV>
-  void score_piece(const KV* keys, int64_t rows, int64_t p, float* weights, vec16::f32x16* span_max,
-                   int64_t group, const KV* ahead, int64_t ahead_rows) const {
+  // f(g, heads) for the group's query heads in batches of up to kHeadsAtOnce, starting at g; `heads` is the
+  // batch's size as a std::integral_constant, for the kernels' template argument.
+  template <typename F>
+  static void for_head_batches(int64_t group, F&& f) {
     for (int64_t g = 0; g < group; g += kHeadsAtOnce) {
-      const int64_t fetch_rows = g == 0 ? ahead_rows : 0;
       switch (std::min<int64_t>(kHeadsAtOnce, group - g)) {
-        case 1: score_heads<1>(g, keys, rows, p, weights, span_max, ahead, fetch_rows); break;
-        case 2: score_heads<std::min(2, kHeadsAtOnce)>(g, keys, rows, p, weights, span_max, ahead, fetch_rows); break;
-        case 3: score_heads<std::min(3, kHeadsAtOnce)>(g, keys, rows, p, weights, span_max, ahead, fetch_rows); break;
-        default: score_heads<kHeadsAtOnce>(g, keys, rows, p, weights, span_max, ahead, fetch_rows); break;
+        case 1: f(g, std::integral_constant<int, 1>{}); break;
+        case 2: f(g, std::integral_constant<int, std::min(2, kHeadsAtOnce)>{}); break;
+        case 3: f(g, std::integral_constant<int, std::min(3, kHeadsAtOnce)>{}); break;
+        default: f(g, std::integral_constant<int, kHeadsAtOnce>{}); break;
       }
     }
   }
 
-  // Query heads [g0, g0 + NG) against a piece's keys: each key row loaded once, then its NG dot products (the
-  // same operations, in the same order, as dot_lanes).
+  template <typename KV>
+  void score_piece(const KV* keys, int64_t rows, int64_t p, float* weights, vec16::f32x16* span_max,
+                   int64_t group, const KV* ahead, int64_t ahead_rows) const {
+    for_head_batches(group, [&](int64_t g, auto heads) {
+      score_heads<decltype(heads)::value>(g, keys, rows, p, weights, span_max, ahead, g == 0 ? ahead_rows : 0);
+    });
+  }
+
+  // Query heads [g0, g0 + NG) against a piece's keys: each key row loaded once, then its NG dot products, each
+  // as 16 lanes whose sum is the product (in VDPBF16PS for a bfloat16 cache where the CPU has it).
   template <int NG, typename KV>
   void score_heads(int64_t g0, const KV* keys, int64_t rows, int64_t p, float* weights, vec16::f32x16* span_max,
                    const KV* ahead, int64_t ahead_rows) const {
@@ -423,17 +412,10 @@ struct HeadState {
                   int64_t ahead_rows) {
     using namespace vec16;
     constexpr int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(KV));
-    for (int64_t t = rows; t < ahead_rows; ++t) prefetch_row(reinterpret_cast<const char*>(ahead + t * 16 * D), row_bytes);
-    for (int64_t t = 0; t < std::min(rows, ahead_rows); ++t)
-      prefetch_row(reinterpret_cast<const char*>(ahead + t * 16 * D), row_bytes);
-    for (int64_t g = 0; g < group; g += kHeadsAtOnce) {
-      switch (std::min<int64_t>(kHeadsAtOnce, group - g)) {
-        case 1: add_heads<1>(g, values, rows, p, weights); break;
-        case 2: add_heads<std::min(2, kHeadsAtOnce)>(g, values, rows, p, weights); break;
-        case 3: add_heads<std::min(3, kHeadsAtOnce)>(g, values, rows, p, weights); break;
-        default: add_heads<kHeadsAtOnce>(g, values, rows, p, weights); break;
-      }
-    }
+    // The values' piece is fetched before its rows, not among them: add_heads walks the rows once per batch of
+    // heads, its sums in registers.
+    for (int64_t t = 0; t < ahead_rows; ++t) prefetch_row(reinterpret_cast<const char*>(ahead + t * 16 * D), row_bytes);
+    for_head_batches(group, [&](int64_t g, auto heads) { add_heads<decltype(heads)::value>(g, values, rows, p, weights); });
   }
 
   // Query heads [g0, g0 + NG), their accumulators in registers over the piece's rows, each value row loaded
