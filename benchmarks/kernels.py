@@ -140,13 +140,15 @@ def cases(args, model: ModelShape, element_size: int) -> list[Case]:
             new_bytes = batch * chunk * (2 * m.q_heads + 2 * m.kv_heads) * m.head_dim * e
             pairs = chunk * cached + chunk * (chunk + 1) // 2  # (query, key) pairs attended, causal
             for tiles in args.prefill_tiles or [None]:
-                label = f" tiles {format_tiles(tiles)}" if tiles else ""
-                rows.append(Case("paged_prefill_attention", f"batch={batch} context={context} (chunk {chunk}){label}",
-                                 new_bytes + 2 * batch * cached * m.kv_heads * m.head_dim * e,
-                                 4 * batch * m.q_heads * pairs * m.head_dim,
-                                 lambda d, t, b=batch, c=context, n=chunk, x=tiles: _build_prefill(m, b, c, n, d, t,
-                                                                                                 tiles=x),
-                                 context))
+                for splits in args.prefill_splits or [None]:
+                    label = (f" tiles {format_tiles(tiles)}" if tiles else "") + (f" splits {splits}" if splits else "")
+                    rows.append(Case("paged_prefill_attention",
+                                     f"batch={batch} context={context} (chunk {chunk}){label}",
+                                     new_bytes + 2 * batch * cached * m.kv_heads * m.head_dim * e,
+                                     4 * batch * m.q_heads * pairs * m.head_dim,
+                                     lambda d, t, b=batch, c=context, n=chunk, x=tiles, k=splits: _build_prefill(
+                                         m, b, c, n, d, t, tiles=x, num_splits=k),
+                                     context))
     return [case for case in rows if case.kernel in args.kernels]
 
 
@@ -360,7 +362,7 @@ def format_tiles(tiles: tuple[int, int, int, int]) -> str:
     return "x".join(str(value) for value in tiles)
 
 
-def _build_prefill(m, batch, context, chunk, device, dtype, layers=None, tiles=None):
+def _build_prefill(m, batch, context, chunk, device, dtype, layers=None, tiles=None, num_splits=None):
     import torch
     import torch.nn.functional as F
 
@@ -387,6 +389,8 @@ def _build_prefill(m, batch, context, chunk, device, dtype, layers=None, tiles=N
     known = {"max_query_len": chunk} if "max_query_len" in inspect.signature(paged_prefill_attention).parameters else {}
     if tiles is not None:
         known["tiles"] = importlib.import_module(ATTENTION_MODULE).Tiles(*tiles)
+    if num_splits is not None:
+        known["num_splits"] = num_splits
 
     def kernel():
         return paged_prefill_attention(query, key, value, key_cache, value_cache, query_start_loc, context_lens,
@@ -630,6 +634,10 @@ def main(argv=None) -> int:
                         help="time paged prefill attention with each of these tiles (query rows x keys x warps x "
                              "pipeline stages, e.g. 64x64x4x3 128x64x8x2), one row per tile, instead of the "
                              "kernel's own choice (kernels/triton_attention.prefill_tiles): the GPU sweep of tiles")
+    parser.add_argument("--prefill-splits", type=int, nargs="+", default=None, metavar="N",
+                        help="time paged prefill attention with its cached context in each of these numbers of "
+                             "split-K parts, one row per count (1: unsplit), instead of the kernel's own choice "
+                             "(kernels/triton_attention.choose_prefill_splits)")
     parser.add_argument("--num-splits", type=int, default=None,
                         help="split-K parts of paged decode attention (default: the kernel chooses)")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per kernel and shape; the median counts (default 20)")

@@ -70,6 +70,8 @@ class PrefillBatch:
     block_tables: torch.Tensor
     # The longest chunk, in tokens.
     max_query_len: int
+    # The longest context before a chunk, in tokens (how far the kernel may split it).
+    max_context_len: int
 
     @classmethod
     def from_spans(cls, spans: list[PrefillSpan]) -> PrefillBatch:
@@ -87,6 +89,7 @@ class PrefillBatch:
             context_lens=torch.tensor([span.num_context_tokens for span in spans], dtype=torch.int32, device=device),
             block_tables=tables,
             max_query_len=max(span.query_end - span.query_start for span in spans),
+            max_context_len=max(span.num_context_tokens for span in spans),
         )
 
 
@@ -195,7 +198,8 @@ def paged_attention_triton(
         rows = slice(batch.row_start, None)
         triton_attention.paged_prefill_attention(
             query[rows], key[rows], value[rows], key_cache, value_cache, batch.query_start_loc, batch.context_lens,
-            batch.block_tables, scale, max_query_len=batch.max_query_len, out=output[rows],
+            batch.block_tables, scale, max_query_len=batch.max_query_len, max_context_len=batch.max_context_len,
+            out=output[rows],
         )
     return output
 

@@ -209,17 +209,19 @@ def launch_engine_kernels(model: ModelShape, dtype: torch.dtype, arch: int) -> N
 
 
 def launch_prefill(model: ModelShape, dtype: torch.dtype, tiles: triton_attention.Tiles) -> None:
-    """Call paged prefill attention once as the engine does (two chunks, one after 32 cached tokens), on small
-    CPU tensors of the model's heads, with ``tiles``."""
+    """Call paged prefill attention as the engine does (two chunks, one after 32 cached tokens), on small CPU
+    tensors of the model's heads, with ``tiles``: once whole, once with its context in 3 splits (the kernel's
+    variant that writes partial outputs, and the reduction)."""
     m, tokens, blocks = model, 40, 24
     query, key, value = _qkv_views(m, tokens, dtype)
     key_cache, value_cache = torch.zeros(blocks, 2, 2, m.kv_heads, m.block_size, m.head_dim,
                                          dtype=dtype)[:, 1].permute(1, 2, 0, 3, 4)
     tables = torch.arange(16, dtype=torch.int64).reshape(2, 8) % blocks
-    triton_attention.paged_prefill_attention(query, key, value, key_cache, value_cache,
-                                             torch.tensor([0, 16, tokens], dtype=torch.int32),
-                                             torch.tensor([0, 32], dtype=torch.int32), tables, m.head_dim**-0.5,
-                                             max_query_len=tokens - 16, tiles=tiles)
+    for splits in (1, 3):
+        triton_attention.paged_prefill_attention(query, key, value, key_cache, value_cache,
+                                                 torch.tensor([0, 16, tokens], dtype=torch.int32),
+                                                 torch.tensor([0, 32], dtype=torch.int32), tables, m.head_dim**-0.5,
+                                                 max_query_len=tokens - 16, num_splits=splits, tiles=tiles)
 
 
 def compile_prefill_tiles(gpu_name: str, model_name: str, dtype_name: str,

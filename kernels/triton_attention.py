@@ -38,6 +38,11 @@ MIN_TOKENS_PER_SPLIT = 64
 # latency, not bytes (a program's first tile waits on its block table, then on its keys): one request over
 # 4,096 tokens took 17 us in 16 splits and 13 in 64, over 16,384 tokens 20 us in 64 and 18 in 128.
 MAX_NUM_SPLITS = 128
+# Split-K for prefill: a split covers at least this many tokens of cached context, and a prefill launch has at most
+# MAX_PREFILL_SPLITS splits per (query tile, chunk, KV head). One chunk of a long prompt over a few KV heads is
+# otherwise a few dozen programs on a GPU of 132 SMs, each walking the whole context alone.
+MIN_CONTEXT_PER_SPLIT = 256
+MAX_PREFILL_SPLITS = 16
 # Rows (token x KV head) per store_kv program.
 STORE_ROWS = 64
 # tl.dot needs every dimension of at least 16 on GPUs: smaller GQA groups are padded to this.
@@ -221,6 +226,8 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
     tiles: Tiles | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -236,9 +243,13 @@ def paged_prefill_attention(
     caches: [kv_heads, num_blocks, block_size, head_dim] (any strides); query_start_loc:
     [chunks + 1] int, ascending from 0; context_lens: [chunks] int; block_tables: [chunks,
     max_blocks] int, covering each chunk's context. max_query_len: the longest chunk, when the
-    caller knows it (else read from query_start_loc, a device sync on GPUs). tiles: None chooses by
-    dtype, head size and query's GPU (:func:`prefill_tiles`); tests and ahead-of-time compiles set it.
-    out: where to write the result (as :func:`paged_decode_attention`'s); None: a new tensor.
+    caller knows it (else read from query_start_loc, a device sync on GPUs). max_context_len: the
+    longest context, when the caller knows it (else bounded by the block tables' width). num_splits:
+    parts of each chunk's context attended by programs of their own and combined by a second kernel, as
+    decode's splits; None chooses from the launch's programs and the context (:func:`choose_prefill_splits`);
+    tests set it. tiles: None chooses by dtype, head size and query's GPU (:func:`prefill_tiles`); tests and
+    ahead-of-time compiles set it. out: where to write the result (as :func:`paged_decode_attention`'s);
+    None: a new tensor.
 
     Returns: ``out``, or a new [tokens, q_heads, head_dim] tensor in query's dtype.
     """
@@ -256,16 +267,41 @@ def paged_prefill_attention(
     tiles = tiles or prefill_tiles(query.dtype, head_dim, _arch(query.device))
     rows = max(tiles.rows, group_padded)
     tokens_per_tile = rows // group_padded
+    num_tiles = -(-max_query_len // tokens_per_tile)
+    if num_splits is None:
+        if max_context_len is None:
+            max_context_len = block_tables.shape[1] * key_cache.shape[2]  # a bound known without a sync
+        num_splits = choose_prefill_splits(num_tiles * num_chunks * num_kv_heads, max_context_len, query.device,
+                                           prefill_programs_per_sm(tiles))
+    # With splits, each program writes its normalized partial output [tokens, q_heads, splits, head_dim] and
+    # log2-sum-exp2 [tokens, q_heads, splits], which decode's reduction combines per (token, query head).
+    if num_splits == 1:
+        partial_out, partial_lse = output, output  # the output itself; no log-sum-exp is written
+    else:
+        partial_out = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32,
+                                  device=query.device)
+        partial_lse = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=query.device)
+    out_strides = output.stride() if num_splits == 1 else (partial_out.stride(0), partial_out.stride(1),
+                                                           partial_out.stride(3))
+    head_dim_padded = _next_power_of_2(head_dim)
     kernels = _kernels(interpreting())
     launch(
-        kernels.prefill, (-(-max_query_len // tokens_per_tile), num_chunks, num_kv_heads),
-        query, key, value, key_cache, value_cache, output, query_start_loc, context_lens, block_tables,
+        kernels.prefill, (num_tiles, num_chunks, num_kv_heads * num_splits),
+        query, key, value, key_cache, value_cache, partial_out, partial_lse, query_start_loc, context_lens,
+        block_tables,
         *query.stride(), *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-        *output.stride(), block_tables.stride(0),
-        scale * _LOG2_E, head_dim, key_cache.shape[2], group_size,
-        ROWS=rows, GROUP=group_padded, KEY_TILE=tiles.key_tile, HEAD_DIM=_next_power_of_2(head_dim),
-        FP32_DOT=_fp32_dot(query.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        *out_strides, block_tables.stride(0),
+        scale * _LOG2_E, head_dim, key_cache.shape[2], group_size, num_q_heads, num_splits,
+        ROWS=rows, GROUP=group_padded, KEY_TILE=tiles.key_tile, HEAD_DIM=head_dim_padded,
+        SPLIT=num_splits > 1, FP32_DOT=_fp32_dot(query.dtype), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
+    if num_splits > 1:
+        launch(
+            kernels.decode_reduce, (num_tokens, num_q_heads),
+            partial_out, partial_lse, output, *output.stride(), num_q_heads, num_splits, head_dim,
+            SPLITS=_next_power_of_2(num_splits), HEAD_DIM=head_dim_padded,
+        )
     return output
 
 
@@ -280,6 +316,33 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
     by_length = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     by_occupancy = -(-wanted_programs // (num_seqs * num_kv_heads))
     return max(1, min(by_length, by_occupancy, MAX_NUM_SPLITS))
+
+
+def choose_prefill_splits(num_programs: int, max_context: int, device: torch.device, programs_per_sm: int) -> int:
+    """Splits of the cached context per prefill program (query tile, chunk, KV head): as many times as the
+    launch's programs fit in one wave of ``programs_per_sm`` on every SM (where the GPU is not known, in
+    128 programs), each split at least MIN_CONTEXT_PER_SPLIT tokens of context, at most MAX_PREFILL_SPLITS.
+
+    A launch of a wave or more (a large chunk, several chunks, many KV heads), or a short context, does not
+    split: a split then adds waves, not SMs, and costs a second kernel. Measured on an H200 (README "Prefill
+    attention split across programs"): SmolLM2's one chunk of 512 tokens is 96 programs of 3 per SM, and 4
+    splits took it from 505 to 158 us after 16k tokens; Llama-3-8B's is 128 programs of one per SM, and any
+    split was slower or within 5%; four chunks of either were fastest unsplit.
+    """
+    if device.type == "cuda":
+        wanted_programs = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        wanted_programs = 128
+    by_length = max(1, max_context // MIN_CONTEXT_PER_SPLIT)
+    by_occupancy = wanted_programs // max(1, num_programs)
+    return max(1, min(by_length, by_occupancy, MAX_PREFILL_SPLITS))
+
+
+def prefill_programs_per_sm(tiles: Tiles) -> int:
+    """Prefill programs an SM holds at once with ``tiles``, as the compile check reads them for sm_80 and sm_90
+    (``python -m splitserve.kernels.triton_aot``): 8-warp tiles one (their registers and shared memory), 4-warp
+    tiles 3 in bfloat16 at head size 64 (5-6 in float32: 3 is the floor)."""
+    return 1 if tiles.num_warps >= 8 else 3
 
 
 _LOG2_E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
@@ -524,7 +587,7 @@ def _decode_reduce_kernel(
 
 
 def _prefill_kernel(
-    query_ptr, key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
+    query_ptr, key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, output_ptr, lse_ptr,
     query_start_loc_ptr, context_lens_ptr, block_tables_ptr,
     query_stride_token, query_stride_head, query_stride_dim,
     key_stride_token, key_stride_head, key_stride_dim,
@@ -533,23 +596,42 @@ def _prefill_kernel(
     value_cache_stride_head, value_cache_stride_block, value_cache_stride_row, value_cache_stride_dim,
     output_stride_token, output_stride_head, output_stride_dim,
     block_tables_stride,
-    scale_log2, head_dim, block_size, group_size,
+    scale_log2, head_dim, block_size, group_size, num_q_heads, num_splits,
     ROWS: tl.constexpr, GROUP: tl.constexpr, KEY_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """Program (query tile, chunk, KV head): ROWS // GROUP tokens of one chunk times the GROUP query
-    heads sharing the KV head (rows are (token, query head) pairs, so each key tile is loaded once for
-    the group), first over the request's cached context (every key visible), then causally over the
-    chunk's own keys."""
+    """Program (query tile, chunk, KV head x split): ROWS // GROUP tokens of one chunk times the GROUP
+    query heads sharing the KV head (rows are (token, query head) pairs, so each key tile is loaded once
+    for the group), first over its split's share of the request's cached context (every key visible),
+    then, in the last split, causally over the chunk's own keys.
+
+    The keys this tile attends (the context and its own, up to its last token) are cut into num_splits
+    parts of whole key tiles; split s takes the context's keys in part s, and the last split all of the
+    chunk's own (key 0 is visible to every row, so every row of the last split has a finite maximum;
+    other splits see every key of their tiles or none). SPLIT: output_ptr is a contiguous float32
+    [tokens, q_heads, splits, head_dim] for the normalized partial outputs (its token, head and dim strides
+    given) and lse_ptr a [tokens, q_heads, splits] for their log2-sum-exp2; otherwise output_ptr is the
+    output and lse_ptr unused."""
     tile = tl.program_id(0)
     chunk = tl.program_id(1)
-    kv_head = tl.program_id(2).to(tl.int64)
+    kv_head = (tl.program_id(2) // num_splits).to(tl.int64)
+    split = (tl.program_id(2) % num_splits).to(tl.int64)
     chunk_start = tl.load(query_start_loc_ptr + chunk).to(tl.int64)
     chunk_len = tl.load(query_start_loc_ptr + chunk + 1).to(tl.int64) - chunk_start
     tile_start = tile * (ROWS // GROUP)
     if tile_start >= chunk_len:
         return
     num_context = tl.load(context_lens_ptr + chunk).to(tl.int64)
+    key_end = tl.minimum(chunk_len, tile_start + ROWS // GROUP)  # the chunk's own keys this tile's rows see
+    if SPLIT:
+        per_split = (num_context + key_end + num_splits * KEY_TILE - 1) // (num_splits * KEY_TILE) * KEY_TILE
+        context_start = tl.minimum(split * per_split, num_context)
+        context_end = tl.minimum(context_start + per_split, num_context)
+        own_end = tl.where(split == num_splits - 1, key_end, 0)
+    else:  # the bounds as plain as they can be: the unsplit kernel keeps its registers for the tiles
+        context_start = 0
+        context_end = num_context
+        own_end = key_end
 
     rows = tl.arange(0, ROWS).to(tl.int64)
     positions = tile_start + rows // GROUP  # [ROWS] each row's token, as a position within the chunk
@@ -572,9 +654,9 @@ def _prefill_kernel(
     key_base = key_cache_ptr + kv_head * key_cache_stride_head
     value_base = value_cache_ptr + kv_head * value_cache_stride_head
     table = block_tables_ptr + chunk * block_tables_stride
-    for key_start in range(0, num_context, KEY_TILE):
+    for key_start in range(context_start, context_end, KEY_TILE):
         tokens = key_start + tl.arange(0, KEY_TILE).to(tl.int64)
-        valid = tokens < num_context
+        valid = tokens < context_end
         blocks = tl.load(table + tokens // block_size, mask=valid, other=0).to(tl.int64)
         block_rows = tokens % block_size
         k_t = tl.load(
@@ -589,12 +671,10 @@ def _prefill_kernel(
         )
         row_max, row_sum, acc = _attend_tile(q, k_t, v, valid[None, :], scale_log2, row_max, row_sum, acc, FP32_DOT)
 
-    # The chunk itself from key/value, causal: key j is visible to query i when j <= i. Key 0 is
-    # visible to every row, so no row's maximum stays -inf.
-    key_end = tl.minimum(chunk_len, tile_start + ROWS // GROUP)
-    for key_start in range(0, key_end, KEY_TILE):
+    # The chunk itself from key/value (the last split only), causal: key j is visible to query i when j <= i.
+    for key_start in range(0, own_end, KEY_TILE):
         key_positions = key_start + tl.arange(0, KEY_TILE).to(tl.int64)
-        valid = key_positions < key_end
+        valid = key_positions < own_end
         key_rows = chunk_start + key_positions
         k_t = tl.load(
             key_ptr + key_rows[None, :] * key_stride_token + kv_head * key_stride_head + dims[:, None] * key_stride_dim,
@@ -608,9 +688,22 @@ def _prefill_kernel(
         visible = valid[None, :] & (key_positions[None, :] <= positions[:, None])
         row_max, row_sum, acc = _attend_tile(q, k_t, v, visible, scale_log2, row_max, row_sum, acc, FP32_DOT)
 
-    out = acc / row_sum[:, None]
-    tl.store(
-        output_ptr + token_rows[:, None] * output_stride_token + q_heads[:, None] * output_stride_head
-        + dims[None, :] * output_stride_dim,
-        out.to(output_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :],
-    )
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if SPLIT:
+        # A split with no keys (its part past the context) writes zeros with a log-sum-exp of -inf: weight 0.
+        has_keys = row_sum > 0
+        out = acc / tl.where(has_keys, row_sum, 1.0)[:, None]
+        lse = tl.where(has_keys, row_max + tl.log2(tl.where(has_keys, row_sum, 1.0)), float("-inf"))
+        tl.store(lse_ptr + (token_rows * num_q_heads + q_heads) * num_splits + split, lse, mask=row_mask)
+        tl.store(
+            output_ptr + token_rows[:, None] * output_stride_token + q_heads[:, None] * output_stride_head
+            + split * head_dim + dims[None, :] * output_stride_dim,
+            out, mask=out_mask,
+        )
+    else:
+        out = acc / row_sum[:, None]
+        tl.store(
+            output_ptr + token_rows[:, None] * output_stride_token + q_heads[:, None] * output_stride_head
+            + dims[None, :] * output_stride_dim,
+            out.to(output_ptr.dtype.element_ty), mask=out_mask,
+        )

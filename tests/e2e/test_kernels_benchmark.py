@@ -88,14 +88,29 @@ def test_prefill_tiles_are_each_a_row_and_screened_for_spills_on_the_compiler(tm
     assert [row["shape"].split("tiles ")[1] for row in rows] == ["64x64x8x3", "128x128x4x2"]
     assert rows[0]["bytes"] == rows[1]["bytes"]  # the same work, cut two ways
     screened = result.stdout.split("at each of --prefill-tiles")[1]
-    table = {(row[3], row[4], row[6]): int(row[-4]) for row in
-             (line.split() for line in screened.splitlines() if line.startswith("llama-3-8b"))}
+    # Each tile compiled whole and split (the variant writing partial outputs), and the reduction beside.
+    table = {(row[3], row[4], row[5], row[7]): int(row[-4]) for row in
+             (line.split() for line in screened.splitlines() if line.startswith("llama-3-8b") and "prefill_kernel" in line)}
+    assert len(table) == 4
     # The engine's tile at head size 128 fits in registers; 128 rows x 128 keys on 4 warps cannot.
-    assert table[("KEY_TILE=64", "ROWS=64", "num_warps=8")] == 0
-    assert table[("KEY_TILE=128", "ROWS=128", "num_warps=4")] > 0
+    for split in ("SPLIT=False", "SPLIT=True"):
+        assert table[("KEY_TILE=64", "ROWS=64", split, "num_warps=8")] == 0
+        assert table[("KEY_TILE=128", "ROWS=128", split, "num_warps=4")] > 0
 
     refused = _run("--prefill-tiles", "64x48x4x3")
     assert refused.returncode == 2 and "powers of two" in refused.stderr
+
+
+def test_prefill_split_counts_are_each_a_row(tmp_path):
+    """--prefill-splits: one row per split count of each shape, the same work (with a GPU each is timed; here the
+    rows of the bytes table)."""
+    out = tmp_path / "kernels.json"
+    result = _run("--kernels", "paged_prefill_attention", "--contexts", "4096", "--prefill-batch-sizes", "1",
+                  "--prefill-splits", "1", "4", "--compile-for", "none", "--repeats", "3", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["shape"].rsplit(" ", 2)[1:] for row in rows] == [["splits", "1"], ["splits", "4"]]
+    assert rows[0]["bytes"] == rows[1]["bytes"]
 
 
 @with_a_gpu

@@ -237,9 +237,11 @@ def test_choose_num_splits_splits_long_contexts_of_small_batches_only():
 # ---- paged prefill ------------------------------------------------------------------------------
 
 
-def run_prefill_case(num_q_heads, num_kv_heads, head_dim, block_size, contexts, chunks, dtype, seed, tiles=None):
+def run_prefill_case(num_q_heads, num_kv_heads, head_dim, block_size, contexts, chunks, dtype, seed, tiles=None,
+                     num_splits=None):
     """A flattened batch of chunks, chunk i at positions contexts[i]..contexts[i] + chunks[i] of its
-    request; the context's K/V already in the cache. Compares with prefill_attention per chunk."""
+    request; the context's K/V already in the cache. Compares with prefill_attention per chunk; returns
+    the kernel's output."""
     generator = torch.Generator().manual_seed(seed)
     totals = [context + chunk for context, chunk in zip(contexts, chunks)]
     num_blocks = sum(-(-total // block_size) for total in totals) + 2
@@ -262,6 +264,7 @@ def run_prefill_case(num_q_heads, num_kv_heads, head_dim, block_size, contexts, 
     actual = triton_attention.paged_prefill_attention(
         query, key, value, key_cache, value_cache, torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         torch.tensor(contexts, dtype=torch.int32, device=DEVICE), tables.to(DEVICE), scale, tiles=tiles,
+        num_splits=num_splits,
     )
 
     assert actual.shape == (num_tokens, num_q_heads, head_dim)
@@ -274,6 +277,7 @@ def run_prefill_case(num_q_heads, num_kv_heads, head_dim, block_size, contexts, 
         expected = prefill_attention(query[rows].float().cpu(), key[rows].float().cpu(), value[rows].float().cpu(),
                                      *float_caches, span, scale)
         assert_close(actual[rows], expected, dtype)
+    return actual
 
 
 @pytest.mark.parametrize(
@@ -310,6 +314,42 @@ def test_prefill_tile_shapes_agree(tiles):
     compile without spills) gives the reference's output on one case whose chunks cross row-tile, key-
     tile and block boundaries, with context in the cache and grouped-query ratio 3."""
     run_prefill_case(6, 2, 64, 16, [20, 0, 47], [33, 70, 17], torch.float32, seed=21, tiles=tiles)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_split_counts_agree(dtype):
+    """Each chunk's context split across programs and combined by the reduction gives the reference's output
+    at any split count, including more splits than the context has key tiles (empty splits), a chunk with no
+    context (only the last split has keys) and a split boundary inside a chunk's own keys' reach; in float32
+    the same numbers as one split up to rounding."""
+    case = (6, 2, 64, 16, [700, 0, 65, 130], [40, 33, 64, 1])
+    whole = run_prefill_case(*case, dtype, seed=31, num_splits=1)
+    for num_splits in (2, 3, 16):
+        split = run_prefill_case(*case, dtype, seed=31, num_splits=num_splits)
+        if dtype == torch.float32:
+            torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-6)
+
+
+def test_prefill_splits_with_the_chosen_tiles():
+    """Splits with every tile shape the launch chooses from (their own key tiles decide the parts)."""
+    for tiles in (triton_attention.prefill_tiles(torch.bfloat16, 128, arch=90),
+                  triton_attention.prefill_tiles(torch.float32, 64)):
+        run_prefill_case(8, 1, 128, 32, [300, 77], [70, 5], torch.bfloat16, seed=32, tiles=tiles, num_splits=4)
+
+
+def test_choose_prefill_splits_splits_long_contexts_of_few_programs_only():
+    cpu = torch.device("cpu")
+    min_context = triton_attention.MIN_CONTEXT_PER_SPLIT
+    choose = triton_attention.choose_prefill_splits
+    assert choose(24, min_context - 1, cpu, 3) == 1
+    assert choose(24, 3 * min_context, cpu, 3) == 3
+    assert choose(24, 10**6, cpu, 3) == 128 // 24
+    assert choose(65, 10**6, cpu, 3) == 1
+    assert choose(1, 10**6, cpu, 1) == triton_attention.MAX_PREFILL_SPLITS
+    assert choose(128, 10**6, cpu, 1) == 1
+    bfloat16_64, bfloat16_128 = (triton_attention.prefill_tiles(torch.bfloat16, d, arch=90) for d in (64, 128))
+    assert triton_attention.prefill_programs_per_sm(bfloat16_64) == 3
+    assert triton_attention.prefill_programs_per_sm(bfloat16_128) == 1
 
 
 def test_prefill_of_an_empty_batch_is_empty():
