@@ -3,7 +3,8 @@
 A refactoring must not cost speed. This builds the baseline revision (default
 ``HEAD``) and the working tree each into a folder of their own (``pip install
 --no-deps --target``, stubs generated, nothing of the machine's install
-touched), then runs, ``--repeats`` times and alternating baseline and
+touched; each compiles its C++ kernels into a cache folder of its own, the
+models shared), then runs, ``--repeats`` times and alternating baseline and
 candidate so that the shared machine's drift hits both alike:
 
 * ``benchmarks/offline_throughput.py --skip-hf`` of each tree (output tokens/s
@@ -62,8 +63,21 @@ def working_tree(folder: Path) -> Path:
     return folder
 
 
-def run_json(tree: Path, site: Path, script: str, arguments: list[str], out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(site))
+def tree_cache(folder: Path) -> Path:
+    """A cache folder of the tree's own, its models those of the machine's cache (a link): each tree compiles its
+    own C++ kernels there. With one shared cache, the kernels built by whichever tree ran first (newer than
+    both trees' sources) were loaded by both, and a change to them measured nothing."""
+    from splitserve.common.model_info import cache_dir
+
+    folder.mkdir(parents=True)
+    models = cache_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    (folder / "models").symlink_to(models, target_is_directory=True)
+    return folder
+
+
+def run_json(tree: Path, site: Path, cache: Path, script: str, arguments: list[str], out: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(site), SPLITSERVE_CACHE=str(cache))
     subprocess.run([sys.executable, str(tree / "benchmarks" / script), *arguments, "--json", str(out)], env=env,
                    check=True, cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(out) as handle:
@@ -107,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         trees = {}
         for name, materialize in (("baseline", lambda f: checkout(args.baseline, f)), ("candidate", working_tree)):
             source = materialize(scratch / f"{name}-src")
-            trees[name] = (source, build(source, scratch / f"{name}-site"))
+            trees[name] = (source, build(source, scratch / f"{name}-site"), tree_cache(scratch / f"{name}-cache"))
         jobs = []
         if not args.skip_offline:
             jobs.append(("offline_throughput.py", ["--skip-hf", "--repeats", "1", "--num-requests",
@@ -123,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                 figures = {name: {} for name in order}
                 for script, arguments, extract in jobs:
                     for name in order:
-                        source, site = trees[name]
-                        report = run_json(source, site, script, arguments, scratch / f"{name}-{repeat}.json")
+                        source, site, cache = trees[name]
+                        report = run_json(source, site, cache, script, arguments, scratch / f"{name}-{repeat}.json")
                         figures[name].update(extract(report))
                         bar.update()
                 for name in order:

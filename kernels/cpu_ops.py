@@ -180,7 +180,8 @@ def amx_disabled():
 
 def decode_prefetch_level() -> int:
     """The cache level (1 or 2) :func:`paged_decode_attention` fetches each chunk's successor into: by default L1
-    where the CPU's L1 data cache holds 48 KB or more, else L2 (measured in ``kernels/cpu_paged_attention.cpp``).
+    on AMD CPUs whose L1 data cache holds 48 KB or more (Zen 5), else L2 (Zen 3 and 4; Intel with 48 KB, measured
+    in ``kernels/cpu_paged_attention.cpp``).
     Call :func:`available` first."""
     return _module.decode_prefetch_level()
 

@@ -100,8 +100,11 @@ inline float dot(const float* a, const float* b, int64_t head_dim) {
 //    chunk in hand was using. 2-core Zen 4, cpu_attention.py --decode 64x320 8x2048 --block-size 128, medians
 //    of 9: 41.5-43.7 and 31.1-33.3 ms into L2 against 48.5-50.7 and 36.4-41.2 into L1 (prefetcht2: 43.1,
 //    32.2; prefetchnta: 47.9, 37.0).
-//  - 48 KB (Zen 5; Intel since Ice Lake): into L1. 2-core Zen 5, the same cases and 32x1024, medians of 4
-//    interleaved runs of 5: 31.1, 20.2 and 44.8 ms into L1 against 33.5, 24.6 and 51.5 into L2.
+//  - 48 KB on AMD (Zen 5): into L1. 2-core Zen 5, the same cases and 32x1024, medians of 4 interleaved runs
+//    of 5: 31.1, 20.2 and 44.8 ms into L1 against 33.5, 24.6 and 51.5 into L2 (before the spans of 2026-11-28,
+//    whose fetches run one piece ahead: not measured there since).
+//  - 48 KB on Intel (a 2-core Xeon with AMX, family 6 model 167, 2026-11-28, blocks of 16, medians of 9):
+//    into L2. 64x320, 8x2048 and 32x1024: 43.3, 34.9 and 69.6 ms into L2 against 45.7, 37.0 and 77.4 into L1.
 // set_decode_prefetch_level changes it for the process, so that benchmarks/cpu_attention.py times both.
 int default_prefetch_level() {
 #ifdef _SC_LEVEL1_DCACHE_SIZE  // glibc; where the size is unknown (0 or -1) or cannot be asked, L2
@@ -109,7 +112,12 @@ int default_prefetch_level() {
 #else
   const long l1_bytes = 0;
 #endif
-  return l1_bytes >= 48 * 1024 ? 1 : 2;
+#if defined(__x86_64__) || defined(__i386__)
+  const bool amd = __builtin_cpu_is("amd");
+#else
+  const bool amd = false;
+#endif
+  return amd && l1_bytes >= 48 * 1024 ? 1 : 2;
 }
 
 std::atomic<int> g_prefetch_level{default_prefetch_level()};
