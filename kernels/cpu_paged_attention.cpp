@@ -113,6 +113,7 @@ int default_prefetch_level() {
   const long l1_bytes = 0;
 #endif
 #if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();  // this runs from a static initializer, possibly before the runtime's own init of the CPU model
   const bool amd = __builtin_cpu_is("amd");
 #else
   const bool amd = false;

@@ -187,13 +187,7 @@ def paged_decode_attention(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, query.device)
     tiles = tiles or decode_tiles(query.dtype, head_dim)
     group_size = num_q_heads // num_kv_heads
-    # Partial outputs [requests, q_heads, splits, head_dim] and their log2-sum-exp2 [requests, q_heads, splits].
-    # With one split the partial output is the output: no second kernel.
-    if num_splits == 1:
-        partial_out = output.unsqueeze(2)
-    else:
-        partial_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
-    partial_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=query.device)
+    partial_out, partial_lse = _partials(output, num_splits)
     head_dim_padded = _next_power_of_2(head_dim)
     kernels = _kernels(interpreting())
     launch(
@@ -204,13 +198,8 @@ def paged_decode_attention(
         GROUP=max(MIN_DOT_ROWS, _next_power_of_2(group_size)), HEAD_DIM=head_dim_padded, KEY_TILE=tiles.key_tile,
         FP32_DOT=_fp32_dot(query.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    if num_splits == 1:
-        return output
-    launch(
-        kernels.decode_reduce, (num_seqs, num_q_heads),
-        partial_out, partial_lse, output, *output.stride(), num_q_heads, num_splits, head_dim,
-        SPLITS=_next_power_of_2(num_splits), HEAD_DIM=head_dim_padded,
-    )
+    if num_splits > 1:
+        _combine_splits(kernels, partial_out, partial_lse, output)
     return output
 
 
@@ -273,35 +262,21 @@ def paged_prefill_attention(
             max_context_len = block_tables.shape[1] * key_cache.shape[2]  # a bound known without a sync
         num_splits = choose_prefill_splits(num_tiles * num_chunks * num_kv_heads, max_context_len, query.device,
                                            prefill_programs_per_sm(tiles))
-    # With splits, each program writes its normalized partial output [tokens, q_heads, splits, head_dim] and
-    # log2-sum-exp2 [tokens, q_heads, splits], which decode's reduction combines per (token, query head).
-    if num_splits == 1:
-        partial_out, partial_lse = output, output  # the output itself; no log-sum-exp is written
-    else:
-        partial_out = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32,
-                                  device=query.device)
-        partial_lse = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=query.device)
-    out_strides = output.stride() if num_splits == 1 else (partial_out.stride(0), partial_out.stride(1),
-                                                           partial_out.stride(3))
-    head_dim_padded = _next_power_of_2(head_dim)
+    partial_out, partial_lse = _partials(output, num_splits)
     kernels = _kernels(interpreting())
     launch(
         kernels.prefill, (num_tiles, num_chunks, num_kv_heads * num_splits),
         query, key, value, key_cache, value_cache, partial_out, partial_lse, query_start_loc, context_lens,
         block_tables,
         *query.stride(), *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-        *out_strides, block_tables.stride(0),
+        *partial_out.stride(), block_tables.stride(0),
         scale * _LOG2_E, head_dim, key_cache.shape[2], group_size, num_q_heads, num_splits,
-        ROWS=rows, GROUP=group_padded, KEY_TILE=tiles.key_tile, HEAD_DIM=head_dim_padded,
+        ROWS=rows, GROUP=group_padded, KEY_TILE=tiles.key_tile, HEAD_DIM=_next_power_of_2(head_dim),
         SPLIT=num_splits > 1, FP32_DOT=_fp32_dot(query.dtype), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
     if num_splits > 1:
-        launch(
-            kernels.decode_reduce, (num_tokens, num_q_heads),
-            partial_out, partial_lse, output, *output.stride(), num_q_heads, num_splits, head_dim,
-            SPLITS=_next_power_of_2(num_splits), HEAD_DIM=head_dim_padded,
-        )
+        _combine_splits(kernels, partial_out, partial_lse, output)
     return output
 
 
@@ -309,12 +284,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
     """Splits per (request, KV head): enough programs to fill the device, each split at least
     MIN_TOKENS_PER_SPLIT tokens, at most MAX_NUM_SPLITS. A batch of a few long requests splits
     its context; a large batch or short contexts do not split."""
-    if device.type == "cuda":
-        wanted_programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        wanted_programs = 128
     by_length = max(1, max_context // MIN_TOKENS_PER_SPLIT)
-    by_occupancy = -(-wanted_programs // (num_seqs * num_kv_heads))
+    by_occupancy = -(-_wanted_programs(device, 4) // (num_seqs * num_kv_heads))
     return max(1, min(by_length, by_occupancy, MAX_NUM_SPLITS))
 
 
@@ -329,12 +300,8 @@ def choose_prefill_splits(num_programs: int, max_context: int, device: torch.dev
     splits took it from 505 to 158 us after 16k tokens; Llama-3-8B's is 128 programs of one per SM, and any
     split was slower or within 5%; four chunks of either were fastest unsplit.
     """
-    if device.type == "cuda":
-        wanted_programs = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        wanted_programs = 128
     by_length = max(1, max_context // MIN_CONTEXT_PER_SPLIT)
-    by_occupancy = wanted_programs // max(1, num_programs)
+    by_occupancy = _wanted_programs(device, programs_per_sm) // max(1, num_programs)
     return max(1, min(by_length, by_occupancy, MAX_PREFILL_SPLITS))
 
 
@@ -343,6 +310,36 @@ def prefill_programs_per_sm(tiles: Tiles) -> int:
     (``python -m splitserve.kernels.triton_aot``): 8-warp tiles one (their registers and shared memory), 4-warp
     tiles 3 in bfloat16 at head size 64 (5-6 in float32: 3 is the floor)."""
     return 1 if tiles.num_warps >= 8 else 3
+
+
+def _wanted_programs(device: torch.device, per_sm: int) -> int:
+    """Programs that fill ``device`` at ``per_sm`` programs per SM; 128 where it is not a GPU (the interpreter)."""
+    if device.type != "cuda":
+        return 128
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _partials(output: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a split-K launch writes: normalized partial outputs [rows, q_heads, splits, head_dim] (float32; with
+    one split, the output itself as a view of one split: no second kernel) and their log2-sum-exp2 [rows, q_heads,
+    splits] (float32), for ``output`` [rows, q_heads, head_dim]."""
+    rows, num_q_heads, head_dim = output.shape
+    if num_splits == 1:
+        partial_out = output.unsqueeze(2)
+    else:
+        partial_out = torch.empty((rows, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=output.device)
+    return partial_out, torch.empty((rows, num_q_heads, num_splits), dtype=torch.float32, device=output.device)
+
+
+def _combine_splits(kernels: SimpleNamespace, partial_out: torch.Tensor, partial_lse: torch.Tensor,
+                    output: torch.Tensor) -> None:
+    """The reduction launch: each (row, query head) of ``output`` from its splits in ``_partials``' tensors."""
+    rows, num_q_heads, num_splits, head_dim = partial_out.shape
+    launch(
+        kernels.decode_reduce, (rows, num_q_heads),
+        partial_out, partial_lse, output, *output.stride(), num_q_heads, num_splits, head_dim,
+        SPLITS=_next_power_of_2(num_splits), HEAD_DIM=_next_power_of_2(head_dim),
+    )
 
 
 _LOG2_E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
@@ -594,7 +591,7 @@ def _prefill_kernel(
     value_stride_token, value_stride_head, value_stride_dim,
     key_cache_stride_head, key_cache_stride_block, key_cache_stride_row, key_cache_stride_dim,
     value_cache_stride_head, value_cache_stride_block, value_cache_stride_row, value_cache_stride_dim,
-    output_stride_token, output_stride_head, output_stride_dim,
+    output_stride_token, output_stride_head, output_stride_split, output_stride_dim,
     block_tables_stride,
     scale_log2, head_dim, block_size, group_size, num_q_heads, num_splits,
     ROWS: tl.constexpr, GROUP: tl.constexpr, KEY_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -608,10 +605,9 @@ def _prefill_kernel(
     The keys this tile attends (the context and its own, up to its last token) are cut into num_splits
     parts of whole key tiles; split s takes the context's keys in part s, and the last split all of the
     chunk's own (key 0 is visible to every row, so every row of the last split has a finite maximum;
-    other splits see every key of their tiles or none). SPLIT: output_ptr is a contiguous float32
-    [tokens, q_heads, splits, head_dim] for the normalized partial outputs (its token, head and dim strides
-    given) and lse_ptr a [tokens, q_heads, splits] for their log2-sum-exp2; otherwise output_ptr is the
-    output and lse_ptr unused."""
+    other splits see every key of their tiles or none). output_ptr: [tokens, q_heads, splits, head_dim] (the
+    output as one split when unsplit); SPLIT: it is float32 for the normalized partial outputs, and lse_ptr a
+    [tokens, q_heads, splits] for their log2-sum-exp2 (unused when unsplit)."""
     tile = tl.program_id(0)
     chunk = tl.program_id(1)
     kv_head = (tl.program_id(2) // num_splits).to(tl.int64)
@@ -697,7 +693,7 @@ def _prefill_kernel(
         tl.store(lse_ptr + (token_rows * num_q_heads + q_heads) * num_splits + split, lse, mask=row_mask)
         tl.store(
             output_ptr + token_rows[:, None] * output_stride_token + q_heads[:, None] * output_stride_head
-            + split * head_dim + dims[None, :] * output_stride_dim,
+            + split * output_stride_split + dims[None, :] * output_stride_dim,
             out, mask=out_mask,
         )
     else:
