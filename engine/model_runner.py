@@ -252,18 +252,21 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(len(scheduled)) and all(item.num_new_tokens == 1 for item in scheduled):
             step, sample_rows, sample_requests = self._decode_rows(scheduled, block_tables)
-            hidden = graphs.run(step)
+            hidden = graphs.run(step)[sample_rows]
         else:
             inputs = self._prepare(scheduled, block_tables)
+            sample_rows, sample_requests = inputs.sample_rows, inputs.sample_requests
             pieces = self.piecewise_graphs
             if pieces is not None and pieces.can_run(inputs.input_ids.numel()):
-                hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.metadata)
-            else:
+                hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.metadata)[sample_rows]
+            elif sample_rows == list(range(inputs.input_ids.numel())):
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-            sample_rows, sample_requests = inputs.sample_rows, inputs.sample_requests
+            else:  # only the sampled rows' hidden states are read: the last layer computes no others
+                output_rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, output_rows)
         if not sample_rows:
             return []
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden)
         sampled = self.sampler(logits, sample_requests)
         return [
             SampledToken(request, token_id, logprobs)

@@ -219,3 +219,46 @@ def test_the_small_batch_head_is_made_at_load_and_gives_the_heads_logits(llm):
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 1000, f"{faults} page faults: the transposed head was made on first use"
     torch.testing.assert_close(small, F.linear(hidden, model._head_weight()).float(), rtol=1e-4, atol=1e-4)
+
+
+def test_the_last_layer_projects_only_the_rows_asked_for(llm):
+    """A prompt step reads only its sampled rows' hidden states, so the runner asks the model for those rows
+    alone: the last layer's attention output projection and MLP then run on them, and every row's K/V is
+    still written (the cache is the same bit for bit)."""
+    import torch
+
+    from splitserve.engine.model_runner import _layer_views, allocate_kv_cache
+    from splitserve.engine.request import Request
+    from splitserve.engine.scheduler import ScheduledRequest
+
+    runner = llm.engine.model_runner
+    model, size = runner.model, runner.block_size
+    lengths, scheduled, block_tables, first = [37, 5, 130], [], {}, 0
+    for index, length in enumerate(lengths):
+        request = Request(f"rows-{index}", [(7 * index + 3 * t) % 1000 + 100 for t in range(length)], SamplingParams())
+        scheduled.append(ScheduledRequest(request, length, sample=index != 1))
+        block_tables[request.request_id] = list(range(first, first + -(-length // size)))
+        first += -(-length // size)
+    inputs = runner._prepare(scheduled, block_tables)
+    assert inputs.sample_rows == [36, 171]
+    caches = [allocate_kv_cache(runner._cache_shape(first), runner.dtype) for _ in range(3)]
+    for cache in caches:
+        cache.zero_()
+    o_proj = model.model.layers[-1].self_attn.o_proj
+    rows_seen = []
+    original = o_proj.forward
+    o_proj.forward = lambda x: rows_seen.append(x.shape[0]) or original(x)
+    try:
+        with torch.inference_mode():
+            full = model(inputs.input_ids, inputs.positions, _layer_views(caches[0]), inputs.metadata)
+            rows = torch.tensor([171, 0, 36])
+            part = model(inputs.input_ids, inputs.positions, _layer_views(caches[1]), inputs.metadata, rows)
+            none = model(inputs.input_ids, inputs.positions, _layer_views(caches[2]), inputs.metadata,
+                         torch.empty(0, dtype=torch.int64))
+    finally:
+        o_proj.forward = original
+    assert rows_seen == [sum(lengths), 3, 0]
+    assert part.shape == (3, model.config.hidden_size) and none.shape == (0, model.config.hidden_size)
+    # The same rows through fewer-row GEMMs: equal up to the GEMMs' float32 rounding.
+    torch.testing.assert_close(part, full[rows], rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[1], caches[0]) and torch.equal(caches[2], caches[0])
