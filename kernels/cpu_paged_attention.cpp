@@ -101,8 +101,8 @@ inline float dot(const float* a, const float* b, int64_t head_dim) {
 //    of 9: 41.5-43.7 and 31.1-33.3 ms into L2 against 48.5-50.7 and 36.4-41.2 into L1 (prefetcht2: 43.1,
 //    32.2; prefetchnta: 47.9, 37.0).
 //  - 48 KB on AMD (Zen 5): into L1. 2-core Zen 5, the same cases and 32x1024, medians of 4 interleaved runs
-//    of 5: 31.1, 20.2 and 44.8 ms into L1 against 33.5, 24.6 and 51.5 into L2 (before the spans of 2026-11-28,
-//    whose fetches run one piece ahead: not measured there since).
+//    of 5: 31.1, 20.2 and 44.8 ms into L1 against 33.5, 24.6 and 51.5 into L2; after the spans of 2026-11-28
+//    (one piece ahead), medians of 7: 27.96, 21.68 and 43.50 into L1 against 29.41, 22.32 and 44.98.
 //  - 48 KB on Intel (a 2-core Xeon with AMX, family 6 model 167, 2026-11-28, blocks of 16, medians of 9):
 //    into L2. 64x320, 8x2048 and 32x1024: 43.3, 34.9 and 69.6 ms into L2 against 45.7, 37.0 and 77.4 into L1.
 // set_decode_prefetch_level changes it for the process, so that benchmarks/cpu_attention.py times both.
