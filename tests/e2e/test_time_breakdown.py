@@ -22,19 +22,22 @@ def test_the_clocked_engine_gives_the_same_tokens_and_counts_every_gemm_flop(mod
     with time_breakdown.clocked_engine(clocks):
         clocked = [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
     assert clocked == plain
-    # Every prompt token and every output token but the last goes through each projection once; each output
-    # token is sampled from one row of logits.
+    # Every prompt token and every output token but the last goes through each projection once, except that
+    # the last layer's output projection and MLP see only the rows sampled (one per output token: each prompt's
+    # last, then every decode row); each output token is sampled from one row of logits.
     config = llm.engine.model_config
     hidden, inter, heads, kv_heads, head_dim = (config.hidden_size, config.intermediate_size,
                                                 config.num_attention_heads, config.num_key_value_heads,
                                                 config.head_dim)
-    per_token = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
-    tokens = (7 + 23 + 40) + 3 * (5 - 1)
-    expected = 2 * tokens * per_token * config.num_hidden_layers + 2 * 3 * 5 * hidden * config.vocab_size
+    qkv = hidden * (heads + 2 * kv_heads) * head_dim
+    after_attention = heads * head_dim * hidden + 3 * hidden * inter
+    tokens, sampled = (7 + 23 + 40) + 3 * (5 - 1), 3 * 5
+    expected = (2 * tokens * (qkv + after_attention) * (config.num_hidden_layers - 1)
+                + 2 * (tokens * qkv + sampled * after_attention) + 2 * sampled * hidden * config.vocab_size)
     assert clocks.gemm_flops == expected
     # The projections' seconds and FLOPs, split by the GEMM each call ran in, add up to theirs.
     assert set(clocks.path_flops) <= {"decode-sized (C++ small GEMM)", "prompt-sized (oneDNN)"}
-    assert sum(clocks.path_flops.values()) == expected - 2 * 3 * 5 * hidden * config.vocab_size
+    assert sum(clocks.path_flops.values()) == expected - 2 * sampled * hidden * config.vocab_size
     assert sum(clocks.path_seconds.values()) == pytest.approx(clocks.seconds["projections (GEMM)"])
     for part in ("projections (GEMM)", "logits (GEMM)", "prompt attention", "decode attention", "KV write",
                  "norms, rotary, SiLU", "forward", "step inputs", "sampling"):
