@@ -259,7 +259,7 @@ class ModelRunner:
             pieces = self.piecewise_graphs
             if pieces is not None and pieces.can_run(inputs.input_ids.numel()):
                 hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.metadata)[sample_rows]
-            elif sample_rows == list(range(inputs.input_ids.numel())):
+            elif len(sample_rows) == inputs.input_ids.numel():  # ascending rows: every row is sampled
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
             else:  # only the sampled rows' hidden states are read: the last layer computes no others
                 output_rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)

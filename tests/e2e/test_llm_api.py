@@ -241,9 +241,7 @@ def test_the_last_layer_projects_only_the_rows_asked_for(llm):
         first += -(-length // size)
     inputs = runner._prepare(scheduled, block_tables)
     assert inputs.sample_rows == [36, 171]
-    caches = [allocate_kv_cache(runner._cache_shape(first), runner.dtype) for _ in range(3)]
-    for cache in caches:
-        cache.zero_()
+    caches = [allocate_kv_cache(runner._cache_shape(first), runner.dtype) for _ in range(3)]  # all zeros
     o_proj = model.model.layers[-1].self_attn.o_proj
     rows_seen = []
     original = o_proj.forward
