@@ -10,7 +10,7 @@
 // where torch's bfloat16 operation does (rounded<T> below), so the two differ by
 // the order of the norm's sum and the exp only.
 
-#include <torch/extension.h>
+#include "cpu_tensor.h"
 
 #include <cmath>
 #include <type_traits>
@@ -40,23 +40,23 @@ inline float rounded(float x) {
 }
 
 // The element type of a tensor the fused operations take: float32 or bfloat16.
-bool is_bfloat16(const torch::Tensor& tensor, const char* name) {
-  TORCH_CHECK(tensor.scalar_type() == torch::kFloat32 || tensor.scalar_type() == torch::kBFloat16, name,
+bool is_bfloat16(const at::Tensor& tensor, const char* name) {
+  TORCH_CHECK(tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kBFloat16, name,
               ": float32 or bfloat16 only");
-  return tensor.scalar_type() == torch::kBFloat16;
+  return tensor.scalar_type() == at::kBFloat16;
 }
 
-void check_rows(const torch::Tensor& tensor, const char* name) {
+void check_rows(const at::Tensor& tensor, const char* name) {
   is_bfloat16(tensor, name);
   TORCH_CHECK(tensor.dim() == 2 && tensor.stride(1) == 1, name, ": expected [rows, features] with unit stride");
 }
 
-void check_same_dtype(const torch::Tensor& a, const torch::Tensor& b, const char* name) {
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* name) {
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), name, ": all tensors must have one dtype");
 }
 
 template <typename T>
-T* data(const torch::Tensor& tensor) {
+T* data(const at::Tensor& tensor) {
   return reinterpret_cast<T*>(tensor.data_ptr());
 }
 
@@ -149,7 +149,7 @@ void normalize_row(const T* x, const T* weight, T* out, int64_t size, float eps)
 }
 
 template <typename T>
-void rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& out, float eps) {
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, float eps) {
   const int64_t rows = x.size(0), size = x.size(1), stride = x.stride(0);
   const T *x_ptr = data<T>(x), *w_ptr = data<T>(weight);
   T* out_ptr = data<T>(out);
@@ -158,8 +158,8 @@ void rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, torch::T
 }
 
 template <typename T>
-void add_rms_norm_rows(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
-                       torch::Tensor& out, float eps) {
+void add_rms_norm_rows(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                       at::Tensor& out, float eps) {
   const int64_t rows = x.size(0), size = x.size(1), stride = x.stride(0);
   const T *x_ptr = data<T>(x), *w_ptr = data<T>(weight);
   T *res_ptr = data<T>(residual), *out_ptr = data<T>(out);
@@ -177,7 +177,7 @@ void add_rms_norm_rows(const torch::Tensor& x, torch::Tensor& residual, const to
 
 // silu(g) = g / (1 + e^-g), rounded as torch's silu, times up.
 template <typename T>
-void silu_and_mul_rows(const torch::Tensor& gate_up, torch::Tensor& out) {
+void silu_and_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2, stride = gate_up.stride(0);
   const T* in_ptr = data<T>(gate_up);
   T* out_ptr = data<T>(out);
@@ -208,7 +208,7 @@ void silu_and_mul_rows(const torch::Tensor& gate_up, torch::Tensor& out) {
 
 // Each head row of x becomes x * cos + rotate_half(x) * sin: two products and a sum, each rounded to T.
 template <typename T>
-void rotary_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+void rotary_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
   T* x_ptr = data<T>(x);
@@ -234,11 +234,11 @@ void rotary_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor
 }  // namespace
 
 // x: [rows, hidden]; weight: [hidden]. Returns the normalized rows.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, "rms_norm");
   check_same_dtype(x, weight, "rms_norm");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: weight must be [hidden]");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
   if (is_bfloat16(x, "rms_norm")) rms_norm_rows<BFloat16>(x, weight, out, eps);
   else rms_norm_rows<float>(x, weight, out, eps);
   return out;
@@ -246,14 +246,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 // residual += x (in place), then returns rms_norm(residual): the residual add and the next layer's
 // norm in one pass. residual: [rows, hidden] contiguous (modified); x: [rows, hidden].
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_rows(x, "add_rms_norm");
   check_rows(residual, "add_rms_norm");
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes(), "add_rms_norm: residual must match x");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: weight must be [hidden]");
   check_same_dtype(x, residual, "add_rms_norm");
   check_same_dtype(x, weight, "add_rms_norm");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
   if (is_bfloat16(x, "add_rms_norm")) add_rms_norm_rows<BFloat16>(x, residual, weight, out, eps);
   else add_rms_norm_rows<float>(x, residual, weight, out, eps);
   return out;
@@ -261,10 +261,10 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 
 // gate_up: [rows, 2 * intermediate] (gate, then up). Returns silu(gate) * up: [rows, intermediate],
 // silu(g) = g / (1 + e^-g).
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   check_rows(gate_up, "silu_and_mul");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: the last dimension must be even");
-  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   if (is_bfloat16(gate_up, "silu_and_mul")) silu_and_mul_rows<BFloat16>(gate_up, out);
   else silu_and_mul_rows<float>(gate_up, out);
   return out;
@@ -273,7 +273,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 // Rotary embedding in place. x: [tokens, heads, head_dim] (rows of head_dim contiguous);
 // cos, sin: [tokens, head_dim] contiguous. Each head row becomes x * cos + rotate_half(x) * sin with
 // rotate_half(x) = [-x[half:], x[:half]]: two products and a sum, each rounded, as torch computes it.
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   check_same_dtype(x, cos, "rotary_");
   check_same_dtype(x, sin, "rotary_");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_: x must be [tokens, heads, head_dim] with unit stride");

@@ -24,7 +24,7 @@
 // The plain-torch reference is splitserve.engine.attention.decode_attention;
 // tests/integration/test_kernels.py compares the two.
 
-#include <torch/extension.h>
+#include "cpu_tensor.h"
 
 #include <algorithm>
 #include <atomic>
@@ -561,7 +561,7 @@ WideFunctions<KV> wide_functions(int64_t head_dim) {
 
 // The cache's element type (float or BFloat16), checked by the caller.
 template <typename KV>
-const KV* cache_data(const torch::Tensor& cache) {
+const KV* cache_data(const at::Tensor& cache) {
   return reinterpret_cast<const KV*>(cache.data_ptr());
 }
 
@@ -641,13 +641,13 @@ int64_t set_decode_prefetch_level(int64_t level) {
 
 int64_t decode_prefetch_level() { return g_prefetch_level.load(); }
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "paged_decode_attention: the query must be float32");
-  TORCH_CHECK((key_cache.scalar_type() == torch::kFloat32 || key_cache.scalar_type() == torch::kBFloat16) &&
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                     at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_decode_attention: the query must be float32");
+  TORCH_CHECK((key_cache.scalar_type() == at::kFloat || key_cache.scalar_type() == at::kBFloat16) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "paged_decode_attention: the cache must be float32 or bfloat16, keys and values alike");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and seq_lens must be int64");
   TORCH_CHECK(query.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode_attention: query, block_tables and seq_lens must be contiguous");
@@ -663,7 +663,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   const int64_t group = num_q_heads / num_kv_heads;
   TORCH_CHECK(group <= kMaxGroup, "more than 16 query heads per KV head");
 
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   const float* q_ptr = query.data_ptr<float>();
   const int64_t* table_ptr = block_tables.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
@@ -679,13 +679,13 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   }
   const DecodeShape shape{group, block_size, key_cache.stride(1), key_cache.stride(0)};
 #ifdef SPLITSERVE_AMX
-  if (key_cache.scalar_type() == torch::kBFloat16 && amx::decode_supported(head_dim, block_size, group)) {
+  if (key_cache.scalar_type() == at::kBFloat16 && amx::decode_supported(head_dim, block_size, group)) {
     decode_all_amx(q_ptr, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache), table_ptr,
                    len_ptr, num_requests, num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);
     return out;
   }
 #endif
-  if (key_cache.scalar_type() == torch::kBFloat16)
+  if (key_cache.scalar_type() == at::kBFloat16)
     decode_all(q_ptr, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache), table_ptr,
                len_ptr, num_requests, num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);
   else
@@ -699,10 +699,10 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 //   key/value             [num_tokens, kv_heads, head_dim], rows of head_dim contiguous
 //   slot_mapping          [num_tokens] int64: block * block_size + offset
 // The reference is splitserve.engine.attention.write_kv (an index_copy_ per cache).
-void write_kv_(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
-               torch::Tensor slot_mapping) {
+void write_kv_(at::Tensor key_cache, at::Tensor value_cache, at::Tensor key, at::Tensor value,
+               at::Tensor slot_mapping) {
   const auto dtype = key_cache.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && value_cache.scalar_type() == dtype &&
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && value_cache.scalar_type() == dtype &&
                   key.scalar_type() == dtype && value.scalar_type() == dtype,
               "write_kv_: float32 or bfloat16, the same for the cache and the new keys and values");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides() &&
@@ -710,7 +710,7 @@ void write_kv_(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor
               "write_kv_: each cache block's rows must be contiguous, keys and values alike");
   TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.dim() == 3 && value.stride(2) == 1 &&
                   key.sizes() == value.sizes(), "write_kv_: key and value must be [tokens, kv_heads, head_dim]");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == key.size(0), "write_kv_: one int64 slot per token");
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_dim = key.size(2);
   TORCH_CHECK(key_cache.size(0) == num_kv_heads && key_cache.size(3) == head_dim, "write_kv_: shapes differ");

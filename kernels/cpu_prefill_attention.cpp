@@ -26,7 +26,7 @@
 // order than the reference's, and tests/integration/test_kernels.py bounds the
 // difference. The plain-torch reference is splitserve.engine.attention.prefill_attention.
 
-#include <torch/extension.h>
+#include "cpu_tensor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -329,16 +329,16 @@ void prefill_amx(const Batch& batch, int64_t num_chunks, int64_t num_kv_heads, c
 
 bool amx_prefill_supported(int64_t head_dim, int64_t block_size) { return amx::prefill_supported(head_dim, block_size); }
 
-torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                      torch::Tensor query_start_loc, torch::Tensor context_lens,
-                                      torch::Tensor block_tables, double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "paged_prefill_attention: the query must be float32");
-  TORCH_CHECK((key_cache.scalar_type() == torch::kFloat32 || key_cache.scalar_type() == torch::kBFloat16) &&
+at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                      at::Tensor query_start_loc, at::Tensor context_lens,
+                                      at::Tensor block_tables, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_prefill_attention: the query must be float32");
+  TORCH_CHECK((key_cache.scalar_type() == at::kFloat || key_cache.scalar_type() == at::kBFloat16) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "paged_prefill_attention: the cache must be float32 or bfloat16, keys and values alike");
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "paged_prefill_attention: query must be contiguous [rows, heads, head_dim]");
-  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32 &&
-                  block_tables.scalar_type() == torch::kInt64,
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
+                  block_tables.scalar_type() == at::kLong,
               "paged_prefill_attention: query_start_loc and context_lens int32, block_tables int64");
   TORCH_CHECK(query_start_loc.is_contiguous() && context_lens.is_contiguous() && block_tables.is_contiguous(),
               "paged_prefill_attention: query_start_loc, context_lens and block_tables must be contiguous");
@@ -377,18 +377,18 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
   std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
     return contexts[a.chunk] + a.last > contexts[b.chunk] + b.last;
   });
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   const Shape shape{num_q_heads, group, head_dim, block_size, key_cache.stride(0), key_cache.stride(1)};
   const Batch batch{query.data_ptr<float>(), out.data_ptr<float>(), starts, contexts, tables, max_blocks,
                     static_cast<float>(scale)};
 #ifdef SPLITSERVE_AMX
-  if (key_cache.scalar_type() == torch::kBFloat16 && amx::prefill_supported(head_dim, block_size)) {
+  if (key_cache.scalar_type() == at::kBFloat16 && amx::prefill_supported(head_dim, block_size)) {
     prefill_amx(batch, num_chunks, num_kv_heads, reinterpret_cast<const BFloat16*>(key_cache.data_ptr()),
                 reinterpret_cast<const BFloat16*>(value_cache.data_ptr()), shape);
     return out;
   }
 #endif
-  if (key_cache.scalar_type() == torch::kBFloat16)
+  if (key_cache.scalar_type() == at::kBFloat16)
     attend_items(items, batch, reinterpret_cast<const BFloat16*>(key_cache.data_ptr()),
                  reinterpret_cast<const BFloat16*>(value_cache.data_ptr()), shape);
   else

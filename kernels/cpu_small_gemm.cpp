@@ -27,7 +27,7 @@
 // each panel in two halves, summing in the same order (the two builds give the same results).
 // With neither, small_gemm_supported() is false and the engine keeps oneDNN.
 
-#include <torch/extension.h>
+#include "cpu_tensor.h"
 
 #include <algorithm>
 #include <cstring>
@@ -226,12 +226,12 @@ void run_panels(const T* x_ptr, int64_t x_stride, int64_t rows, const T* panel_p
 
 // The checks both small GEMMs make of out_features against the panels and of the bias (float32 [out_features] or
 // empty); returns whether there is a bias.
-bool check_output(int64_t num_panels, const torch::Tensor& bias, int64_t out_features, const char* name) {
+bool check_output(int64_t num_panels, const at::Tensor& bias, int64_t out_features, const char* name) {
   TORCH_CHECK(out_features > (num_panels - 1) * kPanelColumns && out_features <= num_panels * kPanelColumns, name,
               ": out_features does not match the panels");
   const bool has_bias = bias.numel() > 0;
   TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == out_features && bias.is_contiguous() &&
-                            bias.scalar_type() == torch::kFloat32), name, ": bias must be float32 [out_features]");
+                            bias.scalar_type() == at::kFloat), name, ": bias must be float32 [out_features]");
   return has_bias;
 }
 
@@ -245,27 +245,27 @@ bool small_gemm_supported() {
 #endif
 }
 
-torch::Tensor pack_panels(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "pack_panels: a float32 [out, in] weight");
+at::Tensor pack_panels(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_panels: a float32 [out, in] weight");
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
   const int64_t num_panels = (out_features + kPanelColumns - 1) / kPanelColumns;
-  auto padded = torch::zeros({num_panels * kPanelColumns, in_features}, weight.options());
+  auto padded = at::zeros({num_panels * kPanelColumns, in_features}, weight.options());
   padded.narrow(0, 0, out_features).copy_(weight);
   // [panels, 32, in] -> [panels, in, 32]
   return padded.view({num_panels, kPanelColumns, in_features}).transpose(1, 2).contiguous();
 }
 
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor bias, int64_t out_features) {
+at::Tensor small_gemm(at::Tensor x, at::Tensor panels, at::Tensor bias, int64_t out_features) {
   TORCH_CHECK(small_gemm_supported(), "small_gemm: built without AVX-512 or AVX2");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "small_gemm: x must be float32 [rows, in_features] with contiguous rows");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kFloat32 && panels.is_contiguous() &&
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
                   panels.size(2) == kPanelColumns, "small_gemm: panels must be contiguous float32 [panels, in, 32]");
   const int64_t rows = x.size(0), in_features = x.size(1), num_panels = panels.size(0);
   TORCH_CHECK(panels.size(1) == in_features, "small_gemm: x has ", in_features, " features, the weight ",
               panels.size(1));
   const bool has_bias = check_output(num_panels, bias, out_features, "small_gemm");
-  auto out = torch::empty({rows, out_features}, x.options());
+  auto out = at::empty({rows, out_features}, x.options());
 #ifdef SPLITSERVE_SMALL_GEMM
   if (rows == 0) return out;
   run_panels(x.data_ptr<float>(), x.stride(0), rows, panels.data_ptr<float>(), num_panels, in_features,
@@ -288,12 +288,12 @@ bool small_gemm_bfloat16_supported() {
 
 // An nn.Linear weight [out, in] (bfloat16, in even) as [panels, in / 2, 64]: panel p, pair j holds, for each of
 // the columns 32p .. 32p + 31 in turn, its dims 2j and 2j + 1 (zero past out_features).
-torch::Tensor pack_panels_bfloat16(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 && weight.size(1) % 2 == 0,
+at::Tensor pack_panels_bfloat16(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0,
               "pack_panels_bfloat16: a bfloat16 [out, in] weight with an even number of input features");
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
   const int64_t num_panels = (out_features + kPanelColumns - 1) / kPanelColumns;
-  auto padded = torch::zeros({num_panels * kPanelColumns, in_features}, weight.options());
+  auto padded = at::zeros({num_panels * kPanelColumns, in_features}, weight.options());
   padded.narrow(0, 0, out_features).copy_(weight);
   // [panels, 32, in / 2, 2] -> [panels, in / 2, 32, 2]
   return padded.view({num_panels, kPanelColumns, in_features / 2, 2}).transpose(1, 2).contiguous()
@@ -303,18 +303,18 @@ torch::Tensor pack_panels_bfloat16(torch::Tensor weight) {
 // out = x @ weight^T (+ bias): x [rows, in] bfloat16 (rows contiguous), panels from pack_panels_bfloat16, bias
 // float32 [out] or empty. Sums in float32 (pairs of products added in VDPBF16PS order), each output rounded to
 // bfloat16 once. Returns [rows, out_features] bfloat16.
-torch::Tensor small_gemm_bfloat16(torch::Tensor x, torch::Tensor panels, torch::Tensor bias, int64_t out_features) {
+at::Tensor small_gemm_bfloat16(at::Tensor x, at::Tensor panels, at::Tensor bias, int64_t out_features) {
   TORCH_CHECK(small_gemm_bfloat16_supported(), "small_gemm_bfloat16: built without AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "small_gemm_bfloat16: x must be bfloat16 [rows, in_features] with contiguous rows");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kBFloat16 && panels.is_contiguous() &&
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
                   panels.size(2) == 2 * kPanelColumns, "small_gemm_bfloat16: panels must be contiguous [panels, in / 2, 64]");
   const int64_t rows = x.size(0), in_features = x.size(1), num_panels = panels.size(0), pairs = panels.size(1);
   TORCH_CHECK(in_features == 2 * pairs, "small_gemm_bfloat16: x has ", in_features, " features, the weight ", 2 * pairs);
   TORCH_CHECK(x.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0,
               "small_gemm_bfloat16: x's rows must start on 4-byte boundaries");
   const bool has_bias = check_output(num_panels, bias, out_features, "small_gemm_bfloat16");
-  auto out = torch::empty({rows, out_features}, x.options());
+  auto out = at::empty({rows, out_features}, x.options());
 #ifdef SPLITSERVE_SMALL_GEMM_BFLOAT16
   if (rows == 0) return out;
   run_panels(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), rows,

@@ -1,6 +1,6 @@
 """What a new user meets first (issue 18): a taken port, the first start's kernel compile, the log folders left behind.
 
-Real processes and real sockets on loopback; no compile runs to its end here (it takes a minute and a half):
+Real processes and real sockets on loopback; no compile runs to its end here (it takes up to a minute):
 the compile test stops the process once it has said that it compiles.
 """
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def built_kernels() -> str:
-    """splitserve's own cache folder, with the kernels built in it (a minute and a half if no test built them yet)."""
+    """splitserve's own cache folder, with the kernels built in it (up to a minute if no test built them yet)."""
     cache = str(cache_dir())
     assert cpu_ops.load(cache) is not None, "the C++ kernels must build on this machine"
     return cache
