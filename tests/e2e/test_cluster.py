@@ -280,9 +280,14 @@ def test_conditional_disaggregation_and_colocated_give_the_same_tokens(cluster, 
         indexes = range(len(prompt_token_ids))
         with Client(threshold.router.address) as via_threshold, Client(colocated.router.address) as via_colocated:
             wait_until(lambda: len(via_threshold.cluster_status().pools) == 2, 20, message="static workers polled")
-            for index in indexes:
-                assert stream_tokens(via_threshold, prompt_token_ids[index], MAX_TOKENS)[0] == hf_reference[index]
-                assert stream_tokens(via_colocated, prompt_token_ids[index], MAX_TOKENS)[0] == hf_reference[index]
+            # Each router's prompts one after the other (the colocated router takes one at a time), the two routers
+            # side by side: their workers are apart.
+            def greedy_in_turn(via: Client) -> list[list[int]]:
+                return [stream_tokens(via, prompt_token_ids[index], MAX_TOKENS)[0] for index in indexes]
+
+            with ThreadPoolExecutor(2) as pool:
+                outputs = list(pool.map(greedy_in_turn, [via_threshold, via_colocated]))
+            assert outputs == [hf_reference, hf_reference]
             # Back-pressure: the colocated router takes one request at a time.
             call = via_colocated.generate_stream("Tell me a long story.", SamplingParams(max_tokens=500, ignore_eos=True))
             next(iter(call))
