@@ -322,7 +322,7 @@ def test_prefill_split_counts_agree(dtype):
     at any split count, including more splits than the context has key tiles (empty splits), a chunk with no
     context (only the last split has keys) and a split boundary inside a chunk's own keys' reach; in float32
     the same numbers as one split up to rounding."""
-    case = (6, 2, 64, 16, [700, 0, 65, 130], [40, 33, 64, 1])
+    case = (6, 2, 64, 16, [300, 0, 65, 130], [40, 33, 64, 1])
     whole = run_prefill_case(*case, dtype, seed=31, num_splits=1)
     for num_splits in (2, 3, 16):
         split = run_prefill_case(*case, dtype, seed=31, num_splits=num_splits)
