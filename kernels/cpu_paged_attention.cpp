@@ -642,7 +642,7 @@ int64_t set_decode_prefetch_level(int64_t level) {
 int64_t decode_prefetch_level() { return g_prefetch_level.load(); }
 
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                     at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_decode_attention: the query must be float32");
   TORCH_CHECK((key_cache.scalar_type() == at::kFloat || key_cache.scalar_type() == at::kBFloat16) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),

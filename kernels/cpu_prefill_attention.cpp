@@ -330,8 +330,8 @@ void prefill_amx(const Batch& batch, int64_t num_chunks, int64_t num_kv_heads, c
 bool amx_prefill_supported(int64_t head_dim, int64_t block_size) { return amx::prefill_supported(head_dim, block_size); }
 
 at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                      at::Tensor query_start_loc, at::Tensor context_lens,
-                                      at::Tensor block_tables, double scale) {
+                                   at::Tensor query_start_loc, at::Tensor context_lens,
+                                   at::Tensor block_tables, double scale) {
   TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_prefill_attention: the query must be float32");
   TORCH_CHECK((key_cache.scalar_type() == at::kFloat || key_cache.scalar_type() == at::kBFloat16) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),

@@ -8,11 +8,11 @@ imported), on a tiny KV cache: the interpreter copies every tensor argument's wh
 launch, the cache included. It runs each operation of each program in Python, so its time is the kernel launches
 a step makes, 8 per layer: the model here is the default model's first LAYERS layers (the whole of it, 30 layers,
 took 165 s on a 2-core Zen 3), its greedy tokens compared with transformers' on the same weights as well as with
-the torch backend's; the prompts are short, and the passes through the padded buffers generate fewer tokens. A budget of 16 tokens a step splits the longest
-prompt, so a later chunk attends to context already in the paged cache while the other requests decode. The
-step an engine on CUDA runs at start to size its cache (``ModelRunner.profile_step``) runs here through the
-Triton kernels too, and so do the padded static buffers CUDA graphs replay, decode steps whole and the other
-steps in pieces around attention (without capture).
+the torch backend's; the prompts are short, and the passes through the padded buffers generate fewer tokens. A
+budget of 16 tokens a step splits the longest prompt, so a later chunk attends to context already in the paged
+cache while the other requests decode. The step an engine on CUDA runs at start to size its cache
+(``ModelRunner.profile_step``) runs here through the Triton kernels too, and so do the padded static buffers CUDA
+graphs replay, decode steps whole and the other steps in pieces around attention (without capture).
 """
 
 from __future__ import annotations
