@@ -32,7 +32,7 @@ from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.kv_connector import KVConnectorBase, KVLoadFailurePolicy, KVLoadOutcome, KVTransferParams
 from splitserve.engine.kv_transfers import KVTransfers
 from splitserve.engine.model_runner import ModelRunner, SampledToken
-from splitserve.engine.model_store import resolve_model
+from splitserve.engine.model_store import load_tokenizer, resolve_model
 from splitserve.engine.output_processor import OutputProcessor
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.request import Request, RequestStatus
@@ -60,13 +60,11 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
         self.model_dir: Path = resolve_model(config.model)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         self.max_model_len = config.resolve_max_model_len(self.model_config.max_model_len)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.model_runner = ModelRunner(config, str(self.model_dir), self.model_config, self.max_model_len)
         config.check_fits(self.max_model_len, self.model_runner.num_blocks)
         self.kv_cache = KVCacheManager(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching)
