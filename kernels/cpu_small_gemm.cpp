@@ -6,10 +6,11 @@
 // time a layer's GEMM runs, attention has swept its weights out of cache, and oneDNN's packed
 // GEMM, tuned for weights it reuses, stalls on them (110-220 GFLOP/s against 300-350 with
 // the weight in cache, on a 2-core Sapphire Rapids). Here the weight is kept as panels of
-// 32 output columns, each a contiguous [in_features][32] block, and while a thread multiplies
-// one panel it prefetches the next into L2, spread over the panel's row tiles, so the memory
-// reads overlap the arithmetic. benchmarks/cpu_gemm.py times both against each other with
-// cold weights, as the engine meets them.
+// 32 output columns, each a contiguous [in_features][32] block, walked in k-blocks of 16 KB
+// that every row tile uses before the next (each block read from memory once), while the
+// weights two blocks ahead are fetched into L2 in a steady stream, so the memory reads overlap
+// the arithmetic. benchmarks/cpu_gemm.py times both against each other with cold weights, as
+// the engine meets them.
 //
 // Layouts (float32):
 //   x       [rows, in_features], rows of in_features contiguous (any row stride)
@@ -49,20 +50,27 @@ constexpr int64_t kCacheLine = 64;
 
 constexpr int64_t kTileRows = 8;
 
-// out[r][0 .. columns) = bias + sum_k x[r][k] * panel[k][...] for ROWS rows; while it runs, issues
-// lines_per_k L2 prefetches per k from `prefetch` onwards (null: none).
+// One k-block of ROWS rows x 32 columns: the sums start at zero (resume false) or at what out holds (resume
+// true: the previous k-block's), add x[r][k] * panel[k][...] for the block's `steps` k in order, and are stored
+// back to out, plus the bias after the last block (finish). Meanwhile `lines` cache lines from `prefetch` onwards
+// are fetched into L2, spread evenly over the steps.
 template <int ROWS>
-void multiply_tile(const float* x, int64_t x_stride, const float* panel, int64_t in_features, const float* bias,
-                   int64_t columns, float* out, int64_t out_stride, const char* prefetch, int64_t lines_per_k) {
+void multiply_tile(const float* x, int64_t x_stride, const float* panel, int64_t steps, const float* bias,
+                   int64_t columns, float* out, int64_t out_stride, const char* prefetch, int64_t lines, bool resume,
+                   bool finish) {
+  // The last panel may be partial: only its first `columns` columns exist in out and bias.
+  const __mmask16 mask_low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
+  const __mmask16 mask_high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
   __m512 low[ROWS], high[ROWS];
-  for (int r = 0; r < ROWS; ++r) low[r] = high[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < in_features; ++k) {
+  for (int r = 0; r < ROWS; ++r) {
+    low[r] = resume ? _mm512_maskz_loadu_ps(mask_low, out + r * out_stride) : _mm512_setzero_ps();
+    high[r] = resume ? _mm512_maskz_loadu_ps(mask_high, out + r * out_stride + 16) : _mm512_setzero_ps();
+  }
+  int64_t owed = 0, issued = 0;
+  for (int64_t k = 0; k < steps; ++k) {
     const __m512 w_low = _mm512_loadu_ps(panel + k * kPanelColumns);
     const __m512 w_high = _mm512_loadu_ps(panel + k * kPanelColumns + 16);
-    if (prefetch != nullptr) {
-      for (int64_t line = 0; line < lines_per_k; ++line)
-        _mm_prefetch(prefetch + (k * lines_per_k + line) * kCacheLine, _MM_HINT_T1);
-    }
+    for (owed += lines; owed >= steps; owed -= steps) _mm_prefetch(prefetch + issued++ * kCacheLine, _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
       const __m512 value = _mm512_set1_ps(x[r * x_stride + k]);
@@ -70,22 +78,19 @@ void multiply_tile(const float* x, int64_t x_stride, const float* panel, int64_t
       high[r] = _mm512_fmadd_ps(value, w_high, high[r]);
     }
   }
-  // The last panel may be partial: only its first `columns` columns exist in out and bias.
-  const __mmask16 mask_low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
-  const __mmask16 mask_high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
   __m512 bias_low = _mm512_setzero_ps(), bias_high = _mm512_setzero_ps();
-  if (bias != nullptr) {
+  if (finish && bias != nullptr) {
     bias_low = _mm512_maskz_loadu_ps(mask_low, bias);
     bias_high = _mm512_maskz_loadu_ps(mask_high, bias + 16);
   }
   for (int r = 0; r < ROWS; ++r) {
-    _mm512_mask_storeu_ps(out + r * out_stride, mask_low, _mm512_add_ps(low[r], bias_low));
-    _mm512_mask_storeu_ps(out + r * out_stride + 16, mask_high, _mm512_add_ps(high[r], bias_high));
+    _mm512_mask_storeu_ps(out + r * out_stride, mask_low, finish ? _mm512_add_ps(low[r], bias_low) : low[r]);
+    _mm512_mask_storeu_ps(out + r * out_stride + 16, mask_high, finish ? _mm512_add_ps(high[r], bias_high) : high[r]);
   }
 }
 
 using TileFunction = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t,
-                              const char*, int64_t);
+                              const char*, int64_t, bool, bool);
 constexpr TileFunction kTiles[kTileRows + 1] = {nullptr,          multiply_tile<1>, multiply_tile<2>,
                                                 multiply_tile<3>, multiply_tile<4>, multiply_tile<5>,
                                                 multiply_tile<6>, multiply_tile<7>, multiply_tile<8>};
@@ -95,22 +100,31 @@ constexpr TileFunction kTiles[kTileRows + 1] = {nullptr,          multiply_tile<
 constexpr int64_t kTileRows = 6;
 
 // As the AVX-512 multiply_tile, a panel's two halves of 16 columns one after the other (12 accumulators,
-// 2 weight vectors and a broadcast fit the 16 ymm registers; 32 columns would not). The next panel's
-// prefetches ride on the first half.
+// 2 weight vectors and a broadcast fit the 16 ymm registers; 32 columns would not). The prefetches ride on the
+// first half.
 template <int ROWS>
-void multiply_tile(const float* x, int64_t x_stride, const float* panel, int64_t in_features, const float* bias,
-                   int64_t columns, float* out, int64_t out_stride, const char* prefetch, int64_t lines_per_k) {
+void multiply_tile(const float* x, int64_t x_stride, const float* panel, int64_t steps, const float* bias,
+                   int64_t columns, float* out, int64_t out_stride, const char* prefetch, int64_t lines, bool resume,
+                   bool finish) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t half = 0; half < 2 && half * 16 < columns; ++half) {
     const float* weights = panel + half * 16;
+    float* half_out = out + half * 16;
+    // The last panel may be partial: only the columns that exist are loaded and stored.
+    const int64_t present = std::min<int64_t>(16, columns - half * 16);
+    const __m256i mask_low = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(present)), lane);
+    const __m256i mask_high = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(present) - 8), lane);
     __m256 low[ROWS], high[ROWS];
-    for (int r = 0; r < ROWS; ++r) low[r] = high[r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < in_features; ++k) {
+    for (int r = 0; r < ROWS; ++r) {
+      low[r] = resume ? _mm256_maskload_ps(half_out + r * out_stride, mask_low) : _mm256_setzero_ps();
+      high[r] = resume ? _mm256_maskload_ps(half_out + r * out_stride + 8, mask_high) : _mm256_setzero_ps();
+    }
+    int64_t owed = 0, issued = 0;
+    for (int64_t k = 0; k < steps; ++k) {
       const __m256 w_low = _mm256_loadu_ps(weights + k * kPanelColumns);
       const __m256 w_high = _mm256_loadu_ps(weights + k * kPanelColumns + 8);
-      if (prefetch != nullptr && half == 0) {
-        for (int64_t line = 0; line < lines_per_k; ++line)
-          _mm_prefetch(prefetch + (k * lines_per_k + line) * kCacheLine, _MM_HINT_T1);
+      if (half == 0) {
+        for (owed += lines; owed >= steps; owed -= steps) _mm_prefetch(prefetch + issued++ * kCacheLine, _MM_HINT_T1);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) {
@@ -119,24 +133,20 @@ void multiply_tile(const float* x, int64_t x_stride, const float* panel, int64_t
         high[r] = _mm256_fmadd_ps(value, w_high, high[r]);
       }
     }
-    // The last panel may be partial: only the columns that exist are loaded and stored.
-    const int64_t present = std::min<int64_t>(16, columns - half * 16);
-    const __m256i mask_low = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(present)), lane);
-    const __m256i mask_high = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(present) - 8), lane);
     __m256 bias_low = _mm256_setzero_ps(), bias_high = _mm256_setzero_ps();
-    if (bias != nullptr) {
+    if (finish && bias != nullptr) {
       bias_low = _mm256_maskload_ps(bias + half * 16, mask_low);
       bias_high = _mm256_maskload_ps(bias + half * 16 + 8, mask_high);
     }
     for (int r = 0; r < ROWS; ++r) {
-      _mm256_maskstore_ps(out + r * out_stride + half * 16, mask_low, _mm256_add_ps(low[r], bias_low));
-      _mm256_maskstore_ps(out + r * out_stride + half * 16 + 8, mask_high, _mm256_add_ps(high[r], bias_high));
+      _mm256_maskstore_ps(half_out + r * out_stride, mask_low, finish ? _mm256_add_ps(low[r], bias_low) : low[r]);
+      _mm256_maskstore_ps(half_out + r * out_stride + 8, mask_high, finish ? _mm256_add_ps(high[r], bias_high) : high[r]);
     }
   }
 }
 
 using TileFunction = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t,
-                              const char*, int64_t);
+                              const char*, int64_t, bool, bool);
 constexpr TileFunction kTiles[kTileRows + 1] = {nullptr,          multiply_tile<1>, multiply_tile<2>, multiply_tile<3>,
                                                 multiply_tile<4>, multiply_tile<5>, multiply_tile<6>};
 
@@ -148,19 +158,20 @@ constexpr TileFunction kTiles[kTileRows + 1] = {nullptr,          multiply_tile<
 // bfloat16 x and weight, float32 sums: the weight as panels of 32 output columns, each k-pair of a panel one
 // 128-byte row [32 columns][2] (dims 2j and 2j + 1 of every column side by side), so that VDPBF16PS multiplies a
 // broadcast pair of x by 16 columns' pairs and adds both products to 16 float32 sums. ROWS rows x 32 columns in
-// 2 x ROWS registers; the next panel prefetched into L2 as in the float32 tiles.
+// 2 x ROWS registers, a whole panel's depth in one call (at most 8 rows: one row tile, nothing to reuse); the
+// weights ahead fetched into L2 as in the float32 tiles.
 template <int ROWS>
 void multiply_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pairs, const float* bias,
-                        int64_t columns, uint16_t* out, int64_t out_stride, const char* prefetch, int64_t lines_per_k) {
+                        int64_t columns, uint16_t* out, int64_t out_stride, const char* prefetch, int64_t lines) {
+  const __mmask16 mask_low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
+  const __mmask16 mask_high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
   __m512 low[ROWS], high[ROWS];
   for (int r = 0; r < ROWS; ++r) low[r] = high[r] = _mm512_setzero_ps();
+  int64_t owed = 0, issued = 0;
   for (int64_t j = 0; j < pairs; ++j) {
     const __m512bh w_low = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanelColumns);
     const __m512bh w_high = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanelColumns + 32);
-    if (prefetch != nullptr) {
-      for (int64_t line = 0; line < lines_per_k; ++line)
-        _mm_prefetch(prefetch + (j * lines_per_k + line) * kCacheLine, _MM_HINT_T1);
-    }
+    for (owed += lines; owed >= pairs; owed -= pairs) _mm_prefetch(prefetch + issued++ * kCacheLine, _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
       int32_t pair;
@@ -170,8 +181,6 @@ void multiply_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* pan
       high[r] = _mm512_dpbf16_ps(high[r], value, w_high);
     }
   }
-  const __mmask16 mask_low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
-  const __mmask16 mask_high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
   __m512 bias_low = _mm512_setzero_ps(), bias_high = _mm512_setzero_ps();
   if (bias != nullptr) {
     bias_low = _mm512_maskz_loadu_ps(mask_low, bias);
@@ -194,31 +203,50 @@ constexpr TileFunctionBFloat16 kTilesBFloat16[kTileRowsBFloat16 + 1] = {
 #endif
 
 // The panel loop both small GEMMs share. Each thread takes a contiguous run of panels, so that its weight reads
-// are one sequential stream, and runs tiles[rows] over each panel's row tiles of up to max_rows rows; the next
-// panel's lines are prefetched spread evenly over this panel's tiles and their `steps` k steps. A panel is
-// steps x 128 bytes: in_features x 32 floats, or in_features / 2 pairs x 32 columns x 2 bfloat16.
+// are one sequential stream, and walks each panel in k-blocks of block_steps steps (a step is one 128-byte row of
+// a panel: 32 floats, or one pair of 32 bfloat16 columns): every row tile of up to max_rows rows runs over a block
+// before the next block starts, so the block is read from memory once and from L1 by the other tiles, and the sums
+// go on where the last block left them (each output still one sum in k order, so the blocks change no result).
+// While a block runs, the block kAheadBlocks further in the thread's stream is fetched into L2, its lines spread
+// evenly over the block's tiles and steps: a steady stream at the pace of the arithmetic. tile(rows, x, panel,
+// steps, bias, columns, out, prefetch, lines, resume, finish) runs one row tile over one block.
+constexpr int64_t kBlockSteps = 128;  // 16 KB of weights: with a tile's x, well inside a 32 KB L1
+constexpr int64_t kAheadBlocks = 2;
+
 template <typename T, typename Tile>
 void run_panels(const T* x_ptr, int64_t x_stride, int64_t rows, const T* panel_ptr, int64_t num_panels, int64_t steps,
-                const float* bias_ptr, T* out_ptr, int64_t out_features, int64_t max_rows, const Tile* tiles) {
-  const int64_t panel_elements = steps * 128 / static_cast<int64_t>(sizeof(T));
+                int64_t block_steps, const float* bias_ptr, T* out_ptr, int64_t out_features, int64_t max_rows,
+                const Tile& tile) {
+  constexpr int64_t step_elements = 128 / static_cast<int64_t>(sizeof(T));
+  const int64_t panel_elements = steps * step_elements;
   const int64_t num_tiles = (rows + max_rows - 1) / max_rows;
-  const int64_t panel_lines = steps * 128 / kCacheLine;
-  const int64_t lines_per_k = std::max<int64_t>(1, (panel_lines + num_tiles * steps - 1) / (num_tiles * steps));
+  block_steps = std::min(block_steps, steps);
+  const int64_t ahead = kAheadBlocks * block_steps * 128;  // bytes
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
     const int64_t first = num_panels * thread / threads, last = num_panels * (thread + 1) / threads;
+    const char* stream = reinterpret_cast<const char*>(panel_ptr + first * panel_elements);
+    const char* stream_end = reinterpret_cast<const char*>(panel_ptr + last * panel_elements);
+    // The first blocks have no block before them to fetch them.
+    for (const char* line = stream; line < std::min(stream + ahead, stream_end); line += kCacheLine)
+      __builtin_prefetch(line, 0, 2);  // prefetcht1: into L2
     for (int64_t p = first; p < last; ++p) {
       const T* panel = panel_ptr + p * panel_elements;
-      const char* next = reinterpret_cast<const char*>(panel + panel_elements);
       const int64_t columns = std::min(kPanelColumns, out_features - p * kPanelColumns);
-      for (int64_t tile = 0; tile < num_tiles; ++tile) {
-        const int64_t row = tile * max_rows, tile_rows = std::min(max_rows, rows - row);
-        const int64_t first_line = tile * steps * lines_per_k;
-        const char* prefetch = p + 1 < last && first_line < panel_lines ? next + first_line * kCacheLine : nullptr;
-        tiles[tile_rows](x_ptr + row * x_stride, x_stride, panel, steps,
-                         bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanelColumns, columns,
-                         out_ptr + row * out_features + p * kPanelColumns, out_features, prefetch, lines_per_k);
+      for (int64_t k = 0; k < steps; k += block_steps) {
+        const int64_t block = std::min(block_steps, steps - k);
+        const char* fetch = reinterpret_cast<const char*>(panel + k * step_elements) + ahead;
+        const int64_t fetch_lines = fetch >= stream_end ? 0 : std::min<int64_t>(block * 128, stream_end - fetch) / kCacheLine;
+        const int64_t lines_per_tile = (fetch_lines + num_tiles - 1) / num_tiles;
+        for (int64_t t = 0; t < num_tiles; ++t) {
+          const int64_t row = t * max_rows, tile_rows = std::min(max_rows, rows - row);
+          const int64_t line = std::min(fetch_lines, t * lines_per_tile);
+          tile(tile_rows, x_ptr + row * x_stride + k * (step_elements / kPanelColumns), panel + k * step_elements,
+               block, bias_ptr == nullptr ? nullptr : bias_ptr + p * kPanelColumns, columns,
+               out_ptr + row * out_features + p * kPanelColumns, fetch + line * kCacheLine,
+               std::min(fetch_lines, line + lines_per_tile) - line, k > 0, k + block == steps);
+        }
       }
     }
   }
@@ -268,8 +296,14 @@ at::Tensor small_gemm(at::Tensor x, at::Tensor panels, at::Tensor bias, int64_t 
   auto out = at::empty({rows, out_features}, x.options());
 #ifdef SPLITSERVE_SMALL_GEMM
   if (rows == 0) return out;
-  run_panels(x.data_ptr<float>(), x.stride(0), rows, panels.data_ptr<float>(), num_panels, in_features,
-             has_bias ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), out_features, kTileRows, kTiles);
+  const int64_t x_stride = x.stride(0);
+  run_panels(x.data_ptr<float>(), x_stride, rows, panels.data_ptr<float>(), num_panels, in_features, kBlockSteps,
+             has_bias ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), out_features, kTileRows,
+             [&](int64_t tile_rows, const float* x_tile, const float* panel, int64_t steps, const float* bias_tile,
+                 int64_t columns, float* out_tile, const char* prefetch, int64_t lines, bool resume, bool finish) {
+               kTiles[tile_rows](x_tile, x_stride, panel, steps, bias_tile, columns, out_tile, out_features, prefetch,
+                                 lines, resume, finish);
+             });
 #endif
   return out;
 }
@@ -317,10 +351,17 @@ at::Tensor small_gemm_bfloat16(at::Tensor x, at::Tensor panels, at::Tensor bias,
   auto out = at::empty({rows, out_features}, x.options());
 #ifdef SPLITSERVE_SMALL_GEMM_BFLOAT16
   if (rows == 0) return out;
-  run_panels(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), rows,
-             reinterpret_cast<const uint16_t*>(panels.data_ptr()), num_panels, pairs,
+  const int64_t x_stride = x.stride(0);
+  run_panels(reinterpret_cast<const uint16_t*>(x.data_ptr()), x_stride, rows,
+             reinterpret_cast<const uint16_t*>(panels.data_ptr()), num_panels, pairs, pairs,
              has_bias ? bias.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(out.data_ptr()), out_features,
-             kTileRowsBFloat16, kTilesBFloat16);
+             kTileRowsBFloat16,
+             [&](int64_t tile_rows, const uint16_t* x_tile, const uint16_t* panel, int64_t steps, const float* bias_tile,
+                 int64_t columns, uint16_t* out_tile, const char* prefetch, int64_t lines, bool, bool) {
+               // One block of the whole depth (block_steps = pairs): every call starts and finishes its sums.
+               kTilesBFloat16[tile_rows](x_tile, x_stride, panel, steps, bias_tile, columns, out_tile, out_features,
+                                         prefetch, lines);
+             });
 #endif
   return out;
 }

@@ -356,8 +356,11 @@ def _small_gemm_kernels():
         (7, 17, 45, True),  # a partial row tile, an odd depth, a partial last panel, a bias
         (8, 64, 32, True),  # exactly one tile and one panel
         (9, 40, 31, False),  # one row past a tile; fewer columns than one panel
-        (64, 576, 3072, False),  # a decode step of SmolLM's gate/up
+        (64, 576, 3072, False),  # a decode step of SmolLM's gate/up (4.5 k-blocks of 128)
         (192, 1536, 576, True),  # the largest batch the engine sends (SMALL_GEMM_MAX_ROWS), down's shape
+        (16, 128, 70, True),  # exactly one k-block
+        (24, 129, 64, False),  # one step past a k-block, three row tiles
+        (40, 300, 96, True),  # a partial last k-block after two whole ones
     ],
 )
 def test_small_gemm_matches_linear(rows, in_features, out_features, with_bias):
@@ -374,6 +377,20 @@ def test_small_gemm_matches_linear(rows, in_features, out_features, with_bias):
     assert actual.shape == (rows, out_features) and actual.is_contiguous()
     # Sums of in_features products of unit normals, in another order than MKL's: float32 rounding only.
     torch.testing.assert_close(actual, F.linear(x, weight, bias), atol=2e-5 * in_features**0.5, rtol=1e-5)
+
+
+def test_small_gemm_rows_do_not_depend_on_their_batch():
+    """Each output is one fused multiply-add sum over in_features in order, whichever row tile and k-block it ran in:
+    a row's result is bit for bit the same alone, in any batch and at any place in it (what keeps greedy tokens
+    independent of what else a decode step holds)."""
+    kernels = _small_gemm_kernels()
+    generator = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(200, 300, generator=generator), torch.randn(200, generator=generator)
+    panels, x = kernels.pack_panels(weight), torch.randn(70, 300, generator=generator)
+    whole = kernels.small_gemm(x, panels, bias, 200)
+    for row in (0, 7, 8, 37, 69):
+        assert torch.equal(kernels.small_gemm(x[row : row + 1], panels, bias, 200)[0], whole[row])
+    assert torch.equal(kernels.small_gemm(x[5:45], panels, bias, 200), whole[5:45])
 
 
 def test_small_gemm_takes_no_rows_and_refuses_bad_shapes():
