@@ -12,7 +12,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.logits_processors import apply_min_tokens, apply_penalties
 from splitserve.engine.logprobs import compute_logprobs
 from splitserve.engine.request import Request
-from splitserve.engine.sampling import Sampler, SamplerOutput, seeded_generator
+from splitserve.engine.sampling import Sampler, SamplerOutput, greedy_token_ids, seeded_generator
 from splitserve.engine.top_k_top_p import (
     apply_temperature,
     apply_top_k_top_p_min_p,
@@ -63,6 +63,18 @@ def test_greedy_fast_path_is_argmax_and_leaves_requests_alone():
     assert all(isinstance(token_id, int) for token_id in output.sampled_token_ids)
     assert output.logprobs == [None, None, None, None]
     assert all(request.generator is None for request in requests)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_token_ids_are_argmax_ties_and_nans_included(dtype):
+    """The first of tied maxima, a NaN as the largest, and whole vocabularies of every batch size the engine sees."""
+    nan, inf = float("nan"), float("inf")
+    edge = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 5.0], [2.0, inf, inf, 0.0], [NEG_INF] * 3 + [-1.0],
+                         [0.0, 0.0, 0.0, 0.0]], dtype=dtype)
+    assert greedy_token_ids(edge).tolist() == edge.argmax(-1).tolist() == [1, 0, 1, 3, 0]
+    for rows in (1, 7, 64, 193):
+        logits = random_logits(rows, 49152, seed=rows).to(dtype)  # bfloat16 rounding makes ties
+        assert torch.equal(greedy_token_ids(logits), logits.argmax(-1))
 
 
 def test_greedy_takes_argmax_of_penalized_logits():
