@@ -5,12 +5,13 @@
 //
 // Layouts (query and output float32; the cache float32 or bfloat16, read as float32 or, for the keys, in
 // AVX512-BF16 dot products: see kBFloat16Dot):
-//   query        [num_requests, q_heads, head_dim] contiguous
+//   query        [num_requests, q_heads, head_dim], each row's heads contiguous, rows at any stride (a view
+//                of the fused QKV projection's output)
 //   key/value    [kv_heads, num_blocks, block_size, head_dim]   (one layer; a view of the block-major
 //                cache: rows of a block contiguous, heads and blocks at any strides)
 //   block_tables [num_requests, max_blocks] int64 (entries past a request's end unused)
 //   seq_lens     [num_requests] int64 (context length including the new token)
-// Returns [num_requests, q_heads, head_dim].
+// Returns [num_requests, q_heads, head_dim], contiguous.
 //
 // Per block, every key and value row is loaded once for all the query heads
 // that share its KV head (grouped-query attention: 3 for SmolLM). Head sizes
@@ -566,16 +567,16 @@ const KV* cache_data(const at::Tensor& cache) {
 }
 
 template <typename KV>
-void decode_all(const float* q_ptr, const KV* k_ptr, const KV* v_ptr, const int64_t* table_ptr, const int64_t* len_ptr,
-                int64_t num_requests, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
-                const DecodeShape& shape, float scale_f, float* out_ptr) {
+void decode_all(const float* q_ptr, int64_t q_stride, const KV* k_ptr, const KV* v_ptr, const int64_t* table_ptr,
+                const int64_t* len_ptr, int64_t num_requests, int64_t num_q_heads, int64_t num_kv_heads,
+                int64_t head_dim, int64_t max_blocks, const DecodeShape& shape, float scale_f, float* out_ptr) {
   const WideFunctions<KV> wide = wide_functions<KV>(head_dim);
   const int64_t group = shape.group, head_stride = shape.head_stride;
   // Whole requests per task once there are enough of them to keep every thread busy.
   if (wide.request != nullptr && num_requests >= kRequestsPerThreadForWholeRequests * omp_get_max_threads()) {
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t r = 0; r < num_requests; ++r)
-      wide.request(q_ptr + r * num_q_heads * head_dim, k_ptr, v_ptr, table_ptr + r * max_blocks, len_ptr[r],
+      wide.request(q_ptr + r * q_stride, k_ptr, v_ptr, table_ptr + r * max_blocks, len_ptr[r],
                    num_kv_heads, shape, scale_f, out_ptr + r * num_q_heads * head_dim);
     return;
   }
@@ -584,11 +585,11 @@ void decode_all(const float* q_ptr, const KV* k_ptr, const KV* v_ptr, const int6
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const int64_t first_row = r * num_q_heads + h * group;
       if (wide.head != nullptr) {
-        wide.head(q_ptr + first_row * head_dim, k_ptr + h * head_stride, v_ptr + h * head_stride,
+        wide.head(q_ptr + r * q_stride + h * group * head_dim, k_ptr + h * head_stride, v_ptr + h * head_stride,
                   table_ptr + r * max_blocks, len_ptr[r], shape, scale_f, out_ptr + first_row * head_dim);
         continue;
       }
-      attend_one_head(q_ptr + first_row * head_dim, k_ptr + h * head_stride, v_ptr + h * head_stride,
+      attend_one_head(q_ptr + r * q_stride + h * group * head_dim, k_ptr + h * head_stride, v_ptr + h * head_stride,
                       table_ptr + r * max_blocks, len_ptr[r], group, shape.block_size, head_dim, shape.block_stride,
                       scale_f, out_ptr + first_row * head_dim);
     }
@@ -599,7 +600,7 @@ void decode_all(const float* q_ptr, const KV* k_ptr, const KV* v_ptr, const int6
 // A bfloat16 cache in AMX tiles (cpu_amx_attention.h), shared out as decode_all does: whole requests per task
 // when there are enough of them, else (request, KV head) pairs. Each thread releases the tiles when done
 // (oneDNN configures its own before each use).
-void decode_all_amx(const float* q_ptr, const vec16::BFloat16* k_ptr, const vec16::BFloat16* v_ptr,
+void decode_all_amx(const float* q_ptr, int64_t q_stride, const vec16::BFloat16* k_ptr, const vec16::BFloat16* v_ptr,
                     const int64_t* table_ptr, const int64_t* len_ptr, int64_t num_requests, int64_t num_q_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks, const DecodeShape& shape,
                     float scale_f, float* out_ptr) {
@@ -615,7 +616,7 @@ void decode_all_amx(const float* q_ptr, const vec16::BFloat16* k_ptr, const vec1
       const int64_t r = task / tasks_per_request, first = task % tasks_per_request * heads_per_task;
       const amx::RequestView view{k_ptr, v_ptr, table_ptr + r * max_blocks, len_ptr[r], (len_ptr[r] + 31) / 32 * 32,
                                   shape.group, head_dim, shape.block_size, shape.block_stride, shape.head_stride};
-      amx::attend_heads(q_ptr + r * num_q_heads * head_dim, first, heads_per_task, view, scale_f,
+      amx::attend_heads(q_ptr + r * q_stride, first, heads_per_task, view, scale_f,
                         out_ptr + r * num_q_heads * head_dim, *scratch, config);
     }
     _tile_release();
@@ -649,8 +650,11 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
               "paged_decode_attention: the cache must be float32 or bfloat16, keys and values alike");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and seq_lens must be int64");
-  TORCH_CHECK(query.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous(),
-              "paged_decode_attention: query, block_tables and seq_lens must be contiguous");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
+                  query.stride(0) >= query.size(1) * query.size(2),
+              "paged_decode_attention: query must be [requests, heads, head_dim] with each row's heads contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode_attention: block_tables and seq_lens must be contiguous");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides() &&
                   key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3),
               "paged_decode_attention: each cache block's rows must be contiguous, keys and values alike");
@@ -663,8 +667,9 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   const int64_t group = num_q_heads / num_kv_heads;
   TORCH_CHECK(group <= kMaxGroup, "more than 16 query heads per KV head");
 
-  auto out = at::empty_like(query);
+  auto out = at::empty({num_requests, num_q_heads, head_dim}, query.options());
   const float* q_ptr = query.data_ptr<float>();
+  const int64_t q_stride = query.stride(0);
   const int64_t* table_ptr = block_tables.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
@@ -680,16 +685,16 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   const DecodeShape shape{group, block_size, key_cache.stride(1), key_cache.stride(0)};
 #ifdef SPLITSERVE_AMX
   if (key_cache.scalar_type() == at::kBFloat16 && amx::decode_supported(head_dim, block_size, group)) {
-    decode_all_amx(q_ptr, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache), table_ptr,
+    decode_all_amx(q_ptr, q_stride, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache), table_ptr,
                    len_ptr, num_requests, num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);
     return out;
   }
 #endif
   if (key_cache.scalar_type() == at::kBFloat16)
-    decode_all(q_ptr, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache), table_ptr,
+    decode_all(q_ptr, q_stride, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache), table_ptr,
                len_ptr, num_requests, num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);
   else
-    decode_all(q_ptr, cache_data<float>(key_cache), cache_data<float>(value_cache), table_ptr, len_ptr, num_requests,
+    decode_all(q_ptr, q_stride, cache_data<float>(key_cache), cache_data<float>(value_cache), table_ptr, len_ptr, num_requests,
                num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);
   return out;
 }

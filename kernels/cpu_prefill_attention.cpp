@@ -7,12 +7,13 @@
 // engine writes a step's K/V before it attends).
 //
 // Layouts (query and output float32; the cache float32 or bfloat16, read as float32):
-//   query            [rows, q_heads, head_dim], rows of head_dim contiguous (the chunks' rows, back to back)
+//   query            [rows, q_heads, head_dim], each row's heads contiguous, rows at any stride (a view of the
+//                    fused QKV projection's output; the chunks' rows, back to back)
 //   key/value        [kv_heads, num_blocks, block_size, head_dim]  (one layer; as in cpu_paged_attention.cpp)
 //   query_start_loc  [chunks + 1] int32: chunk c is rows query_start_loc[c] .. query_start_loc[c + 1]
 //   context_lens     [chunks] int32: tokens of chunk c's request already cached before the chunk
 //   block_tables     [chunks, max_blocks] int64: each request's blocks (entries past its end unused)
-// Returns [rows, q_heads, head_dim].
+// Returns [rows, q_heads, head_dim], contiguous.
 //
 // Work item: one (chunk, KV head, tile of query tokens). The tile's rows are its
 // tokens times the query heads sharing the KV head (grouped-query attention), so a
@@ -140,7 +141,7 @@ void accumulate_values(const float* p_t, int64_t p_stride, int64_t count, const 
 // are transposed, once per item), and the softmax's maxima and sums run across rows in vector lanes, with
 // no horizontal reductions.
 template <typename KV>
-void attend_tile(const float* query, const KV* k_head, const KV* v_head, const int64_t* table,
+void attend_tile(const float* query, int64_t query_stride, const KV* k_head, const KV* v_head, const int64_t* table,
                  int64_t context, int64_t first, int64_t last, int64_t h, const Shape& s, float scale,
                  float* out) {
   const int64_t group = s.group, head_dim = s.head_dim;
@@ -164,7 +165,7 @@ void attend_tile(const float* query, const KV* k_head, const KV* v_head, const i
     const float* source[kLanes];
     for (int64_t i = 0; i < kLanes; ++i) {
       const int64_t m = m0 + i;
-      source[i] = m < rows ? query + ((first + m / group) * s.num_q_heads + h * group + m % group) * head_dim : nullptr;
+      source[i] = m < rows ? query + (first + m / group) * query_stride + (h * group + m % group) * head_dim : nullptr;
     }
     for (int64_t d = 0; d < head_dim; d += kLanes) {
       f32x16 block[kLanes];
@@ -249,6 +250,7 @@ struct WorkItem {
 // What every work item of a call shares.
 struct Batch {
   const float* query;
+  int64_t query_stride;  // elements from one query row to the next
   float* out;
   const int32_t* starts;
   const int32_t* contexts;
@@ -266,7 +268,7 @@ void attend_items(const std::vector<WorkItem>& items, const Batch& b, const KV* 
   for (int64_t i = 0; i < num_items; ++i) {
     const WorkItem& item = items[i];
     const int64_t row0 = b.starts[item.chunk];
-    attend_tile(b.query + row0 * row_elements, k_ptr + item.head * shape.head_stride,
+    attend_tile(b.query + row0 * b.query_stride, b.query_stride, k_ptr + item.head * shape.head_stride,
                 v_ptr + item.head * shape.head_stride, b.tables + item.chunk * b.max_blocks, b.contexts[item.chunk],
                 item.first, item.last, item.head, shape, b.scale, b.out + row0 * row_elements);
   }
@@ -314,7 +316,8 @@ void prefill_amx(const Batch& batch, int64_t num_chunks, int64_t num_kv_heads, c
     for (size_t i = 0; i < items.size(); ++i) {
       const WorkItem& item = items[i];
       const int64_t kv_head = item.head / shape.group, row = batch.starts[item.chunk] + item.first;
-      amx::prefill_item(batch.query + row * row_stride + item.head * head_dim, row_stride, item.last - item.first,
+      amx::prefill_item(batch.query + row * batch.query_stride + item.head * head_dim, batch.query_stride,
+                        item.last - item.first,
                         batch.contexts[item.chunk] + item.first, k_ptr + kv_head * shape.head_stride,
                         batch.tables + item.chunk * batch.max_blocks, shape.block_size, shape.block_stride, head_dim,
                         values.get() + offsets[item.chunk * num_kv_heads + kv_head], batch.scale,
@@ -336,7 +339,9 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::T
   TORCH_CHECK((key_cache.scalar_type() == at::kFloat || key_cache.scalar_type() == at::kBFloat16) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "paged_prefill_attention: the cache must be float32 or bfloat16, keys and values alike");
-  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "paged_prefill_attention: query must be contiguous [rows, heads, head_dim]");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
+                  query.stride(0) >= query.size(1) * query.size(2),
+              "paged_prefill_attention: query must be [rows, heads, head_dim] with each row's heads contiguous");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kLong,
               "paged_prefill_attention: query_start_loc and context_lens int32, block_tables int64");
@@ -377,10 +382,10 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::T
   std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
     return contexts[a.chunk] + a.last > contexts[b.chunk] + b.last;
   });
-  auto out = at::empty_like(query);
+  auto out = at::empty({num_rows, num_q_heads, head_dim}, query.options());
   const Shape shape{num_q_heads, group, head_dim, block_size, key_cache.stride(0), key_cache.stride(1)};
-  const Batch batch{query.data_ptr<float>(), out.data_ptr<float>(), starts, contexts, tables, max_blocks,
-                    static_cast<float>(scale)};
+  const Batch batch{query.data_ptr<float>(), query.stride(0), out.data_ptr<float>(), starts, contexts, tables,
+                    max_blocks, static_cast<float>(scale)};
 #ifdef SPLITSERVE_AMX
   if (key_cache.scalar_type() == at::kBFloat16 && amx::prefill_supported(head_dim, block_size)) {
     prefill_amx(batch, num_chunks, num_kv_heads, reinterpret_cast<const BFloat16*>(key_cache.data_ptr()),

@@ -932,3 +932,44 @@ def test_fused_operations_in_bfloat16_round_as_torch_does():
     expected = apply_rotary(query_key.clone(), cos, sin)
     kernels.rotary_(query_key, cos.squeeze(1), sin.squeeze(1))
     assert torch.equal(query_key, expected)  # products and sum rounded one by one, as torch's
+
+
+def qkv_view(query):
+    """``query`` [rows, heads, head_dim] copied into the front of a wider fused-projection output and returned as
+    the model's view of it: each row's heads contiguous, rows 1.5 times as far apart (SmolLM's 960 against 576)."""
+    rows, heads, head_dim = query.shape
+    fused = torch.full((rows, heads * head_dim * 3 // 2), float("nan"))
+    view = fused[:, : heads * head_dim].view(rows, heads, head_dim)
+    view.copy_(query)
+    assert not view.is_contiguous()
+    return view
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_kernels_read_queries_in_place_at_a_row_stride(dtype):
+    """The queries are a view of the fused QKV output; both kernels read them where they are (no copy), over either
+    cache dtype and in AMX tiles where the CPU has them: bit for bit what a contiguous copy gives. A layout they
+    cannot read (heads not contiguous) is refused, and the Python wrappers copy it first."""
+    kernels = _kernels()
+    generator = torch.Generator().manual_seed(5)
+    lengths = [1, 17, 40, 300] + MANY_LENGTHS  # per (request, KV head) and whole requests per thread
+    for requests in (lengths[:4], lengths):
+        num_blocks = sum(-(-length // 16) for length in requests) + 2
+        key_cache, value_cache = block_major_like(*block_major_caches(3, num_blocks, 16, 64, generator), dtype)
+        tables = shuffled_block_tables(requests, 16, num_blocks, generator)
+        seq_lens = torch.tensor(requests, dtype=torch.int64)
+        query = torch.randn(len(requests), 9, 64, generator=generator)
+        expected = kernels.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, 0.125)
+        assert torch.equal(kernels.paged_decode_attention(qkv_view(query), key_cache, value_cache, tables, seq_lens,
+                                                          0.125), expected)
+    query, _, _, key_cache, value_cache, spans, scale = prefill_case(9, 3, 64, 16, [(0, 70), (33, 40), (0, 1)])
+    key_cache, value_cache = block_major_like(key_cache, value_cache, dtype)
+    expected = run_prefill_kernel(query, key_cache, value_cache, spans, scale)
+    assert torch.equal(run_prefill_kernel(qkv_view(query), key_cache, value_cache, spans, scale), expected)
+
+    heads_apart = query.transpose(0, 1).contiguous().transpose(0, 1)  # [rows, heads, head_dim], heads rows apart
+    batch = PrefillBatch.from_spans(spans)
+    with pytest.raises(RuntimeError, match="each row's heads contiguous"):
+        kernels._module.paged_prefill_attention(heads_apart, key_cache, value_cache, batch.query_start_loc,
+                                                batch.context_lens, batch.block_tables, scale)
+    assert torch.equal(run_prefill_kernel(heads_apart, key_cache, value_cache, spans, scale), expected)
