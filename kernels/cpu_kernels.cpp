@@ -9,10 +9,10 @@
 
 namespace splitserve {
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                  at::Tensor block_tables, at::Tensor seq_lens, double scale);
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale, at::Tensor out);
 at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                    at::Tensor query_start_loc, at::Tensor context_lens,
-                                   at::Tensor block_tables, double scale);
+                                   at::Tensor block_tables, double scale, at::Tensor out);
 void write_kv_(at::Tensor key_cache, at::Tensor value_cache, at::Tensor key, at::Tensor value,
                at::Tensor slot_mapping);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);

@@ -141,16 +141,19 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query: [requests, q_heads, head_dim]; caches: [kv_heads, num_blocks, block_size, head_dim];
     block_tables: [requests, max_blocks] int64; seq_lens: [requests] int64.
 
-    Returns: [requests, q_heads, head_dim] in the query's dtype. The caches float32 or bfloat16 (the kernel
-    computes in float32 either way, but see :func:`rounds_bfloat16_queries`; a bfloat16 query is widened
-    first). Call :func:`available` first.
+    Returns: [requests, q_heads, head_dim] in the query's dtype: ``out`` where given (contiguous, the query's shape
+    and dtype; a float32 one is written in place). The caches float32 or bfloat16 (the kernel computes in float32
+    either way, but see :func:`rounds_bfloat16_queries`; a bfloat16 query is widened first). Call
+    :func:`available` first.
     """
-    output = _module.paged_decode_attention(_query_rows(query), key_cache, value_cache, block_tables, seq_lens, scale)
-    return output.to(query.dtype)
+    output = _module.paged_decode_attention(_query_rows(query), key_cache, value_cache, block_tables, seq_lens, scale,
+                                            _in_place(out))
+    return _attention_result(output, query.dtype, out)
 
 
 def rounds_bfloat16_queries(head_dim: int) -> bool:
@@ -233,6 +236,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a batch of prompt chunks over their requests' cached KV (the chunks' own K/V
     already written), read from the cache in place.
@@ -240,13 +244,27 @@ def paged_prefill_attention(
     query: [rows, q_heads, head_dim], the chunks back to back; caches: [kv_heads, num_blocks, block_size,
     head_dim]; query_start_loc: [chunks + 1] int32 row offsets; context_lens: [chunks] int32 tokens cached
     before each chunk; block_tables: [chunks, max_blocks] int64. Returns: [rows, q_heads, head_dim] in the
-    query's dtype. Caches float32 or bfloat16 (computed in float32; see :func:`rounds_bfloat16_queries`), head_dim
-    a multiple of 64
-    (:func:`prefill_supports`). Call :func:`available` first.
+    query's dtype: ``out`` where given, as :func:`paged_decode_attention`. Caches float32 or bfloat16 (computed
+    in float32; see :func:`rounds_bfloat16_queries`), head_dim a multiple of 64 (:func:`prefill_supports`).
+    Call :func:`available` first.
     """
     output = _module.paged_prefill_attention(_query_rows(query), key_cache, value_cache, query_start_loc,
-                                             context_lens, block_tables, scale)
-    return output.to(query.dtype)
+                                             context_lens, block_tables, scale, _in_place(out))
+    return _attention_result(output, query.dtype, out)
+
+
+def _in_place(out: torch.Tensor | None) -> torch.Tensor:
+    """What the attention kernels take for ``out``: a float32 tensor they write into, else an empty one (they then
+    return a new float32 tensor, converted by :func:`_attention_result`)."""
+    return out if out is not None and out.dtype == torch.float32 else _EMPTY
+
+
+def _attention_result(output: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return output.to(dtype)
+    if output.data_ptr() != out.data_ptr():
+        out.copy_(output)
+    return out
 
 
 def write_kv_(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

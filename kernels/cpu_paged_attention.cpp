@@ -11,7 +11,7 @@
 //                cache: rows of a block contiguous, heads and blocks at any strides)
 //   block_tables [num_requests, max_blocks] int64 (entries past a request's end unused)
 //   seq_lens     [num_requests] int64 (context length including the new token)
-// Returns [num_requests, q_heads, head_dim], contiguous.
+// Returns [num_requests, q_heads, head_dim], contiguous: `out` where the caller gives one (else empty).
 //
 // Per block, every key and value row is loaded once for all the query heads
 // that share its KV head (grouped-query attention: 3 for SmolLM). Head sizes
@@ -643,7 +643,7 @@ int64_t set_decode_prefetch_level(int64_t level) {
 int64_t decode_prefetch_level() { return g_prefetch_level.load(); }
 
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                  at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale, at::Tensor out_arg) {
   TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_decode_attention: the query must be float32");
   TORCH_CHECK((key_cache.scalar_type() == at::kFloat || key_cache.scalar_type() == at::kBFloat16) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
@@ -667,7 +667,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   const int64_t group = num_q_heads / num_kv_heads;
   TORCH_CHECK(group <= kMaxGroup, "more than 16 query heads per KV head");
 
-  auto out = at::empty({num_requests, num_q_heads, head_dim}, query.options());
+  auto out = attention_output(out_arg, num_requests, num_q_heads, head_dim, query.options(), "paged_decode_attention");
   const float* q_ptr = query.data_ptr<float>();
   const int64_t q_stride = query.stride(0);
   const int64_t* table_ptr = block_tables.data_ptr<int64_t>();

@@ -13,7 +13,7 @@
 //   query_start_loc  [chunks + 1] int32: chunk c is rows query_start_loc[c] .. query_start_loc[c + 1]
 //   context_lens     [chunks] int32: tokens of chunk c's request already cached before the chunk
 //   block_tables     [chunks, max_blocks] int64: each request's blocks (entries past its end unused)
-// Returns [rows, q_heads, head_dim], contiguous.
+// Returns [rows, q_heads, head_dim], contiguous: `out` where the caller gives one (else empty).
 //
 // Work item: one (chunk, KV head, tile of query tokens). The tile's rows are its
 // tokens times the query heads sharing the KV head (grouped-query attention), so a
@@ -334,7 +334,7 @@ bool amx_prefill_supported(int64_t head_dim, int64_t block_size) { return amx::p
 
 at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                    at::Tensor query_start_loc, at::Tensor context_lens,
-                                   at::Tensor block_tables, double scale) {
+                                   at::Tensor block_tables, double scale, at::Tensor out_arg) {
   TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_prefill_attention: the query must be float32");
   TORCH_CHECK((key_cache.scalar_type() == at::kFloat || key_cache.scalar_type() == at::kBFloat16) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
@@ -382,7 +382,7 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::T
   std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
     return contexts[a.chunk] + a.last > contexts[b.chunk] + b.last;
   });
-  auto out = at::empty({num_rows, num_q_heads, head_dim}, query.options());
+  auto out = attention_output(out_arg, num_rows, num_q_heads, head_dim, query.options(), "paged_prefill_attention");
   const Shape shape{num_q_heads, group, head_dim, block_size, key_cache.stride(0), key_cache.stride(1)};
   const Batch batch{query.data_ptr<float>(), query.stride(0), out.data_ptr<float>(), starts, contexts, tables,
                     max_blocks, static_cast<float>(scale)};

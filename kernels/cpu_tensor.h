@@ -9,3 +9,18 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
+
+namespace splitserve {
+
+// An attention kernel's output [rows, q_heads, head_dim] float32: `out` when the caller passes one (3-D: a
+// contiguous slice of a larger step's output, written in place), else a new tensor (an empty `out`).
+inline at::Tensor attention_output(const at::Tensor& out, int64_t rows, int64_t q_heads, int64_t head_dim,
+                                   const at::TensorOptions& options, const char* name) {
+  if (out.dim() != 3) return at::empty({rows, q_heads, head_dim}, options);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == rows &&
+                  out.size(1) == q_heads && out.size(2) == head_dim,
+              name, ": out must be a contiguous float32 tensor of the query's shape");
+  return out;
+}
+
+}  // namespace splitserve

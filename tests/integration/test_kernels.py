@@ -971,5 +971,38 @@ def test_attention_kernels_read_queries_in_place_at_a_row_stride(dtype):
     batch = PrefillBatch.from_spans(spans)
     with pytest.raises(RuntimeError, match="each row's heads contiguous"):
         kernels._module.paged_prefill_attention(heads_apart, key_cache, value_cache, batch.query_start_loc,
-                                                batch.context_lens, batch.block_tables, scale)
+                                                batch.context_lens, batch.block_tables, scale, torch.empty(0))
     assert torch.equal(run_prefill_kernel(heads_apart, key_cache, value_cache, spans, scale), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_kernels_write_a_mixed_steps_rows_into_one_output(dtype):
+    """A step of decodes (its first rows) and prompt chunks (the rest) gives each kernel its rows of one output to
+    write in place: the values a kernel returns alone, the given tensor returned, and the other rows untouched.
+    A bfloat16 output gets the rounded result; an output of another shape is refused."""
+    kernels = _kernels()
+    generator = torch.Generator().manual_seed(9)
+    lengths = [5, 40, 17]
+    num_blocks = sum(-(-length // 16) for length in lengths) + 2
+    key_cache, value_cache = block_major_caches(3, num_blocks, 16, 64, generator)
+    tables = shuffled_block_tables(lengths, 16, num_blocks, generator)
+    seq_lens = torch.tensor(lengths, dtype=torch.int64)
+    decode_query = torch.randn(3, 9, 64, generator=generator)
+    query, _, _, _, _, spans, scale = prefill_case(9, 3, 64, 16, [(0, 20), (7, 9)])
+    batch = PrefillBatch.from_spans(spans)
+    output = torch.full((3 + query.shape[0], 9, 64), 7.0, dtype=dtype)
+
+    returned = kernels.paged_decode_attention(decode_query, key_cache, value_cache, tables, seq_lens, scale,
+                                              out=output[:3])
+    assert returned.data_ptr() == output.data_ptr() and (output[3:] == 7.0).all()
+    alone = kernels.paged_decode_attention(decode_query, key_cache, value_cache, tables, seq_lens, scale)
+    assert torch.equal(output[:3], alone.to(dtype))
+    _, _, _, prompt_keys, prompt_values, _, _ = prefill_case(9, 3, 64, 16, [(0, 20), (7, 9)])
+    returned = kernels.paged_prefill_attention(query, prompt_keys, prompt_values, batch.query_start_loc,
+                                               batch.context_lens, batch.block_tables, scale, out=output[3:])
+    assert returned.data_ptr() == output[3:].data_ptr()
+    assert torch.equal(output[3:], run_prefill_kernel(query, prompt_keys, prompt_values, spans, scale).to(dtype))
+    assert torch.equal(output[:3], alone.to(dtype))
+    with pytest.raises(RuntimeError, match="out must be a contiguous float32 tensor of the query's shape"):
+        kernels.paged_decode_attention(decode_query, key_cache, value_cache, tables, seq_lens, scale,
+                                       out=torch.empty(4, 9, 64))
