@@ -130,8 +130,8 @@ def load_tokenizer(model_dir: str | os.PathLike):
 
     ``AutoTokenizer`` reads the model's config through ``AutoConfig``, and importing
     a model's config class (``LlamaConfig``) imports transformers' weight-loading
-    and ``torch.distributed.tensor``: 1.3 s on an Intel Xeon, 4 s on a Zen 3, of
-    a worker's start. When ``tokenizer_config.json`` names its tokenizer class and
+    and ``torch.distributed.tensor``: 1.3 s of a worker's start on an Intel Xeon
+    (most of the 3.9 s that transformers' imports took on a Zen 3). When ``tokenizer_config.json`` names its tokenizer class and
     no remote code, ``AutoTokenizer`` asks the config for four plain values only
     (``model_type``, ``model_name``, ``tokenizer_class``, ``_name_or_path``), so
     they are handed to it from ``config.json`` as read. Any other directory goes
