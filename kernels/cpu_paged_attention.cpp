@@ -589,9 +589,9 @@ void decode_all(const float* q_ptr, int64_t q_stride, const KV* k_ptr, const KV*
                   table_ptr + r * max_blocks, len_ptr[r], shape, scale_f, out_ptr + first_row * head_dim);
         continue;
       }
-      attend_one_head(q_ptr + r * q_stride + h * group * head_dim, k_ptr + h * head_stride, v_ptr + h * head_stride,
-                      table_ptr + r * max_blocks, len_ptr[r], group, shape.block_size, head_dim, shape.block_stride,
-                      scale_f, out_ptr + first_row * head_dim);
+      attend_one_head(q_ptr + r * q_stride + h * group * head_dim, k_ptr + h * head_stride,
+                      v_ptr + h * head_stride, table_ptr + r * max_blocks, len_ptr[r], group, shape.block_size,
+                      head_dim, shape.block_stride, scale_f, out_ptr + first_row * head_dim);
     }
   }
 }
@@ -644,15 +644,12 @@ int64_t decode_prefetch_level() { return g_prefetch_level.load(); }
 
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale, at::Tensor out_arg) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_decode_attention: the query must be float32");
+  check_query_rows(query, "paged_decode_attention");
   TORCH_CHECK((key_cache.scalar_type() == at::kFloat || key_cache.scalar_type() == at::kBFloat16) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "paged_decode_attention: the cache must be float32 or bfloat16, keys and values alike");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and seq_lens must be int64");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
-                  query.stride(0) >= query.size(1) * query.size(2),
-              "paged_decode_attention: query must be [requests, heads, head_dim] with each row's heads contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode_attention: block_tables and seq_lens must be contiguous");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides() &&
@@ -685,17 +682,19 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   const DecodeShape shape{group, block_size, key_cache.stride(1), key_cache.stride(0)};
 #ifdef SPLITSERVE_AMX
   if (key_cache.scalar_type() == at::kBFloat16 && amx::decode_supported(head_dim, block_size, group)) {
-    decode_all_amx(q_ptr, q_stride, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache), table_ptr,
-                   len_ptr, num_requests, num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);
+    decode_all_amx(q_ptr, q_stride, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache),
+                   table_ptr, len_ptr, num_requests, num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f,
+                   out_ptr);
     return out;
   }
 #endif
   if (key_cache.scalar_type() == at::kBFloat16)
-    decode_all(q_ptr, q_stride, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache), table_ptr,
-               len_ptr, num_requests, num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);
+    decode_all(q_ptr, q_stride, cache_data<vec16::BFloat16>(key_cache), cache_data<vec16::BFloat16>(value_cache),
+               table_ptr, len_ptr, num_requests, num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f,
+               out_ptr);
   else
-    decode_all(q_ptr, q_stride, cache_data<float>(key_cache), cache_data<float>(value_cache), table_ptr, len_ptr, num_requests,
-               num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);
+    decode_all(q_ptr, q_stride, cache_data<float>(key_cache), cache_data<float>(value_cache), table_ptr, len_ptr,
+               num_requests, num_q_heads, num_kv_heads, head_dim, max_blocks, shape, scale_f, out_ptr);
   return out;
 }
 

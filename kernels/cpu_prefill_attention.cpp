@@ -335,13 +335,10 @@ bool amx_prefill_supported(int64_t head_dim, int64_t block_size) { return amx::p
 at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                    at::Tensor query_start_loc, at::Tensor context_lens,
                                    at::Tensor block_tables, double scale, at::Tensor out_arg) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_prefill_attention: the query must be float32");
+  check_query_rows(query, "paged_prefill_attention");
   TORCH_CHECK((key_cache.scalar_type() == at::kFloat || key_cache.scalar_type() == at::kBFloat16) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "paged_prefill_attention: the cache must be float32 or bfloat16, keys and values alike");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
-                  query.stride(0) >= query.size(1) * query.size(2),
-              "paged_prefill_attention: query must be [rows, heads, head_dim] with each row's heads contiguous");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kLong,
               "paged_prefill_attention: query_start_loc and context_lens int32, block_tables int64");

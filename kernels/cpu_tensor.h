@@ -12,6 +12,15 @@
 
 namespace splitserve {
 
+// The query both attention kernels read in place: float32 [rows, q_heads, head_dim], each row's heads contiguous,
+// rows at any stride of at least a row (a view of the fused QKV projection's output).
+inline void check_query_rows(const at::Tensor& query, const char* name) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat, name, ": the query must be float32");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
+                  query.stride(0) >= query.size(1) * query.size(2),
+              name, ": query must be [rows, heads, head_dim] with each row's heads contiguous");
+}
+
 // An attention kernel's output [rows, q_heads, head_dim] float32: `out` when the caller passes one (3-D: a
 // contiguous slice of a larger step's output, written in place), else a new tensor (an empty `out`).
 inline at::Tensor attention_output(const at::Tensor& out, int64_t rows, int64_t q_heads, int64_t head_dim,
