@@ -11,11 +11,13 @@ difference between the two outputs are printed.
     python benchmarks/cpu_gemm.py                                  # SmolLM2-135M's four projections
     python benchmarks/cpu_gemm.py --rows 1 64 256 --shapes 4096x4096 --layers 4 --repeats 9
     python benchmarks/cpu_gemm.py --dtype bfloat16 --rows 1 4 8 16         # small_gemm_bfloat16 (AVX512-BF16)
+    python benchmarks/cpu_gemm.py --block-steps 128 0 --rows 16 64 192     # small_gemm's k-blocks against whole panels
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -39,9 +41,11 @@ def _parse_shape(text: str) -> tuple[int, int]:
 
 
 def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repeats: int, evict_mb: int,
-              seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+              seed: int = 0, dtype: torch.dtype = torch.float32, block_steps: list[int] | None = None) -> dict:
     """One step's worth of one projection (``layers`` distinct weights) at ``rows`` rows, both ways: in float32
-    small_gemm, in bfloat16 small_gemm_bfloat16, against oneDNN's packed GEMM in the same dtype."""
+    small_gemm, in bfloat16 small_gemm_bfloat16, against oneDNN's packed GEMM in the same dtype. With
+    ``block_steps`` (float32), small_gemm runs once at each of those k-blocks (0: whole panels) per repeat, all
+    alternating with oneDNN; ``small_s`` is then the first one's time and ``block_s`` has each."""
     generator = torch.Generator().manual_seed(seed)
     weights = [torch.randn(out_features, in_features, generator=generator).to(dtype) for _ in range(layers)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(weight, None) for weight in weights]
@@ -58,26 +62,34 @@ def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repea
     def small(layer):
         return multiply(x, panels[layer], None, out_features)
 
-    def timed(function) -> float:
+    def timed(function, steps: int | None = None) -> float:
         seconds = 0.0
-        for layer in range(layers):
-            evict.add_(1.0)  # written, so the weights and x leave the caches
-            start = time.perf_counter()
-            function(layer)
-            seconds += time.perf_counter() - start
+        with contextlib.nullcontext() if steps is None else cpu_ops.small_gemm_block_steps(steps):
+            for layer in range(layers):
+                evict.add_(1.0)  # written, so the weights and x leave the caches
+                start = time.perf_counter()
+                function(layer)
+                seconds += time.perf_counter() - start
         return seconds
 
     difference = (small(0).float() - onednn(0).float()).abs().max().item()
-    timed(small), timed(onednn)  # warm-up
-    small_times, onednn_times = [], []
+    blocks = list(block_steps) if block_steps else [None]
+    for steps in blocks:
+        timed(small, steps)
+    timed(onednn)  # warm-up
+    small_times: dict = {steps: [] for steps in blocks}
+    onednn_times = []
     for _ in range(repeats):
-        small_times.append(timed(small))
+        for steps in blocks:
+            small_times[steps].append(timed(small, steps))
         onednn_times.append(timed(onednn))
-    small_s, onednn_s = statistics.median(small_times), statistics.median(onednn_times)
+    block_s = {steps: statistics.median(times) for steps, times in small_times.items()}
+    small_s, onednn_s = block_s[blocks[0]], statistics.median(onednn_times)
     flops = 2 * rows * in_features * out_features * layers
     return {"shape": f"{in_features}x{out_features}", "rows": rows, "small_s": small_s, "onednn_s": onednn_s,
             "small_gflops": flops / small_s / 1e9, "onednn_gflops": flops / onednn_s / 1e9,
-            "difference": difference}
+            "difference": difference, "block_s": block_s if block_steps else {},
+            "block_gflops": {steps: flops / seconds / 1e9 for steps, seconds in block_s.items()} if block_steps else {}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,10 +110,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights and activations (default: %(default)s); bfloat16 times small_gemm_bfloat16 "
                              f"(AVX512-BF16; the engine sends it up to {cpu_ops.SMALL_GEMM_BFLOAT16_MAX_ROWS} rows) "
                              "against oneDNN's packed bfloat16 GEMM (AMX where the CPU has it)")
+    parser.add_argument("--block-steps", nargs="+", type=int, metavar="STEPS",
+                        help="float32 only: time small_gemm at each of these k-blocks, in 128-byte steps of a panel "
+                             "(0: each panel whole; the default is 128, or 192 on AMD CPUs with a 48 KB L1), "
+                             "alternating, and print each one's GFLOP/s and its ratio to the first")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if any(rows < 1 for rows in args.rows) or args.layers < 1 or args.repeats < 1:
         parser.error("--rows, --layers and --repeats must be positive")
+    if args.block_steps and (dtype != torch.float32 or any(steps < 0 for steps in args.block_steps)):
+        parser.error("--block-steps takes zero or positive step counts, and float32 only")
     if not cpu_ops.available(str(cache_dir())):
         print("The C++ CPU kernels could not be built here: nothing to time.", file=sys.stderr)
         return 1
@@ -114,15 +132,19 @@ def main(argv: list[str] | None = None) -> int:
               "batch here.", file=sys.stderr)
         return 1
     print(f"{torch.get_num_threads()} threads, {args.dtype}, {args.layers} weights per shape, caches evicted before "
-          f"each call; medians of {args.repeats}")
+          f"each call; medians of {args.repeats}; small_gemm's k-block here: "
+          f"{cpu_ops.default_small_gemm_block_steps()} steps")
     print(f"{'shape':>10} {'rows':>5} {'small ms':>9} {'oneDNN ms':>10} {'oneDNN/small':>13} {'small GFLOP/s':>14} "
           f"{'oneDNN GFLOP/s':>15} {'max diff':>9}")
     for in_features, out_features in args.shapes:
         for rows in args.rows:
-            r = gemm_case(in_features, out_features, rows, args.layers, args.repeats, args.evict_mb, dtype=dtype)
+            r = gemm_case(in_features, out_features, rows, args.layers, args.repeats, args.evict_mb, dtype=dtype,
+                          block_steps=args.block_steps)
+            blocks = "".join(f"  block {steps}: {gflops:.0f} GFLOP/s ({r['block_s'][args.block_steps[0]] / r['block_s'][steps]:.3f}x)"
+                             for steps, gflops in r["block_gflops"].items())
             print(f"{r['shape']:>10} {r['rows']:5d} {r['small_s'] * 1e3:9.3f} {r['onednn_s'] * 1e3:10.3f} "
                   f"{r['onednn_s'] / r['small_s']:12.2f}x {r['small_gflops']:14.0f} {r['onednn_gflops']:15.0f} "
-                  f"{r['difference']:9.1e}", flush=True)
+                  f"{r['difference']:9.1e}{blocks}", flush=True)
     return 0
 
 

@@ -27,6 +27,8 @@ int64_t set_decode_prefetch_level(int64_t level);
 int64_t decode_prefetch_level();
 bool amx_prefill_supported(int64_t head_dim, int64_t block_size);
 at::Tensor pack_panels(at::Tensor weight);
+int64_t set_small_gemm_block_steps(int64_t steps);
+int64_t small_gemm_block_steps();
 at::Tensor small_gemm(at::Tensor x, at::Tensor panels, at::Tensor bias, int64_t out_features);
 bool small_gemm_bfloat16_supported();
 at::Tensor pack_panels_bfloat16(at::Tensor weight);
@@ -54,6 +56,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_prefetch_level", &splitserve::decode_prefetch_level, "the cache level decode attention fetches ahead into");
   m.def("set_amx_enabled", &splitserve::set_amx_enabled, "allow or forbid AMX tiles in the kernels; returns the previous setting");
   m.def("pack_panels", &splitserve::pack_panels, "an [out, in] weight as [panels, in, 32] (float32)");
+  m.def("set_small_gemm_block_steps", &splitserve::set_small_gemm_block_steps,
+        "the float32 small GEMM's k-block in 128-byte steps (0: whole panels; -1: this CPU's default); returns the "
+        "previous one");
+  m.def("small_gemm_block_steps", &splitserve::small_gemm_block_steps, "the float32 small GEMM's k-block in steps");
   m.def("small_gemm", &splitserve::small_gemm, "x @ weight^T + bias for decode-sized batches (float32)");
   m.def("small_gemm_bfloat16_supported", &splitserve::small_gemm_bfloat16_supported,
         "whether small_gemm_bfloat16 was built (AVX512-BF16)");

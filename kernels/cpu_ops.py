@@ -321,6 +321,26 @@ def small_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
     return _module.small_gemm(x, panels, bias if bias is not None else _EMPTY, out_features)
 
 
+def default_small_gemm_block_steps() -> int:
+    """The k-block :func:`small_gemm` walks its panels in on this CPU, in 128-byte steps: 128 (16 KB), or 192 on
+    AMD CPUs whose L1 data cache holds 48 KB or more (Zen 5; measured in ``kernels/cpu_small_gemm.cpp``).
+    Call :func:`available` first."""
+    previous = _module.set_small_gemm_block_steps(-1)
+    return _module.set_small_gemm_block_steps(previous)
+
+
+@contextlib.contextmanager
+def small_gemm_block_steps(steps: int):
+    """Within the block :func:`small_gemm` walks its panels in k-blocks of ``steps`` 128-byte steps (0: each
+    panel whole; -1: this CPU's default, :func:`default_small_gemm_block_steps`; process-wide), so that
+    ``benchmarks/cpu_gemm.py --block-steps`` can time them in one run on any CPU. Call :func:`available` first."""
+    previous = _module.set_small_gemm_block_steps(steps)
+    try:
+        yield
+    finally:
+        _module.set_small_gemm_block_steps(previous)
+
+
 _EMPTY = torch.empty(0)
 
 

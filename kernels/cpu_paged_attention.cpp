@@ -36,7 +36,6 @@
 #include <type_traits>
 
 #include <omp.h>
-#include <unistd.h>
 
 #include "cpu_amx_attention.h"
 #include "cpu_vector16.h"
@@ -107,20 +106,7 @@ inline float dot(const float* a, const float* b, int64_t head_dim) {
 //  - 48 KB on Intel (a 2-core Xeon with AMX, family 6 model 167, 2026-11-28, blocks of 16, medians of 9):
 //    into L2. 64x320, 8x2048 and 32x1024: 43.3, 34.9 and 69.6 ms into L2 against 45.7, 37.0 and 77.4 into L1.
 // set_decode_prefetch_level changes it for the process, so that benchmarks/cpu_attention.py times both.
-int default_prefetch_level() {
-#ifdef _SC_LEVEL1_DCACHE_SIZE  // glibc; where the size is unknown (0 or -1) or cannot be asked, L2
-  const long l1_bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-#else
-  const long l1_bytes = 0;
-#endif
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();  // this runs from a static initializer, possibly before the runtime's own init of the CPU model
-  const bool amd = __builtin_cpu_is("amd");
-#else
-  const bool amd = false;
-#endif
-  return amd && l1_bytes >= 48 * 1024 ? 1 : 2;
-}
+int default_prefetch_level() { return amd_with_l1d_of_at_least(48 * 1024) ? 1 : 2; }
 
 std::atomic<int> g_prefetch_level{default_prefetch_level()};
 

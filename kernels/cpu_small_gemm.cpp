@@ -7,7 +7,7 @@
 // GEMM, tuned for weights it reuses, stalls on them (110-220 GFLOP/s against 300-350 with
 // the weight in cache, on a 2-core Sapphire Rapids). Here the weight is kept as panels of
 // 32 output columns, each a contiguous [in_features][32] block, walked in k-blocks of 16 KB
-// that every row tile uses before the next (each block read from memory once), while the
+// (24 KB on Zen 5) that every row tile uses before the next (each block read from memory once), while the
 // weights two blocks ahead are fetched into L2 in a steady stream, so the memory reads overlap
 // the arithmetic. benchmarks/cpu_gemm.py times both against each other with cold weights, as
 // the engine meets them.
@@ -31,6 +31,7 @@
 #include "cpu_tensor.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -210,8 +211,14 @@ constexpr TileFunctionBFloat16 kTilesBFloat16[kTileRowsBFloat16 + 1] = {
 // While a block runs, the block kAheadBlocks further in the thread's stream is fetched into L2, its lines spread
 // evenly over the block's tiles and steps: a steady stream at the pace of the arithmetic. tile(rows, x, panel,
 // steps, bias, columns, out, prefetch, lines, resume, finish) runs one row tile over one block.
-constexpr int64_t kBlockSteps = 128;  // 16 KB of weights: with a tile's x, well inside a 32 KB L1
+// The block is 16 KB of weights (128 steps), with a tile's x well inside a 32 KB L1, except on AMD CPUs with a
+// 48 KB L1 (Zen 5), where 24 KB blocks (192 steps) ran faster: 2-core Zen 5, cpu_gemm.py --block-steps, SmolLM2's
+// four projections with cold weights, medians of 9: 1.02-1.10x 128 steps' GFLOP/s at 32, 64 and 192 rows, 0.96-0.98x
+// at 16; 64 steps 0.86-0.96x, whole panels 0.86-1.10x. set_small_gemm_block_steps changes the block for the process
+// (0: whole panels), so that benchmarks/cpu_gemm.py times them in one run.
+int64_t default_block_steps() { return amd_with_l1d_of_at_least(48 * 1024) ? 192 : 128; }
 constexpr int64_t kAheadBlocks = 2;
+std::atomic<int64_t> g_block_steps{default_block_steps()};
 
 template <typename T, typename Tile>
 void run_panels(const T* x_ptr, int64_t x_stride, int64_t rows, const T* panel_ptr, int64_t num_panels, int64_t steps,
@@ -273,6 +280,14 @@ bool small_gemm_supported() {
 #endif
 }
 
+int64_t set_small_gemm_block_steps(int64_t steps) {
+  TORCH_CHECK(steps >= -1, "set_small_gemm_block_steps: steps must be positive, 0 (whole panels) or -1 (this CPU's "
+              "default), not ", steps);
+  return g_block_steps.exchange(steps == -1 ? default_block_steps() : steps);
+}
+
+int64_t small_gemm_block_steps() { return g_block_steps.load(); }
+
 at::Tensor pack_panels(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_panels: a float32 [out, in] weight");
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
@@ -297,7 +312,9 @@ at::Tensor small_gemm(at::Tensor x, at::Tensor panels, at::Tensor bias, int64_t 
 #ifdef SPLITSERVE_SMALL_GEMM
   if (rows == 0) return out;
   const int64_t x_stride = x.stride(0);
-  run_panels(x.data_ptr<float>(), x_stride, rows, panels.data_ptr<float>(), num_panels, in_features, kBlockSteps,
+  const int64_t block_steps = g_block_steps.load(std::memory_order_relaxed);
+  run_panels(x.data_ptr<float>(), x_stride, rows, panels.data_ptr<float>(), num_panels, in_features,
+             block_steps == 0 ? in_features : block_steps,
              has_bias ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), out_features, kTileRows,
              [&](int64_t tile_rows, const float* x_tile, const float* panel, int64_t steps, const float* bias_tile,
                  int64_t columns, float* out_tile, const char* prefetch, int64_t lines, bool resume, bool finish) {

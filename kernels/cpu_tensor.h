@@ -10,7 +10,25 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 
+#include <unistd.h>
+
 namespace splitserve {
+
+// Whether this is an AMD CPU whose L1 data cache holds at least `bytes` (Zen 5: 48 KB; Zen 3 and 4: 32 KB): the
+// kernels' tuning that was measured to differ between CPUs asks this. False where the size is unknown.
+inline bool amd_with_l1d_of_at_least(long bytes) {
+#ifdef _SC_LEVEL1_DCACHE_SIZE  // glibc; where the size is unknown (0 or -1) or cannot be asked, false
+  const long l1_bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+#else
+  const long l1_bytes = 0;
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();  // callers run from static initializers, possibly before the runtime's own init of the CPU model
+  return __builtin_cpu_is("amd") && l1_bytes >= bytes;
+#else
+  return false;
+#endif
+}
 
 // The query both attention kernels read in place: float32 [rows, q_heads, head_dim], each row's heads contiguous,
 // rows at any stride of at least a row (a view of the fused QKV projection's output).

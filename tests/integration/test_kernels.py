@@ -356,11 +356,12 @@ def _small_gemm_kernels():
         (7, 17, 45, True),  # a partial row tile, an odd depth, a partial last panel, a bias
         (8, 64, 32, True),  # exactly one tile and one panel
         (9, 40, 31, False),  # one row past a tile; fewer columns than one panel
-        (64, 576, 3072, False),  # a decode step of SmolLM's gate/up (4.5 k-blocks of 128)
+        (64, 576, 3072, False),  # a decode step of SmolLM's gate/up (4.5 k-blocks of 128, 3 of 192)
         (192, 1536, 576, True),  # the largest batch the engine sends (SMALL_GEMM_MAX_ROWS), down's shape
-        (16, 128, 70, True),  # exactly one k-block
-        (24, 129, 64, False),  # one step past a k-block, three row tiles
-        (40, 300, 96, True),  # a partial last k-block after two whole ones
+        (16, 128, 70, True),  # exactly one k-block of 128
+        (24, 129, 64, False),  # one step past a k-block of 128, three row tiles
+        (40, 300, 96, True),  # a partial last k-block after two whole ones of 128 (one of 192)
+        (24, 193, 64, False),  # one step past a k-block of 192
     ],
 )
 def test_small_gemm_matches_linear(rows, in_features, out_features, with_bias):
@@ -391,6 +392,29 @@ def test_small_gemm_rows_do_not_depend_on_their_batch():
     for row in (0, 7, 8, 37, 69):
         assert torch.equal(kernels.small_gemm(x[row : row + 1], panels, bias, 200)[0], whole[row])
     assert torch.equal(kernels.small_gemm(x[5:45], panels, bias, 200), whole[5:45])
+
+
+def test_small_gemm_k_blocks_change_no_result():
+    """Any k-block gives the same bits as whole panels (each output one sum in k order, resumed across blocks):
+    blocks of 1 step, of 7 (most blocks partial), the two defaults (128; 192 on AMD with a 48 KB L1) and larger
+    than the depth, on depths one past, exactly on and between their boundaries."""
+    kernels = _small_gemm_kernels()
+    default = kernels.default_small_gemm_block_steps()
+    assert default in (128, 192)
+    generator = torch.Generator().manual_seed(11)
+    for in_features in (129, 192, 193, 576):
+        weight, bias = torch.randn(70, in_features, generator=generator), torch.randn(70, generator=generator)
+        panels, x = kernels.pack_panels(weight), torch.randn(20, in_features, generator=generator)
+        with kernels.small_gemm_block_steps(0):
+            whole = kernels.small_gemm(x, panels, bias, 70)
+        for steps in (1, 7, 128, 192, 1000):
+            with kernels.small_gemm_block_steps(steps):
+                assert torch.equal(kernels.small_gemm(x, panels, bias, 70), whole), (in_features, steps)
+        assert torch.equal(kernels.small_gemm(x, panels, bias, 70), whole)  # the default, restored
+    assert kernels.default_small_gemm_block_steps() == default
+    with pytest.raises(RuntimeError, match="steps must be positive, 0"):
+        with kernels.small_gemm_block_steps(-2):
+            pass
 
 
 def test_small_gemm_takes_no_rows_and_refuses_bad_shapes():
