@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,19 @@ def test_cpu_gemm_benchmark_in_bfloat16_times_the_bfloat16_small_gemm_or_says_wh
 def test_cpu_gemm_benchmark_refuses_a_batch_of_no_rows():
     result = _run("--rows", "0")
     assert result.returncode == 2 and "must be positive" in result.stderr
+
+
+def test_cpu_gemm_benchmark_times_each_k_block_against_the_first():
+    assert cpu_ops.available(str(cache_dir()))
+    if not cpu_ops.small_gemm_supported():
+        pytest.skip("small_gemm needs AVX-512, or AVX2 with FMA, which this build of the kernels lacks")
+    result = _run("--shapes", "300x70", "--rows", "20", "--layers", "2", "--repeats", "1", "--evict-mb", "8",
+                  "--block-steps", "128", "7", "0")
+    assert result.returncode == 0, result.stderr
+    assert f"k-block here: {cpu_ops.default_small_gemm_block_steps()} steps" in result.stdout.splitlines()[0]
+    row = next(line for line in result.stdout.splitlines() if line.strip().startswith("300x70"))
+    blocks = re.findall(r"block (\d+): (\d+) GFLOP/s \((\d+\.\d+)x\)", row)
+    assert [steps for steps, _, _ in blocks] == ["128", "7", "0"]
+    assert float(blocks[0][2]) == 1.0 and all(float(gflops) > 0 and float(ratio) > 0 for _, gflops, ratio in blocks)
+    refused = _run("--block-steps", "-3")
+    assert refused.returncode == 2 and "--block-steps takes zero or positive" in refused.stderr
