@@ -43,10 +43,8 @@ def load_model(model_dir: str | Path, dtype: str, max_positions: int, device: st
     model.load_weights(iterate_safetensors(model_dir))
     if device != "cpu":
         model.to(device)
-    else:
-        model.keep_transposed_head()
-        if can_pack_linear_weights(torch_dtype):
-            model.pack_linear_weights()
+    elif can_pack_linear_weights(torch_dtype):
+        model.pack_linear_weights()
     model.eval()
     model.requires_grad_(False)
     return model

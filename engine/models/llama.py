@@ -22,8 +22,15 @@ from splitserve.engine.models.packed_linear import PackedLinear
 from splitserve.engine.models.rms_norm import RMSNorm
 from splitserve.engine.models.rotary_embedding import RotaryEmbedding, apply_rotary
 
-# Up to this many rows, logits use the transposed copy of the head (decode of small batches).
+# Up to this many rows, logits use the transposed copy of the head (decode of small batches), where the C++ small
+# GEMM does not take them (see LlamaForCausalLM.use_kernels).
 _SMALL_BATCH_ROWS = 4
+
+# Up to this many rows, float32 logits come from the head's panels through the C++ small GEMM (use_kernels). SmolLM2's
+# 113 MB head with the caches evicted, 2-core Zen 5, medians of 9: 1.6-1.7 ms from 1 to 4 rows against 4.1-11.6
+# through the transposed copy and 1.6-2.0 in oneDNN; 2.2, 4.2 and 8.5 ms at 16, 32 and 64 rows against oneDNN's 3.3,
+# 5.2 and 8.8; from 96 rows on oneDNN is 2-5% ahead.
+_HEAD_SMALL_GEMM_MAX_ROWS = 64
 
 # Steps of more rows run the MLP this many rows at a time, so that its intermediates stay in cache: a 256-row
 # piece's gate/up output is 3 MB for SmolLM2 (2,048 rows: 25 MB, written to memory and read back twice, by
@@ -181,9 +188,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _Linear(config.hidden_size, config.vocab_size, bias=False)
         self._transposed_head: torch.Tensor | None = None
         self._packed_head: torch.Tensor | None = None
-        # The C++ bfloat16 small GEMM and the head in its panels (see use_kernels), or None.
+        # The C++ kernels and the head in their small GEMM's panels for logits of up to _head_panel_rows rows (see
+        # use_kernels), or None.
         self._head_kernels = None
         self._head_panels: torch.Tensor | None = None
+        self._head_panel_rows = 0
 
     def forward(
         self,
@@ -207,8 +216,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [rows, hidden_size] -> logits [rows, vocab] (float32)."""
         kernels = self._head_kernels
-        if kernels is not None and hidden.shape[0] <= kernels.SMALL_GEMM_BFLOAT16_MAX_ROWS:
-            return kernels.small_gemm_bfloat16(hidden, self._head_panels, None, self.config.vocab_size).float()
+        if kernels is not None and hidden.shape[0] <= self._head_panel_rows:
+            if hidden.dtype == torch.bfloat16:
+                return kernels.small_gemm_bfloat16(hidden, self._head_panels, None, self.config.vocab_size).float()
+            return kernels.small_gemm(hidden, self._head_panels, None, self.config.vocab_size)
         if hidden.shape[0] <= _SMALL_BATCH_ROWS and self._transposed_head is not None:
             return torch.mm(hidden, self._transposed_head).float()
         if self._packed_head is not None:
@@ -220,15 +231,27 @@ class LlamaForCausalLM(nn.Module):
         C++ kernels (``splitserve.kernels.cpu_ops``, float32 or bfloat16; call ``cpu_ops.available`` first), the Triton
         kernels (``splitserve.kernels.triton_ops``: the same functions and contracts), or None: the
         plain-torch code here, their reference. With the C++ kernels, packed projections also run
-        decode-sized batches through their GEMM (:meth:`PackedLinear.use_kernels`), and in bfloat16 the logits
-        of up to ``SMALL_GEMM_BFLOAT16_MAX_ROWS`` rows too, where the CPU has AVX512-BF16: a row times the
-        head's [hidden, vocab] copy in ``torch.mm`` read its 57 MB (SmolLM2) at about 7 GB/s, 8 ms a token on a
-        2-core Emerald Rapids, where the panels stream at over 20."""
+        decode-sized batches through their GEMM (:meth:`PackedLinear.use_kernels`), and so do the logits of a few
+        rows: in float32 up to ``_HEAD_SMALL_GEMM_MAX_ROWS`` rows (the head's panels then replace its transposed
+        copy, freeing as much memory as they take), in bfloat16 up to ``SMALL_GEMM_BFLOAT16_MAX_ROWS`` where the
+        CPU has AVX512-BF16. A row times the head's [hidden, vocab] copy in ``torch.mm`` read its 57 MB
+        (SmolLM2, bfloat16) at about 7 GB/s, 8 ms a token on a 2-core Emerald Rapids, where the panels stream at
+        over 20; in float32 on a Zen 5 the 113 MB copy read at 28 GB/s, the panels at 69. Both small GEMMs sum
+        each row on its own, so a row's logits are bit for bit the same whatever else the step holds."""
         head = self._head_weight()
-        self._head_kernels, self._head_panels = None, None
-        if (kernels is not None and head.dtype == torch.bfloat16 and head.device.type == "cpu"
-                and head.shape[1] % 2 == 0 and getattr(kernels, "small_gemm_bfloat16_supported", lambda: False)()):
-            self._head_kernels, self._head_panels = kernels, kernels.pack_panels_bfloat16(head.detach())
+        self._head_kernels, self._head_panels, self._head_panel_rows = None, None, 0
+        if kernels is not None and head.device.type == "cpu":
+            if (head.dtype == torch.bfloat16 and head.shape[1] % 2 == 0
+                    and getattr(kernels, "small_gemm_bfloat16_supported", lambda: False)()):
+                self._head_kernels, self._head_panels = kernels, kernels.pack_panels_bfloat16(head.detach())
+                self._head_panel_rows = kernels.SMALL_GEMM_BFLOAT16_MAX_ROWS
+            elif head.dtype == torch.float32 and getattr(kernels, "small_gemm_supported", lambda: False)():
+                self._head_kernels, self._head_panels = kernels, kernels.pack_panels(head.detach())
+                self._head_panel_rows = _HEAD_SMALL_GEMM_MAX_ROWS
+        if self._head_panels is not None:
+            self._transposed_head = None  # the panels serve every row count it would
+        elif head.device.type == "cpu" and self._transposed_head is None:
+            self.keep_transposed_head()
         for module in self.modules():
             if hasattr(module, "kernels"):
                 module.kernels = kernels
@@ -250,8 +273,9 @@ class LlamaForCausalLM(nn.Module):
 
     def keep_transposed_head(self) -> None:
         """Keep a [hidden, vocab] copy of the head for logits of up to ``_SMALL_BATCH_ROWS`` rows (CPU: a
-        vector times it reads memory in order, about twice as fast as through the [vocab, hidden] layout).
-        Made at load, not on first use: the copy (113 MB for SmolLM2-135M) took about 100 ms and 27,000
+        vector times it reads memory in order, about twice as fast as through the [vocab, hidden] layout, on
+        a 2-core Emerald Rapids). :meth:`use_kernels` makes it on CPU where the C++ small GEMM does not take
+        those rows, at load, not on first use: the copy (113 MB for SmolLM2-135M) took about 100 ms and 27,000
         page faults inside the first small request's time to first token. Call after :meth:`load_weights`."""
         self._transposed_head = self._head_weight().t().contiguous()
 

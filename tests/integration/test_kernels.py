@@ -567,6 +567,45 @@ def test_bfloat16_logits_of_a_few_rows_run_in_small_gemm_bfloat16():
     assert model._head_panels is None
 
 
+def test_float32_logits_of_up_to_64_rows_run_in_small_gemm_from_the_heads_panels():
+    """In float32 with the C++ kernels, logits of up to 64 rows come from the head's panels, which replace its
+    transposed copy; more rows from oneDNN. A row's logits are bit for bit the same alone and in a batch of 64."""
+    from splitserve.common.model_info import ModelConfig
+    from splitserve.engine.models import llama
+
+    kernels = _small_gemm_kernels()
+    config = ModelConfig("llama", "LlamaForCausalLM", vocab_size=1000, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rms_norm_eps=1e-5, max_position_embeddings=64, rope_theta=10000.0, tie_word_embeddings=True)
+    model = llama.LlamaForCausalLM(config, 64)
+    generator = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.randn(1000, 64, generator=generator))
+    model.pack_linear_weights()
+    model.use_kernels(kernels)
+    assert model._head_panels is not None and model._transposed_head is None
+    calls = []
+    original = kernels.small_gemm
+    hidden = torch.randn(65, 64, generator=generator)
+    try:
+        kernels.small_gemm = lambda *args: calls.append(args[0].shape[0]) or original(*args)
+        for rows in (1, 4, 64, 65):
+            logits = model.compute_logits(hidden[:rows])
+            assert logits.dtype == torch.float32 and logits.shape == (rows, 1000)
+            torch.testing.assert_close(logits, F.linear(hidden[:rows], model.model.embed_tokens.weight),
+                                       atol=2e-5 * 64**0.5, rtol=1e-5)
+        batch = model.compute_logits(hidden[:64])
+        for row in (0, 5, 63):
+            assert torch.equal(model.compute_logits(hidden[row : row + 1])[0], batch[row])
+    finally:
+        kernels.small_gemm = original
+    assert calls[:3] == [1, 4, 64] and 65 not in calls
+    model.use_kernels(None)  # the torch backend: the panels are dropped, the transposed copy made for a few rows
+    assert model._head_panels is None and model._transposed_head is not None
+    torch.testing.assert_close(model.compute_logits(hidden[:3]), F.linear(hidden[:3], model.model.embed_tokens.weight),
+                               atol=1e-4, rtol=1e-4)
+
+
 def _tiny_mlp():
     """A Llama MLP of hidden size 64 and intermediate size 96, with random weights."""
     from splitserve.common.model_info import ModelConfig
