@@ -28,7 +28,7 @@ int64_t decode_prefetch_level();
 bool amx_prefill_supported(int64_t head_dim, int64_t block_size);
 at::Tensor pack_panels(at::Tensor weight);
 int64_t set_small_gemm_block_steps(int64_t steps);
-int64_t small_gemm_block_steps();
+int64_t default_small_gemm_block_steps();
 at::Tensor small_gemm(at::Tensor x, at::Tensor panels, at::Tensor bias, int64_t out_features);
 bool small_gemm_bfloat16_supported();
 at::Tensor pack_panels_bfloat16(at::Tensor weight);
@@ -59,7 +59,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_small_gemm_block_steps", &splitserve::set_small_gemm_block_steps,
         "the float32 small GEMM's k-block in 128-byte steps (0: whole panels; -1: this CPU's default); returns the "
         "previous one");
-  m.def("small_gemm_block_steps", &splitserve::small_gemm_block_steps, "the float32 small GEMM's k-block in steps");
+  m.def("default_small_gemm_block_steps", &splitserve::default_small_gemm_block_steps,
+        "this CPU's k-block for the float32 small GEMM, in 128-byte steps");
   m.def("small_gemm", &splitserve::small_gemm, "x @ weight^T + bias for decode-sized batches (float32)");
   m.def("small_gemm_bfloat16_supported", &splitserve::small_gemm_bfloat16_supported,
         "whether small_gemm_bfloat16 was built (AVX512-BF16)");

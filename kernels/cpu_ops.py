@@ -325,8 +325,7 @@ def default_small_gemm_block_steps() -> int:
     """The k-block :func:`small_gemm` walks its panels in on this CPU, in 128-byte steps: 128 (16 KB), or 192 on
     AMD CPUs whose L1 data cache holds 48 KB or more (Zen 5; measured in ``kernels/cpu_small_gemm.cpp``).
     Call :func:`available` first."""
-    previous = _module.set_small_gemm_block_steps(-1)
-    return _module.set_small_gemm_block_steps(previous)
+    return _module.default_small_gemm_block_steps()
 
 
 @contextlib.contextmanager

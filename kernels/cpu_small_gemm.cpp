@@ -286,7 +286,7 @@ int64_t set_small_gemm_block_steps(int64_t steps) {
   return g_block_steps.exchange(steps == -1 ? default_block_steps() : steps);
 }
 
-int64_t small_gemm_block_steps() { return g_block_steps.load(); }
+int64_t default_small_gemm_block_steps() { return default_block_steps(); }
 
 at::Tensor pack_panels(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_panels: a float32 [out, in] weight");

@@ -20,10 +20,14 @@ def _run(*arguments: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
-def test_cpu_gemm_benchmark_prints_each_shape_and_batch_with_its_ratio_and_agreement():
+def _require_small_gemm() -> None:
     assert cpu_ops.available(str(cache_dir()))
     if not cpu_ops.small_gemm_supported():
         pytest.skip("small_gemm needs AVX-512, or AVX2 with FMA, which this build of the kernels lacks")
+
+
+def test_cpu_gemm_benchmark_prints_each_shape_and_batch_with_its_ratio_and_agreement():
+    _require_small_gemm()
     result = _run("--shapes", "64x96", "40x33", "--rows", "1", "9", "--layers", "2", "--repeats", "1",
                   "--evict-mb", "8")
     assert result.returncode == 0, result.stderr
@@ -59,9 +63,7 @@ def test_cpu_gemm_benchmark_refuses_a_batch_of_no_rows():
 
 
 def test_cpu_gemm_benchmark_times_each_k_block_against_the_first():
-    assert cpu_ops.available(str(cache_dir()))
-    if not cpu_ops.small_gemm_supported():
-        pytest.skip("small_gemm needs AVX-512, or AVX2 with FMA, which this build of the kernels lacks")
+    _require_small_gemm()
     result = _run("--shapes", "300x70", "--rows", "20", "--layers", "2", "--repeats", "1", "--evict-mb", "8",
                   "--block-steps", "128", "7", "0")
     assert result.returncode == 0, result.stderr
