@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                              "against oneDNN's packed bfloat16 GEMM (AMX where the CPU has it)")
     parser.add_argument("--block-steps", nargs="+", type=int, metavar="STEPS",
                         help="float32 only: time small_gemm at each of these k-blocks, in 128-byte steps of a panel "
-                             "(0: each panel whole; the default is 128, or 192 on AMD CPUs with a 48 KB L1), "
+                             "(0: each panel whole, fetched 32 KB ahead; the default is 128, 192 on AMD CPUs with a 48 KB "
+                             "L1, 0 on other AMD CPUs with AVX-512), "
                              "alternating, and print each one's GFLOP/s and its ratio to the first")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)

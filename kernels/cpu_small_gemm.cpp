@@ -7,9 +7,9 @@
 // GEMM, tuned for weights it reuses, stalls on them (110-220 GFLOP/s against 300-350 with
 // the weight in cache, on a 2-core Sapphire Rapids). Here the weight is kept as panels of
 // 32 output columns, each a contiguous [in_features][32] block, walked in k-blocks of 16 KB
-// (24 KB on Zen 5) that every row tile uses before the next (each block read from memory once), while the
-// weights two blocks ahead are fetched into L2 in a steady stream, so the memory reads overlap
-// the arithmetic. benchmarks/cpu_gemm.py times both against each other with cold weights, as
+// (24 KB on Zen 5, whole panels on Zen 4) that every row tile uses before the next (each block
+// read from memory once), while the weights 32 KB ahead (48 KB on Zen 5) are fetched into L2
+// in a steady stream, so the memory reads overlap the arithmetic. benchmarks/cpu_gemm.py times both against each other with cold weights, as
 // the engine meets them.
 //
 // Layouts (float32):
@@ -208,27 +208,40 @@ constexpr TileFunctionBFloat16 kTilesBFloat16[kTileRowsBFloat16 + 1] = {
 // a panel: 32 floats, or one pair of 32 bfloat16 columns): every row tile of up to max_rows rows runs over a block
 // before the next block starts, so the block is read from memory once and from L1 by the other tiles, and the sums
 // go on where the last block left them (each output still one sum in k order, so the blocks change no result).
-// While a block runs, the block kAheadBlocks further in the thread's stream is fetched into L2, its lines spread
+// While a block runs, the line `ahead` bytes further in the thread's stream is fetched into L2, the fetches spread
 // evenly over the block's tiles and steps: a steady stream at the pace of the arithmetic. tile(rows, x, panel,
 // steps, bias, columns, out, prefetch, lines, resume, finish) runs one row tile over one block.
-// The block is 16 KB of weights (128 steps), with a tile's x well inside a 32 KB L1, except on AMD CPUs with a
-// 48 KB L1 (Zen 5), where 24 KB blocks (192 steps) ran faster: 2-core Zen 5, cpu_gemm.py --block-steps, SmolLM2's
-// four projections with cold weights, medians of 9: 1.02-1.10x 128 steps' GFLOP/s at 32, 64 and 192 rows, 0.96-0.98x
-// at 16; 64 steps 0.86-0.96x, whole panels 0.86-1.10x. set_small_gemm_block_steps changes the block for the process
-// (0: whole panels), so that benchmarks/cpu_gemm.py times them in one run.
-int64_t default_block_steps() { return amd_with_l1d_of_at_least(48 * 1024) ? 192 : 128; }
+//
+// The float32 block is 16 KB of weights (128 steps), with a tile's x well inside a 32 KB L1, and the stream is
+// fetched two blocks ahead. Measured otherwise (cpu_gemm.py --block-steps, SmolLM2's four projections, 30 cold
+// weights each, alternating in one process):
+//  - AMD with a 48 KB L1 (Zen 5): 24 KB blocks (192 steps) ran at 1.02-1.10x 128 steps' GFLOP/s at 32, 64 and
+//    192 rows, 0.96-0.98x at 16 (medians of 9); 64 steps 0.86-0.96x, whole panels 0.86-1.10x.
+//  - AMD with AVX-512 and a 32 KB L1 (Zen 4): whole panels, still fetched 32 KB ahead, ran at 1.03-1.20x at 64
+//    and 192 rows and 1.00-1.06x at 8 and 16 (but 0.92x for the 576-deep up projection at 16 rows), medians of
+//    7; fetched two whole panels ahead instead (144 KB for the 576-deep projections, 384 KB for the 1536-deep
+//    down projection), they lost 15-21% there at 8 and 16 rows. So Zen 4 walks whole panels.
+// set_small_gemm_block_steps changes the block for the process (0: whole panels), so that benchmarks/cpu_gemm.py
+// times them in one run.
+int64_t default_block_steps() {
+  if (amd_with_l1d_of_at_least(48 * 1024)) return 192;
+#ifdef __AVX512F__
+  if (amd_cpu()) return 0;  // this build runs AVX-512: Zen 4 (Zen 3 has none, Zen 5 has the 48 KB L1)
+#endif
+  return 128;
+}
 constexpr int64_t kAheadBlocks = 2;
+constexpr int64_t kWholePanelAheadSteps = 128;  // with whole panels, fetched as far ahead as two 16 KB blocks
 std::atomic<int64_t> g_block_steps{default_block_steps()};
 
 template <typename T, typename Tile>
 void run_panels(const T* x_ptr, int64_t x_stride, int64_t rows, const T* panel_ptr, int64_t num_panels, int64_t steps,
-                int64_t block_steps, const float* bias_ptr, T* out_ptr, int64_t out_features, int64_t max_rows,
-                const Tile& tile) {
+                int64_t block_steps, int64_t ahead, const float* bias_ptr, T* out_ptr, int64_t out_features,
+                int64_t max_rows, const Tile& tile) {
   constexpr int64_t step_elements = 128 / static_cast<int64_t>(sizeof(T));
   const int64_t panel_elements = steps * step_elements;
   const int64_t num_tiles = (rows + max_rows - 1) / max_rows;
   block_steps = std::min(block_steps, steps);
-  const int64_t ahead = kAheadBlocks * block_steps * 128;  // bytes
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
@@ -313,8 +326,9 @@ at::Tensor small_gemm(at::Tensor x, at::Tensor panels, at::Tensor bias, int64_t 
   if (rows == 0) return out;
   const int64_t x_stride = x.stride(0);
   const int64_t block_steps = g_block_steps.load(std::memory_order_relaxed);
+  const int64_t ahead_steps = std::min(in_features, block_steps == 0 ? kWholePanelAheadSteps : block_steps);
   run_panels(x.data_ptr<float>(), x_stride, rows, panels.data_ptr<float>(), num_panels, in_features,
-             block_steps == 0 ? in_features : block_steps,
+             block_steps == 0 ? in_features : block_steps, kAheadBlocks * ahead_steps * 128,
              has_bias ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), out_features, kTileRows,
              [&](int64_t tile_rows, const float* x_tile, const float* panel, int64_t steps, const float* bias_tile,
                  int64_t columns, float* out_tile, const char* prefetch, int64_t lines, bool resume, bool finish) {
@@ -370,7 +384,7 @@ at::Tensor small_gemm_bfloat16(at::Tensor x, at::Tensor panels, at::Tensor bias,
   if (rows == 0) return out;
   const int64_t x_stride = x.stride(0);
   run_panels(reinterpret_cast<const uint16_t*>(x.data_ptr()), x_stride, rows,
-             reinterpret_cast<const uint16_t*>(panels.data_ptr()), num_panels, pairs, pairs,
+             reinterpret_cast<const uint16_t*>(panels.data_ptr()), num_panels, pairs, pairs, kAheadBlocks * pairs * 128,
              has_bias ? bias.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(out.data_ptr()), out_features,
              kTileRowsBFloat16,
              [&](int64_t tile_rows, const uint16_t* x_tile, const uint16_t* panel, int64_t steps, const float* bias_tile,

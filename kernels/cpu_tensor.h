@@ -14,20 +14,25 @@
 
 namespace splitserve {
 
-// Whether this is an AMD CPU whose L1 data cache holds at least `bytes` (Zen 5: 48 KB; Zen 3 and 4: 32 KB): the
-// kernels' tuning that was measured to differ between CPUs asks this. False where the size is unknown.
+// Whether this is an AMD CPU. The kernels' tuning that was measured to differ between CPUs asks this and the next.
+inline bool amd_cpu() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();  // callers run from static initializers, possibly before the runtime's own init of the CPU model
+  return __builtin_cpu_is("amd");
+#else
+  return false;
+#endif
+}
+
+// Whether this is an AMD CPU whose L1 data cache holds at least `bytes` (Zen 5: 48 KB; Zen 3 and 4: 32 KB). False
+// where the size is unknown.
 inline bool amd_with_l1d_of_at_least(long bytes) {
 #ifdef _SC_LEVEL1_DCACHE_SIZE  // glibc; where the size is unknown (0 or -1) or cannot be asked, false
   const long l1_bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
 #else
   const long l1_bytes = 0;
 #endif
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();  // callers run from static initializers, possibly before the runtime's own init of the CPU model
-  return __builtin_cpu_is("amd") && l1_bytes >= bytes;
-#else
-  return false;
-#endif
+  return amd_cpu() && l1_bytes > 0 && l1_bytes >= bytes;
 }
 
 // The query both attention kernels read in place: float32 [rows, q_heads, head_dim], each row's heads contiguous,

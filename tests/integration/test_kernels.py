@@ -3,6 +3,7 @@ references."""
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
@@ -396,11 +397,12 @@ def test_small_gemm_rows_do_not_depend_on_their_batch():
 
 def test_small_gemm_k_blocks_change_no_result():
     """Any k-block gives the same bits as whole panels (each output one sum in k order, resumed across blocks):
-    blocks of 1 step, of 7 (most blocks partial), the two defaults (128; 192 on AMD with a 48 KB L1) and larger
-    than the depth, on depths one past, exactly on and between their boundaries."""
+    blocks of 1 step, of 7 (most blocks partial), the defaults (128; 192 on AMD with a 48 KB L1; whole panels on
+    other AMD CPUs in an AVX-512 build) and larger than the depth, on depths one past, exactly on and between their
+    boundaries. The default is the one the kernel's comment gives for this CPU and build."""
     kernels = _small_gemm_kernels()
     default = kernels.default_small_gemm_block_steps()
-    assert default in (128, 192)
+    assert default == _expected_small_gemm_block_steps()
     generator = torch.Generator().manual_seed(11)
     for in_features in (129, 192, 193, 576):
         weight, bias = torch.randn(70, in_features, generator=generator), torch.randn(70, generator=generator)
@@ -415,6 +417,17 @@ def test_small_gemm_k_blocks_change_no_result():
     with pytest.raises(RuntimeError, match="steps must be positive, 0"):
         with kernels.small_gemm_block_steps(-2):
             pass
+
+
+def _expected_small_gemm_block_steps() -> int:
+    """The small GEMM's default k-block for this CPU and this build, by the rule in kernels/cpu_small_gemm.cpp."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        amd = "AuthenticAMD" in cpuinfo.read()
+    l1_bytes = os.sysconf("SC_LEVEL1_DCACHE_SIZE") if "SC_LEVEL1_DCACHE_SIZE" in os.sysconf_names else 0
+    if amd and l1_bytes >= 48 * 1024:
+        return 192
+    march = os.environ.get(cpu_ops.MARCH_VARIABLE, "").strip() or "native"
+    return 0 if amd and _target_has_avx512(march) else 128
 
 
 def test_small_gemm_takes_no_rows_and_refuses_bad_shapes():
@@ -717,10 +730,15 @@ def test_the_avx2_build_passes_these_tests_too(monkeypatch):
 
 def _native_target_has_avx512() -> bool:
     """Whether the compiler, targeting this CPU as the kernels' build does (-march=native), enables AVX-512."""
+    return _target_has_avx512("native")
+
+
+def _target_has_avx512(march: str) -> bool:
+    """Whether the compiler enables AVX-512 for ``-march=march`` (the kernels' build target)."""
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return True  # cannot tell: build the AVX2 flavour
-    macros = subprocess.run([compiler, "-march=native", "-dM", "-E", "-x", "c++", "/dev/null"],
+    macros = subprocess.run([compiler, f"-march={march}", "-dM", "-E", "-x", "c++", "/dev/null"],
                             capture_output=True, text=True, check=True).stdout
     return "__AVX512F__" in macros
 
