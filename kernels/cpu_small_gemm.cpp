@@ -9,8 +9,8 @@
 // 32 output columns, each a contiguous [in_features][32] block, walked in k-blocks of 16 KB
 // (24 KB on Zen 5, whole panels on Zen 4) that every row tile uses before the next (each block
 // read from memory once), while the weights 32 KB ahead (48 KB on Zen 5) are fetched into L2
-// in a steady stream, so the memory reads overlap the arithmetic. benchmarks/cpu_gemm.py times both against each other with cold weights, as
-// the engine meets them.
+// in a steady stream, so the memory reads overlap the arithmetic. benchmarks/cpu_gemm.py times
+// both against each other with cold weights, as the engine meets them.
 //
 // Layouts (float32):
 //   x       [rows, in_features], rows of in_features contiguous (any row stride)

@@ -32,7 +32,7 @@ inline bool amd_with_l1d_of_at_least(long bytes) {
 #else
   const long l1_bytes = 0;
 #endif
-  return amd_cpu() && l1_bytes > 0 && l1_bytes >= bytes;
+  return amd_cpu() && l1_bytes >= bytes;
 }
 
 // The query both attention kernels read in place: float32 [rows, q_heads, head_dim], each row's heads contiguous,

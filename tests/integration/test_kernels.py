@@ -715,7 +715,7 @@ def test_the_avx2_build_passes_these_tests_too(monkeypatch):
     On a CPU without AVX-512 the native build is that code already (every test above ran it): then the native
     library is checked for 512-bit instructions instead of building and testing a second flavour (three
     minutes of the suite on a 2-core Zen 3)."""
-    if not _native_target_has_avx512():
+    if not _target_has_avx512("native"):
         _kernels()
         _assert_no_512_bit_instructions(cpu_ops.build_folder(str(cache_dir())))
         return
@@ -728,13 +728,8 @@ def test_the_avx2_build_passes_these_tests_too(monkeypatch):
     _assert_no_512_bit_instructions(cpu_ops.build_folder(str(cache_dir())))
 
 
-def _native_target_has_avx512() -> bool:
-    """Whether the compiler, targeting this CPU as the kernels' build does (-march=native), enables AVX-512."""
-    return _target_has_avx512("native")
-
-
 def _target_has_avx512(march: str) -> bool:
-    """Whether the compiler enables AVX-512 for ``-march=march`` (the kernels' build target)."""
+    """Whether the compiler enables AVX-512 for ``-march=march`` (the kernels' build target; "native": this CPU)."""
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return True  # cannot tell: build the AVX2 flavour
