@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-steps", nargs="+", type=int, metavar="STEPS",
                         help="float32 only: time small_gemm at each of these k-blocks, in 128-byte steps of a panel "
                              "(0: each panel whole, fetched 32 KB ahead; the default is 128, 192 on AMD CPUs with a 48 KB "
-                             "L1, 0 on other AMD CPUs with AVX-512), "
+                             "L1, 0 on other AMD CPUs with AVX-512, 256 on other CPUs with AVX-512 and a 48 KB L1), "
                              "alternating, and print each one's GFLOP/s and its ratio to the first")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)

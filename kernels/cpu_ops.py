@@ -324,7 +324,8 @@ def small_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
 def default_small_gemm_block_steps() -> int:
     """The k-block :func:`small_gemm` walks its panels in on this CPU, in 128-byte steps: 128 (16 KB); 192 on
     AMD CPUs whose L1 data cache holds 48 KB or more (Zen 5); 0, each panel whole, on other AMD CPUs where the
-    kernels run AVX-512 (Zen 4). Measured in ``kernels/cpu_small_gemm.cpp``. Call :func:`available` first."""
+    kernels run AVX-512 (Zen 4); 256 on other CPUs with a 48 KB L1 where the kernels run AVX-512 (Intel since Ice
+    Lake). Measured in ``kernels/cpu_small_gemm.cpp``. Call :func:`available` first."""
     return _module.default_small_gemm_block_steps()
 
 

@@ -309,11 +309,13 @@ struct HeadState {
   // workload's decode attention took 1.39 s instead of 1.72 and the run 15.20 s instead of 15.61, with the
   // same tokens (2-core AMD EPYC Zen 5, medians of 5 alternating runs in one process).
   //
-  // Each stage fetches the piece read after it (`ahead`, `ahead_rows` rows): the scores one row per key row they
-  // compute, so that the fetches spread over the piece's arithmetic; the values one head's piece before their
-  // rows. Fetching every head's next piece at once (12 KB for SmolLM) before computing stalled on the
-  // prefetches: a profile put a quarter of the kernel's time on them, the core waiting
-  // for free miss buffers. Spread out, 64 requests x 320 tokens x 30 layers read the cache at 29 GB/s against
+  // Each stage fetches the piece read after it (`ahead`, `ahead_rows` rows), one row per key or value row it
+  // reads (in the first batch of heads), so that the fetches spread over the piece's arithmetic. Fetching every
+  // head's next piece at once (12 KB for SmolLM) before computing stalled on the prefetches: a profile put a
+  // quarter of the kernel's time on them, the core waiting for free miss buffers. The values' stage still
+  // fetched one head's piece (4 KB) in a burst before its rows until a 2-core Intel Xeon with AMX put a third
+  // of the kernel's samples on that burst; spread, the offline workload ran 1.011x faster there (6 of 6
+  // alternating runs). Spread out, 64 requests x 320 tokens x 30 layers read the cache at 29 GB/s against
   // 22-24 (2-core AMD EPYC Zen 4, 128- and 16-token blocks alike). Fetching ahead at all matters because with
   // head_dim 64 a piece's keys (and its values) fill one 4 KB page, where the hardware prefetcher stops: one
   // chunk ahead read 64 requests x 320 tokens in 128-token blocks at 33.5 GB/s against 26.2 without (Zen 5,
@@ -408,21 +410,26 @@ struct HeadState {
                   int64_t ahead_rows) {
     using namespace vec16;
     constexpr int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(KV));
-    // The values' piece is fetched before its rows, not among them: add_heads walks the rows once per batch of
-    // heads, its sums in registers.
-    for (int64_t t = 0; t < ahead_rows; ++t) prefetch_row(reinterpret_cast<const char*>(ahead + t * 16 * D), row_bytes);
-    for_head_batches(group, [&](int64_t g, auto heads) { add_heads<decltype(heads)::value>(g, values, rows, p, weights); });
+    // The first batch of heads fetches the next piece a row per value row it reads (add_heads); what a short piece
+    // leaves over is fetched after it.
+    for_head_batches(group, [&](int64_t g, auto heads) {
+      add_heads<decltype(heads)::value>(g, values, rows, p, weights, ahead, g == 0 ? ahead_rows : 0);
+    });
+    for (int64_t t = rows; t < ahead_rows; ++t) prefetch_row(reinterpret_cast<const char*>(ahead + t * 16 * D), row_bytes);
   }
 
   // Query heads [g0, g0 + NG), their accumulators in registers over the piece's rows, each value row loaded
   // once for them all (the same operations, in the same order, for each head).
   template <int NG, typename KV>
-  void add_heads(int64_t g0, const KV* values, int64_t rows, int64_t p, const float* weights) {
+  void add_heads(int64_t g0, const KV* values, int64_t rows, int64_t p, const float* weights, const KV* ahead,
+                 int64_t ahead_rows) {
     using namespace vec16;
+    constexpr int64_t row_bytes = 16 * D * static_cast<int64_t>(sizeof(KV));
     f32x16 sum[NG][D];
     for (int i = 0; i < NG; ++i)
       for (int d = 0; d < D; ++d) sum[i][d] = acc[g0 + i][d];
     for (int64_t t = 0; t < rows; ++t) {
+      if (t < ahead_rows) prefetch_row(reinterpret_cast<const char*>(ahead + t * 16 * D), row_bytes);
       f32x16 value[D];
       for (int d = 0; d < D; ++d) value[d] = load16(values + t * 16 * D + 16 * d);
       for (int i = 0; i < NG; ++i) {

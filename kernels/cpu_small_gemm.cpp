@@ -7,9 +7,10 @@
 // GEMM, tuned for weights it reuses, stalls on them (110-220 GFLOP/s against 300-350 with
 // the weight in cache, on a 2-core Sapphire Rapids). Here the weight is kept as panels of
 // 32 output columns, each a contiguous [in_features][32] block, walked in k-blocks of 16 KB
-// (24 KB on Zen 5, whole panels on Zen 4) that every row tile uses before the next (each block
-// read from memory once), while the weights 32 KB ahead (48 KB on Zen 5) are fetched into L2
-// in a steady stream, so the memory reads overlap the arithmetic. benchmarks/cpu_gemm.py times
+// (24 KB on Zen 5, 32 KB on Intel with AVX-512 and a 48 KB L1, whole panels on Zen 4) that
+// every row tile uses before the next (each block read from memory once), while the weights
+// two blocks ahead (32 KB ahead with whole panels) are fetched into L2 in a steady stream, so
+// the memory reads overlap the arithmetic. benchmarks/cpu_gemm.py times
 // both against each other with cold weights, as the engine meets them.
 //
 // Layouts (float32):
@@ -221,12 +222,16 @@ constexpr TileFunctionBFloat16 kTilesBFloat16[kTileRowsBFloat16 + 1] = {
 //    and 192 rows and 1.00-1.06x at 8 and 16 (but 0.92x for the 576-deep up projection at 16 rows), medians of
 //    7; fetched two whole panels ahead instead (144 KB for the 576-deep projections, 384 KB for the 1536-deep
 //    down projection), they lost 15-21% there at 8 and 16 rows. So Zen 4 walks whole panels.
+//  - Intel with AVX-512 and a 48 KB L1 (a 2-core Xeon of family 6 model 167, AMX): 32 KB blocks (256 steps) against
+//    128 read 0.98-1.09x in cpu_gemm.py (medians of 7) and ran the offline workload 1.012x faster (4 alternating
+//    pairs in one process, each pair faster; 384 steps the same as 256, whole panels 0.80-0.96x in cpu_gemm.py).
 // set_small_gemm_block_steps changes the block for the process (0: whole panels), so that benchmarks/cpu_gemm.py
 // times them in one run.
 int64_t default_block_steps() {
   if (amd_with_l1d_of_at_least(48 * 1024)) return 192;
 #ifdef __AVX512F__
   if (amd_cpu()) return 0;  // this build runs AVX-512: Zen 4 (Zen 3 has none, Zen 5 has the 48 KB L1)
+  if (l1d_of_at_least(48 * 1024)) return 256;  // Intel (or another vendor) with AVX-512 and a 48 KB L1
 #endif
   return 128;
 }

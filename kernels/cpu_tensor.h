@@ -24,16 +24,19 @@ inline bool amd_cpu() {
 #endif
 }
 
-// Whether this is an AMD CPU whose L1 data cache holds at least `bytes` (Zen 5: 48 KB; Zen 3 and 4: 32 KB). False
-// where the size is unknown.
-inline bool amd_with_l1d_of_at_least(long bytes) {
+// Whether this CPU's L1 data cache holds at least `bytes` (Zen 5 and Intel since Ice Lake: 48 KB; Zen 3 and 4: 32
+// KB). False where the size is unknown.
+inline bool l1d_of_at_least(long bytes) {
 #ifdef _SC_LEVEL1_DCACHE_SIZE  // glibc; where the size is unknown (0 or -1) or cannot be asked, false
   const long l1_bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
 #else
   const long l1_bytes = 0;
 #endif
-  return amd_cpu() && l1_bytes >= bytes;
+  return l1_bytes >= bytes;
 }
+
+// Whether this is an AMD CPU whose L1 data cache holds at least `bytes` (Zen 5).
+inline bool amd_with_l1d_of_at_least(long bytes) { return amd_cpu() && l1d_of_at_least(bytes); }
 
 // The query both attention kernels read in place: float32 [rows, q_heads, head_dim], each row's heads contiguous,
 // rows at any stride of at least a row (a view of the fused QKV projection's output).

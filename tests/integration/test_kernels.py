@@ -110,11 +110,8 @@ def test_decode_kernel_fetches_ahead_into_either_cache_level_with_the_same_resul
     """Where the kernel fetches each chunk's successor (L1 on AMD CPUs whose L1 holds 48 KB, else L2) changes its
     speed only: both give the same bits. 128-token blocks, so that blocks have several chunks to fetch ahead."""
     assert cpu_ops.available(str(cache_dir()))
-    getconf = shutil.which("getconf")
-    if getconf is not None:
-        l1_bytes = int(subprocess.run([getconf, "LEVEL1_DCACHE_SIZE"], capture_output=True, text=True).stdout or 0)
-        amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
-        assert cpu_ops.decode_prefetch_level() == (1 if amd and l1_bytes >= 48 * 1024 else 2)
+    amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+    assert cpu_ops.decode_prefetch_level() == (1 if amd and _l1_data_cache_bytes() >= 48 * 1024 else 2)
     default = cpu_ops.decode_prefetch_level()
     generator = torch.Generator().manual_seed(5)
     lengths = [1, 127, 128, 129, 300, 576] * 11  # whole requests per thread, then per (request, head)
@@ -398,8 +395,8 @@ def test_small_gemm_rows_do_not_depend_on_their_batch():
 def test_small_gemm_k_blocks_change_no_result():
     """Any k-block gives the same bits as whole panels (each output one sum in k order, resumed across blocks):
     blocks of 1 step, of 7 (most blocks partial), the defaults (128; 192 on AMD with a 48 KB L1; whole panels on
-    other AMD CPUs in an AVX-512 build) and larger than the depth, on depths one past, exactly on and between their
-    boundaries. The default is the one the kernel's comment gives for this CPU and build."""
+    other AMD CPUs in an AVX-512 build; 256 on other CPUs with a 48 KB L1 in an AVX-512 build) and larger than the
+    depth, on depths one past, exactly on and between their boundaries. The default is the one the kernel's comment gives for this CPU and build."""
     kernels = _small_gemm_kernels()
     default = kernels.default_small_gemm_block_steps()
     assert default == _expected_small_gemm_block_steps()
@@ -409,7 +406,7 @@ def test_small_gemm_k_blocks_change_no_result():
         panels, x = kernels.pack_panels(weight), torch.randn(20, in_features, generator=generator)
         with kernels.small_gemm_block_steps(0):
             whole = kernels.small_gemm(x, panels, bias, 70)
-        for steps in (1, 7, 128, 192, 1000):
+        for steps in (1, 7, 128, 192, 256, 1000):
             with kernels.small_gemm_block_steps(steps):
                 assert torch.equal(kernels.small_gemm(x, panels, bias, 70), whole), (in_features, steps)
         assert torch.equal(kernels.small_gemm(x, panels, bias, 70), whole)  # the default, restored
@@ -419,15 +416,29 @@ def test_small_gemm_k_blocks_change_no_result():
             pass
 
 
+def _l1_data_cache_bytes() -> int:
+    """The L1 data cache's size as the kernels read it (glibc's sysconf(_SC_LEVEL1_DCACHE_SIZE), which Python's
+    os.sysconf does not name), 0 where unknown (as in the kernels)."""
+    getconf = shutil.which("getconf")
+    if getconf is None:
+        return 0
+    answer = subprocess.run([getconf, "LEVEL1_DCACHE_SIZE"], capture_output=True, text=True)
+    return int(answer.stdout) if answer.returncode == 0 and answer.stdout.strip().isdigit() else 0
+
+
 def _expected_small_gemm_block_steps() -> int:
     """The small GEMM's default k-block for this CPU and this build, by the rule in kernels/cpu_small_gemm.cpp."""
     with open("/proc/cpuinfo") as cpuinfo:
         amd = "AuthenticAMD" in cpuinfo.read()
-    l1_bytes = os.sysconf("SC_LEVEL1_DCACHE_SIZE") if "SC_LEVEL1_DCACHE_SIZE" in os.sysconf_names else 0
+    l1_bytes = _l1_data_cache_bytes()
     if amd and l1_bytes >= 48 * 1024:
         return 192
     march = os.environ.get(cpu_ops.MARCH_VARIABLE, "").strip() or "native"
-    return 0 if amd and _target_has_avx512(march) else 128
+    if not _target_has_avx512(march):
+        return 128
+    if amd:
+        return 0
+    return 256 if l1_bytes >= 48 * 1024 else 128
 
 
 def test_small_gemm_takes_no_rows_and_refuses_bad_shapes():
