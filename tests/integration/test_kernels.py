@@ -396,7 +396,8 @@ def test_small_gemm_k_blocks_change_no_result():
     """Any k-block gives the same bits as whole panels (each output one sum in k order, resumed across blocks):
     blocks of 1 step, of 7 (most blocks partial), the defaults (128; 192 on AMD with a 48 KB L1; whole panels on
     other AMD CPUs in an AVX-512 build; 256 on other CPUs with a 48 KB L1 in an AVX-512 build) and larger than the
-    depth, on depths one past, exactly on and between their boundaries. The default is the one the kernel's comment gives for this CPU and build."""
+    depth, on depths one past, exactly on and between their boundaries. The default is the one the kernel's comment
+    gives for this CPU and build."""
     kernels = _small_gemm_kernels()
     default = kernels.default_small_gemm_block_steps()
     assert default == _expected_small_gemm_block_steps()
