@@ -10,8 +10,8 @@
 // (24 KB on Zen 5, 32 KB on Intel with AVX-512 and a 48 KB L1, whole panels on Zen 4) that
 // every row tile uses before the next (each block read from memory once), while the weights
 // two blocks ahead (32 KB ahead with whole panels) are fetched into L2 in a steady stream, so
-// the memory reads overlap the arithmetic. benchmarks/cpu_gemm.py times
-// both against each other with cold weights, as the engine meets them.
+// the memory reads overlap the arithmetic. benchmarks/cpu_gemm.py times both against each
+// other with cold weights, as the engine meets them.
 //
 // Layouts (float32):
 //   x       [rows, in_features], rows of in_features contiguous (any row stride)

@@ -110,8 +110,7 @@ def test_decode_kernel_fetches_ahead_into_either_cache_level_with_the_same_resul
     """Where the kernel fetches each chunk's successor (L1 on AMD CPUs whose L1 holds 48 KB, else L2) changes its
     speed only: both give the same bits. 128-token blocks, so that blocks have several chunks to fetch ahead."""
     assert cpu_ops.available(str(cache_dir()))
-    amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
-    assert cpu_ops.decode_prefetch_level() == (1 if amd and _l1_data_cache_bytes() >= 48 * 1024 else 2)
+    assert cpu_ops.decode_prefetch_level() == (1 if _amd_cpu() and _l1_data_cache_bytes() >= 48 * 1024 else 2)
     default = cpu_ops.decode_prefetch_level()
     generator = torch.Generator().manual_seed(5)
     lengths = [1, 127, 128, 129, 300, 576] * 11  # whole requests per thread, then per (request, head)
@@ -417,6 +416,10 @@ def test_small_gemm_k_blocks_change_no_result():
             pass
 
 
+def _amd_cpu() -> bool:
+    return "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+
+
 def _l1_data_cache_bytes() -> int:
     """The L1 data cache's size as the kernels read it (glibc's sysconf(_SC_LEVEL1_DCACHE_SIZE), which Python's
     os.sysconf does not name), 0 where unknown (as in the kernels)."""
@@ -429,17 +432,15 @@ def _l1_data_cache_bytes() -> int:
 
 def _expected_small_gemm_block_steps() -> int:
     """The small GEMM's default k-block for this CPU and this build, by the rule in kernels/cpu_small_gemm.cpp."""
-    with open("/proc/cpuinfo") as cpuinfo:
-        amd = "AuthenticAMD" in cpuinfo.read()
-    l1_bytes = _l1_data_cache_bytes()
-    if amd and l1_bytes >= 48 * 1024:
+    amd, large_l1 = _amd_cpu(), _l1_data_cache_bytes() >= 48 * 1024
+    if amd and large_l1:
         return 192
     march = os.environ.get(cpu_ops.MARCH_VARIABLE, "").strip() or "native"
     if not _target_has_avx512(march):
         return 128
     if amd:
         return 0
-    return 256 if l1_bytes >= 48 * 1024 else 128
+    return 256 if large_l1 else 128
 
 
 def test_small_gemm_takes_no_rows_and_refuses_bad_shapes():
