@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -45,6 +46,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from splitserve.common.model_info import cache_dir
 from splitserve.kernels import triton_attention, triton_ops
 
 RESERVED_SHARED_PER_PROGRAM = 1024  # bytes the driver reserves in shared memory for each resident program
@@ -244,19 +246,17 @@ def compile_engine_kernels(gpu_name: str, model_name: str, dtype_name: str) -> l
 
 def _report(launch: _Launch, gpu: GpuSpec, gpu_name: str, model: str, dtype: str) -> KernelReport:
     metadata = launch.compiled.metadata
-    usage, sass = _inspect_cubin(launch.compiled.asm["cubin"])
-    registers = int(usage["REG"])
-    shared = metadata.shared + int(usage.get("SHARED", 0))
-    loads = collections.Counter(re.findall(r"\b(LDGSTS|LDG)\.[\w.]*?(\.(?:128|64|U8|S8|U16|S16))?\s", sass))
-    load_bytes = {".128": 16, ".64": 8, ".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2, "": 4}
-    total = sum(count * load_bytes[width] for (_, width), count in loads.items())
-    wide = sum(count * 16 for (_, width), count in loads.items() if width == ".128")
+    reading = _read_cubin(launch.compiled.asm["cubin"])
+    registers = reading["registers"]
+    shared = metadata.shared + reading["shared"]
+    loads = reading["load_bytes"]
     return KernelReport(
         kernel=launch.kernel, variant=launch.variant, grid=str(launch.grid), model=model, dtype=dtype, gpu=gpu_name,
         num_warps=metadata.num_warps, num_stages=metadata.num_stages, registers=registers,
-        spill_stores=len(re.findall(r"\bSTL\b", sass)), shared_bytes=shared,
+        spill_stores=reading["spill_stores"], shared_bytes=shared,
         programs_per_sm=programs_per_sm(gpu, registers, shared, metadata.num_warps),
-        wide_load_share=round(wide / total, 3) if total else 1.0, compile_seconds=round(launch.seconds, 2),
+        wide_load_share=round(loads["wide"] / loads["all"], 3) if loads["all"] else 1.0,
+        compile_seconds=round(launch.seconds, 2),
     )
 
 
@@ -275,6 +275,35 @@ def _cuobjdump() -> str:
     import triton
 
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def _read_cubin(cubin: bytes) -> dict:
+    """What a report needs of a cubin: registers and static shared memory per thread and program, spill stores,
+    and the bytes of its global-load instructions (all of them; those 16 bytes wide).
+
+    Disassembling a kernel takes ``cuobjdump`` about half a second, most of a warm run (Triton's compile cache
+    answers the compile itself), so the reading is kept beside the kernels in the cache folder, under the
+    cubin's SHA-256: the same bytes disassemble the same."""
+    import triton
+
+    path = cache_dir() / "triton-aot" / f"{hashlib.sha256(cubin).hexdigest()}-{triton.__version__}.json"
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(path.read_text())
+    usage, sass = _inspect_cubin(cubin)
+    loads = collections.Counter(re.findall(r"\b(LDGSTS|LDG)\.[\w.]*?(\.(?:128|64|U8|S8|U16|S16))?\s", sass))
+    load_bytes = {".128": 16, ".64": 8, ".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2, "": 4}
+    reading = {
+        "registers": int(usage["REG"]), "shared": int(usage.get("SHARED", 0)),
+        "spill_stores": len(re.findall(r"\bSTL\b", sass)),
+        "load_bytes": {"all": sum(count * load_bytes[width] for (_, width), count in loads.items()),
+                       "wide": sum(count * 16 for (_, width), count in loads.items() if width == ".128")},
+    }
+    with contextlib.suppress(OSError):  # a read-only cache only costs the next run the disassembly
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(reading))
+        partial.replace(path)
+    return reading
 
 
 def _inspect_cubin(cubin: bytes) -> tuple[dict[str, str], str]:

@@ -40,24 +40,31 @@ MODELS_BY_GPU = {"h100": sorted(MODELS), "a100": ["llama-3-8b", "smollm2-135m"]}
 # The compiler processes: the H100's shapes in two, a dtype each, so that the three share two cores evenly.
 RUNS = [("h100", ["--dtype", "bfloat16"]), ("h100", ["--dtype", "float32"]),
         ("a100", ["--model", *MODELS_BY_GPU["a100"]])]
+# One shape again with an empty cache folder: every cubin disassembled afresh (the runs above mostly read what
+# an earlier run kept, see triton_aot._read_cubin), to compare.
+UNCACHED = ("a100", ["--model", "smollm2-135m", "--dtype", "float32"])
 
 
-def _compiler_env() -> dict:
+def _compiler_env(cache: str | None = None) -> dict:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # triton 3.9's default, stated to silence its warning
+    if cache is not None:
+        env["SPLITSERVE_CACHE"] = cache
     return env
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict[str, list[dict]]:
-    """Every run of RUNS, compiled side by side (each compiler process is single-threaded): reports by GPU."""
+    """Every run of RUNS and UNCACHED, compiled side by side (each compiler process is single-threaded): reports
+    by GPU, and UNCACHED's under "uncached"."""
     folder = tmp_path_factory.mktemp("aot")
     runs = [
         (gpu, folder / f"{index}.json", subprocess.Popen(
             [sys.executable, "-m", "splitserve.kernels.triton_aot", "--gpu", gpu, *flags,
              "--json", str(folder / f"{index}.json")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_compiler_env()))
-        for index, (gpu, flags) in enumerate(RUNS)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_compiler_env(cache)))
+        for index, (gpu, flags, cache) in enumerate(
+            [(gpu, flags, None) for gpu, flags in RUNS] + [(*UNCACHED, str(folder / "empty-cache"))])
     ]
     results = defaultdict(list)
     try:
@@ -65,7 +72,7 @@ def compiled(tmp_path_factory) -> dict[str, list[dict]]:
             stdout, stderr = process.communicate(timeout=500)
             assert process.returncode == 0, stderr[-4000:]
             assert f"compiled for {GPUS[gpu].name}" in stdout
-            results[gpu] += json.loads(report.read_text())
+            results["uncached" if report.stem == str(len(RUNS)) else gpu] += json.loads(report.read_text())
     finally:
         for _, _, process in runs:
             if process.poll() is None:
@@ -111,6 +118,18 @@ def test_decode_keeps_several_programs_per_sm(reports):
     for r in reports:
         if r["kernel"] == "decode_partial_kernel":
             assert r["programs_per_sm"] >= 2, r
+
+
+def test_kept_cubin_readings_are_what_a_fresh_disassembly_reads(compiled):
+    """The readings kept in the cache folder (under each cubin's SHA-256) give the reports a fresh cuobjdump gives."""
+    def without_times(reports):
+        return sorted(json.dumps({k: v for k, v in r.items() if k != "compile_seconds"}, sort_keys=True)
+                      for r in reports)
+
+    fresh = compiled["uncached"]
+    assert {r["kernel"] for r in fresh} == ENGINE_KERNELS
+    kept = [r for r in compiled["a100"] if (r["model"], r["dtype"]) == ("smollm2-135m", "float32")]
+    assert without_times(fresh) == without_times(kept)
 
 
 def test_refuses_under_the_interpreter():
