@@ -13,6 +13,8 @@ at a gap of 0 or 0.125 (exact bfloat16 ties or one rounding step of a logit), ag
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -87,14 +89,22 @@ def _assert_near_tie(index: int, at: int, ours: int, theirs: int, our_top: dict 
 
 def test_bfloat16_cluster_moves_bfloat16_kv_and_agrees_with_transformers(tmp_path, prompt_token_ids, hf_bfloat16):
     """Prefill and decode workers in bfloat16 with KV over p2p (Gloo): the blocks travel as bfloat16 (half the
-    float32 bytes), and every output agrees with transformers' as the offline engine's does."""
+    float32 bytes), and every output agrees with transformers' as the offline engine's does.
+
+    All but the longest prompt (70 blocks), streamed side by side and decoded in one batch: on a Zen 3, whose
+    bfloat16 GEMMs have no AVX512-BF16, the eight one after another took 76 s, these 25. The offline tests above
+    check the longest prompt's agreement; the shorter story still travels, 22 blocks."""
+    longest = max(range(len(prompt_token_ids)), key=lambda index: len(prompt_token_ids[index]))
+    cases = [(ids, reference) for index, (ids, reference) in enumerate(zip(prompt_token_ids, hf_bfloat16))
+             if index != longest]
     cluster = start_cluster("p2p", tmp_path, worker_args=["--dtype", "bfloat16"])
     try:
         decode = next(p for p in cluster.workers if p.name.startswith("decode"))
         with Client(cluster.router.address) as client:
+            with ThreadPoolExecutor(len(cases)) as pool:
+                streamed = list(pool.map(lambda case: stream_tokens(client, case[0], MAX_TOKENS)[0], cases))
             identical = 0
-            for index, (ids, (tokens, top)) in enumerate(zip(prompt_token_ids, hf_bfloat16)):
-                ours = stream_tokens(client, ids, MAX_TOKENS)[0]
+            for index, (ours, (_, (tokens, top))) in enumerate(zip(streamed, cases)):
                 at = first_difference(ours, tokens)
                 if at is None:
                     identical += 1
@@ -102,14 +112,13 @@ def test_bfloat16_cluster_moves_bfloat16_kv_and_agrees_with_transformers(tmp_pat
                 assert ours[at] in top[at], (
                     f"prompt {index}, token {at}: ours {ours[at]} is not among transformers' top {TOP} {top[at]}")
                 _assert_near_tie(index, at, ours[at], tokens[at], None, top[at])
-            print(f"bfloat16 cluster: {identical} of {len(prompt_token_ids)} outputs identical to transformers'")
+            print(f"bfloat16 cluster: {identical} of {len(cases)} outputs identical to transformers'")
             counters = worker_status(decode.address, "decode").counters
-            assert counters.num_kv_transfers_received == len(prompt_token_ids) and counters.num_kv_recomputes == 0
-            # Whole blocks of 16 tokens x 30 layers x K and V x 3 heads x 64 dims at 2 bytes: at least the longest
-            # prompt's 70, at most all 101 (the two stories share a prefix the decode worker keeps cached).
+            assert counters.num_kv_transfers_received == len(cases) and counters.num_kv_recomputes == 0
+            # Whole blocks of 16 tokens x 30 layers x K and V x 3 heads x 64 dims at 2 bytes: each prompt's own.
             per_block = 30 * 2 * 3 * 16 * 64 * 2
             blocks, rest = divmod(counters.num_kv_bytes, per_block)
-            assert rest == 0 and 70 <= blocks <= sum(-(-len(ids) // 16) for ids in prompt_token_ids)
+            assert rest == 0 and blocks == sum(-(-len(ids) // 16) for ids, _ in cases)
             wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")
     finally:
         cluster.stop()
