@@ -3,9 +3,10 @@ prefill attention (``cpu_prefill_attention.cpp``), the fused element-wise operat
 (``cpu_fused_ops.cpp``) and the linear layers of decode-sized batches (``cpu_small_gemm.cpp``), one extension.
 
 The sources are compiled on first use with the machine's C++ compiler into the
-cache folder the caller names (the engine passes splitserve's cache folder),
-once per torch version and source change; later processes load the built
-library in milliseconds. A compile takes about 40 s on a 2-core Zen 3, so a line on
+cache folder the caller names (the engine passes splitserve's cache folder), in a
+folder named by the torch version, the target and a digest of the sources and flags;
+later processes, from any checkout of the same sources, load the built library in
+milliseconds. A compile takes about 40 s on a 2-core Zen 3, so a line on
 the log says when one starts and how long it took. When no compiler is available the engine keeps the
 plain-torch paths. Each kernel's plain-torch reference is named in its source
 and compared with it in ``tests/test_kernels.py``.
@@ -16,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
+import importlib.util
 import logging
 import os
 import re
@@ -48,25 +51,50 @@ def target_march() -> str:
     return march
 
 
+def _compile_flags() -> list[str]:
+    # No contraction of a * b + c into one rounding: the fused operations round as torch does.
+    return ["-O3", f"-march={target_march()}", "-fopenmp", "-ffp-contract=off"]
+
+
+def _source_digest() -> str:
+    """A digest of every source and header beside this module, of the compile flags and, for a ``native`` build,
+    of this CPU's feature flags: what the library is built from and for, whatever checkout it is in and whatever
+    its files' times. (A cache folder shared by machines of different CPUs keeps a native build for each.)"""
+    digest = hashlib.sha256(" ".join(_compile_flags()).encode())
+    if target_march() == "native":
+        digest.update(_cpu_flags().encode())
+    for path in sorted(path for pattern in ("*.cpp", "*.h") for path in _FOLDER.glob(pattern)):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The ``flags`` line of /proc/cpuinfo (what ``-march=native`` reads), or "" where there is none."""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return line
+    return ""
+
+
 def build_folder(cache_folder: str) -> Path:
-    """Where the kernels are built under ``cache_folder``: one folder per torch version and target (a
-    ``-march-...`` suffix when it is not this CPU)."""
+    """Where the kernels are built under ``cache_folder``: one folder per torch version, target (a
+    ``-march-...`` suffix when it is not this CPU) and sources (their digest), so that checkouts of the same
+    sources share one build, and a change of source, header or flags builds afresh beside it."""
     march = target_march()
     suffix = "" if march == "native" else f"-march-{march}"
-    return Path(cache_folder) / "kernels" / f"torch-{torch.__version__}{suffix}"
+    return Path(cache_folder) / "kernels" / f"torch-{torch.__version__}{suffix}-{_source_digest()}"
+
+
+def _library(build_dir: Path) -> Path:
+    return build_dir / f"{_NAME}.so"
 
 
 def needs_compile(build_dir: Path) -> bool:
-    """Whether loading from ``build_dir`` compiles: no built library there, or one older than a source or header.
-
-    The same test as the build's own (ninja's timestamps); a build torch redoes for a change of compiler
-    flags alone is not foreseen, and then compiles without the line.
-    """
-    built = [path.stat().st_mtime for path in build_dir.glob(f"{_NAME}*.so")]
-    if not built:
-        return True
-    newest_input = max(path.stat().st_mtime for pattern in ("*.cpp", "*.h") for path in _FOLDER.glob(pattern))
-    return max(built) < newest_input
+    """Whether loading from ``build_dir`` compiles: no built library there. The folder's name holds the
+    sources' digest, so a library in it was built from these sources."""
+    return not _library(build_dir).exists()
 
 
 @functools.cache
@@ -87,20 +115,24 @@ def load(cache_folder: str):
 
 
 def _build(build_dir: Path):
-    """Compile (when needed) and load the extension in ``build_dir``; None when it cannot be built here."""
+    """Load the extension in ``build_dir``, compiling it first when it is not there (or does not load); None when
+    it cannot be built here."""
+    if not needs_compile(build_dir):
+        try:
+            return _import_library(build_dir)
+        except ImportError as error:  # e.g. a link killed mid-way; ninja's log has no record of it: it rebuilds
+            logger.warning("The built C++ CPU kernels in %s do not load (%s); compiling them again.", build_dir,
+                           str(error)[:200])
     from torch.utils.cpp_extension import load as load_extension
 
-    compiling = needs_compile(build_dir)
-    if compiling:  # a WARNING, so it shows where no logging is configured (the offline API) too
-        logger.warning(COMPILE_MESSAGE)
+    logger.warning(COMPILE_MESSAGE)  # a WARNING, so it shows where no logging is configured (the offline API) too
     started = time.monotonic()
     try:
         module = load_extension(
             name=_NAME,
             sources=[str(_FOLDER / name) for name in _SOURCES],
             extra_include_paths=[str(_FOLDER)],
-            # No contraction of a * b + c into one rounding: the fused operations round as torch does.
-            extra_cflags=["-O3", f"-march={target_march()}", "-fopenmp", "-ffp-contract=off"],
+            extra_cflags=_compile_flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
@@ -108,9 +140,16 @@ def _build(build_dir: Path):
     except Exception as error:  # no compiler, no headers: the torch paths still work
         logger.warning("C++ CPU kernels unavailable (%s); using the torch implementations.", error)
         return None
-    if compiling:
-        logger.warning("C++ CPU kernels compiled in %.0f s (in %s; later starts load them at once).",
-                       time.monotonic() - started, build_dir)
+    logger.warning("C++ CPU kernels compiled in %.0f s (in %s; later starts load them at once).",
+                   time.monotonic() - started, build_dir)
+    return module
+
+
+def _import_library(build_dir: Path):
+    """The built extension module, imported from its file (what torch's loader does after its build)."""
+    spec = importlib.util.spec_from_file_location(_NAME, _library(build_dir))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 

@@ -7,11 +7,13 @@ the compile test stops the process once it has said that it compiles.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,13 +128,46 @@ def test_up_removes_its_log_folder_after_a_clean_run_and_keeps_it_after_a_failed
     assert f"Logs kept in {kept}." in result.stderr, result.stderr
 
 
-def test_needs_compile_only_without_an_up_to_date_library(tmp_path):
+def test_needs_compile_only_without_a_library(tmp_path):
     assert cpu_ops.needs_compile(tmp_path)
     library = tmp_path / "splitserve_cpu_kernels.so"
     library.write_bytes(b"")
     assert not cpu_ops.needs_compile(tmp_path)
-    os.utime(library, (0, 0))  # older than the sources: ninja would rebuild
-    assert cpu_ops.needs_compile(tmp_path)
+    os.utime(library, (0, 0))  # older than the sources: the folder's digest, not the times, says what it holds
+    assert not cpu_ops.needs_compile(tmp_path)
+
+
+def test_the_build_folder_follows_the_sources_not_the_checkout(tmp_path, monkeypatch):
+    """Two checkouts of the same sources (a fresh clone, CI) share one build; an edited source gets its own."""
+    monkeypatch.delenv(cpu_ops.MARCH_VARIABLE, raising=False)
+    copy = tmp_path / "kernels"
+    shutil.copytree(Path(cpu_ops.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in copy.iterdir():
+        os.utime(path, (0, 0))
+    here = cpu_ops.build_folder("/cache")
+    monkeypatch.setattr(cpu_ops, "_FOLDER", copy)
+    assert cpu_ops.build_folder("/cache") == here
+    source = copy / "cpu_fused_ops.cpp"
+    source.write_text(source.read_text() + "\n// an edit\n")
+    edited = cpu_ops.build_folder("/cache")
+    assert edited != here and edited.parent == here.parent
+    assert edited.name.startswith(f"torch-{torch.__version__}-")
+
+
+def test_a_library_that_does_not_load_is_built_again(tmp_path):
+    """A library cut short (a link killed mid-way) is compiled again, not loaded and not kept."""
+    build = cpu_ops.build_folder(str(tmp_path))
+    build.mkdir(parents=True)
+    (build / "splitserve_cpu_kernels.so").write_bytes(b"not a library")
+    code = f"from splitserve.kernels import cpu_ops; cpu_ops.load({str(tmp_path)!r})"
+    process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        first_line = process.stderr.readline()
+        assert "do not load" in first_line and "compiling them again" in first_line, first_line
+        assert cpu_ops.COMPILE_MESSAGE in process.stderr.readline()
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
 
 
 def test_a_compile_is_announced_before_it_starts(tmp_path):
