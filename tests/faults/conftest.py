@@ -2,7 +2,8 @@
 
 Workers run without prefix caching, so every request ships its whole prompt's KV (a repeat of a prompt would
 otherwise find its blocks cached on the decode worker and send almost nothing, leaving no transfer to break),
-and the same prompt always gives the same greedy tokens: they are computed once per cluster, undisturbed.
+and the same prompt always gives the same greedy tokens: they are computed once, undisturbed, on the first
+cluster that needs them (``expected_tokens``).
 """
 
 from __future__ import annotations
@@ -47,14 +48,21 @@ def start_fault_cluster(kv_transfer: str, log_dir, prefill: int, decode: int, le
     return cluster
 
 
+_UNDISTURBED: dict[int, list[int]] = {}
+
+
 def expected_tokens(address: str) -> dict[int, list[int]]:
-    """Each prompt's greedy tokens from an undisturbed run on the cluster (the requests run together)."""
-    outcomes = Load(address, PROMPTS, list(range(len(PROMPTS))), MAX_TOKENS, timeout=180, label="undisturbed").start().join()
-    expected = {}
-    for outcome in outcomes:
-        assert outcome.completed and len(outcome.token_ids) == MAX_TOKENS, outcome.describe()
-        expected[outcome.prompt_index] = outcome.token_ids
-    return expected
+    """Each prompt's greedy tokens from an undisturbed run (the requests run together): on the first fault
+    cluster that asks, then kept for the session. Every cluster of this suite serves the model in float32, whose
+    greedy tokens are the same over every KV connector (each is token-identical to transformers, tests/e2e), so
+    later clusters are held to the first's tokens: a run of the four prompts less per module (15-20 s on a Zen 3)."""
+    if not _UNDISTURBED:
+        outcomes = Load(address, PROMPTS, list(range(len(PROMPTS))), MAX_TOKENS, timeout=180,
+                        label="undisturbed").start().join()
+        for outcome in outcomes:
+            assert outcome.completed and len(outcome.token_ids) == MAX_TOKENS, outcome.describe()
+        _UNDISTURBED.update((outcome.prompt_index, outcome.token_ids) for outcome in outcomes)
+    return dict(_UNDISTURBED)
 
 
 @pytest.fixture(scope="module")

@@ -140,7 +140,7 @@ def test_decode_worker_sigstopped_mid_stream(cluster, client, expected, ledger):
     by the client's deadline, never hang; once it runs again it frees everything and serves again."""
     in_shape(cluster, client, ledger)
     on_token, reached = after_tokens(2)
-    deadline = 25.0
+    deadline = 15.0  # well past the lease (LEASE_SECONDS) the router drops a silent worker after
     load = Load(cluster.router.address, PROMPTS, [0, 1, 2, 3], MAX_TOKENS, timeout=deadline, on_token=on_token).start()
     assert reached.wait(60), "no stream got its first tokens"
     victim = busiest_decode_worker(cluster)
