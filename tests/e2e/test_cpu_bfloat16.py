@@ -97,7 +97,9 @@ def test_bfloat16_cluster_moves_bfloat16_kv_and_agrees_with_transformers(tmp_pat
     longest = max(range(len(prompt_token_ids)), key=lambda index: len(prompt_token_ids[index]))
     cases = [(ids, reference) for index, (ids, reference) in enumerate(zip(prompt_token_ids, hf_bfloat16))
              if index != longest]
-    cluster = start_cluster("p2p", tmp_path, worker_args=["--dtype", "bfloat16"])
+    # The prompts' KV arrives together after a bfloat16 prompt step (about 7 s on a Zen 3): a KV wait of 120 s, not
+    # the decode worker's 30, keeps a slow host from turning a transfer into a recompute.
+    cluster = start_cluster("p2p", tmp_path, worker_args=["--dtype", "bfloat16"], router_args=["--kv-timeout", "120"])
     try:
         decode = next(p for p in cluster.workers if p.name.startswith("decode"))
         with Client(cluster.router.address) as client:
