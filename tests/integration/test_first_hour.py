@@ -154,33 +154,34 @@ def test_the_build_folder_follows_the_sources_not_the_checkout(tmp_path, monkeyp
     assert edited.name.startswith(f"torch-{torch.__version__}-")
 
 
+def _first_lines_of_a_load(cache: Path, count: int) -> tuple[list[str], bool]:
+    """The first `count` stderr lines of `cpu_ops.load(cache)` in a new process, and whether it was still running
+    after them. The process runs in its own session and is killed with its compiler processes, not left
+    compiling for a minute."""
+    code = f"from splitserve.kernels import cpu_ops; cpu_ops.load({str(cache)!r})"
+    process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = [process.stderr.readline() for _ in range(count)]
+        return lines, process.poll() is None
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
 def test_a_library_that_does_not_load_is_built_again(tmp_path):
     """A library cut short (a link killed mid-way) is compiled again, not loaded and not kept."""
     build = cpu_ops.build_folder(str(tmp_path))
     build.mkdir(parents=True)
     (build / "splitserve_cpu_kernels.so").write_bytes(b"not a library")
-    code = f"from splitserve.kernels import cpu_ops; cpu_ops.load({str(tmp_path)!r})"
-    process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        first_line = process.stderr.readline()
-        assert "do not load" in first_line and "compiling them again" in first_line, first_line
-        assert cpu_ops.COMPILE_MESSAGE in process.stderr.readline()
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
+    (refused, announced), _ = _first_lines_of_a_load(tmp_path, 2)
+    assert "do not load" in refused and "compiling them again" in refused, refused
+    assert cpu_ops.COMPILE_MESSAGE in announced, announced
 
 
 def test_a_compile_is_announced_before_it_starts(tmp_path):
-    code = f"from splitserve.kernels import cpu_ops; cpu_ops.load({str(tmp_path)!r})"
-    # Its own session: the compiler processes under it are stopped with it, not left compiling for a minute.
-    process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        first_line = process.stderr.readline()
-        assert cpu_ops.COMPILE_MESSAGE in first_line, first_line
-        assert process.poll() is None, "the line comes before the compile, not after it"
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
+    [first_line], running = _first_lines_of_a_load(tmp_path, 1)
+    assert cpu_ops.COMPILE_MESSAGE in first_line, first_line
+    assert running, "the line comes before the compile, not after it"
 
 
 def _load_in_a_new_process(cache: str) -> subprocess.CompletedProcess:

@@ -58,23 +58,24 @@ def compiled(tmp_path_factory) -> dict[str, list[dict]]:
     """Every run of RUNS and UNCACHED, compiled side by side (each compiler process is single-threaded): reports
     by GPU, and UNCACHED's under "uncached"."""
     folder = tmp_path_factory.mktemp("aot")
+    # (key of the reports, GPU, flags, cache folder or None for the default one)
+    jobs = [(gpu, gpu, flags, None) for gpu, flags in RUNS] + [("uncached", *UNCACHED, str(folder / "empty-cache"))]
     runs = [
-        (gpu, folder / f"{index}.json", subprocess.Popen(
+        (key, gpu, folder / f"{index}.json", subprocess.Popen(
             [sys.executable, "-m", "splitserve.kernels.triton_aot", "--gpu", gpu, *flags,
              "--json", str(folder / f"{index}.json")],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_compiler_env(cache)))
-        for index, (gpu, flags, cache) in enumerate(
-            [(gpu, flags, None) for gpu, flags in RUNS] + [(*UNCACHED, str(folder / "empty-cache"))])
+        for index, (key, gpu, flags, cache) in enumerate(jobs)
     ]
     results = defaultdict(list)
     try:
-        for gpu, report, process in runs:
+        for key, gpu, report, process in runs:
             stdout, stderr = process.communicate(timeout=500)
             assert process.returncode == 0, stderr[-4000:]
             assert f"compiled for {GPUS[gpu].name}" in stdout
-            results["uncached" if report.stem == str(len(RUNS)) else gpu] += json.loads(report.read_text())
+            results[key] += json.loads(report.read_text())
     finally:
-        for _, _, process in runs:
+        for *_, process in runs:
             if process.poll() is None:
                 process.kill()
                 process.wait()
