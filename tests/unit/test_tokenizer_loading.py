@@ -7,17 +7,24 @@ module pulls in transformers' weight loading and ``torch.distributed.tensor``,
 values (the model type and the class a repository declares), so each case here
 is a real tokenizer directory, the default model's tokenizer declared as
 another class or under another model type, loaded both ways.
+
+The class ``AutoTokenizer`` picked is then kept in the cache folder, so that the
+next process loads a top-level class such as ``TokenizersBackend`` without
+importing ``transformers.models`` at all; every case is loaded a second time,
+from that record.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 
 import pytest
 
+from splitserve.engine import model_store
 from splitserve.engine.model_store import load_tokenizer
 
 TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -33,6 +40,13 @@ CASES = [
     ("qwen2", "Qwen2TokenizerFast"),
     ("mistral", "LlamaTokenizerFast"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Records of tokenizer classes in a folder of the test's own."""
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
 def tokenizer_dir(model_dir, tmp_path, model_type, tokenizer_class):
@@ -58,8 +72,16 @@ def test_the_engine_loads_the_tokenizer_autotokenizer_would(model_dir, tmp_path,
     from transformers import AutoTokenizer
 
     folder = tokenizer_dir(model_dir, tmp_path, model_type, tokenizer_class)
-    ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    theirs = AutoTokenizer.from_pretrained(str(folder))
+    first = load_tokenizer(folder)
+    record = model_store._tokenizer_record(folder)
+    assert record.is_file() == model_store._is_top_level(type(theirs).__module__)
+    second = load_tokenizer(folder)  # from the record, where there is one
+    assert_same_tokenizer(first, theirs)
+    assert_same_tokenizer(second, theirs)
 
+
+def assert_same_tokenizer(ours, theirs):
     assert type(ours) is type(theirs)
     assert ours.all_special_tokens == theirs.all_special_tokens
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
@@ -87,3 +109,54 @@ def test_loading_the_engine_tokenizer_skips_the_model_config_imports(model_dir):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def _load_in_a_fresh_interpreter(folder, cache) -> list[str]:
+    """Load ``folder``'s tokenizer in a new interpreter with ``cache`` as the cache folder; the transformers
+    modules of note it imported."""
+    script = (
+        "import sys, json\n"
+        "from splitserve.engine.model_store import load_tokenizer\n"
+        f"assert load_tokenizer({str(folder)!r}).encode('hi')\n"
+        "print(json.dumps(sorted({name for name in sys.modules if name == 'transformers.models'})))\n"
+    )
+    env = {**os.environ, "SPLITSERVE_CACHE": str(cache)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_recorded_class_is_loaded_without_transformers_model_table(model_dir, own_cache):
+    """The first process asks AutoTokenizer (which builds transformers' table of every model, 0.8 s); the next
+    ones read the record and never import ``transformers.models``."""
+    assert _load_in_a_fresh_interpreter(model_dir, own_cache) == ["transformers.models"]
+    assert len(list((own_cache / "tokenizer-classes").glob("*.json"))) == 1
+    assert _load_in_a_fresh_interpreter(model_dir, own_cache) == []
+
+
+def test_a_record_follows_the_tokenizer_files(model_dir, tmp_path):
+    folder = tokenizer_dir(model_dir, tmp_path, "llama", "as shipped")
+    before = model_store._tokenizer_record(folder)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config["model_max_length"] = 4096
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert model_store._tokenizer_record(folder) != before
+
+
+@pytest.mark.parametrize("entry", ['{"module": "os", "class": "system"}',
+                                   '{"module": "transformers.models.gpt2", "class": "GPT2Tokenizer"}',
+                                   '{"module": "transformers.utils", "class": "logging"}',
+                                   '{"module": "transformers.nothing_here", "class": "X"}',
+                                   '["TokenizersBackend"]', '{"module": "transformers.tok'])
+def test_a_record_that_names_no_top_level_tokenizer_class_is_not_followed(model_dir, tmp_path, entry):
+    """Anything but a transformers tokenizer class outside ``transformers.models`` (an edited or cut-short file)
+    sends the load through AutoTokenizer, which writes the record again."""
+    from transformers import AutoTokenizer
+
+    folder = tokenizer_dir(model_dir, tmp_path, "llama", "as shipped")
+    record = model_store._tokenizer_record(folder)
+    record.parent.mkdir(parents=True)
+    record.write_text(entry)
+    assert model_store._recorded_tokenizer_class(record) is None
+    assert_same_tokenizer(load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder)))
+    assert model_store._recorded_tokenizer_class(record) is type(AutoTokenizer.from_pretrained(str(folder)))
