@@ -10,8 +10,6 @@ converting (what the router does) lives in ``splitserve.common.model_info``.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import importlib.util
 import json
 import os
@@ -22,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+from splitserve.common import tokenizer_class
 from splitserve.common.model_info import (
     COMPLETE_MARKER,
     DEFAULT_MODEL_NAME,
-    cache_dir,
     default_model_dir,
     find_model_dir,
     is_default_model,
@@ -140,23 +138,22 @@ def load_tokenizer(model_dir: str | os.PathLike):
     they are handed to it from ``config.json`` as read. Any other directory goes
     through ``AutoTokenizer`` as it is.
 
-    Importing ``AutoTokenizer`` at all costs 0.8 s more: ``transformers.models``
-    reads every model's source files when it is first imported, to build its
-    import table. So the class ``AutoTokenizer`` picked is recorded in the cache
-    folder (``tokenizer-classes/``), keyed by the directory's path, its config and
-    tokenizer files and the transformers version; when it is one of transformers'
-    own top-level classes (``TokenizersBackend``, ``PreTrainedTokenizerFast``: every
-    tokenizer backed by a ``tokenizer.json``), later processes load that class
-    directly. A change to any of those files or to transformers is a new key, so a
-    record is never applied to a directory it was not made from.
+    Importing ``AutoTokenizer`` at all costs 0.8 s more (``transformers.models``
+    builds its import table), so the class it picked is kept in the cache folder
+    (``splitserve.common.tokenizer_class``); when it is one of transformers' own
+    top-level classes (``TokenizersBackend``, ``PreTrainedTokenizerFast``: every
+    tokenizer backed by a ``tokenizer.json``), later processes load it directly.
+    The router loads the class from the same record.
     """
+    from transformers import PreTrainedTokenizerBase
+
     path = Path(model_dir)
-    record = _tokenizer_record(path)
-    tokenizer_class = _recorded_tokenizer_class(record)
-    if tokenizer_class is not None:
-        return tokenizer_class.from_pretrained(str(path))
+    record = tokenizer_class.record_path(path)
+    recorded = tokenizer_class.read_record(record, PreTrainedTokenizerBase, top_level_only=True)
+    if recorded is not None:
+        return recorded.from_pretrained(str(path))
     tokenizer = _auto_tokenizer(path)
-    _record_tokenizer_class(record, type(tokenizer))
+    tokenizer_class.write_record(record, type(tokenizer))
     return tokenizer
 
 
@@ -172,63 +169,6 @@ def _auto_tokenizer(path: Path):
     if "model_name" in config:
         facts["model_name"] = config["model_name"]
     return AutoTokenizer.from_pretrained(str(path), config=SimpleNamespace(**facts))
-
-
-# The files AutoTokenizer's choice of class (and the tokenizer it builds) is read from.
-TOKENIZER_RECORD_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
-
-
-def _tokenizer_record(path: Path) -> Path:
-    """Where the class AutoTokenizer picks for this directory, as its files and transformers are now, is kept."""
-    import transformers
-
-    digest = hashlib.sha256(f"{transformers.__version__}\0{path.resolve()}".encode())
-    for name in TOKENIZER_RECORD_FILES:
-        file = path / name
-        digest.update(f"\0{name}\0".encode())
-        if file.is_file():
-            digest.update(file.read_bytes())
-    return cache_dir() / "tokenizer-classes" / f"{digest.hexdigest()[:32]}.json"
-
-
-def _is_top_level(module: str) -> bool:
-    """A module of transformers outside ``transformers.models`` (importing which needs no import table)."""
-    return module.startswith("transformers.") and not module.startswith("transformers.models")
-
-
-def _recorded_tokenizer_class(record: Path) -> type | None:
-    """The class kept in ``record``, if it is one of transformers' top-level tokenizer classes; else None."""
-    try:
-        entry = json.loads(record.read_text())
-    except (OSError, ValueError):  # none yet, or cut short
-        return None
-    module, name = (entry.get("module"), entry.get("class")) if isinstance(entry, dict) else (None, None)
-    if not isinstance(module, str) or not isinstance(name, str) or not _is_top_level(module):
-        return None
-    try:
-        tokenizer_class = getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
-    from transformers import PreTrainedTokenizerBase
-
-    if not isinstance(tokenizer_class, type) or not issubclass(tokenizer_class, PreTrainedTokenizerBase):
-        return None
-    return tokenizer_class
-
-
-def _record_tokenizer_class(record: Path, tokenizer_class: type) -> None:
-    """Keep ``tokenizer_class`` in ``record`` when a later process could load it directly; a cache folder that
-    cannot be written only costs the next process the AutoTokenizer route."""
-    if not _is_top_level(tokenizer_class.__module__):
-        return
-    entry = json.dumps({"module": tokenizer_class.__module__, "class": tokenizer_class.__qualname__})
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        partial = record.with_name(f"{record.name}.{os.getpid()}.tmp")
-        partial.write_text(entry)
-        os.replace(partial, record)
-    except OSError:
-        pass
 
 
 def _read_json(path: Path) -> dict:

@@ -19,16 +19,22 @@ and go; the GPU/CPU-heavy stack belongs to the workers only
 from __future__ import annotations
 
 import json
+import logging
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 
+from splitserve.common import tokenizer_class
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.model_info import ModelConfig, find_model_dir, has_weights, model_fingerprint
 from splitserve.common.prompt import validate_prompt_token_ids
 from splitserve.common.sampling_params import MAX_LOGPROBS
 from splitserve.v1 import inference_pb2
+
+logger = logging.getLogger(__name__)
 
 # A chat template's own error message may quote the client's messages: at most this much of it is echoed.
 _ECHOED_TEMPLATE_ERROR_CHARACTERS = 160
@@ -172,18 +178,67 @@ def max_token_bytes(tokenizer) -> int:
 
 
 def load_tokenizer(model_dir: Path):
-    """The model's tokenizer, the class ``AutoTokenizer`` would pick, without importing torch.
+    """The model's tokenizer, of the class ``AutoTokenizer`` picks (as the engine's is), without importing torch.
 
-    ``AutoTokenizer`` finds the class through ``AutoConfig``, whose module imports
-    torch; here the class named in ``tokenizer_config.json`` is taken from
-    transformers directly (every tokenizer of the Llama family is backed by the
-    ``tokenizers`` library), and ``PreTrainedTokenizerFast`` (tokenizer.json)
-    when none is named or transformers has no such class.
+    ``AutoTokenizer`` reads the config through modules that import torch, and its
+    choice of class is not just the class ``tokenizer_config.json`` names: a
+    ``LlamaTokenizerFast`` declared over a ByteLevel ``tokenizer.json`` (Llama 3
+    derivatives) is loaded as ``TokenizersBackend``, and ``LlamaTokenizer`` would
+    split the text otherwise. The engine keeps the class it got from
+    ``AutoTokenizer`` in the cache folder (``splitserve.common.tokenizer_class``);
+    the router loads that class. Where no record exists yet, a short-lived process
+    asks the engine's loader (which writes the record), so this process never
+    imports torch. Only if that fails (no torch installed beside the router) is
+    the class named in ``tokenizer_config.json`` taken, with a warning.
     """
+    from transformers import PreTrainedTokenizerBase
+
+    record = tokenizer_class.record_path(model_dir)
+    chosen = (tokenizer_class.read_record(record, PreTrainedTokenizerBase, top_level_only=False)
+              or _ask_the_engine_loader(model_dir))
+    if chosen is None:
+        chosen = _declared_tokenizer_class(model_dir)
+        logger.warning("Could not learn which tokenizer class AutoTokenizer picks for %s; using %s, the class "
+                       "tokenizer_config.json names. Prompts may be split other than the workers would split them.",
+                       model_dir, chosen.__name__)
+    return chosen.from_pretrained(str(model_dir))
+
+
+ENGINE_LOADER_TIMEOUT_S = 300.0
+
+
+def _ask_the_engine_loader(model_dir: Path) -> type | None:
+    """The class the engine's ``load_tokenizer`` gives for ``model_dir``, from a process of its own (which imports
+    transformers' model table and torch, and records the class for the next start); None if it fails."""
+    script = ("import json, sys\n"
+              "from splitserve.common.tokenizer_class import describe\n"
+              "from splitserve.engine.model_store import load_tokenizer\n"
+              "print(json.dumps(describe(type(load_tokenizer(sys.argv[1])))))\n")
+    try:
+        result = subprocess.run([sys.executable, "-c", script, str(model_dir)], capture_output=True, text=True,
+                                timeout=ENGINE_LOADER_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        logger.warning("Asking the engine's tokenizer loader failed: %s", type(error).__name__)
+        return None
+    if result.returncode != 0:
+        logger.warning("The engine's tokenizer loader exited with status %d: %s", result.returncode,
+                       result.stderr.strip().splitlines()[-1][:300] if result.stderr.strip() else "no message")
+        return None
+    try:
+        entry = json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+    from transformers import PreTrainedTokenizerBase
+
+    return tokenizer_class.resolve(entry, PreTrainedTokenizerBase, top_level_only=False)
+
+
+def _declared_tokenizer_class(model_dir: Path) -> type:
+    """The class ``tokenizer_config.json`` names, or ``PreTrainedTokenizerFast`` (tokenizer.json) when it names
+    none or transformers has no such class."""
     import transformers
 
     config_path = model_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     name = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
-    tokenizer_class = getattr(transformers, name, None) or transformers.PreTrainedTokenizerFast
-    return tokenizer_class.from_pretrained(str(model_dir))
+    return getattr(transformers, name, None) or transformers.PreTrainedTokenizerFast

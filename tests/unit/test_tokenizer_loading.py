@@ -8,10 +8,12 @@ values (the model type and the class a repository declares), so each case here
 is a real tokenizer directory, the default model's tokenizer declared as
 another class or under another model type, loaded both ways.
 
-The class ``AutoTokenizer`` picked is then kept in the cache folder, so that the
-next process loads a top-level class such as ``TokenizersBackend`` without
-importing ``transformers.models`` at all; every case is loaded a second time,
-from that record.
+The class ``AutoTokenizer`` picked is then kept in the cache folder
+(``splitserve.common.tokenizer_class``), so that the next engine loads a top-level
+class such as ``TokenizersBackend`` without importing ``transformers.models`` at
+all, and the router (which never imports torch) loads the class the engine got:
+every case is loaded a second time, from that record, by the engine and by the
+router.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import subprocess
 import sys
 
 import pytest
+from transformers import PreTrainedTokenizerBase as BASE
 
-from splitserve.engine import model_store
+from router import frontend
+from splitserve.common import tokenizer_class as records
 from splitserve.engine.model_store import load_tokenizer
 
 TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -74,11 +78,49 @@ def test_the_engine_loads_the_tokenizer_autotokenizer_would(model_dir, tmp_path,
     folder = tokenizer_dir(model_dir, tmp_path, model_type, tokenizer_class)
     theirs = AutoTokenizer.from_pretrained(str(folder))
     first = load_tokenizer(folder)
-    record = model_store._tokenizer_record(folder)
-    assert record.is_file() == model_store._is_top_level(type(theirs).__module__)
-    second = load_tokenizer(folder)  # from the record, where there is one
+    record = records.record_path(folder)
+    assert records.read_record(record, BASE, top_level_only=False) is type(theirs)
+    second = load_tokenizer(folder)  # from the record, where the class is a top-level one
     assert_same_tokenizer(first, theirs)
     assert_same_tokenizer(second, theirs)
+
+
+def _no_engine_loader(model_dir):
+    raise AssertionError("the router asked the engine's loader although a record was there")
+
+
+@pytest.mark.parametrize(("model_type", "tokenizer_class_name"), CASES)
+def test_the_router_loads_the_class_the_engine_recorded(model_dir, tmp_path, monkeypatch, model_type,
+                                                         tokenizer_class_name):
+    """Among them a LlamaTokenizerFast declared over a ByteLevel tokenizer.json, where the class named would split
+    text unlike AutoTokenizer's TokenizersBackend."""
+    from transformers import AutoTokenizer
+
+    folder = tokenizer_dir(model_dir, tmp_path, model_type, tokenizer_class_name)
+    load_tokenizer(folder)
+    monkeypatch.setattr(frontend, "_ask_the_engine_loader", _no_engine_loader)
+    assert_same_tokenizer(frontend.load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder)))
+
+
+def test_without_a_record_the_router_asks_the_engine_loader_in_a_process_of_its_own(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = tokenizer_dir(model_dir, tmp_path, "llama", "LlamaTokenizerFast")
+    ours, theirs = frontend.load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert type(theirs).__name__ == "TokenizersBackend"
+    assert_same_tokenizer(ours, theirs)
+    assert records.read_record(records.record_path(folder), BASE, top_level_only=False) is type(theirs)
+
+
+def test_a_router_that_cannot_ask_takes_the_declared_class_and_says_so(model_dir, tmp_path, monkeypatch, caplog):
+    folder = tokenizer_dir(model_dir, tmp_path, "llama", "PreTrainedTokenizerFast")
+    monkeypatch.setattr(frontend.sys, "executable", "/bin/false")
+    with caplog.at_level("WARNING", logger=frontend.__name__):
+        tokenizer = frontend.load_tokenizer(folder)
+    assert type(tokenizer).__name__ == "TokenizersBackend"
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("exited with status 1" in message for message in messages), messages
+    assert any("Could not learn which tokenizer class" in message for message in messages), messages
 
 
 def assert_same_tokenizer(ours, theirs):
@@ -130,17 +172,17 @@ def test_a_recorded_class_is_loaded_without_transformers_model_table(model_dir, 
     """The first process asks AutoTokenizer (which builds transformers' table of every model, 0.8 s); the next
     ones read the record and never import ``transformers.models``."""
     assert _load_in_a_fresh_interpreter(model_dir, own_cache) == ["transformers.models"]
-    assert len(list((own_cache / "tokenizer-classes").glob("*.json"))) == 1
+    assert len(list((own_cache / records.RECORD_FOLDER).glob("*.json"))) == 1
     assert _load_in_a_fresh_interpreter(model_dir, own_cache) == []
 
 
 def test_a_record_follows_the_tokenizer_files(model_dir, tmp_path):
     folder = tokenizer_dir(model_dir, tmp_path, "llama", "as shipped")
-    before = model_store._tokenizer_record(folder)
+    before = records.record_path(folder)
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     tokenizer_config["model_max_length"] = 4096
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    assert model_store._tokenizer_record(folder) != before
+    assert records.record_path(folder) != before
 
 
 @pytest.mark.parametrize("entry", ['{"module": "os", "class": "system"}',
@@ -154,9 +196,9 @@ def test_a_record_that_names_no_top_level_tokenizer_class_is_not_followed(model_
     from transformers import AutoTokenizer
 
     folder = tokenizer_dir(model_dir, tmp_path, "llama", "as shipped")
-    record = model_store._tokenizer_record(folder)
+    record = records.record_path(folder)
     record.parent.mkdir(parents=True)
     record.write_text(entry)
-    assert model_store._recorded_tokenizer_class(record) is None
+    assert records.read_record(record, BASE, top_level_only=True) is None
     assert_same_tokenizer(load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder)))
-    assert model_store._recorded_tokenizer_class(record) is type(AutoTokenizer.from_pretrained(str(folder)))
+    assert records.read_record(record, BASE, top_level_only=True) is type(AutoTokenizer.from_pretrained(str(folder)))
