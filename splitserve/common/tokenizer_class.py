@@ -35,6 +35,9 @@ from splitserve.common.model_info import cache_dir
 # The files AutoTokenizer's choice of class (and the tokenizer it builds) is read from.
 RECORD_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
 RECORD_FOLDER = "tokenizer-classes"
+# Records kept at most: the oldest written go first (a directory whose record went is asked again, once). Every
+# temporary model directory a test suite or a benchmark makes leaves one.
+MAX_RECORDS = 256
 
 
 def _transformers_version() -> str:
@@ -106,4 +109,19 @@ def write_record(record: Path, tokenizer_class: type) -> None:
         partial.write_text(json.dumps(entry))
         os.replace(partial, record)
     except OSError:
-        pass
+        return
+    _prune(record.parent, keep=record)
+
+
+def _prune(folder: Path, keep: Path) -> None:
+    """Remove the oldest files of ``folder`` past MAX_RECORDS (never ``keep``); another process removing them
+    at the same time is no error."""
+    try:
+        files = [(path.stat().st_mtime, path) for path in folder.iterdir() if path != keep]
+    except OSError:
+        return
+    for _, path in sorted(files)[:max(0, len(files) + 1 - MAX_RECORDS)]:
+        try:
+            path.unlink()
+        except OSError:
+            pass

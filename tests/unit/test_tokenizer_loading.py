@@ -202,3 +202,17 @@ def test_a_record_that_names_no_top_level_tokenizer_class_is_not_followed(model_
     assert records.read_record(record, BASE, top_level_only=True) is None
     assert_same_tokenizer(load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder)))
     assert records.read_record(record, BASE, top_level_only=True) is type(AutoTokenizer.from_pretrained(str(folder)))
+
+
+def test_the_record_folder_keeps_the_newest_records_only(model_dir, own_cache):
+    folder = own_cache / records.RECORD_FOLDER
+    folder.mkdir(parents=True)
+    for index in range(records.MAX_RECORDS + 10):
+        old = folder / f"{index:032x}.json"
+        old.write_text("{}")
+        os.utime(old, (index, index))
+    load_tokenizer(model_dir)
+    kept = sorted(path.name for path in folder.iterdir())
+    assert len(kept) == records.MAX_RECORDS
+    assert records.record_path(model_dir).name in kept
+    assert f"{0:032x}.json" not in kept and f"{records.MAX_RECORDS + 9:032x}.json" in kept
