@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from splitserve.common.model_info import cache_dir
+from splitserve.common.model_info import cache_dir, read_cached_json, write_cached_json
 from splitserve.kernels import triton_attention, triton_ops
 
 RESERVED_SHARED_PER_PROGRAM = 1024  # bytes the driver reserves in shared memory for each resident program
@@ -287,8 +287,9 @@ def _read_cubin(cubin: bytes) -> dict:
     import triton
 
     path = cache_dir() / "triton-aot" / f"{hashlib.sha256(cubin).hexdigest()}-{triton.__version__}.json"
-    with contextlib.suppress(OSError, ValueError):
-        return json.loads(path.read_text())
+    kept = read_cached_json(path)
+    if kept is not None:
+        return kept
     usage, sass = _inspect_cubin(cubin)
     loads = collections.Counter(re.findall(r"\b(LDGSTS|LDG)\.[\w.]*?(\.(?:128|64|U8|S8|U16|S16))?\s", sass))
     load_bytes = {".128": 16, ".64": 8, ".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2, "": 4}
@@ -298,11 +299,7 @@ def _read_cubin(cubin: bytes) -> dict:
         "load_bytes": {"all": sum(count * load_bytes[width] for (_, width), count in loads.items()),
                        "wide": sum(count * 16 for (_, width), count in loads.items() if width == ".128")},
     }
-    with contextlib.suppress(OSError):  # a read-only cache only costs the next run the disassembly
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(reading))
-        partial.replace(path)
+    write_cached_json(path, reading)  # a read-only cache only costs the next run the disassembly
     return reading
 
 

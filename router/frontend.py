@@ -195,7 +195,8 @@ def load_tokenizer(model_dir: Path):
 
     record = tokenizer_class.record_path(model_dir)
     chosen = (tokenizer_class.read_record(record, PreTrainedTokenizerBase, top_level_only=False)
-              or _ask_the_engine_loader(model_dir))
+              or tokenizer_class.resolve(_ask_the_engine_loader(model_dir), PreTrainedTokenizerBase,
+                                         top_level_only=False))
     if chosen is None:
         chosen = _declared_tokenizer_class(model_dir)
         logger.warning("Could not learn which tokenizer class AutoTokenizer picks for %s; using %s, the class "
@@ -207,9 +208,10 @@ def load_tokenizer(model_dir: Path):
 ENGINE_LOADER_TIMEOUT_S = 300.0
 
 
-def _ask_the_engine_loader(model_dir: Path) -> type | None:
-    """The class the engine's ``load_tokenizer`` gives for ``model_dir``, from a process of its own (which imports
-    transformers' model table and torch, and records the class for the next start); None if it fails."""
+def _ask_the_engine_loader(model_dir: Path) -> object | None:
+    """The record entry (``tokenizer_class.describe``) of the class the engine's ``load_tokenizer`` gives for
+    ``model_dir``, from a process of its own (which imports transformers' model table and torch, and records the
+    class for the next start); None if it fails."""
     script = ("import json, sys\n"
               "from splitserve.common.tokenizer_class import describe\n"
               "from splitserve.engine.model_store import load_tokenizer\n"
@@ -225,12 +227,9 @@ def _ask_the_engine_loader(model_dir: Path) -> type | None:
                        result.stderr.strip().splitlines()[-1][:300] if result.stderr.strip() else "no message")
         return None
     try:
-        entry = json.loads(result.stdout.strip().splitlines()[-1])
+        return json.loads(result.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return None
-    from transformers import PreTrainedTokenizerBase
-
-    return tokenizer_class.resolve(entry, PreTrainedTokenizerBase, top_level_only=False)
 
 
 def _declared_tokenizer_class(model_dir: Path) -> type:

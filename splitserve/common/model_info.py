@@ -168,6 +168,28 @@ def cache_dir(cache: str | os.PathLike | None = None) -> Path:
     return Path.home() / ".cache" / "splitserve"
 
 
+def read_cached_json(path: Path) -> object | None:
+    """What a JSON file kept in the cache folder holds, or None: none yet, unreadable, or cut short."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_cached_json(path: Path, value: object) -> bool:
+    """Keep ``value`` as JSON at ``path``, written beside it and renamed into place, so that a reader finds the
+    old file or the new one, never a part. False where the folder cannot be written: a read-only cache only costs
+    the next process the work again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(value))
+        os.replace(partial, path)
+    except OSError:
+        return False
+    return True
+
+
 def default_model_dir(cache: str | os.PathLike | None = None) -> Path:
     """Where the converted default model lives (it may not exist yet)."""
     return cache_dir(cache) / "models" / DEFAULT_MODEL_NAME

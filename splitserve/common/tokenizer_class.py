@@ -26,11 +26,10 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.metadata
-import json
 import os
 from pathlib import Path
 
-from splitserve.common.model_info import cache_dir
+from splitserve.common.model_info import cache_dir, read_cached_json, write_cached_json
 
 # The files AutoTokenizer's choice of class (and the tokenizer it builds) is read from.
 RECORD_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
@@ -87,30 +86,15 @@ def resolve(entry: object, base: type, top_level_only: bool) -> type | None:
 
 def read_record(record: Path, base: type, top_level_only: bool) -> type | None:
     """The class kept in ``record`` (see :func:`resolve`), or None where there is none to follow."""
-    try:
-        entry = json.loads(record.read_text())
-    except (OSError, ValueError):  # none yet, or cut short
-        return None
-    return resolve(entry, base, top_level_only)
+    return resolve(read_cached_json(record), base, top_level_only)
 
 
 def write_record(record: Path, tokenizer_class: type) -> None:
     """Keep ``tokenizer_class`` in ``record``. A cache folder that cannot be written only costs the next process
     the AutoTokenizer route."""
     entry = describe(tokenizer_class)
-    try:
-        if json.loads(record.read_text()) == entry:
-            return
-    except (OSError, ValueError):
-        pass
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        partial = record.with_name(f"{record.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps(entry))
-        os.replace(partial, record)
-    except OSError:
-        return
-    _prune(record.parent, keep=record)
+    if read_cached_json(record) != entry and write_cached_json(record, entry):
+        _prune(record.parent, keep=record)
 
 
 def _prune(folder: Path, keep: Path) -> None:
