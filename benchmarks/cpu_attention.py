@@ -10,10 +10,14 @@ causal FLOPs only; GB/s of KV read for decode) and the largest difference betwee
 a kernel runs in AMX tiles (a bfloat16 cache on an AMX CPU), its AVX-512 path is timed in the same runs too,
 and the two are compared after the table. The decode kernel is also timed fetching ahead into the cache level
 this CPU's default does not use (L2 where L1 holds 48 KB or more, else L1), and compared after the table.
+With ``--baseline REVISION`` (or a folder of kernel sources), that revision's kernels are built beside this
+tree's and every case times both in this process, alternating (kernel_baseline.py says why), and compares
+their outputs bit for bit.
 
     python benchmarks/cpu_attention.py                      # SmolLM2-135M's shape, default cases
     python benchmarks/cpu_attention.py --prefill 0:2048 --prefill 1024:512 0:64 --decode 64x320 --repeats 9
     python benchmarks/cpu_attention.py --dtype bfloat16    # a bfloat16 cache (and torch in bfloat16)
+    python benchmarks/cpu_attention.py --prefill 0:512 --decode 64x320 --baseline HEAD~3
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
+from benchmarks.kernel_baseline import load_baseline  # noqa: E402
 from splitserve.common.model_info import cache_dir
 from splitserve.engine.attention import (
     DecodeGroup,
@@ -85,7 +90,19 @@ def _median_times(functions: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def prefill_case(shape: Shape, chunks: list[tuple[int, int]], repeats: int, seed: int = 0) -> dict:
+def _against_baseline(kernel, baseline) -> dict:
+    """How the kernel's outputs (one per layer) compare with the baseline build's on the same inputs: the largest
+    difference, and whether they are identical bit for bit."""
+    if baseline is None:
+        return {}
+    ours = kernel()
+    with cpu_ops.kernels_from(baseline):
+        theirs = kernel()
+    return {"baseline_difference": max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, theirs)),
+            "baseline_identical": all(torch.equal(a, b) for a, b in zip(ours, theirs))}
+
+
+def prefill_case(shape: Shape, chunks: list[tuple[int, int]], repeats: int, seed: int = 0, baseline=None) -> dict:
     """One step of prompt chunks ``(context, length)`` through every layer."""
     generator = torch.Generator().manual_seed(seed)
     blocks_per_chunk = [-(-(context + length) // shape.block_size) for context, length in chunks]
@@ -117,17 +134,19 @@ def prefill_case(shape: Shape, chunks: list[tuple[int, int]], repeats: int, seed
                 for k, v in layers]
 
     difference = (kernel()[0].float() - reference()[0].float()).abs().max().item()
+    compared = _against_baseline(kernel, baseline)
     times = _times_with_avx512(kernel, reference, repeats, shape.dtype == torch.bfloat16
-                               and cpu_ops.prefills_in_amx(shape.head_dim, shape.block_size))
+                               and cpu_ops.prefills_in_amx(shape.head_dim, shape.block_size), baseline=baseline)
     # Causal FLOPs: each query token against its visible keys, QK^T and PV, every query head and layer.
     visible = sum(length * context + length * (length + 1) / 2 for context, length in chunks)
     flops = 4 * visible * shape.head_dim * shape.q_heads * shape.layers
     label = " ".join(f"{context}:{length}" for context, length in chunks)
     return {"kind": "prefill", "case": label, **times, "rate": flops / times["kernel_s"] / 1e9, "unit": "GFLOP/s",
-            "difference": difference}
+            "difference": difference, **compared}
 
 
-def _times_with_avx512(kernel, reference, repeats: int, in_tiles: bool, other_prefetch: bool = False) -> dict:
+def _times_with_avx512(kernel, reference, repeats: int, in_tiles: bool, other_prefetch: bool = False,
+                       baseline=None) -> dict:
     """kernel_s and reference_s, medians of alternating runs; where the kernel runs in AMX tiles (a bfloat16 cache
     on an AMX CPU), avx512_s too: the same kernel with AMX turned off, as a second baseline in the same runs. With
     ``other_prefetch`` (decode cases), other_prefetch_s too: the kernel fetching ahead into the cache level this
@@ -147,11 +166,17 @@ def _times_with_avx512(kernel, reference, repeats: int, in_tiles: bool, other_pr
                 return kernel()
 
         functions["other_prefetch"] = other
+    if baseline is not None:
+        def of_baseline():
+            with cpu_ops.kernels_from(baseline):
+                return kernel()
+
+        functions["baseline"] = of_baseline
     times = _median_times(functions, repeats)
     return {f"{name}_s": seconds for name, seconds in times.items()}
 
 
-def decode_case(shape: Shape, requests: int, context: int, repeats: int, seed: int = 0) -> dict:
+def decode_case(shape: Shape, requests: int, context: int, repeats: int, seed: int = 0, baseline=None) -> dict:
     """One decode step of ``requests`` requests of ``context`` tokens through every layer."""
     generator = torch.Generator().manual_seed(seed)
     per_request = -(-context // shape.block_size)
@@ -173,18 +198,21 @@ def decode_case(shape: Shape, requests: int, context: int, repeats: int, seed: i
     difference = (kernel()[0].float() - reference()[0].float()).abs().max().item()
     element_size = torch.empty((), dtype=shape.dtype).element_size()
     kv_bytes = 2 * requests * context * shape.kv_heads * shape.head_dim * element_size * shape.layers
+    compared = _against_baseline(kernel, baseline)
     times = _times_with_avx512(kernel, reference, repeats, shape.dtype == torch.bfloat16 and cpu_ops.decodes_in_amx(
-        shape.head_dim, shape.block_size, shape.q_heads // shape.kv_heads), other_prefetch=True)
+        shape.head_dim, shape.block_size, shape.q_heads // shape.kv_heads), other_prefetch=True, baseline=baseline)
     return {"kind": "decode", "case": f"{requests}x{context}", **times, "rate": kv_bytes / times["kernel_s"] / 1e9,
-            "unit": "GB/s", "difference": difference}
+            "unit": "GB/s", "difference": difference, **compared}
 
 
-def run(args) -> list[dict]:
-    """Every case of ``args``, in order: the prefill cases, then the decode cases."""
+def run(args, baseline=None) -> list[dict]:
+    """Every case of ``args``, in order: the prefill cases, then the decode cases; each timed against ``baseline``
+    (a module from kernel_baseline.load_baseline) too where one is given."""
     shape = Shape(args.layers, args.q_heads, args.kv_heads, args.head_dim, args.block_size, getattr(torch, args.dtype))
     prefill_cases = args.prefill or [[(0, 512), (0, 300), (200, 100)], [(0, 2048)], [(1536, 512)]]
-    results = [prefill_case(shape, chunks, args.repeats) for chunks in prefill_cases]
-    return results + [decode_case(shape, requests, context, args.repeats) for requests, context in args.decode or []]
+    results = [prefill_case(shape, chunks, args.repeats, baseline=baseline) for chunks in prefill_cases]
+    return results + [decode_case(shape, requests, context, args.repeats, baseline=baseline)
+                      for requests, context in args.decode or []]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,13 +235,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="the cache, queries and the torch reference's arithmetic (default: %(default)s); the "
                              "kernels accumulate in float32 either way (in bfloat16 on an AMX CPU, both kernels run in "
                              "AMX tiles and their AVX-512 paths are timed beside them)")
+    parser.add_argument("--baseline", metavar="REVISION|FOLDER", default=None,
+                        help="also time the kernels of this git revision (or of a folder of *.cpp and *.h files), "
+                             "built beside this tree's with the same flags and alternated with them in this process; "
+                             "after the table, each case's baseline/this-tree ratio and whether the outputs are "
+                             "identical bit for bit (default: none)")
     args = parser.parse_args(argv)
     if not cpu_ops.prefill_supports(args.head_dim):
         parser.error(f"--head-dim {args.head_dim}: the C++ prefill kernel takes multiples of 64")
     if not cpu_ops.available(str(cache_dir())):
         print("The C++ CPU kernels could not be built here: nothing to time.", file=sys.stderr)
         return 1
-    results = run(args)
+    baseline, label = None, ""
+    if args.baseline is not None:
+        try:
+            label, baseline = load_baseline(args.baseline, str(cache_dir()))
+        except ValueError as error:
+            parser.error(f"--baseline: {error}")
+        except RuntimeError as error:
+            print(f"--baseline: {error}", file=sys.stderr)
+            return 1
+    results = run(args, baseline)
     print(f"{torch.get_num_threads()} threads, {args.layers} layers, {args.q_heads}/{args.kv_heads} heads, "
           f"head_dim {args.head_dim}, blocks of {args.block_size}, {args.dtype}; medians of {args.repeats}")
     print(f"{'kind':8} {'case':28} {'kernel ms':>10} {'torch ms':>10} {'torch/kernel':>13} {'kernel rate':>16} "
@@ -235,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         for r in fetched:
             print(f"  decode {r['case']}: L{3 - level} {r['other_prefetch_s'] * 1e3:.2f} ms, L{level} "
                   f"{r['kernel_s'] * 1e3:.2f} ms, L{3 - level}/L{level} {r['other_prefetch_s'] / r['kernel_s']:.2f}x")
+    if baseline is not None:
+        print(f"Against the kernels of {label}, in the same runs:")
+        for r in results:
+            agreement = ("outputs identical bit for bit" if r["baseline_identical"]
+                         else f"outputs differ by at most {r['baseline_difference']:.1e}")
+            print(f"  {r['kind']} {r['case']}: baseline {r['baseline_s'] * 1e3:.2f} ms, this tree "
+                  f"{r['kernel_s'] * 1e3:.2f} ms, baseline/this {r['baseline_s'] / r['kernel_s']:.3f}x, {agreement}")
     return 0
 
 

@@ -1,6 +1,8 @@
 """Loads splitserve's C++ CPU kernels: paged decode attention (``cpu_paged_attention.cpp``), paged
 prefill attention (``cpu_prefill_attention.cpp``), the fused element-wise operations of the Llama layer
 (``cpu_fused_ops.cpp``) and the linear layers of decode-sized batches (``cpu_small_gemm.cpp``), one extension.
+Benchmarks can build other sources beside it (another revision's: :func:`load_other`) and time both in one
+process (:func:`kernels_from`).
 
 The sources are compiled on first use with the machine's C++ compiler into the
 cache folder the caller names (the engine passes splitserve's cache folder), in a
@@ -22,6 +24,7 @@ import importlib.util
 import logging
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -56,15 +59,23 @@ def _compile_flags() -> list[str]:
     return ["-O3", f"-march={target_march()}", "-fopenmp", "-ffp-contract=off"]
 
 
-def _source_digest() -> str:
-    """A digest of every source and header beside this module, of the compile flags and, for a ``native`` build,
-    of this CPU's feature flags: what the library is built from and for, whatever checkout it is in and whatever
-    its files' times. (A cache folder shared by machines of different CPUs keeps a native build for each.)"""
+def source_files(folder: Path = _FOLDER) -> dict[str, bytes]:
+    """The kernels' sources and headers (``*.cpp``, ``*.h``) in ``folder`` (default: beside this module), by
+    name."""
+    return {path.name: path.read_bytes() for pattern in ("*.cpp", "*.h") for path in Path(folder).glob(pattern)}
+
+
+def _source_digest(files: dict[str, bytes] | None = None) -> str:
+    """A digest of ``files`` (default: every source and header beside this module), of the compile flags and, for
+    a ``native`` build, of this CPU's feature flags: what the library is built from and for, whatever checkout it
+    is in and whatever its files' times. (A cache folder shared by machines of different CPUs keeps a native
+    build for each.)"""
+    files = source_files() if files is None else files
     digest = hashlib.sha256(" ".join(_compile_flags()).encode())
     if target_march() == "native":
         digest.update(_cpu_flags().encode())
-    for path in sorted(path for pattern in ("*.cpp", "*.h") for path in _FOLDER.glob(pattern)):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name])
     return digest.hexdigest()[:16]
 
 
@@ -87,8 +98,8 @@ def build_folder(cache_folder: str) -> Path:
     return Path(cache_folder) / "kernels" / f"torch-{torch.__version__}{suffix}-{_source_digest()}"
 
 
-def _library(build_dir: Path) -> Path:
-    return build_dir / f"{_NAME}.so"
+def _library(build_dir: Path, name: str = _NAME) -> Path:
+    return build_dir / f"{name}.so"
 
 
 def needs_compile(build_dir: Path) -> bool:
@@ -102,6 +113,11 @@ def load(cache_folder: str):
     """The compiled extension, built under ``cache_folder``/kernels, or None when it cannot be built here."""
     build_dir = build_folder(cache_folder)
     build_dir.mkdir(parents=True, exist_ok=True)
+    return _locked_build(build_dir)
+
+
+def _locked_build(build_dir: Path, name: str = _NAME, source_folder: Path = _FOLDER):
+    """_build under the folder's kernel lock."""
     # One builder at a time, under a kernel lock the OS releases when its holder dies. torch's own baton
     # (a ``lock`` file) is not: a process killed mid-compile leaves it, and every later start would wait
     # on it forever. Whoever holds the kernel lock holds the only live baton, so one found then is stale.
@@ -111,15 +127,65 @@ def load(cache_folder: str):
             if (build_dir / stale).exists():
                 logger.warning("Removing a stale build lock %s (a compile was killed).", build_dir / stale)
                 (build_dir / stale).unlink(missing_ok=True)
-        return _build(build_dir)
+        return _build(build_dir, name, source_folder)
 
 
-def _build(build_dir: Path):
-    """Load the extension in ``build_dir``, compiling it first when it is not there (or does not load); None when
-    it cannot be built here."""
-    if not needs_compile(build_dir):
+OTHER_BUILDS_KEPT = 4  # builds of other sources (load_other) kept in the cache folder, the most recently used
+
+
+def load_other(files: dict[str, bytes], cache_folder: str):
+    """The kernels built from other sources than this module's (another revision's, an edited copy: ``files``
+    by name, as :func:`source_files` gives them), with this tree's compiler flags, so that a benchmark can time
+    two builds in one process (see :func:`kernels_from`). Where ``files`` are this tree's sources, the loaded
+    build itself. Built under ``cache_folder``/kernels-other, which keeps the newest few builds.
+
+    Raises ValueError when a source the extension is built from is missing, RuntimeError when they do not
+    build.
+    """
+    digest = _source_digest(files)
+    if digest == _source_digest():
+        return load(cache_folder)
+    missing = [name for name in _SOURCES if name not in files]
+    if missing:
+        raise ValueError(f"those kernel sources lack {', '.join(missing)}")
+    if not all(re.fullmatch(r"[A-Za-z0-9_.-]+\.(cpp|h)", name) for name in files):
+        raise ValueError("kernel sources are plain file names ending .cpp or .h")
+    build_dir = Path(cache_folder) / "kernels-other" / f"torch-{torch.__version__}-{digest}"
+    source_folder = build_dir / "src"
+    source_folder.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():  # written once (a rewrite would make ninja compile again), whole or not
+        if not (source_folder / name).exists():
+            partial = source_folder / f".{name}.{os.getpid()}"
+            partial.write_bytes(content)
+            partial.replace(source_folder / name)
+    module = _locked_build(build_dir, f"{_NAME}_{digest}", source_folder)
+    if module is None:
+        raise RuntimeError(f"the kernel sources did not build (see the log; build folder {build_dir})")
+    build_dir.touch()
+    builds = sorted(build_dir.parent.iterdir(), key=lambda path: path.stat().st_mtime, reverse=True)
+    for old in builds[OTHER_BUILDS_KEPT:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return module
+
+
+@contextlib.contextmanager
+def kernels_from(module):
+    """Within the block, this module's functions call ``module`` (from :func:`load_other`) instead of the loaded
+    kernels."""
+    global _module
+    previous, _module = _module, module
+    try:
+        yield
+    finally:
+        _module = previous
+
+
+def _build(build_dir: Path, name: str = _NAME, source_folder: Path = _FOLDER):
+    """Load the extension ``name`` in ``build_dir``, compiling it from ``source_folder`` first when it is not there
+    (or does not load); None when it cannot be built here."""
+    if _library(build_dir, name).exists():
         try:
-            return _import_library(build_dir)
+            return _import_library(build_dir, name)
         except ImportError as error:  # e.g. a link killed mid-way; ninja's log has no record of it: it rebuilds
             logger.warning("The built C++ CPU kernels in %s do not load (%s); compiling them again.", build_dir,
                            str(error)[:200])
@@ -129,9 +195,9 @@ def _build(build_dir: Path):
     started = time.monotonic()
     try:
         module = load_extension(
-            name=_NAME,
-            sources=[str(_FOLDER / name) for name in _SOURCES],
-            extra_include_paths=[str(_FOLDER)],
+            name=name,
+            sources=[str(source_folder / source) for source in _SOURCES],
+            extra_include_paths=[str(source_folder)],
             extra_cflags=_compile_flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -145,9 +211,9 @@ def _build(build_dir: Path):
     return module
 
 
-def _import_library(build_dir: Path):
+def _import_library(build_dir: Path, name: str = _NAME):
     """The built extension module, imported from its file (what torch's loader does after its build)."""
-    spec = importlib.util.spec_from_file_location(_NAME, _library(build_dir))
+    spec = importlib.util.spec_from_file_location(name, _library(build_dir, name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -315,8 +315,10 @@ struct HeadState {
   // quarter of the kernel's time on them, the core waiting for free miss buffers. The values' stage still
   // fetched one head's piece (4 KB) in a burst before its rows until a 2-core Intel Xeon with AMX put a third
   // of the kernel's samples on that burst; spread, the offline workload ran 1.011x faster there (6 of 6
-  // alternating runs). Spread out, 64 requests x 320 tokens x 30 layers read the cache at 29 GB/s against
-  // 22-24 (2-core AMD EPYC Zen 4, 128- and 16-token blocks alike). Fetching ahead at all matters because with
+  // alternating runs), and on a 2-core AMD EPYC Zen 5 the kernel 1.08-1.13x (64x320, 8x2048 and 32x1024, blocks
+  // of 16 and 128, both builds alternating in one process: cpu_attention.py --baseline). Spread out, 64 requests
+  // x 320 tokens x 30 layers read the cache at 29 GB/s against 22-24 (2-core AMD EPYC Zen 4, 128- and 16-token
+  // blocks alike). Fetching ahead at all matters because with
   // head_dim 64 a piece's keys (and its values) fill one 4 KB page, where the hardware prefetcher stops: one
   // chunk ahead read 64 requests x 320 tokens in 128-token blocks at 33.5 GB/s against 26.2 without (Zen 5,
   // C++ harness, medians of 7; two chunks ahead: 29.9).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,81 @@ def test_cpu_attention_benchmark_in_bfloat16_compares_amx_with_avx512_where_the_
             assert float(line.rsplit(" ", 1)[1].rstrip("x")) > 0
     else:
         assert compared == [] and "AMX" not in result.stdout
+
+
+def _baseline_lines(result: subprocess.CompletedProcess) -> tuple[str, list[str]]:
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Against the kernels of "))
+    return lines[start], lines[start + 1:]
+
+
+def _run_with_baseline(baseline: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_attention.py"), "--layers", "2", "--repeats", "1",
+         "--prefill", "0:40", "17:30", "--decode", "4x33", "--baseline", baseline],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+    )
+
+
+def _assert_each_case_compared(cases: list[str]) -> None:
+    assert [line.split(":")[0].strip() for line in cases] == ["prefill 0", "decode 4x33"]
+    for line in cases:
+        ratio = float(line.split("baseline/this ")[1].split("x,")[0])
+        assert ratio > 0 and line.endswith("outputs identical bit for bit")
+
+
+def test_cpu_attention_benchmark_against_a_copy_of_this_trees_kernels_times_the_one_build_twice(tmp_path):
+    for pattern in ("*.cpp", "*.h"):
+        for source in (ROOT / "kernels").glob(pattern):
+            (tmp_path / source.name).write_bytes(source.read_bytes())
+    header, cases = _baseline_lines(_run_with_baseline(str(tmp_path)))
+    assert header == f"Against the kernels of the sources in {tmp_path}: the same sources as this tree (one build, " \
+                     "timed twice), in the same runs:"
+    _assert_each_case_compared(cases)
+
+
+def test_cpu_attention_benchmark_builds_other_kernel_sources_beside_this_trees_and_keeps_a_few_builds(tmp_path):
+    """An edited copy (a comment more: other sources, the same arithmetic) is compiled into the cache folder's
+    kernels-other, timed beside this tree's build in the same process, and gives the same bits; older builds there
+    beyond the newest four are removed."""
+    from splitserve.common.model_info import cache_dir
+    from splitserve.kernels import cpu_ops
+
+    assert cpu_ops.available(str(cache_dir()))
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    for name, content in cpu_ops.source_files().items():
+        (edited / name).write_bytes(content)
+    with open(edited / "cpu_paged_attention.cpp", "a") as source:
+        source.write("\n// An edited copy for test_cpu_attention_benchmark.\n")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(cache_dir() / "kernels")  # this tree's build, already compiled
+    others = cache / "kernels-other"
+    others.mkdir()
+    for i in range(5):
+        old = others / f"torch-old-{i}"
+        old.mkdir()
+        os.utime(old, (1_000_000 + i, 1_000_000 + i))
+    header, cases = _baseline_lines(_run_with_baseline(str(edited), env={**os.environ, "SPLITSERVE_CACHE": str(cache)}))
+    assert header == f"Against the kernels of the sources in {edited}, in the same runs:"
+    _assert_each_case_compared(cases)
+    kept = sorted(path.name for path in others.iterdir())
+    built = [name for name in kept if not name.startswith("torch-old-")]
+    assert len(built) == 1 and kept == sorted(built + ["torch-old-2", "torch-old-3", "torch-old-4"])
+    assert (others / built[0] / "src" / "cpu_paged_attention.cpp").read_bytes().endswith(b"test_cpu_attention_benchmark.\n")
+
+
+def test_cpu_attention_benchmark_takes_a_git_revision_as_baseline():
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    header, cases = _baseline_lines(_run_with_baseline("HEAD"))
+    assert header.startswith(f"Against the kernels of HEAD ({head[:10]})")
+    _assert_each_case_compared(cases)
+
+
+def test_cpu_attention_benchmark_refuses_a_baseline_that_is_neither_folder_nor_revision():
+    result = _run_with_baseline("no-such-revision-or-folder")
+    assert result.returncode == 2
+    assert "--baseline: 'no-such-revision-or-folder' is neither a folder nor a git revision" in result.stderr
