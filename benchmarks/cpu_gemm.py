@@ -12,6 +12,12 @@ difference between the two outputs are printed.
     python benchmarks/cpu_gemm.py --rows 1 64 256 --shapes 4096x4096 --layers 4 --repeats 9
     python benchmarks/cpu_gemm.py --dtype bfloat16 --rows 1 4 8 16         # small_gemm_bfloat16 (AVX512-BF16)
     python benchmarks/cpu_gemm.py --block-steps 128 0 --rows 16 64 192     # small_gemm's k-blocks against whole panels
+    python benchmarks/cpu_gemm.py --baseline HEAD~2 --rows 16 64 192      # that revision's small_gemm beside this tree's
+
+With ``--baseline``, a revision's kernels (or a folder of kernel sources) are built beside this tree's and their
+small GEMM, on panels its own pack_panels made, alternates with this tree's and oneDNN in the same process
+(``kernel_baseline.py`` says why); each row then adds the baseline's GFLOP/s, baseline/this-tree time and whether
+the two outputs are identical bit for bit.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
+from benchmarks.kernel_baseline import load_baseline  # noqa: E402
 from splitserve.common.model_info import cache_dir
 from splitserve.kernels import cpu_ops
 
@@ -41,11 +48,13 @@ def _parse_shape(text: str) -> tuple[int, int]:
 
 
 def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repeats: int, evict_mb: int,
-              seed: int = 0, dtype: torch.dtype = torch.float32, block_steps: list[int] | None = None) -> dict:
+              seed: int = 0, dtype: torch.dtype = torch.float32, block_steps: list[int] | None = None,
+              baseline=None) -> dict:
     """One step's worth of one projection (``layers`` distinct weights) at ``rows`` rows, both ways: in float32
     small_gemm, in bfloat16 small_gemm_bfloat16, against oneDNN's packed GEMM in the same dtype. With
     ``block_steps`` (float32), small_gemm runs once at each of those k-blocks (0: whole panels) per repeat, all
-    alternating with oneDNN; ``small_s`` is then the first one's time and ``block_s`` has each."""
+    alternating with oneDNN; ``small_s`` is then the first one's time and ``block_s`` has each. With ``baseline``
+    (a module from kernel_baseline.load_baseline), its small GEMM too, on panels it packed: ``baseline_s``."""
     generator = torch.Generator().manual_seed(seed)
     weights = [torch.randn(out_features, in_features, generator=generator).to(dtype) for _ in range(layers)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(weight, None) for weight in weights]
@@ -61,6 +70,14 @@ def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repea
 
     def small(layer):
         return multiply(x, panels[layer], None, out_features)
+
+    if baseline is not None:
+        with cpu_ops.kernels_from(baseline):
+            baseline_panels = [pack(weight) for weight in weights]
+
+        def of_baseline(layer):
+            with cpu_ops.kernels_from(baseline):
+                return multiply(x, baseline_panels[layer], None, out_features)
 
     def timed(function, steps: int | None = None) -> float:
         seconds = 0.0
@@ -78,18 +95,39 @@ def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repea
         timed(small, steps)
     timed(onednn)  # warm-up
     small_times: dict = {steps: [] for steps in blocks}
-    onednn_times = []
+    onednn_times, baseline_times = [], []
+    if baseline is not None:
+        timed(of_baseline)
     for _ in range(repeats):
         for steps in blocks:
             small_times[steps].append(timed(small, steps))
         onednn_times.append(timed(onednn))
+        if baseline is not None:
+            baseline_times.append(timed(of_baseline))
     block_s = {steps: statistics.median(times) for steps, times in small_times.items()}
     small_s, onednn_s = block_s[blocks[0]], statistics.median(onednn_times)
     flops = 2 * rows * in_features * out_features * layers
-    return {"shape": f"{in_features}x{out_features}", "rows": rows, "small_s": small_s, "onednn_s": onednn_s,
+    compared = {}
+    if baseline is not None:
+        ours, theirs = small(0), of_baseline(0)
+        baseline_s = statistics.median(baseline_times)
+        compared = {"baseline_s": baseline_s, "baseline_gflops": flops / baseline_s / 1e9,
+                    "baseline_identical": torch.equal(ours, theirs),
+                    "baseline_difference": (ours.float() - theirs.float()).abs().max().item()}
+    return {**compared, "shape": f"{in_features}x{out_features}", "rows": rows, "small_s": small_s, "onednn_s": onednn_s,
             "small_gflops": flops / small_s / 1e9, "onednn_gflops": flops / onednn_s / 1e9,
             "difference": difference, "block_s": block_s if block_steps else {},
             "block_gflops": {steps: flops / seconds / 1e9 for steps, seconds in block_s.items()} if block_steps else {}}
+
+
+def _against_baseline(r: dict) -> str:
+    """The end of a row with a baseline: its GFLOP/s, baseline/this-tree time and the outputs' agreement."""
+    if "baseline_s" not in r:
+        return ""
+    agreement = ("identical bit for bit" if r["baseline_identical"]
+                 else f"differs by at most {r['baseline_difference']:.1e}")
+    return (f"  baseline: {r['baseline_gflops']:.0f} GFLOP/s, baseline/this {r['baseline_s'] / r['small_s']:.3f}x, "
+            f"{agreement}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
                              "(0: each panel whole, fetched 32 KB ahead; the default is 128, 192 on AMD CPUs with a 48 KB "
                              "L1, 0 on other AMD CPUs with AVX-512, 256 on other CPUs with AVX-512 and a 48 KB L1), "
                              "alternating, and print each one's GFLOP/s and its ratio to the first")
+    parser.add_argument("--baseline", metavar="REVISION|FOLDER", default=None,
+                        help="also time the small GEMM of this git revision's kernels (or of a folder of *.cpp and *.h "
+                             "files), built beside this tree's with the same flags and alternated with it in this "
+                             "process; each row adds its GFLOP/s, baseline/this-tree time and whether the outputs are "
+                             "identical bit for bit (default: none)")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if any(rows < 1 for rows in args.rows) or args.layers < 1 or args.repeats < 1:
@@ -132,6 +175,16 @@ def main(argv: list[str] | None = None) -> int:
         print("small_gemm_bfloat16 needs AVX512-BF16, which this CPU lacks: the engine uses oneDNN for every bfloat16 "
               "batch here.", file=sys.stderr)
         return 1
+    baseline = None
+    if args.baseline is not None:
+        try:
+            label, baseline = load_baseline(args.baseline, str(cache_dir()))
+        except ValueError as error:
+            parser.error(f"--baseline: {error}")
+        except RuntimeError as error:
+            print(f"--baseline: {error}", file=sys.stderr)
+            return 1
+        print(f"baseline: the kernels of {label}")
     print(f"{torch.get_num_threads()} threads, {args.dtype}, {args.layers} weights per shape, caches evicted before "
           f"each call; medians of {args.repeats}; small_gemm's k-block here: "
           f"{cpu_ops.default_small_gemm_block_steps()} steps")
@@ -140,12 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     for in_features, out_features in args.shapes:
         for rows in args.rows:
             r = gemm_case(in_features, out_features, rows, args.layers, args.repeats, args.evict_mb, dtype=dtype,
-                          block_steps=args.block_steps)
+                          block_steps=args.block_steps, baseline=baseline)
             blocks = "".join(f"  block {steps}: {gflops:.0f} GFLOP/s ({r['block_s'][args.block_steps[0]] / r['block_s'][steps]:.3f}x)"
                              for steps, gflops in r["block_gflops"].items())
             print(f"{r['shape']:>10} {r['rows']:5d} {r['small_s'] * 1e3:9.3f} {r['onednn_s'] * 1e3:10.3f} "
                   f"{r['onednn_s'] / r['small_s']:12.2f}x {r['small_gflops']:14.0f} {r['onednn_gflops']:15.0f} "
-                  f"{r['difference']:9.1e}{blocks}", flush=True)
+                  f"{r['difference']:9.1e}{blocks}{_against_baseline(r)}", flush=True)
     return 0
 
 

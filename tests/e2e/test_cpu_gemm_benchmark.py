@@ -74,3 +74,26 @@ def test_cpu_gemm_benchmark_times_each_k_block_against_the_first():
     assert float(blocks[0][2]) == 1.0 and all(float(gflops) > 0 and float(ratio) > 0 for _, gflops, ratio in blocks)
     refused = _run("--block-steps", "-3")
     assert refused.returncode == 2 and "--block-steps takes zero or positive" in refused.stderr
+
+
+def test_cpu_gemm_benchmark_times_a_baseline_revisions_small_gemm_beside_this_trees(tmp_path):
+    """--baseline with a copy of this tree's kernels (the same sources: the loaded build, no compile; building
+    other sources is tested through cpu_attention.py, which shares kernel_baseline.py): each row adds the
+    baseline's small GEMM, on panels it packed itself, and its outputs match this tree's bit for bit."""
+    _require_small_gemm()
+    for name, content in cpu_ops.source_files().items():
+        (tmp_path / name).write_bytes(content)
+    result = _run("--shapes", "64x96", "--rows", "1", "9", "--layers", "2", "--repeats", "1", "--evict-mb", "8",
+                  "--baseline", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"baseline: the kernels of the sources in {tmp_path}: the same sources as this tree" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if line.strip().startswith("64x96")]
+    assert len(rows) == 2
+    for row in rows:
+        match = re.search(r"baseline: (\d+) GFLOP/s, baseline/this ([0-9.]+)x, identical bit for bit$", row)
+        assert match and float(match.group(2)) > 0, row
+
+
+def test_cpu_gemm_benchmark_refuses_a_baseline_that_is_neither_folder_nor_revision():
+    result = _run("--baseline", "no-such-revision-or-folder")
+    assert result.returncode == 2 and "neither a folder nor a git revision" in result.stderr
