@@ -261,10 +261,14 @@ at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
 
 // gate_up: [rows, 2 * intermediate] (gate, then up). Returns silu(gate) * up: [rows, intermediate],
 // silu(g) = g / (1 + e^-g).
-at::Tensor silu_and_mul(at::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up, at::Tensor out_arg) {
   check_rows(gate_up, "silu_and_mul");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: the last dimension must be even");
-  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
+  auto out = out_arg.dim() == 2 ? out_arg : at::empty({rows, size}, gate_up.options());
+  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type() && out.is_contiguous() && out.size(0) == rows &&
+                  out.size(1) == size,
+              "silu_and_mul: out must be a contiguous [rows, features / 2] tensor of gate_up's dtype");
   if (is_bfloat16(gate_up, "silu_and_mul")) silu_and_mul_rows<BFloat16>(gate_up, out);
   else silu_and_mul_rows<float>(gate_up, out);
   return out;

@@ -17,7 +17,7 @@ void write_kv_(at::Tensor key_cache, at::Tensor value_cache, at::Tensor key, at:
                at::Tensor slot_mapping);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
-at::Tensor silu_and_mul(at::Tensor gate_up);
+at::Tensor silu_and_mul(at::Tensor gate_up, at::Tensor out);
 void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
 bool small_gemm_supported();
 bool bfloat16_dot_supported();
@@ -42,7 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &splitserve::write_kv_, "store keys and values into their cache slots (float32 or bfloat16)");
   m.def("rms_norm", &splitserve::rms_norm, "RMSNorm of rows (float32 or bfloat16)");
   m.def("add_rms_norm", &splitserve::add_rms_norm, "residual += x, then RMSNorm of residual (float32 or bfloat16)");
-  m.def("silu_and_mul", &splitserve::silu_and_mul, "silu(gate) * up (float32 or bfloat16)");
+  m.def("silu_and_mul", &splitserve::silu_and_mul, "silu(gate) * up (float32 or bfloat16), into out where given");
   m.def("rotary_", &splitserve::rotary_, "rotary embedding in place (float32 or bfloat16)");
   m.def("small_gemm_supported", &splitserve::small_gemm_supported, "whether small_gemm was built (AVX-512, or AVX2 and FMA)");
   m.def("bfloat16_dot_supported", &splitserve::bfloat16_dot_supported,

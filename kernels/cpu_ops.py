@@ -390,9 +390,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return _module.add_rms_norm(x, residual, weight, eps)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [rows, 2 * intermediate] -> ``silu(gate) * up``: [rows, intermediate]."""
-    return _module.silu_and_mul(gate_up)
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up: [rows, 2 * intermediate] -> ``silu(gate) * up``: [rows, intermediate], written into ``out`` where
+    given (contiguous, gate_up's dtype; e.g. a block of rows of a larger tensor), else a new tensor."""
+    return _module.silu_and_mul(gate_up, _EMPTY if out is None else out)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -208,17 +208,23 @@ def _silu_and_mul_kernel(gate_up_ptr, row_stride, out_ptr, size, BLOCK: tl.const
     tl.store(out_ptr + row * size + columns, (silu.to(tl.float32) * up).to(gate.dtype), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up: [rows, 2 * intermediate] (gate, then up; unit stride along features).
 
-    Returns ``silu(gate) * up``: a new contiguous [rows, intermediate] of gate_up's dtype.
+    Returns ``silu(gate) * up``, [rows, intermediate] of gate_up's dtype: ``out`` where given (contiguous, on
+    gate_up's device; e.g. a block of rows of a larger tensor), else a new contiguous tensor.
     """
     _import_triton()
     _check_rows(gate_up, "silu_and_mul")
     if gate_up.shape[1] % 2:
         raise ValueError(f"silu_and_mul: the last dimension must be even, got {gate_up.shape[1]}")
     rows, size = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, size, dtype=gate_up.dtype, device=gate_up.device)
+    if out is None:
+        out = torch.empty(rows, size, dtype=gate_up.dtype, device=gate_up.device)
+    elif (out.shape != (rows, size) or out.dtype != gate_up.dtype or out.device != gate_up.device
+          or not out.is_contiguous()):
+        raise ValueError("silu_and_mul: out must be a contiguous [rows, features / 2] tensor of gate_up's dtype "
+                         "and device")
     if rows and size:
         block = min(_SILU_CHUNK, triton.next_power_of_2(size))
         _launch(_silu_and_mul_kernel, (rows, triton.cdiv(size, block)), gate_up, gate_up.stride(0), out, size,

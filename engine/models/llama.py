@@ -117,10 +117,18 @@ class LlamaMLP(nn.Module):
         self.kernels = None  # set by LlamaForCausalLM.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, hidden] -> [tokens, hidden]; on CPU, steps of more than _MLP_CHUNK_ROWS tokens in pieces
-        of that many rows, so that the intermediates stay in cache."""
+        """x: [tokens, hidden] -> [tokens, hidden]. On CPU, a step of more than _MLP_CHUNK_ROWS tokens runs the
+        gate/up projection and SiLU in pieces of that many rows, so that each piece's gate/up output (3 MB for
+        SmolLM) is still in cache when SiLU reads it; with the kernels, SiLU writes each piece's rows of one
+        [tokens, intermediate] tensor, which the down projection takes whole (no pieces to concatenate after it)."""
         if x.shape[0] > _MLP_CHUNK_ROWS and x.device.type == "cpu":
-            return torch.cat([self._forward(piece) for piece in x.split(_MLP_CHUNK_ROWS)])
+            if self.kernels is None:
+                return torch.cat([self._forward(piece) for piece in x.split(_MLP_CHUNK_ROWS)])
+            hidden = x.new_empty(x.shape[0], self.intermediate_size)
+            for start in range(0, x.shape[0], _MLP_CHUNK_ROWS):
+                rows = slice(start, start + _MLP_CHUNK_ROWS)
+                self.kernels.silu_and_mul(self.gate_up_proj(x[rows]), out=hidden[rows])
+            return self.down_proj(hidden)
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:

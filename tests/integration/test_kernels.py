@@ -295,6 +295,23 @@ def test_silu_and_mul_matches_torch():
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_writes_into_rows_of_a_larger_tensor(dtype):
+    """out: the MLP's pieces each write their rows of one tensor; the same bits as a new tensor, the rows around
+    untouched; an out the kernel cannot write is refused."""
+    kernels = _kernels()
+    gate_up = (torch.randn(9, 2 * 1539, generator=torch.Generator().manual_seed(8)) * 6).to(dtype)
+    whole = torch.full((20, 1539), 7.0, dtype=dtype)
+    returned = kernels.silu_and_mul(gate_up, out=whole[4:13])
+    assert returned.data_ptr() == whole[4].data_ptr()
+    assert torch.equal(whole[4:13], kernels.silu_and_mul(gate_up))
+    assert bool((whole[:4] == 7).all()) and bool((whole[13:] == 7).all())
+    for wrong in (torch.empty(9, 1538, dtype=dtype), torch.empty(1539, 9, dtype=dtype).t(),
+                  torch.empty(9, 1539, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="out must be a contiguous"):
+            kernels.silu_and_mul(gate_up, out=wrong)
+
+
 def test_rotary_matches_torch_bit_for_bit():
     from splitserve.common.model_info import ModelConfig
     from splitserve.engine.models.rotary_embedding import RotaryEmbedding, apply_rotary
@@ -674,8 +691,9 @@ def test_mlp_off_the_cpu_runs_a_step_whole():
 
 
 def test_mlp_pieces_of_a_prompt_step_run_in_onednn_with_the_kernels():
-    """The MLP's row pieces stay above the small GEMM's limit: with the C++ kernels and packed weights, a
-    step of two pieces and 5 rows sends only the 5-row remainder (gate/up, then down) to the small GEMM."""
+    """The MLP's row pieces stay above the small GEMM's limit: with the C++ kernels and packed weights, a step of
+    two pieces and 5 rows sends only the 5-row remainder's gate/up to the small GEMM. SiLU writes each piece's
+    rows of one tensor, which the down projection takes whole (in oneDNN), so nothing is concatenated after it."""
     from splitserve.engine.models import llama
     from splitserve.engine.models.packed_linear import PackedLinear
 
@@ -688,15 +706,21 @@ def test_mlp_pieces_of_a_prompt_step_run_in_onednn_with_the_kernels():
     mlp.gate_up_proj.use_kernels(kernels)
     mlp.down_proj.use_kernels(kernels)
     x = torch.randn(2 * llama._MLP_CHUNK_ROWS + 5, 64, generator=torch.Generator().manual_seed(7))
-    calls = []
-    original = kernels.small_gemm
+    calls, silu_outs, down_rows = [], [], []
+    original, original_silu, original_down = kernels.small_gemm, kernels.silu_and_mul, mlp.down_proj.forward
     try:
         kernels.small_gemm = lambda *args: calls.append(args[0].shape[0]) or original(*args)
+        kernels.silu_and_mul = lambda gate_up, out=None: silu_outs.append(out) or original_silu(gate_up, out=out)
+        mlp.down_proj.forward = lambda h: down_rows.append(h) or original_down(h)
         with torch.no_grad():
             actual = mlp(x)
     finally:
-        kernels.small_gemm = original
-    assert calls == [5, 5]
+        kernels.small_gemm, kernels.silu_and_mul = original, original_silu
+    assert calls == [5]
+    assert [out.shape[0] for out in silu_outs] == [llama._MLP_CHUNK_ROWS, llama._MLP_CHUNK_ROWS, 5]
+    (whole,) = down_rows
+    assert whole.shape == (2 * llama._MLP_CHUNK_ROWS + 5, 96)
+    assert [out.data_ptr() for out in silu_outs] == [whole[start].data_ptr() for start in range(0, len(whole), llama._MLP_CHUNK_ROWS)]
     gate, up = F.linear(x, gate_up).split(96, dim=-1)
     torch.testing.assert_close(actual, F.linear(F.silu(gate) * up, down), atol=1e-5, rtol=1e-5)
 

@@ -160,6 +160,22 @@ def test_silu_and_mul_reads_strided_rows():
         triton_ops.silu_and_mul(wide[:, :7])
 
 
+def test_silu_and_mul_writes_into_rows_of_a_larger_tensor():
+    """out, as the CPU kernel takes it: the same values as a new tensor, the rows around untouched; an out it
+    cannot write is refused."""
+    generator = torch.Generator().manual_seed(9)
+    gate_up = (torch.randn(6, 2 * 1400, generator=generator) * 6).to(DEVICE)
+    whole = torch.full((10, 1400), 7.0, device=DEVICE)
+    returned = triton_ops.silu_and_mul(gate_up, out=whole[2:8])
+    assert returned.data_ptr() == whole[2].data_ptr()
+    torch.testing.assert_close(whole[2:8], triton_ops.silu_and_mul(gate_up), rtol=0, atol=0)
+    assert bool((whole[:2] == 7).all()) and bool((whole[8:] == 7).all())
+    for wrong in (torch.empty(6, 1399, device=DEVICE), torch.empty(1400, 6, device=DEVICE).t(),
+                  torch.empty(6, 1400, dtype=torch.float64, device=DEVICE)):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            triton_ops.silu_and_mul(gate_up, out=wrong)
+
+
 # ---- Rotary --------------------------------------------------------------------------------------------
 
 
