@@ -59,10 +59,11 @@ def _compile_flags() -> list[str]:
     return ["-O3", f"-march={target_march()}", "-fopenmp", "-ffp-contract=off"]
 
 
-def source_files(folder: Path = _FOLDER) -> dict[str, bytes]:
+def source_files(folder: Path | None = None) -> dict[str, bytes]:
     """The kernels' sources and headers (``*.cpp``, ``*.h``) in ``folder`` (default: beside this module), by
     name."""
-    return {path.name: path.read_bytes() for pattern in ("*.cpp", "*.h") for path in Path(folder).glob(pattern)}
+    folder = _FOLDER if folder is None else Path(folder)
+    return {path.name: path.read_bytes() for pattern in ("*.cpp", "*.h") for path in folder.glob(pattern)}
 
 
 def _source_digest(files: dict[str, bytes] | None = None) -> str:
