@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from benchmarks.kernel_baseline import load_baseline  # noqa: E402
+from benchmarks.kernel_baseline import baseline_of_arguments  # noqa: E402
 from splitserve.common.model_info import cache_dir
 from splitserve.engine.attention import (
     DecodeGroup,
@@ -246,15 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_ops.available(str(cache_dir())):
         print("The C++ CPU kernels could not be built here: nothing to time.", file=sys.stderr)
         return 1
-    baseline, label = None, ""
-    if args.baseline is not None:
-        try:
-            label, baseline = load_baseline(args.baseline, str(cache_dir()))
-        except ValueError as error:
-            parser.error(f"--baseline: {error}")
-        except RuntimeError as error:
-            print(f"--baseline: {error}", file=sys.stderr)
-            return 1
+    label, baseline = baseline_of_arguments(parser, args.baseline)
     results = run(args, baseline)
     print(f"{torch.get_num_threads()} threads, {args.layers} layers, {args.q_heads}/{args.kv_heads} heads, "
           f"head_dim {args.head_dim}, blocks of {args.block_size}, {args.dtype}; medians of {args.repeats}")

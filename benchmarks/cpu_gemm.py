@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from benchmarks.kernel_baseline import load_baseline  # noqa: E402
+from benchmarks.kernel_baseline import baseline_of_arguments  # noqa: E402
 from splitserve.common.model_info import cache_dir
 from splitserve.kernels import cpu_ops
 
@@ -175,15 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         print("small_gemm_bfloat16 needs AVX512-BF16, which this CPU lacks: the engine uses oneDNN for every bfloat16 "
               "batch here.", file=sys.stderr)
         return 1
-    baseline = None
-    if args.baseline is not None:
-        try:
-            label, baseline = load_baseline(args.baseline, str(cache_dir()))
-        except ValueError as error:
-            parser.error(f"--baseline: {error}")
-        except RuntimeError as error:
-            print(f"--baseline: {error}", file=sys.stderr)
-            return 1
+    label, baseline = baseline_of_arguments(parser, args.baseline)
+    if baseline is not None:
         print(f"baseline: the kernels of {label}")
     print(f"{torch.get_num_threads()} threads, {args.dtype}, {args.layers} weights per shape, caches evicted before "
           f"each call; medians of {args.repeats}; small_gemm's k-block here: "

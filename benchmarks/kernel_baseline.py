@@ -8,9 +8,11 @@ while in one process a 10% difference showed in every case and every run.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 from pathlib import Path
 
+from splitserve.common.model_info import cache_dir
 from splitserve.kernels import cpu_ops
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,3 +56,16 @@ def load_baseline(spec: str, cache_folder: str) -> tuple[str, object]:
     if files == cpu_ops.source_files():
         label += ": the same sources as this tree (one build, timed twice)"
     return label, cpu_ops.load_other(files, cache_folder)
+
+
+def baseline_of_arguments(parser: argparse.ArgumentParser, spec: str | None) -> tuple[str, object | None]:
+    """A benchmark's ``--baseline``: (a label, the module), ("", None) without one. A spec that is neither a folder
+    nor a revision ends the run with the parser's usage error (exit 2), sources that do not build with exit 1."""
+    if spec is None:
+        return "", None
+    try:
+        return load_baseline(spec, str(cache_dir()))
+    except ValueError as error:
+        parser.error(f"--baseline: {error}")
+    except RuntimeError as error:
+        parser.exit(1, f"--baseline: {error}\n")
