@@ -117,7 +117,7 @@ def load(cache_folder: str):
     return _locked_build(build_dir)
 
 
-def _locked_build(build_dir: Path, name: str = _NAME, source_folder: Path = _FOLDER):
+def _locked_build(build_dir: Path, name: str = _NAME, source_folder: Path | None = None):
     """_build under the folder's kernel lock."""
     # One builder at a time, under a kernel lock the OS releases when its holder dies. torch's own baton
     # (a ``lock`` file) is not: a process killed mid-compile leaves it, and every later start would wait
@@ -181,9 +181,10 @@ def kernels_from(module):
         _module = previous
 
 
-def _build(build_dir: Path, name: str = _NAME, source_folder: Path = _FOLDER):
-    """Load the extension ``name`` in ``build_dir``, compiling it from ``source_folder`` first when it is not there
-    (or does not load); None when it cannot be built here."""
+def _build(build_dir: Path, name: str = _NAME, source_folder: Path | None = None):
+    """Load the extension ``name`` in ``build_dir``, compiling it from ``source_folder`` (default: beside this
+    module) first when it is not there (or does not load); None when it cannot be built here."""
+    source_folder = _FOLDER if source_folder is None else source_folder
     if _library(build_dir, name).exists():
         try:
             return _import_library(build_dir, name)
