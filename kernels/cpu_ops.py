@@ -24,11 +24,12 @@ import importlib.util
 import logging
 import os
 import re
-import shutil
 import time
 from pathlib import Path
 
 import torch
+
+from splitserve.common.model_info import keep_newest
 
 logger = logging.getLogger(__name__)
 _FOLDER = Path(__file__).parent
@@ -162,10 +163,8 @@ def load_other(files: dict[str, bytes], cache_folder: str):
     module = _locked_build(build_dir, f"{_NAME}_{digest}", source_folder)
     if module is None:
         raise RuntimeError(f"the kernel sources did not build (see the log; build folder {build_dir})")
-    build_dir.touch()
-    builds = sorted(build_dir.parent.iterdir(), key=lambda path: path.stat().st_mtime, reverse=True)
-    for old in builds[OTHER_BUILDS_KEPT:]:
-        shutil.rmtree(old, ignore_errors=True)
+    build_dir.touch()  # the most recently used
+    keep_newest(build_dir.parent, OTHER_BUILDS_KEPT, keep=build_dir)
     return module
 
 

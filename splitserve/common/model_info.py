@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,6 +189,20 @@ def write_cached_json(path: Path, value: object) -> bool:
     except OSError:
         return False
     return True
+
+
+def keep_newest(folder: Path, count: int, keep: Path) -> None:
+    """Remove the entries of ``folder`` (files, or folders with what they hold) written longest ago, so that
+    ``count`` remain, ``keep`` always among them; another process removing them at the same time is no error."""
+    try:
+        entries = [(path.stat().st_mtime, path) for path in folder.iterdir() if path != keep]
+    except OSError:
+        return
+    for _, path in sorted(entries)[:max(0, len(entries) + 1 - count)]:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def default_model_dir(cache: str | os.PathLike | None = None) -> Path:

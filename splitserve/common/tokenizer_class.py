@@ -29,7 +29,7 @@ import importlib.metadata
 import os
 from pathlib import Path
 
-from splitserve.common.model_info import cache_dir, read_cached_json, write_cached_json
+from splitserve.common.model_info import cache_dir, keep_newest, read_cached_json, write_cached_json
 
 # The files AutoTokenizer's choice of class (and the tokenizer it builds) is read from.
 RECORD_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
@@ -94,18 +94,5 @@ def write_record(record: Path, tokenizer_class: type) -> None:
     the AutoTokenizer route."""
     entry = describe(tokenizer_class)
     if read_cached_json(record) != entry and write_cached_json(record, entry):
-        _prune(record.parent, keep=record)
+        keep_newest(record.parent, MAX_RECORDS, keep=record)
 
-
-def _prune(folder: Path, keep: Path) -> None:
-    """Remove the oldest files of ``folder`` past MAX_RECORDS (never ``keep``); another process removing them
-    at the same time is no error."""
-    try:
-        files = [(path.stat().st_mtime, path) for path in folder.iterdir() if path != keep]
-    except OSError:
-        return
-    for _, path in sorted(files)[:max(0, len(files) + 1 - MAX_RECORDS)]:
-        try:
-            path.unlink()
-        except OSError:
-            pass
