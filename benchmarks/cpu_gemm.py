@@ -4,7 +4,10 @@
 ``SMALL_GEMM_MAX_ROWS`` rows; above that oneDNN's packed GEMM (``PackedLinear``) does. In the
 engine a layer's weights are cold when its GEMM runs (attention and the other layers have swept the
 caches), so each case holds one weight per layer (30 for SmolLM2-135M), runs them in turn as a step
-does, and evicts the caches before every call by writing a buffer larger than them. Both sides
+does, and evicts the caches before every call by reading a buffer larger than them, as decode attention
+reads the KV cache before the output projection (``--evict-by write`` writes it instead, as this
+benchmark did before 2026-11-29: the weights' reads then also wait on the buffer's dirty lines going
+back to memory, which the engine's caches do not hold). Both sides
 alternate; the medians, oneDNN/small ratio (above 1: small_gemm is faster), GFLOP/s and the largest
 difference between the two outputs are printed.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -38,6 +42,9 @@ from benchmarks.kernel_baseline import baseline_of_arguments  # noqa: E402
 from splitserve.common.model_info import cache_dir
 from splitserve.kernels import cpu_ops
 
+# How the caches are swept before each call: by reading a buffer (the default), or by writing it.
+EVICT_BY = ("read", "write")
+
 # SmolLM2-135M's projections, in_features x out_features: q/k/v fused, o, gate/up fused, down.
 DEFAULT_SHAPES = ["576x960", "576x576", "576x3072", "1536x576"]
 
@@ -49,12 +56,15 @@ def _parse_shape(text: str) -> tuple[int, int]:
 
 def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repeats: int, evict_mb: int,
               seed: int = 0, dtype: torch.dtype = torch.float32, block_steps: list[int] | None = None,
-              baseline=None) -> dict:
+              baseline=None, evict_by: str = "read") -> dict:
     """One step's worth of one projection (``layers`` distinct weights) at ``rows`` rows, both ways: in float32
     small_gemm, in bfloat16 small_gemm_bfloat16, against oneDNN's packed GEMM in the same dtype. With
     ``block_steps`` (float32), small_gemm runs once at each of those k-blocks (0: whole panels) per repeat, all
     alternating with oneDNN; ``small_s`` is then the first one's time and ``block_s`` has each. With ``baseline``
-    (a module from kernel_baseline.load_baseline), its small GEMM too, on panels it packed: ``baseline_s``."""
+    (a module from kernel_baseline.load_baseline), its small GEMM too, on panels it packed: ``baseline_s``.
+    ``evict_by``: "read" or "write", how the ``evict_mb`` buffer sweeps the caches before each call."""
+    if evict_by not in EVICT_BY:
+        raise ValueError(f"evict_by must be one of {EVICT_BY}, not {evict_by!r}")
     generator = torch.Generator().manual_seed(seed)
     weights = [torch.randn(out_features, in_features, generator=generator).to(dtype) for _ in range(layers)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(weight, None) for weight in weights]
@@ -64,6 +74,7 @@ def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repea
     panels = [pack(weight) for weight in weights]
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
     evict = torch.zeros(evict_mb * 1024 * 1024 // 4)
+    sweep = evict.sum if evict_by == "read" else functools.partial(evict.add_, 1.0)
 
     def onednn(layer):
         return torch.ops.mkldnn._linear_pointwise(x, packed[layer], None, "none", [], "")
@@ -83,7 +94,7 @@ def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repea
         seconds = 0.0
         with contextlib.nullcontext() if steps is None else cpu_ops.small_gemm_block_steps(steps):
             for layer in range(layers):
-                evict.add_(1.0)  # written, so the weights and x leave the caches
+                sweep()  # the weights and x leave the caches
                 start = time.perf_counter()
                 function(layer)
                 seconds += time.perf_counter() - start
@@ -143,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=30, help="distinct weights per shape, run in turn (default: 30)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each side, alternating; medians (default: 5)")
     parser.add_argument("--evict-mb", type=int, default=256,
-                        help="MB written before each call to push the weights out of the caches (default: 256)")
+                        help="MB read (or written, --evict-by write) before each call to push the weights out of the "
+                             "caches (default: 256)")
+    parser.add_argument("--evict-by", choices=EVICT_BY, default="read",
+                        help="sweep the caches before each call by reading the buffer, as decode attention reads the KV "
+                             "cache before a projection (default), or by writing it, which leaves dirty lines that the "
+                             "weights' reads must first send back to memory (this benchmark's way before 2026-11-29)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights and activations (default: %(default)s); bfloat16 times small_gemm_bfloat16 "
                              f"(AVX512-BF16; the engine sends it up to {cpu_ops.SMALL_GEMM_BFLOAT16_MAX_ROWS} rows) "
@@ -179,14 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     if baseline is not None:
         print(f"baseline: the kernels of {label}")
     print(f"{torch.get_num_threads()} threads, {args.dtype}, {args.layers} weights per shape, caches evicted before "
-          f"each call; medians of {args.repeats}; small_gemm's k-block here: "
+          f"each call by {'reading' if args.evict_by == 'read' else 'writing'} {args.evict_mb} MB; medians of {args.repeats}; small_gemm's k-block here: "
           f"{cpu_ops.default_small_gemm_block_steps()} steps")
     print(f"{'shape':>10} {'rows':>5} {'small ms':>9} {'oneDNN ms':>10} {'oneDNN/small':>13} {'small GFLOP/s':>14} "
           f"{'oneDNN GFLOP/s':>15} {'max diff':>9}")
     for in_features, out_features in args.shapes:
         for rows in args.rows:
             r = gemm_case(in_features, out_features, rows, args.layers, args.repeats, args.evict_mb, dtype=dtype,
-                          block_steps=args.block_steps, baseline=baseline)
+                          block_steps=args.block_steps, baseline=baseline, evict_by=args.evict_by)
             blocks = "".join(f"  block {steps}: {gflops:.0f} GFLOP/s ({r['block_s'][args.block_steps[0]] / r['block_s'][steps]:.3f}x)"
                              for steps, gflops in r["block_gflops"].items())
             print(f"{r['shape']:>10} {r['rows']:5d} {r['small_s'] * 1e3:9.3f} {r['onednn_s'] * 1e3:10.3f} "

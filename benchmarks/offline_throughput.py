@@ -11,9 +11,13 @@ Workload (the same for every system, in the same run):
   ``--latency-output-len`` output tokens; ms per output token after the first
   = (end-to-end time - time to first token) / (output tokens - 1).
 
-Every measurement is repeated ``--repeats`` times, interleaving the systems
-(splitserve, transformers, [vLLM], splitserve, ...); medians are compared with
-the targets: throughput at least 4x transformers', latency at most 1.15x.
+Every measurement is repeated ``--repeats`` times, interleaving the systems and
+reversing their order each repeat (splitserve, transformers, [vLLM], then [vLLM],
+transformers, splitserve, ...), so that a host drifting in speed through the run
+favours no system; medians are compared with the targets: throughput at least 4x
+transformers', latency at most 1.15x. Each pair of systems is also compared
+repeat by repeat (the two ran one after the other, on the host of that moment): those
+paired ratios and their median are printed below the ratios of medians.
 
 Usage::
 
@@ -430,9 +434,20 @@ def _spread(values: list[float], digits: int) -> str:
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
+def paired_ratios(ours: list[float], theirs: list[float]) -> list[float]:
+    """ours[i] / theirs[i] for each repeat both measured."""
+    return [a / b for a, b in zip(ours, theirs) if b]
+
+
 def compare(ours: SystemResult, theirs: SystemResult, with_targets: bool) -> dict:
-    """Ratios of medians ours/theirs, with PASS/MISS when ``with_targets``."""
+    """Ratios of medians ours/theirs, with PASS/MISS when ``with_targets``, and the ratios repeat by repeat
+    (``*_ratios``) with their median (``*_paired_median``)."""
     comparison: dict = {"ours": ours.name, "theirs": theirs.name}
+    for kind, values_of in (("throughput", SystemResult.tokens_per_second), ("latency", SystemResult.ms_per_token)):
+        ratios = paired_ratios(values_of(ours), values_of(theirs))
+        if ratios:
+            comparison[f"{kind}_ratios"] = ratios
+            comparison[f"{kind}_paired_median"] = statistics.median(ratios)
     ours_tps, theirs_tps = _median(ours.tokens_per_second()), _median(theirs.tokens_per_second())
     if ours_tps and theirs_tps:
         ratio = ours_tps / theirs_tps
@@ -486,6 +501,13 @@ def print_report(results: list[SystemResult], comparisons: list[dict], header: l
                      if "identical_requests" in comparison else "-")
         print(f"{pair:<24} {throughput:>32} {latency:>36}   {identical}")
     print("targets apply to splitserve/transformers; other ratios and the id agreement are informative")
+    print()
+    print("repeat by repeat (each pair ran one after the other in the same repeat):")
+    for comparison in comparisons:
+        parts = [f"{kind} {' '.join(f'{ratio:.2f}x' for ratio in comparison[f'{kind}_ratios'])} "
+                 f"(median {comparison[f'{kind}_paired_median']:.2f}x)"
+                 for kind in ("throughput", "latency") if f"{kind}_ratios" in comparison]
+        print(f"{comparison['ours']}/{comparison['theirs']}: " + ("; ".join(parts) if parts else "-"))
     sys.stdout.flush()
 
 
@@ -549,7 +571,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of transformers generate, left padded (default: %(default)s)")
     parser.add_argument("--latency-prompt-len", type=int, default=128, help="prompt tokens of the batch-1 request (default: %(default)s)")
     parser.add_argument("--latency-output-len", type=int, default=128, help="output tokens of the batch-1 request (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement and system, interleaved; medians are reported (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per measurement and system, interleaved, the systems' order reversed each "
+                        "repeat; medians and repeat-by-repeat ratios are reported (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt generator (default: %(default)s)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers (no targets checked)")
     parser.add_argument("--skip-latency", action="store_true", help="measure throughput only")
@@ -626,11 +650,18 @@ def build_runners(args: argparse.Namespace, model_path: str, workload: Workload,
     return runners
 
 
+def repeat_order(runners: list, repeat: int) -> list:
+    """The systems in the order repeat ``repeat`` (from 1) runs them: as given in odd repeats, reversed in even
+    ones, so that over the run each system goes first as often as last."""
+    return list(runners) if repeat % 2 else list(reversed(runners))
+
+
 def run_benchmark(args: argparse.Namespace, runners: list) -> list[SystemResult]:
-    """Repeat the measurements, interleaving systems within each repeat."""
+    """Repeat the measurements, interleaving systems within each repeat in :func:`repeat_order`."""
     results = {runner.name: SystemResult(runner.name) for runner in runners}
     for repeat in range(1, args.repeats + 1):
-        for runner in runners:
+        order = repeat_order(runners, repeat)
+        for runner in order:
             log(f"repeat {repeat}/{args.repeats}: {runner.name} throughput")
             run, token_ids = runner.run_throughput()
             results[runner.name].throughput_runs.append(run)
@@ -638,7 +669,7 @@ def run_benchmark(args: argparse.Namespace, runners: list) -> list[SystemResult]
             log(f"  {runner.name}: {run.tokens_per_second:.1f} output tok/s ({run.seconds:.1f} s)")
         if args.skip_latency:
             continue
-        for runner in runners:
+        for runner in order:
             log(f"repeat {repeat}/{args.repeats}: {runner.name} batch-1 latency")
             run = runner.run_latency()
             if run.num_output_tokens != args.latency_output_len:
@@ -704,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         f"transformers batches of {args.hf_batch_size}; {args.dtype}",
         ("batch-1 latency: skipped" if args.skip_latency else
          f"batch-1 latency: prompt {args.latency_prompt_len}, output {args.latency_output_len}")
-        + f"; {args.repeats} repeat(s), systems interleaved",
+        + f"; {args.repeats} repeat(s), systems interleaved, their order reversed each repeat",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
         f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}",
     ]

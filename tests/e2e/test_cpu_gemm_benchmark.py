@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from splitserve.common.model_info import cache_dir
 from splitserve.kernels import cpu_ops
@@ -97,3 +98,36 @@ def test_cpu_gemm_benchmark_times_a_baseline_revisions_small_gemm_beside_this_tr
 def test_cpu_gemm_benchmark_refuses_a_baseline_that_is_neither_folder_nor_revision():
     result = _run("--baseline", "no-such-revision-or-folder")
     assert result.returncode == 2 and "neither a folder nor a git revision" in result.stderr
+
+
+def test_cpu_gemm_benchmark_sweeps_the_caches_by_reading_unless_told_to_write(monkeypatch):
+    """The caches are swept before each call by reading the buffer (the engine's caches hold clean lines: the KV
+    cache decode attention read, the weights before), or by writing it with --evict-by write; the header says
+    which, both ways time and agree, and another way is refused."""
+    _require_small_gemm()
+    for way, words in (([], "by reading 8 MB"), (["--evict-by", "write"], "by writing 8 MB")):
+        result = _run("--shapes", "64x96", "--rows", "3", "--layers", "2", "--repeats", "1", "--evict-mb", "8", *way)
+        assert result.returncode == 0, result.stderr
+        assert words in result.stdout.splitlines()[0]
+        row = next(line.split() for line in result.stdout.splitlines() if line.strip().startswith("64x96"))
+        assert float(row[4].rstrip("x")) > 0 and float(row[-1]) < 1e-4
+    refused = _run("--evict-by", "flush")
+    assert refused.returncode == 2 and "invalid choice" in refused.stderr
+
+    # In the process: the read sweep leaves its buffer as it was, the write sweep adds one to every element.
+    from benchmarks import cpu_gemm
+
+    buffers = []
+    real_zeros = torch.zeros
+
+    def recorded_zeros(*size, **options):
+        buffers.append(real_zeros(*size, **options))
+        return buffers[-1]
+
+    monkeypatch.setattr(cpu_gemm.torch, "zeros", recorded_zeros)
+    for way, expected in (("read", 0.0), ("write", 4.0)):  # 4 timed passes of 1 layer: small, oneDNN, warm and timed
+        buffers.clear()
+        cpu_gemm.gemm_case(64, 96, 3, layers=1, repeats=1, evict_mb=1, evict_by=way)
+        assert len(buffers) == 1 and torch.all(buffers[0] == expected), way
+    with pytest.raises(ValueError, match="evict_by must be one of"):
+        cpu_gemm.gemm_case(64, 96, 3, layers=1, repeats=1, evict_mb=1, evict_by="flush")
