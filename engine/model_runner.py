@@ -164,7 +164,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(self._cache_shape(self.num_blocks), self.dtype, self.device)
         # Per layer, a view [2, kv_heads, num_blocks, block_size, head_dim] (strided: blocks far apart).
         self.kv_caches = _layer_views(self.kv_cache)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, cpu_ops if self.use_cpu_kernel else None)
         self.decode_graphs: DecodeGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
         if use_graphs and config.cuda_graph_mode != "piecewise":

@@ -397,6 +397,12 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     return _module.silu_and_mul(gate_up, _EMPTY if out is None else out)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: float32 [rows, vocab] (rows contiguous) -> int64 [rows], the first of tied maxima, a NaN
+    counting as the largest: ``torch.argmax(logits, dim=-1)``'s indices, read at the cache's speed."""
+    return _module.argmax_rows(logits)
+
+
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x: [tokens, heads, head_dim] in place; cos, sin: [tokens, head_dim]."""
     _module.rotary_(x, cos, sin)

@@ -31,6 +31,7 @@ def llm(model_dir):
 
 def test_batched_greedy_matches_transformers(llm, prompt_token_ids, hf_reference):
     assert llm.engine.model_runner.use_cpu_kernel
+    assert llm.engine.model_runner.sampler.kernels is not None  # greedy rows through the C++ argmax_rows
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], GREEDY, use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == hf_reference
     for output, reference in zip(outputs, hf_reference):
@@ -77,7 +78,7 @@ def test_preemption_under_a_small_kv_budget_gives_the_same_tokens(model_dir, pro
     # Decode attention through the plain-torch reference here; the other tests use the C++ kernel.
     llm = LLM(str(model_dir), num_kv_blocks=100, max_model_len=1500, max_num_batched_tokens=256,
               enable_prefix_caching=False, attention_backend="torch")
-    assert not llm.engine.model_runner.use_cpu_kernel
+    assert not llm.engine.model_runner.use_cpu_kernel and llm.engine.model_runner.sampler.kernels is None
     assert generate_all(llm, prompt_token_ids) == hf_reference
     assert llm.engine.scheduler.num_preemptions > 0
     assert_all_blocks_free(llm)

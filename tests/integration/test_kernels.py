@@ -312,6 +312,40 @@ def test_silu_and_mul_writes_into_rows_of_a_larger_tensor(dtype):
             kernels.silu_and_mul(gate_up, out=wrong)
 
 
+def test_argmax_rows_is_torch_argmax_ties_nans_infinities_and_tails_included():
+    """The first of tied maxima, a NaN as the largest (the first NaN), +-inf, signed zeros, rows of every width
+    around the kernel's 8- and 32-wide steps, strided rows and no rows: the indices torch.argmax gives."""
+    kernels = _kernels()
+    nan, inf = float("nan"), float("inf")
+    edge = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 5.0], [2.0, inf, inf, 0.0], [-inf] * 3 + [-1.0],
+                         [-inf] * 4, [-0.0, 0.0, 0.0, -0.0], [0.0, -0.0, 1e-45, 1e-45]])
+    assert kernels.argmax_rows(edge).tolist() == edge.argmax(-1).tolist() == [1, 0, 1, 3, 0, 0, 2]
+    generator = torch.Generator().manual_seed(11)
+    for vocab in (1, 7, 8, 9, 31, 32, 33, 63, 65, 49152, 49157):
+        for rows in (0, 1, 5, 64):
+            logits = torch.randn(rows, vocab, generator=generator)
+            assert torch.equal(kernels.argmax_rows(logits), logits.argmax(-1)), (rows, vocab)
+            if rows == 0 or vocab < 3:
+                continue
+            tied = logits.clone()
+            tied[:, vocab // 2] = tied[:, -1] = tied[:, 1] = 1e9  # tied maxima in the body, the tail and lane 1
+            with_nans = logits.clone()
+            with_nans[0, -1] = nan  # in the tail (or the last step)
+            with_nans[-1, vocab // 3] = with_nans[-1, -1] = with_nans[-1, vocab - 2] = nan
+            with_nans[rows // 2, : vocab // 2] = inf  # infinities before a NaN
+            with_nans[rows // 2, vocab // 2 + 1] = nan
+            for case in (tied, with_nans, torch.full((rows, vocab), -inf), torch.full((rows, vocab), inf)):
+                assert torch.equal(kernels.argmax_rows(case), case.argmax(-1)), (rows, vocab)
+    wide = torch.randn(6, 50000, generator=generator)
+    assert torch.equal(kernels.argmax_rows(wide[:, 3:49160]), wide[:, 3:49160].argmax(-1))  # rows 50,000 apart
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.argmax_rows(edge.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.argmax_rows(wide.t())
+    with pytest.raises(RuntimeError, match="at least one logit"):
+        kernels.argmax_rows(torch.empty(3, 0))
+
+
 def test_rotary_matches_torch_bit_for_bit():
     from splitserve.common.model_info import ModelConfig
     from splitserve.engine.models.rotary_embedding import RotaryEmbedding, apply_rotary

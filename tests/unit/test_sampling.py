@@ -77,6 +77,39 @@ def test_greedy_token_ids_are_argmax_ties_and_nans_included(dtype):
         assert torch.equal(greedy_token_ids(logits), logits.argmax(-1))
 
 
+def test_greedy_rows_go_through_the_cpu_kernels_where_given():
+    """With the C++ kernels, float32 greedy rows take their argmax_rows (the same ids as torch.argmax, NaNs, ties and a
+    mixed batch's greedy rows included); bfloat16 rows stay with torch, and so does a sampler given no kernels."""
+    from splitserve.common.model_info import cache_dir
+    from splitserve.kernels import cpu_ops
+
+    assert cpu_ops.available(str(cache_dir())), "the C++ kernels must build on this machine"
+    calls = []
+
+    class Counted:
+        def argmax_rows(self, logits):
+            calls.append(tuple(logits.shape))
+            return cpu_ops.argmax_rows(logits)
+
+    nan = float("nan")
+    edge = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 5.0], [NEG_INF] * 3 + [-1.0]])
+    assert greedy_token_ids(edge, Counted()).tolist() == [1, 0, 3] and calls == [(3, 4)]
+    logits = random_logits(64, 49152, seed=5)
+    assert torch.equal(greedy_token_ids(logits, Counted()), logits.argmax(-1))
+    assert torch.equal(greedy_token_ids(logits.to(torch.bfloat16), Counted()), logits.to(torch.bfloat16).argmax(-1))
+    assert calls == [(3, 4), (64, 49152)]  # bfloat16 went through torch
+
+    def mixed_batch():
+        return [make_request("a", temperature=0.0), make_request("b", temperature=1.0, seed=3),
+                make_request("c", output=(7,), temperature=0.0, repetition_penalty=1.2)]
+
+    small = random_logits(3, 100, seed=9)
+    with_kernels = Sampler(seed=1, kernels=Counted())(small, mixed_batch())
+    without = Sampler(seed=1)(small, mixed_batch())
+    assert with_kernels.sampled_token_ids == without.sampled_token_ids
+    assert calls[-1] == (2, 100)  # the two greedy rows of the mixed batch
+
+
 def test_greedy_takes_argmax_of_penalized_logits():
     logits = torch.tensor([[0.0, 2.0, 1.9, 0.0]])
     request = make_request(temperature=0.0, output=[1], presence_penalty=0.5)
