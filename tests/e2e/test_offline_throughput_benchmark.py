@@ -1,5 +1,6 @@
 """benchmarks/offline_throughput.py on a small workload, against transformers in the same run: the table, the
-greedy ids' agreement, the order of the systems in each repeat, the repeat-by-repeat ratios and the JSON."""
+greedy ids' agreement, the untimed warm-up run, the order of the systems in each repeat, the repeat-by-repeat
+ratios and the JSON."""
 
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def test_offline_benchmark_against_transformers_reports_medians_paired_ratios_an
         expected += [(repeat, system, "throughput") for system in systems]
         expected += [(repeat, system, "batch-1 latency") for system in systems]
     assert order == expected
+    # The default warm-up: each system runs the throughput workload once, untimed, before repeat 1.
+    first_timed = result.stderr.index("repeat 1/3")
+    for system in ("splitserve", "transformers"):
+        line = f"warming up {system}: one untimed run of the throughput workload"
+        assert line in result.stderr and result.stderr.index(line) < first_timed
 
     report = json.loads(out.read_text())
     systems = report["systems"]
@@ -67,7 +73,8 @@ def test_offline_benchmark_against_transformers_reports_medians_paired_ratios_an
                                                            / theirs["median_tokens_per_second"])
 
     table = result.stdout
-    assert "systems interleaved, their order reversed each repeat" in table
+    assert "systems interleaved, their order reversed each repeat; warm-up: two short prompts, then the " \
+        "throughput workload once, untimed" in table
     assert re.search(r"^splitserve\s+\d+\.\d \(\d+\.\d-\d+\.\d\)\s+\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)$", table, re.M)
     assert re.search(r"^splitserve/transformers\s+\d+\.\d\dx >=4x (PASS|MISS)\s+\d+\.\d\dx <=1.15x (PASS|MISS)\s+3/3$",
                      table, re.M)
@@ -78,6 +85,8 @@ def test_offline_benchmark_against_transformers_reports_medians_paired_ratios_an
     assert "latency " in line.split(";")[1]
 
 
-def test_offline_benchmark_refuses_no_repeats():
+def test_offline_benchmark_refuses_no_repeats_and_unknown_warmups():
     result = _run("--repeats", "0")
     assert result.returncode == 2 and "--repeats must be >= 1" in result.stderr
+    result = _run("--warmup", "none")
+    assert result.returncode == 2 and "invalid choice: 'none'" in result.stderr
