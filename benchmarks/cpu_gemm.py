@@ -166,9 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                              "against oneDNN's packed bfloat16 GEMM (AMX where the CPU has it)")
     parser.add_argument("--block-steps", nargs="+", type=int, metavar="STEPS",
                         help="float32 only: time small_gemm at each of these k-blocks, in 128-byte steps of a panel "
-                             "(0: each panel whole, the next one fetched while it runs; the default is 128, 192 on "
-                             "AMD CPUs with a 48 KB L1, 0 on other AMD CPUs with AVX-512, 256 on other CPUs with "
-                             "AVX-512 and a 48 KB L1), "
+                             "(0: each panel whole, fetched 32 KB ahead; the default is 128, 192 on AMD CPUs with a 48 KB "
+                             "L1, 0 on other AMD CPUs with AVX-512, 256 on other CPUs with AVX-512 and a 48 KB L1), "
                              "alternating, and print each one's GFLOP/s and its ratio to the first")
     parser.add_argument("--baseline", metavar="REVISION|FOLDER", default=None,
                         help="also time the small GEMM of this git revision's kernels (or of a folder of *.cpp and *.h "

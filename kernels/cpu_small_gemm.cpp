@@ -9,7 +9,7 @@
 // 32 output columns, each a contiguous [in_features][32] block, walked in k-blocks of 16 KB
 // (24 KB on Zen 5, 32 KB on Intel with AVX-512 and a 48 KB L1, whole panels on Zen 4) that
 // every row tile uses before the next (each block read from memory once), while the weights
-// two blocks ahead (the next panel, with whole panels) are fetched into L2 in a steady stream, so
+// two blocks ahead (32 KB ahead with whole panels) are fetched into L2 in a steady stream, so
 // the memory reads overlap the arithmetic. benchmarks/cpu_gemm.py times both against each
 // other with cold weights, as the engine meets them.
 //
@@ -218,15 +218,10 @@ constexpr TileFunctionBFloat16 kTilesBFloat16[kTileRowsBFloat16 + 1] = {
 // weights each, alternating in one process):
 //  - AMD with a 48 KB L1 (Zen 5): 24 KB blocks (192 steps) ran at 1.02-1.10x 128 steps' GFLOP/s at 32, 64 and
 //    192 rows, 0.96-0.98x at 16 (medians of 9); 64 steps 0.86-0.96x, whole panels 0.86-1.10x.
-//  - AMD with AVX-512 and a 32 KB L1 (Zen 4): whole panels, fetched 32 KB ahead, ran at 1.03-1.20x at 64
+//  - AMD with AVX-512 and a 32 KB L1 (Zen 4): whole panels, still fetched 32 KB ahead, ran at 1.03-1.20x at 64
 //    and 192 rows and 1.00-1.06x at 8 and 16 (but 0.92x for the 576-deep up projection at 16 rows), medians of
 //    7; fetched two whole panels ahead instead (144 KB for the 576-deep projections, 384 KB for the 1536-deep
-//    down projection), they lost 15-21% there at 8 and 16 rows. So Zen 4 walks whole panels. Fetched 32 KB
-//    ahead, though, the first row tile of a panel found only its first 32 KB fetched (the fetches of the rest
-//    are spread over all the panel's tiles, and the 576-deep panels are 72 KB): it read the rest from memory
-//    with no fetch ahead. Now the whole next panel is fetched while a panel's tiles run (ahead_bytes below):
-//    1.00-1.35x in cpu_gemm.py at 8 to 192 rows (every case faster or level, medians of 7, the same bits), and
-//    the offline workload 1.038x (4 alternating pairs in one process, each faster; 2026-12-01).
+//    down projection), they lost 15-21% there at 8 and 16 rows. So Zen 4 walks whole panels.
 //  - Intel with AVX-512 and a 48 KB L1 (a 2-core Xeon of family 6 model 167, AMX): 32 KB blocks (256 steps) against
 //    128 read 0.98-1.09x in cpu_gemm.py (medians of 7) and ran the offline workload 1.012x faster (4 alternating
 //    pairs in one process, each pair faster; 384 steps the same as 256, whole panels 0.80-0.96x in cpu_gemm.py).
@@ -241,16 +236,7 @@ int64_t default_block_steps() {
   return 128;
 }
 constexpr int64_t kAheadBlocks = 2;
-
-// How far ahead in its stream a thread fetches, in bytes: two k-blocks, or, walking whole panels
-// (block_steps 0), the next panel (every line of it fetched while the panel before it runs), at most
-// kMaxWholePanelAhead: a panel 2,048 steps deep, a quarter of a Zen 4's 1 MB L2, so that the panel in hand
-// (which every row tile reads) and the rows of x stay there beside the one fetched.
-constexpr int64_t kMaxWholePanelAhead = 256 * 1024;
-int64_t ahead_bytes(int64_t block_steps, int64_t steps) {
-  return block_steps == 0 ? std::min(steps * 128, kMaxWholePanelAhead)
-                          : kAheadBlocks * std::min(steps, block_steps) * 128;
-}
+constexpr int64_t kWholePanelAheadSteps = 128;  // with whole panels, fetched as far ahead as two 16 KB blocks
 std::atomic<int64_t> g_block_steps{default_block_steps()};
 
 template <typename T, typename Tile>
@@ -345,8 +331,9 @@ at::Tensor small_gemm(at::Tensor x, at::Tensor panels, at::Tensor bias, int64_t 
   if (rows == 0) return out;
   const int64_t x_stride = x.stride(0);
   const int64_t block_steps = g_block_steps.load(std::memory_order_relaxed);
+  const int64_t ahead_steps = std::min(in_features, block_steps == 0 ? kWholePanelAheadSteps : block_steps);
   run_panels(x.data_ptr<float>(), x_stride, rows, panels.data_ptr<float>(), num_panels, in_features,
-             block_steps == 0 ? in_features : block_steps, ahead_bytes(block_steps, in_features),
+             block_steps == 0 ? in_features : block_steps, kAheadBlocks * ahead_steps * 128,
              has_bias ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), out_features, kTileRows,
              [&](int64_t tile_rows, const float* x_tile, const float* panel, int64_t steps, const float* bias_tile,
                  int64_t columns, float* out_tile, const char* prefetch, int64_t lines, bool resume, bool finish) {
