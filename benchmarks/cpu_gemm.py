@@ -86,13 +86,17 @@ def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repea
         with cpu_ops.kernels_from(baseline):
             baseline_panels = [pack(weight) for weight in weights]
 
-        def of_baseline(layer):
-            with cpu_ops.kernels_from(baseline):
-                return multiply(x, baseline_panels[layer], None, out_features)
+        def of_baseline(layer):  # called inside cpu_ops.kernels_from(baseline): see timed
+            return multiply(x, baseline_panels[layer], None, out_features)
 
-    def timed(function, steps: int | None = None) -> float:
+    def timed(function, steps: int | None = None, kernels=None) -> float:
+        """Seconds of ``function`` over every layer, at k-block ``steps`` or with the ``kernels`` module (the
+        baseline's) put in for the whole loop. Entering cpu_ops.kernels_from around each call instead made the
+        baseline's calls 40-60 us longer than this tree's (2-core Zen 4), a third of an 8-row call: a copy of this
+        tree's kernels then read 1.05-1.35x its time at 8 to 64 rows."""
         seconds = 0.0
-        with contextlib.nullcontext() if steps is None else cpu_ops.small_gemm_block_steps(steps):
+        with (cpu_ops.kernels_from(kernels) if kernels is not None else contextlib.nullcontext() if steps is None
+              else cpu_ops.small_gemm_block_steps(steps)):
             for layer in range(layers):
                 sweep()  # the weights and x leave the caches
                 start = time.perf_counter()
@@ -108,19 +112,24 @@ def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repea
     small_times: dict = {steps: [] for steps in blocks}
     onednn_times, baseline_times = [], []
     if baseline is not None:
-        timed(of_baseline)
-    for _ in range(repeats):
-        for steps in blocks:
-            small_times[steps].append(timed(small, steps))
-        onednn_times.append(timed(onednn))
-        if baseline is not None:
-            baseline_times.append(timed(of_baseline))
+        timed(of_baseline, kernels=baseline)
+    # Every side once a repeat, in an order reversed every other repeat, so that neither place in the sequence
+    # favours one side.
+    runs = [functools.partial(lambda steps: small_times[steps].append(timed(small, steps)), steps) for steps in blocks]
+    runs.append(lambda: onednn_times.append(timed(onednn)))
+    if baseline is not None:
+        runs.append(lambda: baseline_times.append(timed(of_baseline, kernels=baseline)))
+    for repeat in range(repeats):
+        for run in runs if repeat % 2 == 0 else reversed(runs):
+            run()
     block_s = {steps: statistics.median(times) for steps, times in small_times.items()}
     small_s, onednn_s = block_s[blocks[0]], statistics.median(onednn_times)
     flops = 2 * rows * in_features * out_features * layers
     compared = {}
     if baseline is not None:
-        ours, theirs = small(0), of_baseline(0)
+        with cpu_ops.kernels_from(baseline):
+            theirs = of_baseline(0)
+        ours = small(0)
         baseline_s = statistics.median(baseline_times)
         compared = {"baseline_s": baseline_s, "baseline_gflops": flops / baseline_s / 1e9,
                     "baseline_identical": torch.equal(ours, theirs),
