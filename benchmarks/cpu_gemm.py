@@ -115,13 +115,12 @@ def gemm_case(in_features: int, out_features: int, rows: int, layers: int, repea
         timed(of_baseline, kernels=baseline)
     # Every side once a repeat, in an order reversed every other repeat, so that neither place in the sequence
     # favours one side.
-    runs = [functools.partial(lambda steps: small_times[steps].append(timed(small, steps)), steps) for steps in blocks]
-    runs.append(lambda: onednn_times.append(timed(onednn)))
+    sides = [(small_times[steps], small, steps, None) for steps in blocks] + [(onednn_times, onednn, None, None)]
     if baseline is not None:
-        runs.append(lambda: baseline_times.append(timed(of_baseline, kernels=baseline)))
+        sides.append((baseline_times, of_baseline, None, baseline))
     for repeat in range(repeats):
-        for run in runs if repeat % 2 == 0 else reversed(runs):
-            run()
+        for times, function, steps, kernels in sides if repeat % 2 == 0 else reversed(sides):
+            times.append(timed(function, steps, kernels))
     block_s = {steps: statistics.median(times) for steps, times in small_times.items()}
     small_s, onednn_s = block_s[blocks[0]], statistics.median(onednn_times)
     flops = 2 * rows * in_features * out_features * layers
