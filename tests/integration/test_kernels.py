@@ -106,6 +106,39 @@ def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, blo
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads, head_dim, block_size",
+    [
+        (9, 3, 64, 128),  # one block a span: each head's pieces in turn
+        (9, 3, 64, 16),  # 8 blocks of one piece a span: block by block, the heads of a block in turn
+        (6, 2, 32, 64),  # 2 blocks of 4 pieces a span
+        (6, 2, 32, 24),  # pieces of 16 and 8 rows
+        (16, 8, 64, 32),  # heads in two passes (7, then 1), 4 blocks of 2 pieces a span
+    ],
+)
+def test_whole_requests_read_in_memory_order_give_the_bits_of_one_head_at_a_time(num_q_heads, num_kv_heads,
+                                                                                 head_dim, block_size):
+    """With enough requests a thread takes whole requests and reads each span's pieces of every head in the order
+    they lie in memory; alone, a request's heads are tasks of their own, each reading its pieces in turn. The
+    order of the reads changes no arithmetic: every row is the same bits either way."""
+    assert cpu_ops.available(str(cache_dir()))
+    generator = torch.Generator().manual_seed(11)
+    lengths = [1, block_size - 1, block_size, block_size + 1, 129, 300, 577] * 10
+    num_blocks = sum(-(-length // block_size) for length in lengths) + 8
+    key_cache, value_cache = block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, generator)
+    tables = shuffled_block_tables(lengths, block_size, num_blocks, generator)
+    seq_lens = torch.tensor(lengths, dtype=torch.int64)
+    query = torch.randn(len(lengths), num_q_heads, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    together = cpu_ops.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
+    for row in range(len(lengths)):
+        alone = cpu_ops.paged_decode_attention(query[row : row + 1], key_cache, value_cache, tables[row : row + 1],
+                                               seq_lens[row : row + 1], scale)
+        assert torch.equal(alone[0], together[row]), f"request {row} ({lengths[row]} tokens)"
+    expected = reference(query, key_cache, value_cache, tables, seq_lens, scale)
+    torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_kernel_fetches_ahead_into_either_cache_level_with_the_same_result():
     """Where the kernel fetches each chunk's successor (L1 on AMD CPUs whose L1 holds 48 KB, else L2) changes its
     speed only: both give the same bits. 128-token blocks, so that blocks have several chunks to fetch ahead."""
