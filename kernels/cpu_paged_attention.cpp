@@ -239,9 +239,9 @@ struct Span {
   int64_t offset[kMaxPieces];  // from the head's base to the piece's first row
   int64_t rows[kMaxPieces];    // 1 to 16
   int64_t pieces = 0;
-  int64_t next_offset = 0, next_rows = 0;  // the next span's first piece (no rows: this span is the last)
-  int64_t next_block_rows = 0;             // rows of the next span's first block (0: this span is the last)
-  int64_t pieces_per_block = 1;            // pieces of one block in this span (the last block may have fewer)
+  int64_t next_offset = 0;      // from the head's base to the next span's first row
+  int64_t next_block_rows = 0;  // rows of the next span's first block (0: this span is the last)
+  int64_t pieces_per_block = 1;  // pieces of one block in this span (the last block may have fewer)
 
   // Blocks per span: as many as fit kSpanRows rows and kMaxPieces pieces, at least one.
   static int64_t blocks_for(int64_t block_size) {
@@ -264,7 +264,6 @@ struct Span {
     if (start + count < length) {
       next_offset = table[(start + count) / shape.block_size] * shape.block_stride;
       next_block_rows = std::min(shape.block_size, length - start - count);
-      next_rows = std::min(int64_t{16}, next_block_rows);
     }
   }
 
@@ -278,7 +277,8 @@ struct Span {
     return p + 1 < pieces ? Ahead{false, offset[p + 1], rows[p + 1]} : Ahead{true, offset[0], rows[0]};
   }
   Ahead after_values(int64_t p) const {
-    return p + 1 < pieces ? Ahead{true, offset[p + 1], rows[p + 1]} : Ahead{false, next_offset, next_rows};
+    return p + 1 < pieces ? Ahead{true, offset[p + 1], rows[p + 1]}
+                          : Ahead{false, next_offset, std::min<int64_t>(16, next_block_rows)};
   }
 };
 
@@ -539,12 +539,13 @@ void attend_request16(const float* q_request, const KV* k_layer, const KV* v_lay
             for (int64_t p = b; p < std::min(b + span.pieces_per_block, span.pieces); ++p)
               order[n++] = Read{layer + (first + h) * shape.head_stride + span.offset[p], span.rows[p], h, p};
       const int64_t keys = n / 2;
-      const int64_t next_pieces = (span.next_block_rows + 15) / 16;  // per head
+      const int64_t next_pieces = (span.next_block_rows + 15) / 16;  // per head; none after the last span
       for (int64_t j = 0; j < kReadAhead; ++j) {
-        const int64_t h = next_pieces > 0 ? j / next_pieces : heads, q = next_pieces > 0 ? j % next_pieces : 0;
-        order[n + j] = h < heads ? Read{k_layer + (first + h) * shape.head_stride + span.next_offset + 16 * q * head_dim,
-                                        std::min<int64_t>(16, span.next_block_rows - 16 * q), h, q}
-                                 : Read{k_layer, 0, 0, 0};
+        const int64_t h = next_pieces > 0 ? j / next_pieces : heads, q = j - h * next_pieces;
+        order[n + j] = Read{k_layer, 0, 0, 0};  // nothing to fetch
+        if (h < heads)
+          order[n + j] = Read{k_layer + (first + h) * shape.head_stride + span.next_offset + 16 * q * head_dim,
+                              std::min<int64_t>(16, span.next_block_rows - 16 * q), h, q};
       }
       for (int64_t i = 0; i < keys; ++i) {
         const Read& read = order[i];
