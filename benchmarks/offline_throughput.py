@@ -41,6 +41,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -347,6 +348,19 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep this 
 VLLM_PEER_MARKER = "@@offline_throughput@@ "
 
 
+def vllm_threads_bind(args: argparse.Namespace) -> str:
+    """The vLLM peer's VLLM_CPU_OMP_THREADS_BIND: ``--vllm-threads-bind``, else :func:`default_vllm_threads_bind`."""
+    return args.vllm_threads_bind or default_vllm_threads_bind()
+
+
+def default_vllm_threads_bind() -> str:
+    """vLLM's OpenMP threads pinned one to a CPU, as many as splitserve's torch threads, on the CPUs this process
+    may use (lowest first): e.g. "0,1" on two cores. vLLM's own default ("auto") reserves CPUs for its other
+    processes, which would leave it fewer threads than splitserve."""
+    cpus = sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]
+    return ",".join(str(cpu) for cpu in cpus)
+
+
 class VllmPeer:
     """vLLM in its own venv, as a long-lived subprocess driven over stdin/stdout.
 
@@ -357,8 +371,9 @@ class VllmPeer:
     name = "vllm"
 
     def __init__(self, python: str, model_path: str, workload: Workload, engine_kwargs: dict,
-                 kv_space_gib: int, seed: int, dtype: str = "float32") -> None:
+                 kv_space_gib: int, seed: int, dtype: str = "float32", *, threads_bind: str) -> None:
         self.workload = workload
+        self.threads_bind = threads_bind
         self.folder = tempfile.TemporaryDirectory(prefix="splitserve-vllm-peer-")
         script = os.path.join(self.folder.name, "vllm_peer.py")
         config = os.path.join(self.folder.name, "config.json")
@@ -372,7 +387,7 @@ class VllmPeer:
                        "warmup_prompts": workload.warmup_prompts,
                        "warmup_output_len": WARMUP_OUTPUT_LEN}, file)
         env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_USE_AOT_COMPILE="0",
+        env.update(VLLM_CPU_OMP_THREADS_BIND=self.threads_bind, VLLM_USE_AOT_COMPILE="0",
                    VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), PYTHONUNBUFFERED="1")
         # The malloc settings splitserve's engine makes in-process (engine/host_allocator.py), so that
         # neither system pays page faults the other does not; vLLM's guide gets the same from tcmalloc.
@@ -559,7 +574,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{THROUGHPUT_TARGET:g}x transformers', latency <= {LATENCY_TARGET:g}x transformers'.",
         epilog="Progress goes to stderr, the results table to stdout. Greedy ids are compared "
         "request by request (informative, not a failure). The vLLM peer runs in a subprocess "
-        "with VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_USE_AOT_COMPILE=0 VLLM_CPU_KVCACHE_SPACE=<GiB>; "
+        "with VLLM_CPU_OMP_THREADS_BIND=<--vllm-threads-bind> VLLM_USE_AOT_COMPILE=0 VLLM_CPU_KVCACHE_SPACE=<GiB>; "
         "the machine is noisy, so compare numbers only within one run.",
     )
     parser.add_argument("--model", default=None,
@@ -603,6 +618,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-python", default=None, metavar="PATH",
                         help="python of a vLLM-CPU venv (built by /work/shared/tools/vllm-peer-setup); "
                         "runs the same workload in vLLM as a third system")
+    parser.add_argument("--vllm-threads-bind", default=None, metavar="CPUS|nobind|auto",
+                        help="VLLM_CPU_OMP_THREADS_BIND for the vLLM peer: a CPU list (e.g. 0,1 or 0-3) pins one "
+                        "OpenMP thread to each CPU; nobind leaves them unpinned, as splitserve's are; auto is "
+                        "vLLM's own default, which reserves CPUs for its other processes (default: as many CPUs "
+                        f"as splitserve has torch threads, the lowest this process may use; here {default_vllm_threads_bind()})")
     parser.add_argument("--json", default=None, metavar="OUT", help="write all raw numbers to this JSON file")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="write a bar chart of tok/s and ms/token per system (needs matplotlib)")
@@ -614,6 +634,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.latency_output_len < 2 or args.latency_prompt_len < 1:
         parser.error("--latency-output-len must be >= 2 and --latency-prompt-len >= 1")
+    bind = args.vllm_threads_bind
+    if bind is not None and bind not in ("nobind", "auto") and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", bind):
+        parser.error(f"--vllm-threads-bind takes a CPU list such as 0,1 or 0-3, nobind or auto, not {bind[:40]!r}")
     return args
 
 
@@ -654,7 +677,8 @@ def build_runners(args: argparse.Namespace, model_path: str, workload: Workload,
     if args.vllm_python:
         log(f"starting vLLM peer with {args.vllm_python} (the first start compiles for minutes)")
         kv_space_gib = max(1, round(args.kv_cache_gib))
-        add(VllmPeer(args.vllm_python, model_path, workload, engine_kwargs(args), kv_space_gib, args.seed, args.dtype))
+        add(VllmPeer(args.vllm_python, model_path, workload, engine_kwargs(args), kv_space_gib, args.seed, args.dtype,
+                     threads_bind=vllm_threads_bind(args)))
     for runner in runners:
         log(f"warming up {runner.name}")
         runner.warm_up()
@@ -756,7 +780,8 @@ def main(argv: list[str] | None = None) -> int:
         f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}",
     ]
     if args.vllm_python:
-        header.append(f"vLLM ran with GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', glibc_tunables())} "
+        header.append(f"vLLM ran with VLLM_CPU_OMP_THREADS_BIND={vllm_threads_bind(args)} and "
+                      f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', glibc_tunables())} "
                       "(the malloc settings splitserve's engine makes in-process)")
     if load_before[0] > BUSY_LOAD_AVERAGE:  # "after" includes this benchmark's own load
         header.append(f"WARNING: load average {load_before[0]:.2f} before the start: other work shares the "
@@ -770,6 +795,8 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_before": load_before, "load_average_after": load_after,
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+        if args.vllm_python:
+            environment["vllm_threads_bind"] = vllm_threads_bind(args)
         write_json(args, model_path, workload, environment, results, comparisons)
     if args.plot:
         write_plot(args.plot, results)

@@ -5,6 +5,7 @@ ratios and the JSON."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -12,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from benchmarks.offline_throughput import paired_ratios, repeat_order
+from benchmarks.offline_throughput import paired_ratios, parse_args, repeat_order, vllm_threads_bind
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,6 +31,23 @@ def test_the_order_of_the_systems_is_reversed_every_repeat():
     assert repeat_order(["a", "b", "c"], 3) == ["a", "b", "c"]
     assert paired_ratios([2.0, 3.0, 4.0], [1.0, 2.0]) == [2.0, 1.5]  # repeats both measured
     assert paired_ratios([2.0], [0.0]) == []
+
+
+def test_the_vllm_peer_is_pinned_to_as_many_cpus_as_splitserve_has_threads_unless_told_otherwise():
+    allowed = sorted(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    try:
+        for count in sorted({1, threads}):
+            torch.set_num_threads(count)
+            cpus = [int(cpu) for cpu in vllm_threads_bind(parse_args([])).split(",")]
+            assert cpus == allowed[:count]  # one CPU per splitserve thread, the lowest this process may use
+    finally:
+        torch.set_num_threads(threads)
+    for value in ("nobind", "auto", "0-1", "0,2-3"):
+        assert vllm_threads_bind(parse_args(["--vllm-threads-bind", value])) == value
+    for value in ("0;1", "all", "1,", ""):
+        with pytest.raises(SystemExit):
+            parse_args(["--vllm-threads-bind", value])
 
 
 def test_offline_benchmark_against_transformers_reports_medians_paired_ratios_and_identical_ids(tmp_path):
