@@ -348,11 +348,6 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep this 
 VLLM_PEER_MARKER = "@@offline_throughput@@ "
 
 
-def vllm_threads_bind(args: argparse.Namespace) -> str:
-    """The vLLM peer's VLLM_CPU_OMP_THREADS_BIND: ``--vllm-threads-bind``, else :func:`default_vllm_threads_bind`."""
-    return args.vllm_threads_bind or default_vllm_threads_bind()
-
-
 def default_vllm_threads_bind() -> str:
     """vLLM's OpenMP threads pinned one to a CPU, as many as splitserve's torch threads, on the CPUs this process
     may use (lowest first): e.g. "0,1" on two cores. vLLM's own default ("auto") reserves CPUs for its other
@@ -373,7 +368,6 @@ class VllmPeer:
     def __init__(self, python: str, model_path: str, workload: Workload, engine_kwargs: dict,
                  kv_space_gib: int, seed: int, dtype: str = "float32", *, threads_bind: str) -> None:
         self.workload = workload
-        self.threads_bind = threads_bind
         self.folder = tempfile.TemporaryDirectory(prefix="splitserve-vllm-peer-")
         script = os.path.join(self.folder.name, "vllm_peer.py")
         config = os.path.join(self.folder.name, "config.json")
@@ -387,7 +381,7 @@ class VllmPeer:
                        "warmup_prompts": workload.warmup_prompts,
                        "warmup_output_len": WARMUP_OUTPUT_LEN}, file)
         env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(VLLM_CPU_OMP_THREADS_BIND=self.threads_bind, VLLM_USE_AOT_COMPILE="0",
+        env.update(VLLM_CPU_OMP_THREADS_BIND=threads_bind, VLLM_USE_AOT_COMPILE="0",
                    VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), PYTHONUNBUFFERED="1")
         # The malloc settings splitserve's engine makes in-process (engine/host_allocator.py), so that
         # neither system pays page faults the other does not; vLLM's guide gets the same from tcmalloc.
@@ -635,7 +629,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.latency_output_len < 2 or args.latency_prompt_len < 1:
         parser.error("--latency-output-len must be >= 2 and --latency-prompt-len >= 1")
     bind = args.vllm_threads_bind
-    if bind is not None and bind not in ("nobind", "auto") and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", bind):
+    if bind is None:
+        args.vllm_threads_bind = default_vllm_threads_bind()
+    elif bind not in ("nobind", "auto") and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", bind):
         parser.error(f"--vllm-threads-bind takes a CPU list such as 0,1 or 0-3, nobind or auto, not {bind[:40]!r}")
     return args
 
@@ -678,7 +674,7 @@ def build_runners(args: argparse.Namespace, model_path: str, workload: Workload,
         log(f"starting vLLM peer with {args.vllm_python} (the first start compiles for minutes)")
         kv_space_gib = max(1, round(args.kv_cache_gib))
         add(VllmPeer(args.vllm_python, model_path, workload, engine_kwargs(args), kv_space_gib, args.seed, args.dtype,
-                     threads_bind=vllm_threads_bind(args)))
+                     threads_bind=args.vllm_threads_bind))
     for runner in runners:
         log(f"warming up {runner.name}")
         runner.warm_up()
@@ -780,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}",
     ]
     if args.vllm_python:
-        header.append(f"vLLM ran with VLLM_CPU_OMP_THREADS_BIND={vllm_threads_bind(args)} and "
+        header.append(f"vLLM ran with VLLM_CPU_OMP_THREADS_BIND={args.vllm_threads_bind} and "
                       f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', glibc_tunables())} "
                       "(the malloc settings splitserve's engine makes in-process)")
     if load_before[0] > BUSY_LOAD_AVERAGE:  # "after" includes this benchmark's own load
@@ -796,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         if args.vllm_python:
-            environment["vllm_threads_bind"] = vllm_threads_bind(args)
+            environment["vllm_threads_bind"] = args.vllm_threads_bind
         write_json(args, model_path, workload, environment, results, comparisons)
     if args.plot:
         write_plot(args.plot, results)

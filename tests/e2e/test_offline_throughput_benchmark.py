@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.offline_throughput import paired_ratios, parse_args, repeat_order, vllm_threads_bind
+from benchmarks.offline_throughput import paired_ratios, parse_args, repeat_order
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,12 +39,12 @@ def test_the_vllm_peer_is_pinned_to_as_many_cpus_as_splitserve_has_threads_unles
     try:
         for count in sorted({1, threads}):
             torch.set_num_threads(count)
-            cpus = [int(cpu) for cpu in vllm_threads_bind(parse_args([])).split(",")]
+            cpus = [int(cpu) for cpu in parse_args([]).vllm_threads_bind.split(",")]
             assert cpus == allowed[:count]  # one CPU per splitserve thread, the lowest this process may use
     finally:
         torch.set_num_threads(threads)
     for value in ("nobind", "auto", "0-1", "0,2-3"):
-        assert vllm_threads_bind(parse_args(["--vllm-threads-bind", value])) == value
+        assert parse_args(["--vllm-threads-bind", value]).vllm_threads_bind == value
     for value in ("0;1", "all", "1,", ""):
         with pytest.raises(SystemExit):
             parse_args(["--vllm-threads-bind", value])
