@@ -4,10 +4,15 @@
 ``SMALL_GEMM_MAX_ROWS`` rows; above that oneDNN's packed GEMM (``PackedLinear``) does. In the
 engine a layer's weights are cold when its GEMM runs (attention and the other layers have swept the
 caches), so each case holds one weight per layer (30 for SmolLM2-135M), runs them in turn as a step
-does, and evicts the caches before every call by reading a buffer larger than them, as decode attention
-reads the KV cache before the output projection (``--evict-by write`` writes it instead, as this
+does, and sweeps the caches before every call by reading a buffer of 32 MB, as decode attention reads
+one layer's KV cache before the output projection (``--evict-by write`` writes it instead, as this
 benchmark did before 2026-11-29: the weights' reads then also wait on the buffer's dirty lines going
-back to memory, which the engine's caches do not hold). Both sides
+back to memory, which the engine's caches do not hold). Between two calls on the same weight the other
+29 weights and 30 sweeps pass (about 1 GB), so each call finds its weight in memory. The sweep is no
+longer than a layer's attention on purpose: the longer the gap before a call, the slower the call,
+even with no memory traffic in the gap (2-core Zen 4 VM, SmolLM2's 576x576 at 16 rows: 100 us after a
+32 MB sweep, 257 after the same sweep and 8 ms of Python spinning, 170 after a 256 MB sweep of 10 ms,
+this benchmark's default before 2026-12-02), a cost the engine's back-to-back calls do not pay. Both sides
 alternate; the medians, oneDNN/small ratio (above 1: small_gemm is faster), GFLOP/s and the largest
 difference between the two outputs are printed.
 
@@ -161,9 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                              f"{cpu_ops.SMALL_GEMM_MAX_ROWS} to small_gemm)")
     parser.add_argument("--layers", type=int, default=30, help="distinct weights per shape, run in turn (default: 30)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each side, alternating; medians (default: 5)")
-    parser.add_argument("--evict-mb", type=int, default=256,
-                        help="MB read (or written, --evict-by write) before each call to push the weights out of the "
-                             "caches (default: 256)")
+    parser.add_argument("--evict-mb", type=int, default=32,
+                        help="MB read (or written, --evict-by write) before each call, as decode attention reads one "
+                             "layer's KV cache (about 30 MB at 64 requests of 310 tokens) before a projection "
+                             "(default: %(default)s; 256 before 2026-12-02, a 10 ms sweep after which every call was "
+                             "60-80 us slower on a 2-core Zen 4 VM; 0: no sweep, weights warm where they fit)")
     parser.add_argument("--evict-by", choices=EVICT_BY, default="read",
                         help="sweep the caches before each call by reading the buffer, as decode attention reads the KV "
                              "cache before a projection (default), or by writing it, which leaves dirty lines that the "
