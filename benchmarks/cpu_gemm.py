@@ -1,7 +1,8 @@
 """The C++ small-batch GEMM against oneDNN's packed GEMM, timed in the same run, with the weights cold.
 
 ``kernels/cpu_small_gemm.cpp`` runs the engine's projections for batches of up to
-``SMALL_GEMM_MAX_ROWS`` rows; above that oneDNN's packed GEMM (``PackedLinear``) does. In the
+``small_gemm_max_rows()`` rows (192 with AVX-512, 96 with AVX2); above that oneDNN's packed GEMM
+(``PackedLinear``) does. In the
 engine a layer's weights are cold when its GEMM runs (attention and the other layers have swept the
 caches), so each case holds one weight per layer (30 for SmolLM2-135M), runs them in turn as a step
 does, and sweeps the caches before every call by reading a buffer of 32 MB, as decode attention reads
@@ -162,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="projections as in_features x out_features (default: SmolLM2-135M's: "
                              + " ".join(DEFAULT_SHAPES) + ")")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 192, 512],
-                        help="batch sizes in rows (default: 1 16 64 192 512; the engine sends up to "
-                             f"{cpu_ops.SMALL_GEMM_MAX_ROWS} to small_gemm)")
+                        help="batch sizes in rows (default: 1 16 64 192 512; the engine sends up to 192 to "
+                             "small_gemm where the kernels run AVX-512, up to 96 where they run AVX2)")
     parser.add_argument("--layers", type=int, default=30, help="distinct weights per shape, run in turn (default: 30)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each side, alternating; medians (default: 5)")
     parser.add_argument("--evict-mb", type=int, default=32,

@@ -30,6 +30,7 @@ bool amx_prefill_supported(int64_t head_dim, int64_t block_size);
 at::Tensor pack_panels(at::Tensor weight);
 int64_t set_small_gemm_block_steps(int64_t steps);
 int64_t default_small_gemm_block_steps();
+int64_t small_gemm_max_rows();
 at::Tensor small_gemm(at::Tensor x, at::Tensor panels, at::Tensor bias, int64_t out_features);
 bool small_gemm_bfloat16_supported();
 at::Tensor pack_panels_bfloat16(at::Tensor weight);
@@ -64,6 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "previous one");
   m.def("default_small_gemm_block_steps", &splitserve::default_small_gemm_block_steps,
         "this CPU's k-block for the float32 small GEMM, in 128-byte steps");
+  m.def("small_gemm_max_rows", &splitserve::small_gemm_max_rows,
+        "the most rows the engine sends to the float32 small GEMM (0: not built)");
   m.def("small_gemm", &splitserve::small_gemm, "x @ weight^T + bias for decode-sized batches (float32)");
   m.def("small_gemm_bfloat16_supported", &splitserve::small_gemm_bfloat16_supported,
         "whether small_gemm_bfloat16 was built (AVX512-BF16)");

@@ -408,15 +408,17 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     _module.rotary_(x, cos, sin)
 
 
-# Up to this many rows a projection runs in small_gemm, above it in oneDNN's packed GEMM: with the weight
-# cold, as in the engine, small_gemm was ahead from 1 row (1.4-2.3x) to 192 (0.97-1.22x) and even at 256
-# (benchmarks/cpu_gemm.py, 2-core Sapphire Rapids); oneDNN wins the prompt chunks.
-SMALL_GEMM_MAX_ROWS = 192
-
-
 def small_gemm_supported() -> bool:
     """Whether :func:`small_gemm` was built here (it needs AVX-512, or AVX2 with FMA). Call :func:`available` first."""
     return _module is not None and _module.small_gemm_supported()
+
+
+def small_gemm_max_rows() -> int:
+    """Up to this many rows a float32 projection runs in :func:`small_gemm`, above it in oneDNN's packed GEMM, which
+    wins the prompt chunks: 192 where the kernels run AVX-512, 96 where they run AVX2 (oneDNN's AVX2 GEMM is ahead
+    from about 100 rows); 0 where :func:`small_gemm` was not built. Measured in ``kernels/cpu_small_gemm.cpp``.
+    Call :func:`available` first."""
+    return _module.small_gemm_max_rows()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

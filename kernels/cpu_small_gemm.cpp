@@ -306,6 +306,24 @@ int64_t set_small_gemm_block_steps(int64_t steps) {
 
 int64_t default_small_gemm_block_steps() { return default_block_steps(); }
 
+// The most rows the engine sends to small_gemm; above it oneDNN's packed GEMM is ahead. With the weight cold, as
+// in the engine (benchmarks/cpu_gemm.py, SmolLM2's four projections):
+//  - AVX-512 (8 x 32 tiles): ahead from 1 row (1.4-2.3x) to 192 (0.97-1.22x) and even at 256, on a 2-core
+//    Sapphire Rapids.
+//  - AVX2 and FMA (6 x 16 tiles, a 2-core Zen 3 VM, medians of 7): the four together took 0.79x oneDNN's time at
+//    48 rows, 0.89x at 64, 1.02x at 96, 1.21x at 128, 1.25x at 160 and 1.31x at 192, where oneDNN's AVX2 kernel
+//    runs at 70-108 GFLOP/s against the small GEMM's 60-76 (the gate/up projection, 576 x 3072, crosses first:
+//    0.95x oneDNN's speed at 64 rows, 0.67x at 128 and 192).
+int64_t small_gemm_max_rows() {
+#ifdef __AVX512F__
+  return 192;
+#elif defined(SPLITSERVE_SMALL_GEMM)
+  return 96;
+#else
+  return 0;
+#endif
+}
+
 at::Tensor pack_panels(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_panels: a float32 [out, in] weight");
   const int64_t out_features = weight.size(0), in_features = weight.size(1);

@@ -66,7 +66,7 @@ class PackedLinear(nn.Module):
     def use_kernels(self, kernels) -> None:
         """Run small batches through splitserve's C++ small-batch GEMM when ``kernels`` is its C++ module
         and it was built with the GEMM for this weight's dtype: float32 batches of up to
-        ``kernels.SMALL_GEMM_MAX_ROWS`` rows in ``small_gemm`` (AVX-512, or AVX2 with FMA), bfloat16 ones of
+        ``kernels.small_gemm_max_rows()`` rows in ``small_gemm`` (AVX-512, or AVX2 with FMA), bfloat16 ones of
         up to ``kernels.SMALL_GEMM_BFLOAT16_MAX_ROWS`` in ``small_gemm_bfloat16`` (AVX512-BF16); otherwise,
         and for ``kernels`` None, oneDNN for every batch. Taking a small GEMM keeps a second copy of the
         weight in its panel layout (for SmolLM2-135M, 425 MB beside oneDNN's in float32, 212 MB in
@@ -76,7 +76,7 @@ class PackedLinear(nn.Module):
             return
         if self.dtype == torch.float32 and getattr(kernels, "small_gemm_supported", lambda: False)():
             self.panels = kernels.pack_panels(self.packed_weight.to_dense())
-            self.small_gemm_name, self.small_rows = "small_gemm", kernels.SMALL_GEMM_MAX_ROWS
+            self.small_gemm_name, self.small_rows = "small_gemm", kernels.small_gemm_max_rows()
         elif (self.dtype == torch.bfloat16 and self.in_features % 2 == 0
                 and getattr(kernels, "small_gemm_bfloat16_supported", lambda: False)()):
             self.panels = kernels.pack_panels_bfloat16(self.packed_weight.to_dense())

@@ -438,7 +438,8 @@ def _small_gemm_kernels():
         (8, 64, 32, True),  # exactly one tile and one panel
         (9, 40, 31, False),  # one row past a tile; fewer columns than one panel
         (64, 576, 3072, False),  # a decode step of SmolLM's gate/up (4.5 k-blocks of 128, 3 of 192)
-        (192, 1536, 576, True),  # the largest batch the engine sends (SMALL_GEMM_MAX_ROWS), down's shape
+        (192, 1536, 576, True),  # the largest batch the engine sends with AVX-512 (small_gemm_max_rows), down's shape
+        (96, 576, 3072, False),  # the largest it sends with AVX2, gate/up's shape (16 row tiles of 6)
         (16, 128, 70, True),  # exactly one k-block of 128
         (24, 129, 64, False),  # one step past a k-block of 128, three row tiles
         (40, 300, 96, True),  # a partial last k-block after two whole ones of 128 (one of 192)
@@ -447,7 +448,7 @@ def _small_gemm_kernels():
 )
 def test_small_gemm_matches_linear(rows, in_features, out_features, with_bias):
     kernels = _small_gemm_kernels()
-    assert kernels.SMALL_GEMM_MAX_ROWS == 192
+    assert kernels.small_gemm_max_rows() == (192 if _target_has_avx512(cpu_ops.target_march()) else 96)
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator) if with_bias else None
@@ -556,12 +557,13 @@ def test_packed_linear_sends_decode_batches_to_small_gemm_and_prompt_chunks_to_o
     original = kernels.small_gemm
     try:
         kernels.small_gemm = lambda *args: calls.append(args[0].shape[0]) or original(*args)
-        for rows in (1, 64, 192, 193, 512):
+        most = kernels.small_gemm_max_rows()  # 192 with AVX-512, 96 with AVX2
+        for rows in (1, 64, most, most + 1, 512):
             x = torch.randn(rows, 96, generator=generator)
             torch.testing.assert_close(packed(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
     finally:
         kernels.small_gemm = original
-    assert calls == [1, 64, 192]
+    assert calls == [1, 64, most]
     packed.use_kernels(None)  # the torch backend: oneDNN for every batch, the second copy dropped
     assert packed.panels is None and packed.small_gemm_kernels is None
 
@@ -765,7 +767,7 @@ def test_mlp_pieces_of_a_prompt_step_run_in_onednn_with_the_kernels():
     from splitserve.engine.models.packed_linear import PackedLinear
 
     kernels = _small_gemm_kernels()
-    assert llama._MLP_CHUNK_ROWS > kernels.SMALL_GEMM_MAX_ROWS
+    assert llama._MLP_CHUNK_ROWS > kernels.small_gemm_max_rows()
     mlp = _tiny_mlp()
     gate_up, down = mlp.gate_up_proj.weight.detach().clone(), mlp.down_proj.weight.detach().clone()
     mlp.gate_up_proj, mlp.down_proj = PackedLinear(mlp.gate_up_proj), PackedLinear(mlp.down_proj)
