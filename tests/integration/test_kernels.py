@@ -3,6 +3,7 @@ references."""
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import shutil
@@ -835,6 +836,7 @@ def test_the_avx2_build_passes_these_tests_too(monkeypatch):
     _assert_no_512_bit_instructions(cpu_ops.build_folder(str(cache_dir())))
 
 
+@functools.cache  # asked by every small GEMM case: one compiler call per target
 def _target_has_avx512(march: str) -> bool:
     """Whether the compiler enables AVX-512 for ``-march=march`` (the kernels' build target; "native": this CPU)."""
     compiler = shutil.which("c++") or shutil.which("g++")
