@@ -18,6 +18,10 @@
 #include <cstring>
 #include <limits>
 
+#ifdef __AVX512F__
+#include <immintrin.h>  // VSCALEFPS in exp16
+#endif
+
 // AVX512-BF16 (Zen 4 and later, Intel from Cooper Lake): VDPBF16PS multiplies pairs of bfloat16 and adds both
 // products to a float32 lane, 32 elements an instruction. The attention kernels use it on a bfloat16 cache.
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -72,14 +76,23 @@ constexpr bool kBFloat16Dot = true;
 constexpr bool kBFloat16Dot = false;
 #endif
 
-// e^x lane by lane, for any width of GCC vector: Cephes' polynomial, 2^n through the exponent bits (the
-// method of cpu_vector_math.h's exp8); x = -inf gives exactly 0.
+// p * 2^n lane by lane, n integral in [-126, 127]: through the exponent bits (exact, a multiplication by a
+// power of two). The AVX-512 form below does it in one VSCALEFPS, which rounds the same product the same way.
+template <typename F, typename I>
+inline F scale_lanes(F p, F n) {
+  const I exponent = (__builtin_convertvector(n, I) + 127) << 23;
+  return p * (F)exponent;
+}
+
+// e^x lane by lane, for any width of GCC vector: Cephes' polynomial, 2^n through scale_lanes (the method of
+// cpu_vector_math.h's exp8); x = -inf gives exactly 0, a NaN stays a NaN. The clamps are written as the
+// MAXPS/MINPS patterns (a NaN x passes through them, as it did through a compare and a blend).
 template <typename F, typename I>
 inline F exp_lanes(F x) {
   const F lower = F{} + -87.3f, upper = F{} + 88.3f;
   const I is_minus_infinity = x == F{} + kNegativeInfinity;
-  x = x < lower ? lower : x;
-  x = x > upper ? upper : x;
+  x = lower > x ? lower : x;
+  x = upper < x ? upper : x;
   const F magic = F{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
   const F n = (x * 1.44269504088896341f + magic) - magic;
   F r = x - n * 0.693359375f;
@@ -91,8 +104,7 @@ inline F exp_lanes(F x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + (r + 1.0f);
-  const I exponent = (__builtin_convertvector(n, I) + 127) << 23;
-  const F result = p * (F)exponent;
+  const F result = scale_lanes<F, I>(p, n);
   return is_minus_infinity ? F{} : result;
 }
 
@@ -156,6 +168,11 @@ inline f32x16 load16(const BFloat16* p) {
 inline f32x16 splat(float x) { return f32x16{} + x; }
 
 inline f32x16 maximum(f32x16 a, f32x16 b) { return a > b ? a : b; }
+
+template <>
+inline f32x16 scale_lanes<f32x16, i32x16>(f32x16 p, f32x16 n) {
+  return (f32x16)_mm512_scalef_ps((__m512)p, (__m512)n);
+}
 
 inline f32x16 exp16(f32x16 x) { return exp_lanes<f32x16, i32x16>(x); }
 

@@ -829,11 +829,59 @@ def test_the_avx2_build_passes_these_tests_too(monkeypatch):
         return
     monkeypatch.setenv(cpu_ops.MARCH_VARIABLE, "x86-64-v3")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2_build"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2_build and not avx512_builds"],
         capture_output=True, text=True, timeout=840, cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
     _assert_no_512_bit_instructions(cpu_ops.build_folder(str(cache_dir())))
+
+
+# The attention cases both builds run in test_the_avx2_and_avx512_builds_give_the_same_bits (a child process
+# runs this file's function with the AVX2 build and saves what it returns).
+_CROSS_BUILD_CHILD = """
+import sys, torch
+from tests.integration import test_kernels
+torch.save(test_kernels._attention_outputs_for_the_cross_build_test(), sys.argv[1])
+"""
+
+
+def _attention_outputs_for_the_cross_build_test() -> dict[str, torch.Tensor]:
+    """Prefill and decode attention on seeded float32 inputs: a long prompt (key tiles of 64 and a partial one,
+    the causal mask, the online softmax's rescaling), a chunk after its context and a single token; decode per
+    (request, KV head) and in whole requests, over blocks of 16 and 128."""
+    outputs = {}
+    query, _, _, key_cache, value_cache, spans, scale = prefill_case(9, 3, 64, 16, [(0, 1100), (5, 30), (17, 1)])
+    outputs["prefill"] = run_prefill_kernel(query, key_cache, value_cache, spans, scale)
+    generator = torch.Generator().manual_seed(1)
+    for name, lengths, block_size in (("decode, (request, head) pairs", [1, 15, 16, 17, 300, 576], 16),
+                                      ("decode, whole requests", [1, 127, 128, 129, 300, 576] * 11, 128)):
+        num_blocks = sum(-(-length // block_size) for length in lengths) + 1
+        key_cache, value_cache = block_major_caches(3, num_blocks, block_size, 64, generator)
+        tables = shuffled_block_tables(lengths, block_size, num_blocks, generator)
+        query = torch.randn(len(lengths), 9, 64, generator=generator)
+        outputs[name] = _kernels().paged_decode_attention(query, key_cache, value_cache, tables,
+                                                           torch.tensor(lengths), 0.125)
+    return outputs
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 (AVX2) is an x86 target")
+def test_the_avx2_and_avx512_builds_give_the_same_bits(tmp_path, monkeypatch):
+    """cpu_vector16.h's two forms of a 16-float vector (one AVX-512 register; a pair of AVX2 registers) do the
+    same operations in the same order on each lane, exp16 included (one VSCALEFPS with AVX-512, the exponent's
+    bits with AVX2): the float32 attention kernels of both builds give the same bits. Runs where this CPU has
+    AVX-512 (it runs both builds)."""
+    if not _target_has_avx512("native"):
+        pytest.skip("this CPU has no AVX-512: only the AVX2 build runs here")
+    native = _attention_outputs_for_the_cross_build_test()
+    monkeypatch.setenv(cpu_ops.MARCH_VARIABLE, "x86-64-v3")
+    saved = tmp_path / "avx2.pt"
+    result = subprocess.run([sys.executable, "-c", _CROSS_BUILD_CHILD, str(saved)], capture_output=True, text=True,
+                            timeout=840, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    avx2 = torch.load(saved)
+    assert avx2.keys() == native.keys()
+    for name, output in native.items():
+        assert torch.equal(avx2[name], output), f"{name}: largest difference {(avx2[name] - output).abs().max()}"
 
 
 @functools.cache  # asked by every small GEMM case: one compiler call per target
