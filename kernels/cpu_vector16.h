@@ -84,15 +84,20 @@ inline F scale_lanes(F p, F n) {
   return p * (F)exponent;
 }
 
+// x clamped to [lower, upper] lane by lane; a NaN x stays a NaN. The AVX-512 form below is one MAXPS and one
+// MINPS (each returns its second operand, x, where a lane is unordered), which GCC does not make of these.
+template <typename F>
+inline F clamp_lanes(F x, F lower, F upper) {
+  x = lower > x ? lower : x;
+  return upper < x ? upper : x;
+}
+
 // e^x lane by lane, for any width of GCC vector: Cephes' polynomial, 2^n through scale_lanes (the method of
-// cpu_vector_math.h's exp8); x = -inf gives exactly 0, a NaN stays a NaN. The clamps are written as the
-// MAXPS/MINPS patterns (a NaN x passes through them, as it did through a compare and a blend).
+// cpu_vector_math.h's exp8); x = -inf gives exactly 0, a NaN stays a NaN.
 template <typename F, typename I>
 inline F exp_lanes(F x) {
-  const F lower = F{} + -87.3f, upper = F{} + 88.3f;
   const I is_minus_infinity = x == F{} + kNegativeInfinity;
-  x = lower > x ? lower : x;
-  x = upper < x ? upper : x;
+  x = clamp_lanes<F>(x, F{} + -87.3f, F{} + 88.3f);
   const F magic = F{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
   const F n = (x * 1.44269504088896341f + magic) - magic;
   F r = x - n * 0.693359375f;
@@ -168,6 +173,11 @@ inline f32x16 load16(const BFloat16* p) {
 inline f32x16 splat(float x) { return f32x16{} + x; }
 
 inline f32x16 maximum(f32x16 a, f32x16 b) { return a > b ? a : b; }
+
+template <>
+inline f32x16 clamp_lanes<f32x16>(f32x16 x, f32x16 lower, f32x16 upper) {
+  return (f32x16)_mm512_min_ps((__m512)upper, _mm512_max_ps((__m512)lower, (__m512)x));
+}
 
 template <>
 inline f32x16 scale_lanes<f32x16, i32x16>(f32x16 p, f32x16 n) {
