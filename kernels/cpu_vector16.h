@@ -9,7 +9,9 @@
 // Kernels use only what is defined here: the arithmetic operators, load16/store16/splat, maximum,
 // exp16, lane/keep_first, horizontal_max/horizontal_sum, sum_each and transpose16, and for bfloat16 data
 // load16/store16 on BFloat16 and round_to_bfloat16. Both forms give
-// the same results: the same operations in the same order on each lane. kVectorRegisters says how
+// the same results: the same operations in the same order on each lane (exp16's AVX-512 instructions compute
+// what the AVX2 form's do; tests/integration/test_kernels.py compares the attention kernels of both builds
+// bit for bit). kVectorRegisters says how
 // many registers a kernel's micro-tiles may hold. Multiply-adds are fused here (fp-contract=fast),
 // as BLAS does for torch's matmuls.
 #pragma once
@@ -19,7 +21,7 @@
 #include <limits>
 
 #ifdef __AVX512F__
-#include <immintrin.h>  // VSCALEFPS in exp16
+#include <immintrin.h>  // exp16's MAXPS, MINPS and VSCALEFPS
 #endif
 
 // AVX512-BF16 (Zen 4 and later, Intel from Cooper Lake): VDPBF16PS multiplies pairs of bfloat16 and adds both
