@@ -48,6 +48,15 @@ def shuffled_block_tables(lengths, block_size, num_blocks, generator):
     return tables
 
 
+def decode_case(num_q_heads, num_kv_heads, head_dim, block_size, lengths, num_blocks, generator):
+    """A decode step's inputs: one query row per request over shuffled blocks of a block-major cache of
+    ``num_blocks`` blocks. Returns the query, both caches, the block tables and the sequence lengths."""
+    key_cache, value_cache = block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, generator)
+    tables = shuffled_block_tables(lengths, block_size, num_blocks, generator)
+    query = torch.randn(len(lengths), num_q_heads, head_dim, generator=generator)
+    return query, key_cache, value_cache, tables, torch.tensor(lengths, dtype=torch.int64)
+
+
 def reference(query, key_cache, value_cache, block_tables, seq_lens, scale):
     num_requests = query.shape[0]
     num_kv_heads, _, block_size, _ = key_cache.shape
@@ -94,11 +103,9 @@ def test_kernel_matches_torch_reference(num_q_heads, num_kv_heads, head_dim, blo
     assert cpu_ops.available(str(cache_dir())), "the C++ kernel must build on this machine"
     generator = torch.Generator().manual_seed(0)
     num_blocks = max(200, sum(-(-length // block_size) for length in lengths))
-    key_cache, value_cache = block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, generator)
+    query, key_cache, value_cache, tables, seq_lens = decode_case(num_q_heads, num_kv_heads, head_dim, block_size,
+                                                                  lengths, num_blocks, generator)
     assert not key_cache.is_contiguous()
-    seq_lens = torch.tensor(lengths, dtype=torch.int64)
-    tables = shuffled_block_tables(lengths, block_size, num_blocks, generator)
-    query = torch.randn(len(lengths), num_q_heads, head_dim, generator=generator)
     scale = head_dim**-0.5
 
     expected = reference(query, key_cache, value_cache, tables, seq_lens, scale)
@@ -126,10 +133,8 @@ def test_whole_requests_read_in_memory_order_give_the_bits_of_one_head_at_a_time
     generator = torch.Generator().manual_seed(11)
     lengths = [1, block_size - 1, block_size, block_size + 1, 129, 300, 577] * 10
     num_blocks = sum(-(-length // block_size) for length in lengths) + 8
-    key_cache, value_cache = block_major_caches(num_kv_heads, num_blocks, block_size, head_dim, generator)
-    tables = shuffled_block_tables(lengths, block_size, num_blocks, generator)
-    seq_lens = torch.tensor(lengths, dtype=torch.int64)
-    query = torch.randn(len(lengths), num_q_heads, head_dim, generator=generator)
+    query, key_cache, value_cache, tables, seq_lens = decode_case(num_q_heads, num_kv_heads, head_dim, block_size,
+                                                                  lengths, num_blocks, generator)
     scale = head_dim**-0.5
     together = cpu_ops.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
     for row in range(len(lengths)):
@@ -148,10 +153,7 @@ def test_decode_kernel_fetches_ahead_into_either_cache_level_with_the_same_resul
     default = cpu_ops.decode_prefetch_level()
     generator = torch.Generator().manual_seed(5)
     lengths = [1, 127, 128, 129, 300, 576] * 11  # whole requests per thread, then per (request, head)
-    key_cache, value_cache = block_major_caches(3, 400, 128, 64, generator)
-    tables = shuffled_block_tables(lengths, 128, 400, generator)
-    seq_lens = torch.tensor(lengths, dtype=torch.int64)
-    query = torch.randn(len(lengths), 9, 64, generator=generator)
+    query, key_cache, value_cache, tables, seq_lens = decode_case(9, 3, 64, 128, lengths, 400, generator)
     expected = reference(query, key_cache, value_cache, tables, seq_lens, 0.125)
     for count in (len(lengths), 2):
         outputs = []
@@ -856,11 +858,8 @@ def _attention_outputs_for_the_cross_build_test() -> dict[str, torch.Tensor]:
     for name, lengths, block_size in (("decode, (request, head) pairs", [1, 15, 16, 17, 300, 576], 16),
                                       ("decode, whole requests", [1, 127, 128, 129, 300, 576] * 11, 128)):
         num_blocks = sum(-(-length // block_size) for length in lengths) + 1
-        key_cache, value_cache = block_major_caches(3, num_blocks, block_size, 64, generator)
-        tables = shuffled_block_tables(lengths, block_size, num_blocks, generator)
-        query = torch.randn(len(lengths), 9, 64, generator=generator)
-        outputs[name] = _kernels().paged_decode_attention(query, key_cache, value_cache, tables,
-                                                           torch.tensor(lengths), 0.125)
+        case = decode_case(9, 3, 64, block_size, lengths, num_blocks, generator)
+        outputs[name] = _kernels().paged_decode_attention(*case, 0.125)
     return outputs
 
 
