@@ -437,6 +437,8 @@ def _small_gemm_kernels():
     "rows, in_features, out_features, with_bias",
     [
         (1, 576, 960, False),  # batch 1: SmolLM's qkv
+        (2, 300, 45, True),  # AVX2's whole-row tiles (1-3 rows): k-blocks resumed, a panel of 13 columns, a bias
+        (3, 129, 200, False),  # three rows, one step past a k-block, a panel of 8 columns
         (7, 17, 45, True),  # a partial row tile, an odd depth, a partial last panel, a bias
         (8, 64, 32, True),  # exactly one tile and one panel
         (9, 40, 31, False),  # one row past a tile; fewer columns than one panel
@@ -476,7 +478,9 @@ def test_small_gemm_rows_do_not_depend_on_their_batch():
     whole = kernels.small_gemm(x, panels, bias, 200)
     for row in (0, 7, 8, 37, 69):
         assert torch.equal(kernels.small_gemm(x[row : row + 1], panels, bias, 200)[0], whole[row])
-    assert torch.equal(kernels.small_gemm(x[5:45], panels, bias, 200), whole[5:45])
+    # With AVX2, tiles of 1 to 3 rows walk each panel row whole, larger ones in halves: the same sums.
+    for start, stop in ((10, 12), (20, 23), (5, 45), (30, 34)):
+        assert torch.equal(kernels.small_gemm(x[start:stop], panels, bias, 200), whole[start:stop]), (start, stop)
 
 
 def test_small_gemm_k_blocks_change_no_result():
@@ -582,6 +586,8 @@ def _small_gemm_bfloat16_kernels():
     "rows, in_features, out_features, with_bias",
     [
         (1, 576, 960, False),  # batch 1: SmolLM's qkv
+        (2, 300, 45, True),  # AVX2's whole-row tiles (1-3 rows): k-blocks resumed, a panel of 13 columns, a bias
+        (3, 129, 200, False),  # three rows, one step past a k-block, a panel of 8 columns
         (7, 18, 45, True),  # a partial row tile, a partial last panel, a bias
         (8, 64, 32, False),  # exactly one tile and one panel (SMALL_GEMM_BFLOAT16_MAX_ROWS rows)
         (9, 40, 31, True),  # one row past a tile; fewer columns than one panel
