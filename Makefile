@@ -67,7 +67,7 @@ GPU_TESTS = tests/integration/test_engine_device.py tests/integration/test_kvtra
 test-gpu:
 	$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch finds no CUDA device here')"
 	$(PYTHON) -m pytest -q -rs $(GPU_TESTS)
-	$(PYTHON) benchmarks/kernels.py --json kernels.json
+	$(PYTHON) benchmarks/gpu_kernels.py --json kernels.json
 	$(PYTHON) benchmarks/decode_graphs.py --json decode_graphs.json
 	$(PYTHON) benchmarks/prefill_graphs.py --json prefill_graphs.json
 

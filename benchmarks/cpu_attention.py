@@ -1,9 +1,9 @@
 """The C++ CPU attention kernels against their torch references, timed in the same run.
 
-Prefill: ``kernels/cpu_prefill_attention.cpp`` (all of a step's prompt chunks in one call, keys and
+Prefill: ``splitserve/kernels/cpu_prefill_attention.cpp`` (all of a step's prompt chunks in one call, keys and
 values read from the paged cache in place) against the torch backend's ``prefill_attention`` (SDPA
 per chunk; a chunk with cached context first gathers its blocks and builds a mask). Decode:
-``kernels/cpu_paged_attention.cpp`` against ``decode_attention`` (gathered blocks, two batched matmuls).
+``splitserve/kernels/cpu_paged_attention.cpp`` against ``decode_attention`` (gathered blocks, two batched matmuls).
 Each case runs all the model's layers, alternating kernel and reference, and prints medians, the
 reference/kernel ratio (above 1: the kernel is faster), the kernel's rate (GFLOP/s for prefill, the
 causal FLOPs only; GB/s of KV read for decode) and the largest difference between the two outputs. Where

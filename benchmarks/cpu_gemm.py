@@ -1,6 +1,6 @@
 """The C++ small-batch GEMM against oneDNN's packed GEMM, timed in the same run, with the weights cold.
 
-``kernels/cpu_small_gemm.cpp`` runs the engine's projections for batches of up to
+``splitserve/kernels/cpu_small_gemm.cpp`` runs the engine's projections for batches of up to
 ``small_gemm_max_rows()`` rows (192 with AVX-512, 96 with AVX2); above that oneDNN's packed GEMM
 (``PackedLinear``) does. In the
 engine a layer's weights are cold when its GEMM runs (attention and the other layers have swept the

@@ -16,6 +16,9 @@ from splitserve.common.model_info import cache_dir
 from splitserve.kernels import cpu_ops
 
 ROOT = Path(__file__).resolve().parent.parent
+# Where a revision keeps the C++ sources: splitserve/kernels/ since 2026-12-03, kernels/ at the top before (a top-level
+# kernels package shadowed Hugging Face's, which transformers 5.25 imports).
+KERNEL_FOLDERS = ("splitserve/kernels/", "kernels/")
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
@@ -24,8 +27,8 @@ def _git(*args: str) -> subprocess.CompletedProcess:
 
 def baseline_sources(spec: str) -> tuple[str, dict[str, bytes]]:
     """(a label, the kernel sources by name) of ``spec``: a folder of ``*.cpp`` and ``*.h`` files, or a git
-    revision of this repository (its ``kernels/`` folder). Raises ValueError when it is neither, or holds no
-    kernel sources."""
+    revision of this repository (its ``splitserve/kernels/`` folder, or ``kernels/`` before the move). Raises
+    ValueError when it is neither, or holds no kernel sources."""
     folder = Path(spec).expanduser()
     if folder.is_dir():
         files, label = cpu_ops.source_files(folder), f"the sources in {folder}"
@@ -34,7 +37,8 @@ def baseline_sources(spec: str) -> tuple[str, dict[str, bytes]]:
         if found.returncode != 0:
             raise ValueError(f"{spec[:80]!r} is neither a folder nor a git revision of this repository")
         commit = found.stdout.decode().strip()
-        listing = _git("ls-tree", "--name-only", commit, "kernels/").stdout.decode().split()
+        listing = next((found for place in KERNEL_FOLDERS
+                        if (found := _git("ls-tree", "--name-only", commit, place).stdout.decode().split())), [])
         files = {}
         for path in listing:
             if path.endswith((".cpp", ".h")):

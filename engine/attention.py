@@ -11,8 +11,8 @@ Gathering a request's blocks gives each head's keys as one contiguous
 A step's batch is flattened: decode tokens first (one per request), then the
 prefill chunks. :class:`AttentionMetadata` is built once per step by the model
 runner and shared by every layer. It selects one of three implementations: this
-module's torch code, the C++ CPU kernels (``kernels/cpu_ops``: KV writes, decodes
-and all prefill chunks in one call) or the Triton kernels (``kernels/triton_attention``: KV writes, decodes
+module's torch code, the C++ CPU kernels (``splitserve/kernels/cpu_ops``: KV writes, decodes
+and all prefill chunks in one call) or the Triton kernels (``splitserve/kernels/triton_attention``: KV writes, decodes
 and all prefill chunks in one varlen launch).
 """
 

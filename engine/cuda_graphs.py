@@ -2,7 +2,7 @@
 
 A decode step of a small model on a GPU is bound by launches, not by the GPU: SmolLM2's 30 layers make
 about 300 kernel launches a step, each 5-20 us of Python and driver time when launched one by one
-(``benchmarks/kernels.py --timing eager`` against ``graph`` on an H100: one request's paged decode
+(``benchmarks/gpu_kernels.py --timing eager`` against ``graph`` on an H100: one request's paged decode
 attention over 4k tokens took 23 us eager, 12.5 us replayed). As vLLM and SGLang do, the model's
 forward pass for decode-only steps is captured once per padded batch size at start, over static
 input buffers, and each later decode step copies its inputs into those buffers and replays the graph.

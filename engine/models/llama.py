@@ -37,7 +37,7 @@ _HEAD_SMALL_GEMM_MAX_ROWS = 64
 # SiLU-and-multiply and by the down projection). On a 2-core Emerald Rapids VM that streams 22 GB/s, the
 # offline workload ran 7-11% faster than with 2,048-row pieces (medians of 4 alternating runs in one
 # process: 256 rows 167.8-169.8 tok/s, 384-512 about 166, 1,024 162.6, 2,048 152.6-158.4). Pieces stay
-# above kernels/cpu_ops.small_gemm_max_rows(), so they run in oneDNN with the weights just used hot in
+# above splitserve/kernels/cpu_ops.small_gemm_max_rows(), so they run in oneDNN with the weights just used hot in
 # cache; 128-row pieces went to the small GEMM, which streams its weights, and ran at 152.6. On a GPU the step
 # runs whole: its intermediates live in device memory either way, and larger GEMMs fill more of the SMs.
 _MLP_CHUNK_ROWS = 256

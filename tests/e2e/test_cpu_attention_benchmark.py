@@ -81,7 +81,7 @@ def _assert_each_case_compared(cases: list[str]) -> None:
 
 def test_cpu_attention_benchmark_against_a_copy_of_this_trees_kernels_times_the_one_build_twice(tmp_path):
     for pattern in ("*.cpp", "*.h"):
-        for source in (ROOT / "kernels").glob(pattern):
+        for source in (ROOT / "splitserve" / "kernels").glob(pattern):
             (tmp_path / source.name).write_bytes(source.read_bytes())
     header, cases = _baseline_lines(_run_with_baseline(str(tmp_path)))
     assert header == f"Against the kernels of the sources in {tmp_path}: the same sources as this tree (one build, " \

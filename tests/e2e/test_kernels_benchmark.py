@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py without a GPU: the bytes each kernel must move, the kernels compiled for an H100,
+"""benchmarks/gpu_kernels.py without a GPU: the bytes each kernel must move, the kernels compiled for an H100,
 and the interpreter check, each as a user runs the script (a subprocess; Triton's compiler and its
 interpreter cannot share a process)."""
 
@@ -20,7 +20,7 @@ with_a_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device here (torch.cuda.is_available() is False): nothing to time")
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "kernels.py"
+SCRIPT = ROOT / "benchmarks" / "gpu_kernels.py"
 KERNELS = ["rms_norm", "add_rms_norm", "rotary_", "silu_and_mul", "store_kv", "gather_blocks", "scatter_blocks",
            "copy_blocks", "paged_decode_attention", "paged_prefill_attention"]
 

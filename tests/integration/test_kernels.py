@@ -523,7 +523,7 @@ def _l1_data_cache_bytes() -> int:
 
 
 def _expected_small_gemm_block_steps() -> int:
-    """The small GEMM's default k-block for this CPU and this build, by the rule in kernels/cpu_small_gemm.cpp."""
+    """The small GEMM's default k-block for this CPU and this build, by the rule in splitserve/kernels/cpu_small_gemm.cpp."""
     amd, large_l1 = _amd_cpu(), _l1_data_cache_bytes() >= 48 * 1024
     if amd and large_l1:
         return 192

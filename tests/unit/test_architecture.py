@@ -10,6 +10,7 @@ functions included; the runtime check imports the router in a fresh process.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -70,7 +71,7 @@ LMCACHE_MODULES = ("kvtransfer/lmcache_connector.py", "kvtransfer/lmcache_gpu_co
 
 
 def test_only_the_lmcache_connector_imports_lmcache():
-    found = [violation for folder in ("splitserve", "engine", "kernels", "kvtransfer", "router", "prefill_service",
+    found = [violation for folder in ("splitserve", "engine", "kvtransfer", "router", "prefill_service",
                                       "decode_service", "benchmarks")
              for violation in violations(folder, ("lmcache",))
              if violation.split(":")[0] not in LMCACHE_MODULES]
@@ -78,15 +79,15 @@ def test_only_the_lmcache_connector_imports_lmcache():
 
 
 # Triton is an optional extra too: only the Triton kernel modules import it (lazily, on first use).
-TRITON_MODULES = ("kernels/triton_attention.py", "kernels/triton_ops.py", "kernels/triton_aot.py")
+TRITON_MODULES = tuple(f"splitserve/kernels/triton_{name}.py" for name in ("attention", "ops", "aot"))
 
 
 def test_only_the_triton_kernels_import_triton():
-    found = [violation for folder in ("splitserve", "engine", "kernels", "kvtransfer", "router", "prefill_service",
+    found = [violation for folder in ("splitserve", "engine", "kvtransfer", "router", "prefill_service",
                                       "decode_service")
              for violation in violations(folder, ("triton",))
              if violation.split(":")[0] not in TRITON_MODULES]
-    assert not found, "only kernels/triton_*.py may import triton (an optional extra):\n" + "\n".join(found)
+    assert not found, "only splitserve/kernels/triton_*.py may import triton (an optional extra):\n" + "\n".join(found)
 
 
 def test_the_checks_see_imports_inside_functions(tmp_path):
@@ -116,3 +117,36 @@ def test_the_router_process_never_imports_torch(model_dir):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert "torch" not in report["heavy_modules"], f"the router imported torch: {report}"
     assert report["heavy_modules"] == [], f"the router imported model code: {report}"
+
+
+# Top-level names some distributions ship by mistake and nothing imports (cufile-python installs ``tests``).
+SHADOWING_ALLOWED = frozenset({"tests"})
+
+
+def shadowing(folder: Path, provided: dict[str, list[str]]) -> list[str]:
+    """``name (distributions)`` for each module or package directly in ``folder`` that takes the import name of a
+    module another installed distribution provides (``provided``: importlib.metadata.packages_distributions())."""
+    names = {path.stem for path in folder.glob("*.py")}
+    names |= {path.parent.name for path in folder.glob("*/__init__.py")}
+    return [f"{name} ({', '.join(sorted(set(provided[name])))})" for name in sorted(names - SHADOWING_ALLOWED)
+            if set(provided.get(name, ())) - {"splitserve"}]
+
+
+def test_no_folder_or_benchmark_shadows_an_installed_module():
+    """The checkout's root (first on sys.path under pytest and ``python -m``) and benchmarks/ (a script's own
+    folder, first on its sys.path) hold no module an installed distribution provides: a top-level kernels/ once
+    hid Hugging Face's ``kernels``, which transformers 5.25 imports while it loads a model."""
+    provided = importlib.metadata.packages_distributions()
+    found = shadowing(REPO, provided) + shadowing(REPO / "benchmarks", provided)
+    assert not found, "these names hide installed modules of the same name; rename them:\n" + "\n".join(found)
+
+
+def test_the_shadowing_check_sees_a_package_and_a_script(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    (tmp_path / "yaml.py").write_text("")
+    (tmp_path / "splitserve_only.py").write_text("")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "__init__.py").write_text("")
+    provided = {"kernels": ["kernels"], "yaml": ["PyYAML"], "splitserve_only": ["splitserve"], "tests": ["x"]}
+    assert shadowing(tmp_path, provided) == ["kernels (kernels)", "yaml (PyYAML)"]

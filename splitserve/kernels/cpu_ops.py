@@ -11,7 +11,7 @@ later processes, from any checkout of the same sources, load the built library i
 milliseconds. A compile takes about 40 s on a 2-core Zen 3, so a line on
 the log says when one starts and how long it took. When no compiler is available the engine keeps the
 plain-torch paths. Each kernel's plain-torch reference is named in its source
-and compared with it in ``tests/test_kernels.py``.
+and compared with it in ``tests/integration/test_kernels.py``.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def rounds_bfloat16_queries(head_dim: int) -> bool:
 
 def decodes_in_amx(head_dim: int, block_size: int, group: int) -> bool:
     """Whether :func:`paged_decode_attention` over a bfloat16 cache of this shape runs in AMX tiles
-    (``kernels/cpu_amx_attention.h``): on CPUs with AMX-BF16 that Linux lets this process use, head sizes 64
+    (``splitserve/kernels/cpu_amx_attention.h``): on CPUs with AMX-BF16 that Linux lets this process use, head sizes 64
     and 128, blocks of a multiple of 16 tokens. There the softmax weights are rounded to bfloat16 before they
     multiply the values, as well as the queries (see :func:`rounds_bfloat16_queries`). Call :func:`available`
     first."""
@@ -280,7 +280,7 @@ def decodes_in_amx(head_dim: int, block_size: int, group: int) -> bool:
 
 def prefills_in_amx(head_dim: int, block_size: int) -> bool:
     """Whether :func:`paged_prefill_attention` over a bfloat16 cache of this shape runs in AMX tiles
-    (``kernels/cpu_amx_attention.h``; the conditions of :func:`decodes_in_amx`, any number of query heads per KV
+    (``splitserve/kernels/cpu_amx_attention.h``; the conditions of :func:`decodes_in_amx`, any number of query heads per KV
     head), rounding the softmax weights to bfloat16 too. Call :func:`available` first."""
     return _module.amx_prefill_supported(head_dim, block_size)
 
@@ -299,7 +299,7 @@ def amx_disabled():
 def decode_prefetch_level() -> int:
     """The cache level (1 or 2) :func:`paged_decode_attention` fetches each chunk's successor into: by default L1
     on AMD CPUs whose L1 data cache holds 48 KB or more (Zen 5), else L2 (Zen 3 and 4; Intel with 48 KB, measured
-    in ``kernels/cpu_paged_attention.cpp``).
+    in ``splitserve/kernels/cpu_paged_attention.cpp``).
     Call :func:`available` first."""
     return _module.decode_prefetch_level()
 
@@ -416,7 +416,7 @@ def small_gemm_supported() -> bool:
 def small_gemm_max_rows() -> int:
     """Up to this many rows a float32 projection runs in :func:`small_gemm`, above it in oneDNN's packed GEMM, which
     wins the prompt chunks: 192 where the kernels run AVX-512, 96 where they run AVX2 (oneDNN's AVX2 GEMM is ahead
-    from about 100 rows); 0 where :func:`small_gemm` was not built. Measured in ``kernels/cpu_small_gemm.cpp``.
+    from about 100 rows); 0 where :func:`small_gemm` was not built. Measured in ``splitserve/kernels/cpu_small_gemm.cpp``.
     Call :func:`available` first."""
     return _module.small_gemm_max_rows()
 
@@ -440,7 +440,7 @@ def default_small_gemm_block_steps() -> int:
     """The k-block :func:`small_gemm` walks its panels in on this CPU, in 128-byte steps: 128 (16 KB); 192 on
     AMD CPUs whose L1 data cache holds 48 KB or more (Zen 5); 0, each panel whole, on other AMD CPUs where the
     kernels run AVX-512 (Zen 4); 256 on other CPUs with a 48 KB L1 where the kernels run AVX-512 (Intel since Ice
-    Lake). Measured in ``kernels/cpu_small_gemm.cpp``. Call :func:`available` first."""
+    Lake). Measured in ``splitserve/kernels/cpu_small_gemm.cpp``. Call :func:`available` first."""
     return _module.default_small_gemm_block_steps()
 
 

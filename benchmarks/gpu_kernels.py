@@ -1,8 +1,8 @@
 """Triton kernels against the GPU's peak memory bandwidth and their torch references, in the same run.
 
-Kernels: the element-wise ones of ``kernels/triton_ops.py`` (``rms_norm``, ``add_rms_norm``, ``rotary_``,
+Kernels: the element-wise ones of ``splitserve/kernels/triton_ops.py`` (``rms_norm``, ``add_rms_norm``, ``rotary_``,
 ``silu_and_mul``), the KV block copies (``gather_blocks``, ``scatter_blocks``, ``copy_blocks``), and those of
-``kernels/triton_attention.py`` (``store_kv``, ``paged_decode_attention``, ``paged_prefill_attention``);
+``splitserve/kernels/triton_attention.py`` (``store_kv``, ``paged_decode_attention``, ``paged_prefill_attention``);
 a kernel not there yet is skipped with a sentence.
 
 Shapes are the default model's (SmolLM2-135M: 30 layers, hidden 576, intermediate 1536, 9 query heads, 3 KV
@@ -32,10 +32,10 @@ reference (a check that it runs, not a timing).
 
 Usage::
 
-    python benchmarks/kernels.py                          # on a GPU: every kernel, every shape
-    python benchmarks/kernels.py --kernels paged_decode_attention --contexts 4096 16384 --batch-sizes 16 64
-    python benchmarks/kernels.py --dtype float32 --repeats 50 --json kernels.json
-    python benchmarks/kernels.py --interpret              # on CPU: the bytes table, and a run on tiny shapes
+    python benchmarks/gpu_kernels.py                          # on a GPU: every kernel, every shape
+    python benchmarks/gpu_kernels.py --kernels paged_decode_attention --contexts 4096 16384 --batch-sizes 16 64
+    python benchmarks/gpu_kernels.py --dtype float32 --repeats 50 --json kernels.json
+    python benchmarks/gpu_kernels.py --interpret              # on CPU: the bytes table, and a run on tiny shapes
 """
 
 from __future__ import annotations
@@ -162,13 +162,13 @@ def _ops():
 
 
 def _attention_function(name: str):
-    """The function ``name`` of kernels/triton_attention.py, or a sentence saying why it cannot run."""
+    """The function ``name`` of splitserve/kernels/triton_attention.py, or a sentence saying why it cannot run."""
     try:
         module = importlib.import_module(ATTENTION_MODULE)
     except ImportError as error:
-        return f"kernels/triton_attention.py cannot be imported yet ({error})"
+        return f"splitserve/kernels/triton_attention.py cannot be imported yet ({error})"
     function = getattr(module, name, None)
-    return function if function is not None else f"kernels/triton_attention.py has no {name} yet"
+    return function if function is not None else f"splitserve/kernels/triton_attention.py has no {name} yet"
 
 
 def _difference(actual, expected) -> float:
@@ -633,11 +633,11 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-tiles", type=parse_tiles, nargs="+", default=None, metavar="RxKxWxS",
                         help="time paged prefill attention with each of these tiles (query rows x keys x warps x "
                              "pipeline stages, e.g. 64x64x4x3 128x64x8x2), one row per tile, instead of the "
-                             "kernel's own choice (kernels/triton_attention.prefill_tiles): the GPU sweep of tiles")
+                             "kernel's own choice (splitserve/kernels/triton_attention.prefill_tiles): the GPU sweep of tiles")
     parser.add_argument("--prefill-splits", type=int, nargs="+", default=None, metavar="N",
                         help="time paged prefill attention with its cached context in each of these numbers of "
                              "split-K parts, one row per count (1: unsplit), instead of the kernel's own choice "
-                             "(kernels/triton_attention.choose_prefill_splits)")
+                             "(splitserve/kernels/triton_attention.choose_prefill_splits)")
     parser.add_argument("--num-splits", type=int, default=None,
                         help="split-K parts of paged decode attention (default: the kernel chooses)")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per kernel and shape; the median counts (default 20)")

@@ -68,7 +68,7 @@ def decode_tiles(dtype: torch.dtype, head_dim: int) -> Tiles:
 
     A decode program's rows are the query heads of one KV head (``rows`` is unused). Half precision:
     64 keys, 4 warps; a three-stage load pipeline at head size 64, two from 128 (three spill there with
-    Triton 3.6, and two spill at 64). Measured on an H100 at head size 64 (``benchmarks/kernels.py``
+    Triton 3.6, and two spill at 64). Measured on an H100 at head size 64 (``benchmarks/gpu_kernels.py``
     and its notes in the README): 16 to 128 keys, 1 to 8 warps and 2 to 4 stages are within a few percent
     of one another once the split count fills the GPU. Float32 at head size 128 spills with 64 keys on 4
     warps (and with 32 keys on 4 warps): 32 keys on 8 warps do not.
@@ -87,7 +87,7 @@ def prefill_tiles(dtype: torch.dtype, head_dim: int, arch: int | None = None) ->
     stages up to head size 64. From head size 128, on Hopper (sm_90, warp-group products) 128 rows x 64
     keys in 8 warps and two stages, elsewhere 64 x 64 in 8 warps and three (on sm_80, 128 rows spill at
     head size 128, and so do 4 warps). The Hopper and head-64 tiles were the fastest of nine non-spilling
-    ones timed on an H100 (``benchmarks/kernels.py --prefill-tiles``; README "On an H100"): at head size
+    ones timed on an H100 (``benchmarks/gpu_kernels.py --prefill-tiles``; README "On an H100"): at head size
     128, 1.8-2.0x the 64 x 64 x 8-warp tiles; at 64, 0-9% ahead of three stages. Float32 products run in
     full precision on the CUDA cores, each thread holding a share of both operands: tiles of 16 rows by 16
     keys keep them in registers with the loads pipelined (64 x 64 spills hundreds of registers at head size
