@@ -25,9 +25,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the step's positions ([tokens]): each [tokens, 1, head_dim], looked up once per step."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, over_heads: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the step's positions ([tokens]), looked up once per step: each [tokens, 1, head_dim], to
+        broadcast over the heads in :func:`apply_rotary`, or with ``over_heads`` False [tokens, head_dim], as the
+        kernels' ``rotary_`` takes them."""
+        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return (cos.unsqueeze(1), sin.unsqueeze(1)) if over_heads else (cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
