@@ -7,7 +7,7 @@ The layers shared with other families live beside it: ``rms_norm.py``,
 ``rotary_embedding.py`` and ``packed_linear.py``.
 
 Inside the model, modules call each other's ``forward`` directly rather than through ``nn.Module.__call__``, whose
-hook checks cost about a microsecond each, 280 times a step, and the rotary tables come in the kernels' layout once
+hook checks cost about a microsecond each, 274 times a step, and the rotary tables come in the kernels' layout once
 a step rather than reshaped in every layer: with the C++ kernels, a 30-layer model as small as to be all overhead
 took 2.57 ms a decode step against 3.00 (batch 1, medians of 5, three alternating processes of each, 2-core Intel
 Xeon with AMX). No hooks are registered on these modules.
@@ -142,7 +142,7 @@ class LlamaMLP(nn.Module):
         if self.kernels is not None:
             return self.down_proj.forward(self.kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -182,7 +182,7 @@ class LlamaModel(nn.Module):
         self.kernels = None  # set by LlamaForCausalLM.use_kernels: then the rotary tables are in the kernels' layout
 
     def forward(self, input_ids, positions, kv_caches, metadata, output_rows=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens.forward(input_ids)
         rotary_tables = self.rotary.tables(positions, hidden.dtype, over_heads=self.kernels is None)
         residual = None
         last = len(self.layers) - 1
@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         the others there, as llama.cpp does for the tokens it does not output. With SmolLM2-135M's 30 layers
         that is 2.8% of a long prompt step's GEMM work. The last layer's K/V is written for every row either
         way."""
-        return self.model(input_ids, positions, kv_caches, metadata, output_rows)
+        return self.model.forward(input_ids, positions, kv_caches, metadata, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [rows, hidden_size] -> logits [rows, vocab] (float32)."""
