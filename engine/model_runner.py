@@ -146,7 +146,8 @@ class ModelRunner:
         # bfloat16 on CPUs with AMX the kernel multiplies in AMX tiles itself where it takes the head and block
         # sizes (cpu_ops.prefills_in_amx); where it does not, torch's SDPA does there, which reaches oneDNN's AMX
         # kernels and ran prompt attention 1.6-3.3x faster than the kernel's AVX-512 pair dot products, even
-        # gathering the context first (benchmarks/cpu_attention.py --dtype bfloat16; README "bfloat16 on CPUs").
+        # gathering the context first (benchmarks/cpu_attention.py --dtype bfloat16; docs/cpu-performance.md
+        # "bfloat16 on CPUs").
         amx_cpu = self.dtype == torch.bfloat16 and cpu_ops.has_amx_bfloat16()
         self.use_cpu_prefill_kernel = (
             self.use_cpu_kernel and cpu_ops.prefill_supports(model_config.head_dim)
