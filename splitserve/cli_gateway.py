@@ -11,11 +11,11 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
     gateway = commands.add_parser(
         "gateway", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) in front of a router",
         description="Serve /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models and "
-        "/health over HTTP, each request one gRPC call on the router at --router. The gateway keeps no state and no "
-        "key: a caller's 'Authorization: Bearer KEY' header is passed on to the router, which checks it as it checks "
-        "gRPC clients. A caller that disconnects cancels its request on the workers. Errors are OpenAI's JSON error "
-        "object with the matching HTTP status (400, 401, 404, 413, 429, 503, 504). Prints 'READY http://HOST:PORT "
-        "gateway' once it listens.",
+        "/health over HTTP, each request one gRPC call on the router at --router (n calls side by side for n "
+        "choices). The gateway keeps no state and no key: a caller's 'Authorization: Bearer KEY' header is passed on "
+        "to the router, which checks it as it checks gRPC clients. A caller that disconnects cancels its request on "
+        "the workers. Errors are OpenAI's JSON error object with the matching HTTP status (400, 401, 404, 413, 429, "
+        "503, 504). Prints 'READY http://HOST:PORT gateway' once it listens.",
     )
     gateway.add_argument("--router", required=True, metavar="ADDR", help="the router's host:port")
     gateway.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
@@ -26,6 +26,9 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
                          "router's model name); other names get 404")
     gateway.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, metavar="BYTES",
                          help="largest request body read; larger ones get 413 (default: %(default)s)")
+    gateway.add_argument("--max-choices", type=int, default=16, metavar="N",
+                         help="the largest n (choices per request) a request may ask for; each choice is a generation "
+                         "of its own on the cluster, side by side with the others (default: %(default)s)")
     gateway.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     add_client_tls_arguments(gateway)
     gateway.set_defaults(handler=_run_gateway)
@@ -42,9 +45,11 @@ def _run_gateway(args: argparse.Namespace) -> int:
         raise ValueError(f"The gateway needs the 'gateway' extra: pip install 'splitserve[gateway]' ({error}).") from None
     if args.max_body_bytes < 1:
         raise ValueError("--max-body-bytes must be positive.")
+    if args.max_choices < 1:
+        raise ValueError("--max-choices must be positive.")
     if args.port and (problem := bind_problem(f"{args.host}:{args.port}")):
         raise CannotListen(f"Cannot listen on {args.host}:{args.port}: {problem}.")
     configure_logging(args.log_level)
     tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
-    config = GatewayConfig(args.router, args.served_model_name, tls, args.max_body_bytes)
+    config = GatewayConfig(args.router, args.served_model_name, tls, args.max_body_bytes, args.max_choices)
     return run_gateway(config, args.host, args.port, args.log_level)

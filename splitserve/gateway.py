@@ -3,11 +3,12 @@
 ``/v1/completions``, ``/v1/chat/completions`` (streaming as server-sent events, with ``usage`` when
 ``stream_options.include_usage`` asks), ``/v1/models`` and ``/health``, on Starlette and uvicorn (FastAPI's own
 base, without its request models: the bodies are checked here, so every refusal is OpenAI's error shape with a
-sentence, never a 422 of field paths). Each HTTP request becomes one gRPC call on the router through
-:class:`splitserve.client.AsyncClient`; the gateway keeps no state and no secret. The caller's
+sentence, never a 422 of field paths). Each choice of an HTTP request (``n`` of them, 1 by default) is one gRPC
+call on the router through :class:`splitserve.client.AsyncClient`, the calls side by side (as vLLM's parallel
+sampling, choice i of a seeded request samples with seed + i); the gateway keeps no state and no secret. The caller's
 ``Authorization: Bearer`` header is passed on as the router's API key, so the router authenticates as it does
-for gRPC clients. A caller that disconnects cancels its call, and the router aborts the request on the workers
-(its KV blocks freed).
+for gRPC clients. A caller that disconnects cancels its calls, and the router aborts their requests on the
+workers (their KV blocks freed); a call that fails cancels the request's other choices.
 
 Errors: the router's status codes map to HTTP (INVALID_ARGUMENT 400, UNAUTHENTICATED 401, PERMISSION_DENIED 403,
 NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, others 500) with the router's
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -32,12 +34,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve.client import AsyncClient
-from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_CHOICES = 16
+# A log probability of minus infinity (a token sampling can never pick) as vLLM's server writes it: JSON has no
+# infinities.
+LOWEST_LOGPROB = -9999.0
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
@@ -87,12 +93,29 @@ class GatewayConfig:
             the router's model name); any other name gets 404.
         tls: TLS to the router (``splitserve.rpc.tls.TLSConfig``; None: plaintext).
         max_body_bytes: the largest request body read.
+        max_choices: the largest ``n`` a request may ask for (each choice is a generation of its own).
     """
 
     router: str
     served_model_name: str | None = None
     tls: object = None
     max_body_bytes: int = MAX_BODY_BYTES
+    max_choices: int = MAX_CHOICES
+
+
+@dataclass
+class _Reply:
+    """What every part of one HTTP answer shares: its id, object kind, model, creation time, and how a choice
+    is written (``choice(index, text, finish_reason, logprobs, final)``)."""
+
+    request_id: str
+    kind: str
+    model: str
+    created: int
+    choice: Callable[..., dict]
+
+    def head(self, kind: str) -> dict:
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
 
 class Gateway:
@@ -166,71 +189,96 @@ class Gateway:
         body = await self._body(request)
         info = await self._check_model(request, body)
         messages = _messages(body.get("messages"))
-        if body.get("logprobs") or body.get("top_logprobs"):
-            raise APIError(400, "logprobs are not supported on chat completions yet; use /v1/completions.", "logprobs")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        params = self._params({**body, "max_tokens": max_tokens}, info, default_max_tokens=info.max_model_len)
+        params = self._params({**body, "max_tokens": max_tokens}, info, default_max_tokens=info.max_model_len,
+                              logprobs=_chat_logprobs(body))
         return await self._respond(request, body, messages, params, "chatcmpl", "chat.completion", _chat_choice)
 
-    # ---- one generation -------------------------------------------------------------------
+    # ---- one request's generations---------------------------------------------------------------
 
     async def _respond(self, request: Request, body: dict, prompt, params: SamplingParams, prefix: str, kind: str,
                        choice) -> Response:
+        num_choices = _num_choices(body, self.config.max_choices)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        model = self._model_name(self._model_info)
-        created = int(time.time())
-        call = self.client.generate_stream(prompt, params, request_id, api_key=_bearer(request))
-        chunks = _chunks(call)
-        try:
-            first = await anext(chunks)  # errors before the first token are HTTP errors
-        except StopAsyncIteration:
-            first = None
+        reply = _Reply(request_id, kind, self._model_name(self._model_info), int(time.time()), choice)
+        api_key = _bearer(request)
+        calls = [self.client.generate_stream(prompt, _choice_params(params, index),
+                                             request_id if num_choices == 1 else f"{request_id}-{index}",
+                                             api_key=api_key)
+                 for index in range(num_choices)]
+        streams = [_chunks(call) for call in calls]
+        # Errors before the first token of every choice are HTTP errors.
+        firsts = await _all_or_cancel(calls, [_first(stream) for stream in streams])
         if not body.get("stream"):
-            return await self._whole(request, call, chunks, first, request_id, kind, model, created, choice)
+            return await self._whole(request, calls, streams, firsts, reply)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        events = self._events(call, chunks, first, request_id, kind, model, created, choice, include_usage)
+        events = self._events(calls, streams, firsts, reply, include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _whole(self, request: Request, call, chunks, first, request_id, kind, model, created, choice):
-        """The non-streamed answer; the call is cancelled if the HTTP client leaves before it ends."""
-        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, call))
+    async def _whole(self, request: Request, calls: list, streams: list, firsts: list, reply: _Reply) -> Response:
+        """The non-streamed answer; the calls are cancelled if the HTTP client leaves before they end."""
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, calls))
         try:
-            collected = [first] if first is not None else []
-            collected += [chunk async for chunk in chunks]
+            collected = await _all_or_cancel(calls, [_rest(first, stream) for first, stream in zip(firsts, streams)])
         finally:
             watcher.cancel()
-        last = collected[-1] if collected else inference_pb2.GenerateStreamResponse()
-        text = "".join(chunk.text for chunk in collected)
-        logprobs = [entry for chunk in collected for entry in chunk.logprobs]
-        return JSONResponse({
-            "id": request_id, "object": kind, "created": created, "model": model,
-            "choices": [choice(text, _finish(last), logprobs, final=True)], "usage": _usage(last.usage),
-        })
+        choices, usages = [], []
+        for index, chunks in enumerate(collected):
+            last = chunks[-1] if chunks else inference_pb2.GenerateStreamResponse()
+            text = "".join(chunk.text for chunk in chunks)
+            logprobs = [entry for chunk in chunks for entry in chunk.logprobs]
+            choices.append(reply.choice(index, text, _finish(last), logprobs, final=True))
+            usages.append(last.usage)
+        return JSONResponse({**reply.head(reply.kind), "choices": choices, "usage": _usage(usages)})
 
-    async def _events(self, call, chunks, first, request_id, kind, model, created, choice,
+    async def _events(self, calls: list, streams: list, firsts: list, reply: _Reply,
                       include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per router message, the finish, the usage if asked, ``[DONE]``. Starlette
-        stops iterating when the client disconnects; the ``finally`` then cancels the call."""
-        chunk_kind = f"{kind}.chunk"
-        head = {"id": request_id, "object": chunk_kind, "created": created, "model": model}
+        """Server-sent events: a chunk per router message of any choice (each says its choice's index), in the
+        order they come, each choice's finish, the usage if asked, ``[DONE]``. Starlette stops iterating when
+        the client disconnects; the ``finally`` then cancels every call."""
+        head = reply.head(f"{reply.kind}.chunk")
+        messages: asyncio.Queue = asyncio.Queue()
+
+        async def forward(index: int, first, stream) -> None:
+            try:
+                async for chunk in _chain([first] if first is not None else [], stream):
+                    await messages.put((index, chunk))
+            except APIError as error:
+                await messages.put((index, error))
+            else:
+                await messages.put((index, None))
+
+        forwarders = [asyncio.ensure_future(forward(index, first, stream))
+                      for index, (first, stream) in enumerate(zip(firsts, streams))]
         try:
-            if kind == "chat.completion":
-                yield _event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}]})
-            last = None
-            pending = [first] if first is not None else []
-            async for chunk in _chain(pending, chunks):
-                last = chunk
-                finish = _finish(chunk) if chunk.finish_reason else None
-                if chunk.text or finish:
-                    yield _event({**head, "choices": [choice(chunk.text, finish, list(chunk.logprobs), final=False)]})
-            if include_usage and last is not None:
-                yield _event({**head, "choices": [], "usage": _usage(last.usage)})
+            if reply.kind == "chat.completion":
+                for index in range(len(calls)):
+                    yield _event({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}]})
+            last: list = [None] * len(calls)
+            running = len(calls)
+            while running:
+                index, message = await messages.get()
+                if message is None:
+                    running -= 1
+                    continue
+                if isinstance(message, APIError):  # after the headers went out: the error as a last event
+                    yield _event(error_body(message.status, message.message, code=message.code))
+                    return
+                last[index] = message
+                finish = _finish(message) if message.finish_reason else None
+                if message.text or finish or message.logprobs:
+                    yield _event({**head, "choices": [reply.choice(index, message.text, finish, list(message.logprobs),
+                                                                   final=False)]})
+            if include_usage and any(chunk is not None for chunk in last):
+                yield _event({**head, "choices": [], "usage": _usage([chunk.usage for chunk in last
+                                                                      if chunk is not None])})
             yield "data: [DONE]\n\n"
-        except APIError as error:  # after the headers went out: the error as a last event
-            yield _event(error_body(error.status, error.message, code=error.code))
         finally:
-            call.cancel()
+            for call in calls:
+                call.cancel()
+            for forwarder in forwarders:
+                forwarder.cancel()
 
     # ---- request checks ---------------------------------------------------------------------
 
@@ -253,8 +301,9 @@ class Gateway:
         for field, what in _UNSUPPORTED.items():
             if body.get(field):
                 raise APIError(400, f"{what} is not supported by this server.", field)
-        if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
-            raise APIError(400, "Only n=1 (and best_of=1) is supported: send several requests instead.", "n")
+        if body.get("best_of") not in (None, 1):
+            raise APIError(400, "best_of is not supported (choices are not ranked here): ask for n choices instead.",
+                           "best_of")
         return body
 
     async def _info(self, request: Request) -> inference_pb2.GetModelInfoResponse:
@@ -310,6 +359,40 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _num_choices(body: dict, max_choices: int) -> int:
+    """The request's ``n``: how many choices (generations of the same prompt) it asks for."""
+    num_choices = body.get("n")
+    if num_choices is None:
+        return 1
+    if not _is_int(num_choices) or not 1 <= num_choices <= max_choices:
+        raise APIError(400, f"n must be an integer from 1 to {max_choices} (the choices generated for one request).",
+                       "n")
+    return num_choices
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s sampling: the request's, with seed + index where it has a seed (as vLLM's parallel
+    sampling seeds its children), wrapped into the signed 64-bit range the seed must lie in."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (true or false) and ``top_logprobs`` (alternatives per token) as SamplingParams.logprobs:
+    None without logprobs, else the number of alternatives."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise APIError(400, "logprobs must be true or false on /v1/chat/completions (top_logprobs says how many "
+                       "alternatives each token gets).", "logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}.", "top_logprobs")
+        if not logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true.", "top_logprobs")
+    return (top or 0) if logprobs else None
+
+
 def _completion_logprobs(body: dict) -> int | None:
     logprobs = body.get("logprobs")
     if logprobs is None:
@@ -347,6 +430,32 @@ async def _chunks(call) -> AsyncIterator:
         raise from_rpc_error(error) from None
 
 
+async def _first(stream: AsyncIterator):
+    """A stream's first message (None if it ends at once)."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None
+
+
+async def _rest(first, stream: AsyncIterator) -> list:
+    """A stream's messages, ``first`` (unless None) and all that follow it."""
+    return ([first] if first is not None else []) + [chunk async for chunk in stream]
+
+
+async def _all_or_cancel(calls: list, awaitables: list) -> list:
+    """Every awaitable's result, in order. At the first error, every call is cancelled (the other choices of a
+    failed request end on the workers too), the other awaitables are waited for, and the error is raised."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
     for item in first:
         yield item
@@ -354,32 +463,42 @@ async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
         yield item
 
 
-async def _cancel_on_disconnect(request: Request, call) -> None:
+async def _cancel_on_disconnect(request: Request, calls: list) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.1)
     logger.info("HTTP client left; cancelling its request")
-    call.cancel()
+    for call in calls:
+        call.cancel()
 
 
 def _finish(chunk) -> str | None:
     return _FINISH.get(chunk.finish_reason)
 
 
-def _usage(usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+def _usage(usages: list) -> dict:
+    """The usage of a request's choices: the prompt counted once (every choice has the same one; its cached
+    tokens are the first choice's), the completion tokens of all."""
+    prompt_tokens = usages[0].prompt_tokens if usages else 0
+    completion_tokens = sum(usage.completion_tokens for usage in usages)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usages[0].cached_tokens if usages else 0}}
 
 
-def _completion_choice(text: str, finish: str | None, logprobs: list, final: bool) -> dict:
-    return {"index": 0, "text": text, "logprobs": _openai_logprobs(logprobs), "finish_reason": finish}
+def _completion_choice(index: int, text: str, finish: str | None, logprobs: list, final: bool) -> dict:
+    return {"index": index, "text": text, "logprobs": _openai_logprobs(logprobs), "finish_reason": finish}
 
 
-def _chat_choice(text: str, finish: str | None, logprobs: list, final: bool) -> dict:
+def _chat_choice(index: int, text: str, finish: str | None, logprobs: list, final: bool) -> dict:
     if final:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish}
-    return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": _chat_logprobs_object(logprobs), "finish_reason": finish}
+    return {"index": index, "delta": {"content": text} if text else {}, "logprobs": _chat_logprobs_object(logprobs),
+            "finish_reason": finish}
+
+
+def _logprob(entry) -> float:
+    return max(entry.logprob, LOWEST_LOGPROB)
 
 
 def _openai_logprobs(entries: list) -> dict | None:
@@ -388,10 +507,23 @@ def _openai_logprobs(entries: list) -> dict | None:
         return None
     return {
         "tokens": [entry.sampled.text for entry in entries],
-        "token_logprobs": [entry.sampled.logprob for entry in entries],
-        "top_logprobs": [{top.text: top.logprob for top in entry.top} for entry in entries],
+        "token_logprobs": [_logprob(entry.sampled) for entry in entries],
+        "top_logprobs": [{top.text: _logprob(top) for top in entry.top} for entry in entries],
         "text_offset": [],
     }
+
+
+def _chat_logprobs_object(entries: list) -> dict | None:
+    """Chat's logprobs object (``content``: each generated token with its UTF-8 bytes, its log probability and
+    its ``top_logprobs`` alternatives) from the router's per-position logprobs."""
+    if not entries:
+        return None
+
+    def token(entry) -> dict:
+        return {"token": entry.text, "logprob": _logprob(entry), "bytes": list(entry.text.encode("utf-8"))}
+
+    return {"content": [{**token(entry.sampled), "top_logprobs": [token(top) for top in entry.top]}
+                        for entry in entries], "refusal": None}
 
 
 def _event(payload: dict) -> str:

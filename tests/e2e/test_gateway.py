@@ -108,6 +108,70 @@ def test_chat_is_the_grpc_paths_greedy_output(api, grpc_client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_chat_logprobs_are_the_grpc_paths_and_spell_the_answer(api, grpc_client):
+    model = api.models.list().data[0].id
+    expected = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=64, logprobs=2))
+    chat = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=64, logprobs=True,
+                                       top_logprobs=2)
+    [choice] = chat.choices
+    content = choice.logprobs.content
+    # An entry per generated token, the end of sequence last (its text left out of the answer's).
+    tokens = [entry.token for entry in content]
+    assert len(tokens) == len(expected.token_ids) and choice.finish_reason == "stop"
+    assert "".join(tokens[:-1]) == choice.message.content == expected.text
+    assert tokens == [position.sampled.text for position in expected.logprobs]
+    assert [entry.logprob for entry in content] == pytest.approx([position.sampled.logprob
+                                                                  for position in expected.logprobs])
+    for entry, position in zip(content, expected.logprobs):
+        assert entry.bytes == list(entry.token.encode("utf-8")) and entry.logprob <= 0
+        assert [top.token for top in entry.top_logprobs] == [top.text for top in position.top]
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token  # greedy: the likeliest
+    # Streamed, without alternatives: each chunk's tokens, which together spell the answer; no logprobs unasked.
+    stream = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=64, stream=True,
+                                         logprobs=True)
+    entries = [entry for chunk in stream for choice in chunk.choices if choice.logprobs
+               for entry in choice.logprobs.content]
+    assert "".join(entry.token for entry in entries[:-1]) == expected.text and len(entries) == len(tokens)
+    assert all(entry.top_logprobs == [] for entry in entries)
+    plain = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+    for fields in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": "yes"}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, **fields)
+        assert refused.value.param in ("logprobs", "top_logprobs"), fields
+
+
+def test_n_choices_are_generations_of_their_own(api, grpc_client):
+    model = api.models.list().data[0].id
+    expected = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))
+    completion = api.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, n=3)
+    assert [choice.index for choice in completion.choices] == [0, 1, 2]
+    assert all(choice.text == expected.text and choice.finish_reason == "length" for choice in completion.choices)
+    assert completion.usage.prompt_tokens == expected.usage.prompt_tokens  # the prompt counted once
+    assert completion.usage.completion_tokens == 3 * 12
+    # Seeded sampling: choice i samples as a request of its own with seed + i would.
+    sampled = {"temperature": 1.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    pair = api.completions.create(model=model, prompt=PROMPT, n=2, seed=5, **sampled)
+    alone = [api.completions.create(model=model, prompt=PROMPT, seed=seed, **sampled).choices[0].text for seed in (5, 6)]
+    assert [choice.text for choice in pair.choices] == alone and alone[0] != alone[1]
+    # A streamed chat of two choices: each index gets its role, its text and its finish; the usage covers both.
+    answer = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=64))
+    stream = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, n=2, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(stream)
+    deltas = [choice for chunk in chunks for choice in chunk.choices]
+    for index in (0, 1):
+        mine = [choice for choice in deltas if choice.index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(choice.delta.content or "" for choice in mine) == answer.text
+        assert [choice.finish_reason for choice in mine if choice.finish_reason] == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(answer.token_ids)
+    for fields in ({"n": 0}, {"n": 17}, {"n": 1.5}, {"best_of": 2}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model=model, prompt=PROMPT, max_tokens=4, **fields)
+        assert refused.value.param in ("n", "best_of"), fields
+
+
 def test_bad_requests_get_openai_errors(api, gateway, cluster):
     model = api.models.list().data[0].id
     with pytest.raises(openai.BadRequestError) as bad:
@@ -120,8 +184,9 @@ def test_bad_requests_get_openai_errors(api, gateway, cluster):
     with pytest.raises(openai.AuthenticationError):
         stranger.completions.create(model=model, prompt=PROMPT)
     too_long = "word " * 5000  # over the router's limit on a prompt's length: its INVALID_ARGUMENT, as 400
-    with pytest.raises(openai.BadRequestError):
-        api.completions.create(model=model, prompt=too_long, max_tokens=1)
+    for num_choices in (1, 2):  # with two choices, both calls refused and the answer one 400
+        with pytest.raises(openai.BadRequestError):
+            api.completions.create(model=model, prompt=too_long, max_tokens=1, n=num_choices)
     big = httpx.post(f"{gateway}/v1/completions", content=b"{" + b" " * 200_000 + b"}",
                      headers={"authorization": f"Bearer {cluster.api_key}", "content-type": "application/json"})
     assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
@@ -131,8 +196,10 @@ def test_bad_requests_get_openai_errors(api, gateway, cluster):
     assert httpx.get(f"{gateway}/v2/nothing").status_code == 404
 
 
-def test_a_client_that_disconnects_frees_its_blocks(gateway, cluster, grpc_client):
-    body = {"prompt": PROMPT * 20, "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+@pytest.mark.parametrize("num_choices", [1, 2])
+def test_a_client_that_disconnects_frees_its_blocks(gateway, cluster, grpc_client, num_choices):
+    body = {"prompt": PROMPT * 20, "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True,
+            "n": num_choices}
     headers = {"authorization": f"Bearer {cluster.api_key}"}
     started = time.monotonic()
     with httpx.stream("POST", f"{gateway}/v1/completions", json=body, headers=headers, timeout=60) as response:
