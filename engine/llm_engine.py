@@ -110,12 +110,14 @@ class LLMEngine:
         (or :meth:`release_kv` by hand).
 
         Raises:
-            ValueError: empty or too long prompt, token ids out of range, bad params.
+            ValueError: empty or too long prompt, token ids out of range (the prompt's or logit_bias's), bad
+                params.
             KVCacheFullError: no room to reserve the blocks of KV that comes from outside.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        params.check_vocabulary(self.model_config.vocab_size)
         token_ids = self.prompt_token_ids_of(prompt, prompt_token_ids)
         room = self.max_model_len - len(token_ids)
         request = Request(

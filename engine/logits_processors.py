@@ -1,6 +1,6 @@
-"""Logits processors that depend on what a request has seen: penalties and the min_tokens mask.
+"""Logits processors: the request's logit bias, and what depends on what it has seen (penalties, the min_tokens mask).
 
-Steps 1 and 2 of the sampler (``engine/sampling.py``). Plain functions over
+Steps 1 to 3 of the sampler (``engine/sampling.py``). Plain functions over
 ``[num_rows, vocab]`` tensors, tested on their own; neither modifies its input.
 """
 
@@ -13,6 +13,36 @@ from itertools import chain
 import torch
 
 from splitserve.engine.request import Request
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Each row's ``sampling_params.logit_bias``, added to its tokens' logits (OpenAI's and vLLM's logit_bias).
+
+    Token ids outside [0, vocab) are ignored (the router and the engine refuse them before a request runs).
+
+    Args:
+        logits: [num_rows, vocab] float32; not modified.
+        requests: one per row.
+
+    Returns:
+        A new [num_rows, vocab] tensor (the input itself when no row has a bias).
+    """
+    vocab_size = logits.shape[-1]
+    rows: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for row, request in enumerate(requests):
+        for token_id, bias in request.sampling_params.logit_bias.items():
+            if 0 <= token_id < vocab_size:
+                rows.append(row)
+                token_ids.append(token_id)
+                biases.append(bias)
+    if not rows:
+        return logits
+    result = logits.clone()
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(token_ids, device=logits.device))
+    result.index_put_(index, torch.tensor(biases, dtype=result.dtype, device=logits.device), accumulate=True)
+    return result
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

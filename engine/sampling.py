@@ -2,23 +2,24 @@
 
 The order of operations follows vLLM:
 
-1. penalties (repetition over prompt and output, presence and frequency over
+1. ``logit_bias``: each row's biases added to its tokens' logits;
+2. penalties (repetition over prompt and output, presence and frequency over
    the output) on every row that asks for them;
-2. ``min_tokens``: EOS and stop token ids are masked while a request is short;
-3. greedy rows (temperature 0, or ``top_k == 1``) take the argmax;
-4. random rows are divided by their temperature, filtered by top-k, then top-p,
+3. ``min_tokens``: EOS and stop token ids are masked while a request is short;
+4. greedy rows (temperature 0, or ``top_k == 1``) take the argmax;
+5. random rows are divided by their temperature, filtered by top-k, then top-p,
    then min-p (the order of Hugging Face's logits warpers), turned into
    probabilities and sampled by inverting their cumulative distribution at one
    uniform number per row. A request with a seed draws that number from its
    own generator (PCG64, seeded with all 64 bits of the seed), exactly one per
    step, so its tokens do not depend on the rest of the batch or its row.
 
-Log probabilities, when asked for, come from the raw logits (before penalties
-and temperature), as vLLM returns them by default.
+Log probabilities, when asked for, come from the raw logits (before the bias,
+penalties and temperature), as vLLM returns them by default.
 
 The transforms are plain functions over ``[num_rows, vocab]`` tensors, each
-tested on its own and none modifying its input: steps 1 and 2 in
-``logits_processors.py``, step 4's filters and draw in ``top_k_top_p.py``,
+tested on its own and none modifying its input: steps 1 to 3 in
+``logits_processors.py``, step 5's filters and draw in ``top_k_top_p.py``,
 log probabilities in ``logprobs.py``. This module chooses the rows and the
 random numbers.
 """
@@ -31,7 +32,7 @@ import numpy
 import torch
 
 from splitserve.common.sampling_params import GREEDY_EPSILON
-from splitserve.engine.logits_processors import apply_min_tokens, apply_penalties
+from splitserve.engine.logits_processors import apply_logit_bias, apply_min_tokens, apply_penalties
 from splitserve.engine.logprobs import compute_logprobs
 from splitserve.engine.request import Request
 from splitserve.engine.top_k_top_p import apply_temperature, apply_top_k_top_p_min_p, sample_from_probs
@@ -76,7 +77,8 @@ class Sampler:
             return SamplerOutput(greedy_token_ids(logits, self.kernels).tolist(), [None] * len(requests))
 
         raw_logits = logits.float()  # [num_rows, vocab]
-        logits = apply_penalties(raw_logits, requests)
+        logits = apply_logit_bias(raw_logits, requests)
+        logits = apply_penalties(logits, requests)
         logits = apply_min_tokens(logits, requests)
 
         greedy_rows = [row for row, request in enumerate(requests) if _is_greedy(request)]
@@ -174,13 +176,14 @@ def greedy_token_ids(logits: torch.Tensor, kernels=None) -> torch.Tensor:
 
 
 def _all_plain_greedy(requests: list[Request]) -> bool:
-    """True when every row is a bare argmax: no penalties, min_tokens mask or logprobs."""
+    """True when every row is a bare argmax: no logit bias, penalties, min_tokens mask or logprobs."""
     for request in requests:
         params = request.sampling_params
         if (
             (params.temperature >= GREEDY_EPSILON and params.top_k != 1)
             or params.logprobs is not None
             or params.needs_penalties
+            or params.logit_bias
             or len(request.output_token_ids) < params.min_tokens
         ):
             return False

@@ -31,7 +31,8 @@ from splitserve.common import tokenizer_class
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.model_info import ModelConfig, find_model_dir, has_weights, model_fingerprint
 from splitserve.common.prompt import validate_prompt_token_ids
-from splitserve.common.sampling_params import MAX_LOGPROBS
+from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.rpc.convert import sampling_params_from_pb
 from splitserve.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,16 @@ class Frontend:
         prompt.token_ids = validate_prompt_token_ids(prompt.token_ids, self.model_config.vocab_size,
                                                      self.max_model_len)
         return prompt
+
+    def sampling_params_of(self, request) -> SamplingParams:
+        """The validated SamplingParams of a GenerateRequest (the workers get its message as it came).
+
+        Raises:
+            InvalidRequest: a value out of range, or a logit_bias token id outside the vocabulary.
+        """
+        params = sampling_params_from_pb(request.sampling_params)
+        params.check_vocabulary(self.model_config.vocab_size)
+        return params
 
     def tokenize(self, request) -> Prompt:
         """The token ids of a GenerateRequest's or TokenizeRequest's prompt, as Generate tokenizes it.

@@ -127,8 +127,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if request.HasField("request_id"):
             request_id = check_id(request.request_id, "request_id")
         prompt = self.frontend.prompt_of(request)
-        params = sampling_params_from_pb(request.sampling_params)  # validates; workers get the message
-        del params
+        self.frontend.sampling_params_of(request)  # validates; the workers get the message
         job = RouterRequest(request_id, prompt, request.sampling_params)
         with self._lock:
             if self._draining:

@@ -54,7 +54,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 _FINISH = {inference_pb2.FINISH_REASON_STOP: "stop", inference_pb2.FINISH_REASON_LENGTH: "length",
            inference_pb2.FINISH_REASON_ABORT: "abort", inference_pb2.FINISH_REASON_ERROR: "error"}
 # OpenAI fields the gateway cannot honour: refused with a sentence rather than silently ignored.
-_UNSUPPORTED = {"logit_bias": "logit_bias", "suffix": "suffix", "tools": "tool calls", "functions": "function calls",
+_UNSUPPORTED = {"suffix": "suffix", "tools": "tool calls", "functions": "function calls",
                 "response_format": "response_format", "audio": "audio output"}
 
 
@@ -194,7 +194,7 @@ class Gateway:
                               logprobs=_chat_logprobs(body))
         return await self._respond(request, body, messages, params, "chatcmpl", "chat.completion", _chat_choice)
 
-    # ---- one request's generations---------------------------------------------------------------
+    # ---- one request's generations ----------------------------------------------------------------
 
     async def _respond(self, request: Request, body: dict, prompt, params: SamplingParams, prefix: str, kind: str,
                        choice) -> Response:
@@ -340,6 +340,7 @@ class Gateway:
             "top_k": body.get("top_k", -1), "min_p": body.get("min_p", 0.0),
             "repetition_penalty": body.get("repetition_penalty", 1.0), "ignore_eos": body.get("ignore_eos", False),
             "min_tokens": body.get("min_tokens", 0), "stop_token_ids": body.get("stop_token_ids") or [],
+            "logit_bias": _logit_bias(body.get("logit_bias")),
         }
         try:
             return SamplingParams(**fields)
@@ -357,6 +358,21 @@ def _bearer(request: Request) -> str | None:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _logit_bias(logit_bias) -> dict[int, float]:
+    """OpenAI's logit_bias (a JSON object: token ids, as strings, to biases) with int keys; SamplingParams checks
+    the values and the router the ids against the vocabulary."""
+    if logit_bias is None:
+        return {}
+    if not isinstance(logit_bias, dict):
+        raise APIError(400, "logit_bias must be an object mapping token ids to biases in [-100, 100].", "logit_bias")
+    converted = {}
+    for token_id, bias in logit_bias.items():
+        if not (isinstance(token_id, str) and token_id.isascii() and token_id.isdigit()) or len(token_id) > 10:
+            raise APIError(400, f"logit_bias keys must be token ids, got {token_id[:32]!r}.", "logit_bias")
+        converted[int(token_id)] = bias
+    return converted
 
 
 def _num_choices(body: dict, max_choices: int) -> int:

@@ -18,6 +18,9 @@ from splitserve.common.errors import InvalidRequest
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20
+# OpenAI's range for a logit bias, and the most entries one request may carry (each is work on every step).
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass
@@ -41,6 +44,10 @@ class SamplingParams:
         ignore_eos: keep generating after the end-of-sequence token.
         min_tokens: generate at least this many tokens before EOS or stop ids may end it.
         logprobs: also return the top-N log probabilities of each generated token.
+        logit_bias: token id -> a value in [-100, 100] added to that token's logit before
+            anything else (-100 all but bans the token, 100 all but forces it), as OpenAI's
+            and vLLM's logit_bias; at most 1,024 entries. Log probabilities stay the raw
+            model's, as vLLM returns them.
         skip_special_tokens: leave special tokens out of the text.
     """
 
@@ -59,6 +66,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +75,9 @@ class SamplingParams:
         self.stop_token_ids = [int(token_id) for token_id in (self.stop_token_ids or [])]
         if self.top_k == 0:
             self.top_k = -1
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequest("logit_bias must map token ids to bias values.")
+        self.logit_bias = dict(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -104,6 +115,24 @@ class SamplingParams:
             raise InvalidRequest("stop must be a list of non-empty strings.")
         if any(token_id < 0 for token_id in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be non-negative token ids.")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequest(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} "
+                                 "are allowed.")
+        for token_id, bias in self.logit_bias.items():
+            if not _is_int(token_id) or token_id < 0:
+                raise InvalidRequest(f"logit_bias keys must be non-negative token ids, got {str(token_id)[:32]!r}.")
+            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequest(f"logit_bias values must be numbers in [-100, 100], got {str(bias)[:32]!r} "
+                                     f"for token {token_id}.")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raises InvalidRequest when a logit_bias token id is outside the model's vocabulary [0, vocab_size)."""
+        bad = next((token_id for token_id in self.logit_bias if token_id >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size}).")
 
     @property
     def is_greedy(self) -> bool:

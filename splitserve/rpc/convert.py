@@ -34,6 +34,8 @@ def sampling_params_from_pb(message: inference_pb2.SamplingParams) -> SamplingPa
         stop_token_ids=list(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         min_tokens=message.min_tokens,
+        # float32 on the wire, rounded as the fields below are.
+        logit_bias={token_id: round(float(bias), 6) for token_id, bias in message.logit_bias.items()},
     )
     for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "logprobs",
                  "skip_special_tokens"):

@@ -172,6 +172,27 @@ def test_n_choices_are_generations_of_their_own(api, grpc_client):
         assert refused.value.param in ("n", "best_of"), fields
 
 
+def test_logit_bias_bans_and_forces_tokens_on_both_workers(api, grpc_client):
+    model = api.models.list().data[0].id
+    plain = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6))
+    first = plain.token_ids[0]
+    banned = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, logit_bias={first: -100}))
+    assert first not in banned.token_ids and len(banned.token_ids) == 6
+    # The prefill worker samples the first token, the decode worker the rest: the bias holds on both.
+    forced_id = plain.token_ids[2]
+    forced = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, logit_bias={forced_id: 100}))
+    assert list(forced.token_ids) == [forced_id] * 4
+    # Through the gateway, whose JSON keys are strings: the same tokens.
+    completion = api.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                        logit_bias={str(first): -100})
+    assert completion.choices[0].text == banned.text != plain.text
+    vocab_size = grpc_client.model_info().vocab_size
+    for logit_bias in ({"x": 1}, {str(vocab_size): 1}, {"5": 101}, [1]):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model=model, prompt=PROMPT, max_tokens=2, logit_bias=logit_bias)
+        assert "logit_bias" in refused.value.message, logit_bias
+
+
 def test_bad_requests_get_openai_errors(api, gateway, cluster):
     model = api.models.list().data[0].id
     with pytest.raises(openai.BadRequestError) as bad:

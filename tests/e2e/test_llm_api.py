@@ -32,6 +32,19 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llm):
     assert_all_blocks_free(llm)
 
 
+def test_logit_bias_bans_a_token_in_a_batch_and_an_id_outside_the_vocabulary_is_refused(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    plain = [output.outputs[0].token_ids for output in llm.generate(PROMPTS[:2], greedy, use_tqdm=False)]
+    banned_id = plain[0][0]
+    biased = SamplingParams(temperature=0, max_tokens=8, logit_bias={banned_id: -100})
+    outputs = llm.generate(PROMPTS[:2], [biased, greedy], use_tqdm=False)  # one row biased, the other not
+    assert banned_id not in outputs[0].outputs[0].token_ids and outputs[1].outputs[0].token_ids == plain[1]
+    vocab_size = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias token id {vocab_size} is outside the vocabulary"):
+        llm.generate(PROMPTS[0], SamplingParams(logit_bias={vocab_size: 1.0}), use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
 def test_top_k_one_equals_greedy(llm):
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     top1 = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=12), use_tqdm=False)

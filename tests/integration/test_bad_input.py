@@ -164,6 +164,14 @@ BAD_GENERATE_REQUESTS = [
     ("stop-empty-among-others", generate_request(stop=["ok", "", "x" * LONG]), "stop must be a list of non-empty"),
     ("logprobs-21", generate_request(logprobs=21), "logprobs must be an integer in [0, 20], got 21."),
     ("logprobs-uint32-max", generate_request(logprobs=UINT32_MAX), "logprobs must be an integer in [0, 20]"),
+    ("logit-bias-over-100", generate_request(logit_bias={7: 100.5}), "logit_bias values must be numbers in [-100, 100]"),
+    ("logit-bias-nan", generate_request(logit_bias={7: NAN}), "logit_bias values must be numbers in [-100, 100]"),
+    ("logit-bias-minus-inf", generate_request(logit_bias={7: -INF}), "logit_bias values must be numbers"),
+    ("logit-bias-id-equal-to-vocab-size", generate_request(logit_bias={VOCAB_SIZE: 1.0}),
+     f"logit_bias token id {VOCAB_SIZE} is outside the vocabulary [0, {VOCAB_SIZE})."),
+    ("logit-bias-id-uint32-max", generate_request(logit_bias={1: 1.0, UINT32_MAX: 1.0}), "outside the vocabulary"),
+    ("logit-bias-1025-entries", generate_request(logit_bias=dict.fromkeys(range(1025), 1.0)),
+     "logit_bias has 1025 entries; at most 1024 are allowed."),
     ("repetition-penalty-zero", generate_request(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
     ("repetition-penalty-negative", generate_request(repetition_penalty=-1.0), "repetition_penalty must be"),
     ("repetition-penalty-nan", generate_request(repetition_penalty=NAN), "repetition_penalty must be"),
@@ -446,6 +454,8 @@ VALID_EDGES = [
                                                                      max_tokens=UINT32_MAX, ignore_eos=True)),
     ("min-tokens-equal-to-max-tokens", generate_request(max_tokens=3, min_tokens=3, temperature=0.0)),
     ("stop-token-ids-outside-the-vocabulary", generate_request(stop_token_ids=[VOCAB_SIZE, UINT32_MAX])),
+    ("logit-bias-at-its-bounds-on-the-vocabularys-ends", generate_request(
+        logit_bias={0: -100.0, VOCAB_SIZE - 1: 100.0} | dict.fromkeys(range(1, 1023), 0.5), temperature=0.0)),
     ("a-long-stop-string", generate_request(stop=["x" * 10_000], temperature=0.0)),
     ("a-thousand-stop-strings", generate_request(stop=[f"stop-{index}" for index in range(1000)])),
     ("request-id-of-128-characters-of-the-rule", generate_request(request_id=("aZ09._:#-" * 15)[:128])),
@@ -555,6 +565,8 @@ sampling_params = st.fixed_dictionaries({}, optional={
     "min_tokens": sampled_or(0, 1, 2, wild=st.integers(0, UINT32_MAX)),
     "logprobs": sampled_or(0, 1, 5, 20, 21, wild=st.integers(0, UINT32_MAX)),
     "skip_special_tokens": st.booleans(),
+    "logit_bias": st.dictionaries(st.one_of(st.integers(0, VOCAB_SIZE - 1), st.integers(0, UINT32_MAX)),
+                                  sampled_or(0.0, 5.0, -100.0, 100.0, wild=floats), max_size=3),
 })
 token_ids = st.lists(st.one_of(st.integers(0, VOCAB_SIZE - 1), st.integers(0, UINT32_MAX)), max_size=300)
 messages = st.lists(st.tuples(st.text(max_size=10), st.text(max_size=80)), max_size=4)

@@ -274,7 +274,7 @@ def test_every_rpc_comment_names_its_error_codes(descriptor_set):
 
 
 def _zero_value(value) -> bool:
-    return value in (0, 0.0, False, "") if not isinstance(value, list) else not value
+    return value in (0, 0.0, False, "") if not isinstance(value, list | dict) else not value
 
 
 def _is_repeated(field) -> bool:

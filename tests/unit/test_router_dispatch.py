@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from splitserve.common.errors import Overloaded, Unavailable
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.types import WorkerRole, WorkerState
 from splitserve.router.config import RouterConfig
 from splitserve.router.dispatch import DecodeStreamFailed, Dispatcher, RequestCancelled, RouterRequest
@@ -18,6 +19,7 @@ from splitserve.router.frontend import Prompt
 from splitserve.router.policies import RoundRobin
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.servicer import InferenceServicer
+from splitserve.rpc.convert import sampling_params_from_pb
 from splitserve.rpc.errors import ServiceError
 from splitserve.v1 import inference_pb2, worker_pb2
 
@@ -232,6 +234,9 @@ class FakeContext:
 class FakeFrontend:
     def prompt_of(self, request) -> Prompt:
         return Prompt(list(range(40)), None)
+
+    def sampling_params_of(self, request) -> SamplingParams:
+        return sampling_params_from_pb(request.sampling_params)
 
 
 def servicer_of(dispatcher, registry, migration_limit: int = 3) -> InferenceServicer:

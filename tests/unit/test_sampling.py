@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy
 import pytest
 import torch
 
+from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.logits_processors import apply_min_tokens, apply_penalties
+from splitserve.engine.logits_processors import apply_logit_bias, apply_min_tokens, apply_penalties
 from splitserve.engine.logprobs import compute_logprobs
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler, SamplerOutput, greedy_token_ids, seeded_generator
@@ -280,6 +282,49 @@ def test_min_tokens_steers_greedy_away_from_eos():
     assert Sampler()(logits, [request]).sampled_token_ids == [1]
     request.append_output_token(1)
     assert Sampler()(logits, [request]).sampled_token_ids == [EOS]
+
+
+# --- logit bias --------------------------------------------------------------
+
+
+def test_logit_bias_adds_exactly_each_rows_biases():
+    logits = torch.zeros(3, 6)
+    requests = [make_request("a", logit_bias={1: -100.0, 4: 2.5}), make_request("b"),
+                make_request("c", logit_bias={0: 100.0, 9: 5.0})]  # 9 is outside this vocabulary: ignored
+    result = apply_logit_bias(logits, requests)
+    assert result.tolist() == [[0.0, -100.0, 0.0, 0.0, 2.5, 0.0], [0.0] * 6, [100.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+    assert torch.equal(logits, torch.zeros(3, 6))
+    assert apply_logit_bias(logits, [make_request("d")] * 3) is logits
+
+
+def test_logit_bias_steers_greedy_and_sampling_before_penalties_but_not_logprobs():
+    logits = torch.tensor([[0.0, 1.0, 9.0, 0.0, 8.0]])
+    banned = make_request(temperature=0.0, logit_bias={2: -100.0}, logprobs=1)
+    output = Sampler()(logits, [banned])
+    assert output.sampled_token_ids == [4]  # not the plain argmax: the greedy fast path does not skip the bias
+    raw = torch.log_softmax(logits, dim=-1)[0]
+    assert output.logprobs[0] == {2: pytest.approx(raw[2].item()), 4: pytest.approx(raw[4].item())}
+    forced = make_request(temperature=1.0, seed=3, logit_bias={3: 100.0})
+    assert [Sampler()(logits, [forced]).sampled_token_ids[0] for _ in range(5)] == [3] * 5
+    # The bias comes first, then the repetition penalty divides the biased logit (vLLM's order): 12 / 2 < 9.
+    penalized = make_request(prompt=[0], temperature=0.0, logit_bias={0: 12.0}, repetition_penalty=2.0)
+    assert Sampler()(logits, [penalized]).sampled_token_ids == [2]
+
+
+@pytest.mark.parametrize("logit_bias, words", [
+    ({-1: 1.0}, "non-negative token ids"), ({"7": 1.0}, "non-negative token ids"), ({1: 100.5}, "[-100, 100]"),
+    ({1: float("nan")}, "[-100, 100]"), ({1: True}, "[-100, 100]"), ({i: 0.0 for i in range(1025)}, "at most 1024"),
+    ([1, 2], "must map token ids"),
+])
+def test_a_bad_logit_bias_is_refused_with_the_reason(logit_bias, words):
+    with pytest.raises(InvalidRequest, match=re.escape(words)):
+        SamplingParams(logit_bias=logit_bias)
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary():
+    SamplingParams(logit_bias={9: 1.0}).check_vocabulary(10)
+    with pytest.raises(InvalidRequest, match=re.escape("token id 10 is outside the vocabulary [0, 10)")):
+        SamplingParams(logit_bias={3: 1.0, 10: 1.0}).check_vocabulary(10)
 
 
 # --- temperature, top-k, top-p, min-p ---------------------------------------
