@@ -11,8 +11,8 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
     gateway = commands.add_parser(
         "gateway", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) in front of a router",
         description="Serve /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models and "
-        "/health over HTTP, each request one gRPC call on the router at --router (n calls side by side for n "
-        "choices). The gateway keeps no state and no key: a caller's 'Authorization: Bearer KEY' header is passed on "
+        "/health over HTTP, each request one gRPC call on the router at --router (calls side by side for n "
+        "choices and for a batch of prompts). The gateway keeps no state and no key: a caller's 'Authorization: Bearer KEY' header is passed on "
         "to the router, which checks it as it checks gRPC clients. A caller that disconnects cancels its request on "
         "the workers. Errors are OpenAI's JSON error object with the matching HTTP status (400, 401, 404, 413, 429, "
         "503, 504). Prints 'READY http://HOST:PORT gateway' once it listens.",
@@ -27,8 +27,9 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
     gateway.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, metavar="BYTES",
                          help="largest request body read; larger ones get 413 (default: %(default)s)")
     gateway.add_argument("--max-choices", type=int, default=16, metavar="N",
-                         help="the largest n (choices per request) a request may ask for; each choice is a generation "
-                         "of its own on the cluster, side by side with the others (default: %(default)s)")
+                         help="the most generations one request may ask for: n choices for each prompt of a batch, "
+                         "each a generation of its own on the cluster, side by side with the others "
+                         "(default: %(default)s)")
     gateway.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     add_client_tls_arguments(gateway)
     gateway.set_defaults(handler=_run_gateway)

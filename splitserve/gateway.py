@@ -3,9 +3,10 @@
 ``/v1/completions``, ``/v1/chat/completions`` (streaming as server-sent events, with ``usage`` when
 ``stream_options.include_usage`` asks), ``/v1/models`` and ``/health``, on Starlette and uvicorn (FastAPI's own
 base, without its request models: the bodies are checked here, so every refusal is OpenAI's error shape with a
-sentence, never a 422 of field paths). Each choice of an HTTP request (``n`` of them, 1 by default) is one gRPC
-call on the router through :class:`splitserve.client.AsyncClient`, the calls side by side (as vLLM's parallel
-sampling, choice i of a seeded request samples with seed + i); the gateway keeps no state and no secret. The caller's
+sentence, never a 422 of field paths). Each choice of an HTTP request (``n`` of them for each prompt of a
+completions batch, 1 by default) is one gRPC call on the router through :class:`splitserve.client.AsyncClient`,
+the calls side by side (as vLLM's parallel sampling, choice i of a seeded request samples with seed + i); the
+gateway keeps no state and no secret. The caller's
 ``Authorization: Bearer`` header is passed on as the router's API key, so the router authenticates as it does
 for gRPC clients. A caller that disconnects cancels its calls, and the router aborts their requests on the
 workers (their KV blocks freed); a call that fails cancels the request's other choices.
@@ -93,7 +94,8 @@ class GatewayConfig:
             the router's model name); any other name gets 404.
         tls: TLS to the router (``splitserve.rpc.tls.TLSConfig``; None: plaintext).
         max_body_bytes: the largest request body read.
-        max_choices: the largest ``n`` a request may ask for (each choice is a generation of its own).
+        max_choices: the most generations one request may ask for (``n`` for each prompt of a batch; each a
+            generation of its own).
     """
 
     router: str
@@ -113,6 +115,7 @@ class _Reply:
     model: str
     created: int
     choice: Callable[..., dict]
+    num_choices: int = 1  # per prompt
 
     def head(self, kind: str) -> dict:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
@@ -172,18 +175,11 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
         info = await self._check_model(request, body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
-            prompt = [int(token) for token in prompt]
-        elif not isinstance(prompt, str) or not prompt:
-            raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request "
-                           "here: send a batch as separate requests).", "prompt")
+        prompts = _completion_prompts(body.get("prompt"))
         if body.get("echo"):
             raise APIError(400, "echo is not supported.", "echo")
         params = self._params(body, info, default_max_tokens=16, logprobs=_completion_logprobs(body))
-        return await self._respond(request, body, prompt, params, "cmpl", "text_completion", _completion_choice)
+        return await self._respond(request, body, prompts, params, "cmpl", "text_completion", _completion_choice)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request)
@@ -192,20 +188,23 @@ class Gateway:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         params = self._params({**body, "max_tokens": max_tokens}, info, default_max_tokens=info.max_model_len,
                               logprobs=_chat_logprobs(body))
-        return await self._respond(request, body, messages, params, "chatcmpl", "chat.completion", _chat_choice)
+        return await self._respond(request, body, [messages], params, "chatcmpl", "chat.completion", _chat_choice)
 
     # ---- one request's generations ----------------------------------------------------------------
 
-    async def _respond(self, request: Request, body: dict, prompt, params: SamplingParams, prefix: str, kind: str,
-                       choice) -> Response:
-        num_choices = _num_choices(body, self.config.max_choices)
+    async def _respond(self, request: Request, body: dict, prompts: list, params: SamplingParams, prefix: str,
+                       kind: str, choice) -> Response:
+        """Generate ``n`` choices for each of ``prompts`` (choice ``index`` of prompt ``p`` is the answer's choice
+        ``p * n + index``, as OpenAI numbers a batch's choices), one router call each."""
+        num_choices = _num_choices(body, len(prompts), self.config.max_choices)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        reply = _Reply(request_id, kind, self._model_name(self._model_info), int(time.time()), choice)
+        reply = _Reply(request_id, kind, self._model_name(self._model_info), int(time.time()), choice, num_choices)
         api_key = _bearer(request)
+        generations = [(prompt, index) for prompt in prompts for index in range(num_choices)]
         calls = [self.client.generate_stream(prompt, _choice_params(params, index),
-                                             request_id if num_choices == 1 else f"{request_id}-{index}",
+                                             request_id if len(generations) == 1 else f"{request_id}-{number}",
                                              api_key=api_key)
-                 for index in range(num_choices)]
+                 for number, (prompt, index) in enumerate(generations)]
         streams = [_chunks(call) for call in calls]
         # Errors before the first token of every choice are HTTP errors.
         firsts = await _all_or_cancel(calls, [_first(stream) for stream in streams])
@@ -229,7 +228,8 @@ class Gateway:
             logprobs = [entry for chunk in chunks for entry in chunk.logprobs]
             choices.append(reply.choice(index, text, _finish(last), logprobs, final=True))
             usages.append(last.usage)
-        return JSONResponse({**reply.head(reply.kind), "choices": choices, "usage": _usage(usages)})
+        return JSONResponse({**reply.head(reply.kind), "choices": choices,
+                             "usage": _usage(usages, reply.num_choices)})
 
     async def _events(self, calls: list, streams: list, firsts: list, reply: _Reply,
                       include_usage: bool) -> AsyncIterator[str]:
@@ -245,6 +245,9 @@ class Gateway:
                     await messages.put((index, chunk))
             except APIError as error:
                 await messages.put((index, error))
+            except Exception as error:  # not the router's answer: still the stream's end, never a silent hang
+                logger.exception("a choice's stream failed")
+                await messages.put((index, APIError(500, f"The gateway lost a choice's stream ({type(error).__name__}).")))
             else:
                 await messages.put((index, None))
 
@@ -271,8 +274,8 @@ class Gateway:
                     yield _event({**head, "choices": [reply.choice(index, message.text, finish, list(message.logprobs),
                                                                    final=False)]})
             if include_usage and any(chunk is not None for chunk in last):
-                yield _event({**head, "choices": [], "usage": _usage([chunk.usage for chunk in last
-                                                                      if chunk is not None])})
+                usages = [chunk.usage if chunk is not None else inference_pb2.Usage() for chunk in last]
+                yield _event({**head, "choices": [], "usage": _usage(usages, reply.num_choices)})
             yield "data: [DONE]\n\n"
         finally:
             for call in calls:
@@ -375,15 +378,42 @@ def _logit_bias(logit_bias) -> dict[int, float]:
     return converted
 
 
-def _num_choices(body: dict, max_choices: int) -> int:
-    """The request's ``n``: how many choices (generations of the same prompt) it asks for."""
+def _num_choices(body: dict, num_prompts: int, max_choices: int) -> int:
+    """The request's ``n``: how many choices (generations of the same prompt) it asks for per prompt; n times the
+    prompts of a batch may not exceed ``max_choices``."""
     num_choices = body.get("n")
     if num_choices is None:
-        return 1
+        num_choices = 1
     if not _is_int(num_choices) or not 1 <= num_choices <= max_choices:
         raise APIError(400, f"n must be an integer from 1 to {max_choices} (the choices generated for one request).",
                        "n")
+    if num_choices * num_prompts > max_choices:
+        raise APIError(400, f"{num_prompts} prompts x n={num_choices} asks for {num_choices * num_prompts} "
+                       f"generations; one request may ask for at most {max_choices}.", "n")
     return num_choices
+
+
+def _completion_prompts(prompt) -> list:
+    """/v1/completions' prompt as a list of prompts, each a string or a list of token ids: a string, token ids,
+    or a batch (a list of either)."""
+    if isinstance(prompt, str) and prompt:
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
+        return [[int(token) for token in prompt]]
+    batch = []
+    if isinstance(prompt, list) and prompt:
+        for item in prompt:
+            if isinstance(item, str) and item:
+                batch.append(item)
+            elif isinstance(item, list) and item and all(_is_int(token) for token in item):
+                batch.append([int(token) for token in item])
+            else:
+                batch = []
+                break
+    if not batch:
+        raise APIError(400, "prompt must be a non-empty string, a list of token ids, or a batch: a list of "
+                       "non-empty strings or of lists of token ids.", "prompt")
+    return batch
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -491,14 +521,15 @@ def _finish(chunk) -> str | None:
     return _FINISH.get(chunk.finish_reason)
 
 
-def _usage(usages: list) -> dict:
-    """The usage of a request's choices: the prompt counted once (every choice has the same one; its cached
-    tokens are the first choice's), the completion tokens of all."""
-    prompt_tokens = usages[0].prompt_tokens if usages else 0
+def _usage(usages: list, num_choices: int) -> dict:
+    """The usage of a request's choices, ``num_choices`` a prompt in order: each prompt counted once (its choices
+    share it; its cached tokens are its first choice's), the completion tokens of all."""
+    firsts = usages[::num_choices]
+    prompt_tokens = sum(usage.prompt_tokens for usage in firsts)
     completion_tokens = sum(usage.completion_tokens for usage in usages)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usages[0].cached_tokens if usages else 0}}
+            "prompt_tokens_details": {"cached_tokens": sum(usage.cached_tokens for usage in firsts)}}
 
 
 def _completion_choice(index: int, text: str, finish: str | None, logprobs: list, final: bool) -> dict:

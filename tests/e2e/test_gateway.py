@@ -172,6 +172,30 @@ def test_n_choices_are_generations_of_their_own(api, grpc_client):
         assert refused.value.param in ("n", "best_of"), fields
 
 
+def test_a_batch_of_prompts_gets_n_choices_each_numbered_prompt_by_prompt(api, grpc_client):
+    model = api.models.list().data[0].id
+    token_ids = grpc_client.tokenize("Water boils at")
+    batch = [PROMPT, "Once upon a time,", token_ids]
+    expected = [grpc_client.generate(prompt, SamplingParams(temperature=0, max_tokens=6)) for prompt in batch]
+    completion = api.completions.create(model=model, prompt=batch, max_tokens=6, temperature=0, n=2)
+    assert [choice.index for choice in completion.choices] == list(range(6))
+    assert [choice.text for choice in completion.choices] == [answer.text for answer in expected for _ in range(2)]
+    assert completion.usage.prompt_tokens == sum(answer.usage.prompt_tokens for answer in expected)
+    assert completion.usage.completion_tokens == 6 * 6
+    stream = api.completions.create(model=model, prompt=batch, max_tokens=6, temperature=0, stream=True,
+                                    stream_options={"include_usage": True})
+    chunks = list(stream)
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index)
+             for index in range(3)]
+    assert texts == [answer.text for answer in expected]
+    assert chunks[-1].usage.prompt_tokens == completion.usage.prompt_tokens
+    for prompt, fields in (([PROMPT] * 17, {}), ([PROMPT] * 9, {"n": 2}), ([PROMPT, ""], {}), ([PROMPT, [1, "x"]], {}),
+                           ([], {})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model=model, prompt=prompt, max_tokens=2, **fields)
+        assert refused.value.param in ("prompt", "n"), (prompt, fields)
+
+
 def test_logit_bias_bans_and_forces_tokens_on_both_workers(api, grpc_client):
     model = api.models.list().data[0].id
     plain = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6))
