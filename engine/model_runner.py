@@ -222,7 +222,7 @@ class ModelRunner:
     def profile_step(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
         """Run the largest step this engine can be given, on a scratch KV cache of its own: ``num_tokens`` prompt
         tokens (as few requests as ``max_model_len`` allows) through the model, then logits for ``max_num_seqs``
-        rows through the sampler's most expensive path (penalties, top-k, top-p, log probabilities). For
+        rows through the sampler's most expensive path (a logit bias, penalties, top-k, top-p, log probabilities). For
         :func:`measure_step_bytes`; the engine's cache, its sampler's random state and the model are untouched.
 
         Returns: the scratch cache's bytes (freed on return).
@@ -232,7 +232,8 @@ class ModelRunner:
         blocks_per_request = [-(-length // self.block_size) for length in lengths]
         scratch = allocate_kv_cache(self._cache_shape(sum(blocks_per_request)), self.dtype, self.device)
         vocab_size = self.model_config.vocab_size
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1, logprobs=20)
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1, logprobs=20,
+                                logit_bias={0: 1.0})
         scheduled, block_tables, first_block = [], {}, 0
         for index, (length, num_blocks) in enumerate(zip(lengths, blocks_per_request)):
             request = Request(f"profile-{index}", [(index + token) % vocab_size for token in range(length)], params)
