@@ -232,6 +232,20 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     group.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens (default: %(default)s)")
     group.add_argument("--logprobs", type=int, help="return the top-N log probabilities of each token")
+    group.add_argument("--logit-bias", action="append", type=_logit_bias_entry, default=[], metavar="ID=BIAS",
+                       help="add BIAS (in [-100, 100]) to token ID's logit before sampling; -100 bans it "
+                       "(repeatable)")
+
+
+def _logit_bias_entry(text: str) -> tuple[int, float]:
+    """``ID=BIAS`` (``--logit-bias``) as (token id, bias); the values' ranges are SamplingParams'."""
+    token_id, separator, bias = text.partition("=")
+    try:
+        if not separator:
+            raise ValueError
+        return int(token_id), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (a token id and a number), got {text[:40]!r}") from None
 
 
 def sampling_params_from_args(args: argparse.Namespace, overrides: dict | None = None) -> SamplingParams:
@@ -240,10 +254,13 @@ def sampling_params_from_args(args: argparse.Namespace, overrides: dict | None =
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=list(args.stop),
         stop_token_ids=list(args.stop_token_id), ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
-        logprobs=args.logprobs,
+        logprobs=args.logprobs, logit_bias=dict(args.logit_bias),
     )
     known = {field.name for field in dataclasses.fields(SamplingParams)}
     values.update({key: value for key, value in (overrides or {}).items() if key in known})
+    if isinstance(values["logit_bias"], dict):  # a JSONL line's keys are strings
+        values["logit_bias"] = {int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key: bias
+                                for key, bias in values["logit_bias"].items()}
     return SamplingParams(**values)
 
 

@@ -17,11 +17,16 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-def test_single_prompt_streams_text(model_dir):
+def test_single_prompt_streams_text(model_dir, tokenizer):
     result = run_cli("generate", "The capital of France is", "--max-tokens", "4", *SMALL_ENGINE)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(" Paris")
     assert "[length]" in result.stderr
+    paris = tokenizer.encode(" Paris")[0]
+    banned = run_cli("generate", "The capital of France is", "--max-tokens", "4", "--logit-bias", f"{paris}=-100",
+                     *SMALL_ENGINE)
+    assert banned.returncode == 0, banned.stderr
+    assert banned.stdout and not banned.stdout.startswith(" Paris")
 
 
 def test_jsonl_batch_writes_one_result_a_line(tmp_path, model_dir, tokenizer):
@@ -30,14 +35,16 @@ def test_jsonl_batch_writes_one_result_a_line(tmp_path, model_dir, tokenizer):
         {"prompt": "The capital of France is", "max_tokens": 3},
         {"prompt_token_ids": tokenizer.encode("Water boils at")},
         {"messages": [{"role": "user", "content": "Say hi"}], "logprobs": 2},
+        {"prompt": "The capital of France is", "max_tokens": 3, "logit_bias": {str(tokenizer.encode(" Paris")[0]): -100}},
     ]
     prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     output = tmp_path / "out.jsonl"
     result = run_cli("generate", "--file", str(prompts), "--output", str(output), "--max-tokens", "5", *SMALL_ENGINE)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in output.read_text().splitlines()]
-    assert len(records) == 3
+    assert len(records) == 4
     assert len(records[0]["token_ids"]) == 3 and records[0]["text"].startswith(" Paris")
+    assert records[3]["token_ids"][0] != records[0]["token_ids"][0]  # the line's logit_bias banned " Paris"
     assert records[1]["num_prompt_tokens"] == len(tokenizer.encode("Water boils at"))
     assert len(records[2]["logprobs"]) == len(records[2]["token_ids"])
     assert "<|im_start|>assistant" in records[2]["prompt"]
@@ -54,6 +61,10 @@ def test_bad_input_gives_a_clear_error(tmp_path):
     assert "temperature must be a finite number >= 0" in result.stderr
     result = run_cli("generate")
     assert result.returncode == 2 and "at least one prompt" in result.stderr
+    result = run_cli("generate", "hello", "--logit-bias", "5:3")
+    assert result.returncode == 2 and "expected ID=BIAS" in result.stderr
+    result = run_cli("generate", "hello", "--logit-bias", "5=300")
+    assert result.returncode == 2 and "logit_bias values must be numbers in [-100, 100]" in result.stderr
 
 
 def test_help_lists_every_command():
