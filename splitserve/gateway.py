@@ -302,7 +302,7 @@ class Gateway:
         if not isinstance(body, dict):
             raise APIError(400, "The request body must be a JSON object.")
         for field, what in _UNSUPPORTED.items():
-            if body.get(field):
+            if body.get(field) and not (field == "response_format" and body[field] == {"type": "text"}):
                 raise APIError(400, f"{what} is not supported by this server.", field)
         if body.get("best_of") not in (None, 1):
             raise APIError(400, "best_of is not supported (choices are not ranked here): ask for n choices instead.",
@@ -434,7 +434,7 @@ def _chat_logprobs(body: dict) -> int | None:
     if top is not None:
         if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}.", "top_logprobs")
-        if not logprobs:
+        if top > 0 and not logprobs:  # 0 without logprobs is harmless, as vLLM takes it
             raise APIError(400, "top_logprobs needs logprobs set to true.", "top_logprobs")
     return (top or 0) if logprobs else None
 

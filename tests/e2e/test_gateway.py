@@ -133,12 +133,16 @@ def test_chat_logprobs_are_the_grpc_paths_and_spell_the_answer(api, grpc_client)
                for entry in choice.logprobs.content]
     assert "".join(entry.token for entry in entries[:-1]) == expected.text and len(entries) == len(tokens)
     assert all(entry.top_logprobs == [] for entry in entries)
-    plain = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=4)
-    assert plain.choices[0].logprobs is None
-    for fields in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": "yes"}):
+    # OpenAI's defaults, as some clients send them: no logprobs, zero alternatives, a text response format.
+    plain = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=4, logprobs=False,
+                                        top_logprobs=0, response_format={"type": "text"})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == expected.text[:len(
+        plain.choices[0].message.content)]
+    for fields in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": "yes"},
+                   {"response_format": {"type": "json_object"}}):
         with pytest.raises(openai.BadRequestError) as refused:
             api.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, **fields)
-        assert refused.value.param in ("logprobs", "top_logprobs"), fields
+        assert refused.value.param in ("logprobs", "top_logprobs", "response_format"), fields
 
 
 def test_n_choices_are_generations_of_their_own(api, grpc_client):
