@@ -30,6 +30,11 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
                          help="the most generations one request may ask for: n choices for each prompt of a batch, "
                          "each a generation of its own on the cluster, side by side with the others "
                          "(default: %(default)s)")
+    gateway.add_argument("--metrics-port", type=int, metavar="PORT",
+                         help="serve Prometheus metrics (requests by route and status, durations, in flight, "
+                         "generations) at http://HOST:PORT/metrics, on --host only; 0 picks a free port and logs it "
+                         "(default: not served). Read-only and unauthenticated: keep the port inside the cluster's "
+                         "network")
     gateway.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     add_client_tls_arguments(gateway)
     gateway.set_defaults(handler=_run_gateway)
@@ -48,9 +53,11 @@ def _run_gateway(args: argparse.Namespace) -> int:
         raise ValueError("--max-body-bytes must be positive.")
     if args.max_choices < 1:
         raise ValueError("--max-choices must be positive.")
-    if args.port and (problem := bind_problem(f"{args.host}:{args.port}")):
-        raise CannotListen(f"Cannot listen on {args.host}:{args.port}: {problem}.")
+    for port in (args.port, args.metrics_port):
+        if port and (problem := bind_problem(f"{args.host}:{port}")):
+            raise CannotListen(f"Cannot listen on {args.host}:{port}: {problem}.")
     configure_logging(args.log_level)
     tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
-    config = GatewayConfig(args.router, args.served_model_name, tls, args.max_body_bytes, args.max_choices)
+    config = GatewayConfig(args.router, args.served_model_name, tls, args.max_body_bytes, args.max_choices,
+                           args.metrics_port)
     return run_gateway(config, args.host, args.port, args.log_level)

@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from splitserve.client import AsyncClient
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.rpc.metrics import GatewayMetrics
 from splitserve.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class GatewayConfig:
         max_body_bytes: the largest request body read.
         max_choices: the most generations one request may ask for (``n`` for each prompt of a batch; each a
             generation of its own).
+        metrics_port: serve Prometheus metrics on this port of the gateway's host (0: a free one; None: none).
     """
 
     router: str
@@ -103,6 +105,7 @@ class GatewayConfig:
     tls: object = None
     max_body_bytes: int = MAX_BODY_BYTES
     max_choices: int = MAX_CHOICES
+    metrics_port: int | None = None
 
 
 @dataclass
@@ -134,9 +137,10 @@ class Gateway:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
-        self.app = Starlette(routes=routes, lifespan=self._lifespan,
-                             exception_handlers={APIError: lambda request, error: error.response(),
-                                                 404: _not_found, 405: _not_allowed})
+        self.metrics = GatewayMetrics(route.path for route in routes)
+        self.app = _Measured(Starlette(routes=routes, lifespan=self._lifespan,
+                                       exception_handlers={APIError: lambda request, error: error.response(),
+                                                           404: _not_found, 405: _not_allowed}), self.metrics)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -207,6 +211,7 @@ class Gateway:
                  for number, (prompt, index) in enumerate(generations)]
         streams = [_chunks(call) for call in calls]
         # Errors before the first token of every choice are HTTP errors.
+        self.metrics.generations.inc(len(calls))
         firsts = await _all_or_cancel(calls, [_first(stream) for stream in streams])
         if not body.get("stream"):
             return await self._whole(request, calls, streams, firsts, reply)
@@ -349,6 +354,35 @@ class Gateway:
             return SamplingParams(**fields)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from None
+
+
+class _Measured:
+    """ASGI middleware: each HTTP request's route, status and duration into ``metrics`` (the status as the
+    response's headers carried it; the duration until the application returns, a stream's last event included)."""
+
+    def __init__(self, app, metrics: GatewayMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = self.metrics.route(scope["path"])
+        status = ["500"]  # unless the application sends its headers
+
+        async def send_measured(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = str(message["status"])
+            await send(message)
+
+        started = time.monotonic()
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_measured)
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.duration.labels(route).observe(time.monotonic() - started)
+            self.metrics.requests.labels(route, status[0]).inc()
 
 
 def _bearer(request: Request) -> str | None:
@@ -591,6 +625,11 @@ def run_gateway(config: GatewayConfig, host: str, port: int, log_level: str = "i
     import uvicorn
 
     gateway = Gateway(config)
+    metrics_server = None
+    if config.metrics_port is not None:
+        from splitserve.rpc.metrics import serve_metrics
+
+        metrics_server = serve_metrics(gateway.metrics.registry, host, config.metrics_port)
     server = uvicorn.Server(uvicorn.Config(gateway.app, host=host, port=port, log_level=log_level.lower(),
                                            access_log=False, lifespan="on"))
 
@@ -603,5 +642,9 @@ def run_gateway(config: GatewayConfig, host: str, port: int, log_level: str = "i
             print(f"READY http://{host}:{bound[1]} gateway", flush=True)
         await task
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
     return 0 if server.started else 1

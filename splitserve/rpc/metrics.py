@@ -1,4 +1,5 @@
-"""Prometheus metrics of the router and the workers, served over HTTP by each process (``--metrics-port``).
+"""Prometheus metrics of the router, the workers and the HTTP gateway, served over HTTP by each process
+(``--metrics-port``).
 
 Names follow Prometheus' conventions (``splitserve_`` prefix, base units, ``_total`` on counters, no colons:
 those are for recording rules), and mirror vLLM's where the meaning is the same (time to first token,
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -80,6 +81,32 @@ class RouterMetrics:
             self.admission_refusals.labels(reason)
         if pools is not None:
             registry.register(_RegistryCollector(pools, in_flight))
+
+
+class GatewayMetrics:
+    """What the HTTP gateway answers: requests by route and status, their durations (a stream's until its last
+    event), the requests in flight and the generations they asked the router for (n for each prompt). Routes
+    outside ``routes`` count as ``other``, so no client string becomes a label."""
+
+    def __init__(self, routes: Iterable[str]) -> None:
+        self.registry = CollectorRegistry()
+        self.routes = frozenset(routes)
+        registry = self.registry
+        self.requests = Counter("splitserve_gateway_requests", "HTTP requests answered, by route and HTTP status "
+                                "(a stream's is the status its headers carried).", ["route", "status"],
+                                registry=registry)
+        self.duration = Histogram("splitserve_gateway_request_duration_seconds", "From an HTTP request's arrival "
+                                  "to its response's last byte (a stream's last event).", ["route"],
+                                  buckets=LATENCY_BUCKETS, registry=registry)
+        self.in_flight = Gauge("splitserve_gateway_requests_in_flight", "HTTP requests being answered.",
+                               registry=registry)
+        self.generations = Counter("splitserve_gateway_generations", "Router calls made for completions and chats: "
+                                   "n choices for each prompt of a request.", registry=registry)
+        for route in self.routes:
+            self.requests.labels(route, "200")
+
+    def route(self, path: str) -> str:
+        return path if path in self.routes else "other"
 
 
 class _RegistryCollector(Collector):

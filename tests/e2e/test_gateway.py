@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -21,6 +23,7 @@ import pytest
 from splitserve.client import Client
 from splitserve.common.sampling_params import SamplingParams
 from tests.cluster_helpers import all_blocks_free, start_cluster, wait_until
+from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,11 +39,17 @@ def cluster(tmp_path_factory, model_dir):
 
 
 @pytest.fixture(scope="module")
-def gateway(cluster, tmp_path_factory):
-    """The gateway's base URL; the process is stopped (SIGTERM) after the module."""
-    log = open(tmp_path_factory.mktemp("gateway") / "gateway.log", "w")
+def gateway_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gateway") / "gateway.log"
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, gateway_log):
+    """The gateway's base URL (its metrics on a port of their own); the process is stopped (SIGTERM) after the
+    module."""
+    log = open(gateway_log, "w")
     process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "gateway", "--router", cluster.router.address,
-                                "--port", "0", "--max-body-bytes", "100000"],
+                                "--port", "0", "--max-body-bytes", "100000", "--metrics-port", "0"],
                                stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         line = process.stdout.readline()
@@ -288,3 +297,28 @@ def test_the_async_client_streams_what_the_client_streams(cluster, grpc_client):
     assert "".join(c.text for c in chunks) == expected.text
     assert token_ids == grpc_client.tokenize(PROMPT)
     assert str(status).splitlines()[0].split()[:2] == ["pool", "worker"]
+
+
+def test_metrics_count_requests_by_route_and_status_and_the_generations(api, gateway, gateway_log):
+    url = wait_until(lambda: re.search(r"Prometheus metrics on (http://\S+/metrics)", gateway_log.read_text()), 30,
+                     message="the gateway logs its metrics URL").group(1)
+    assert url.startswith("http://127.0.0.1:") and url != f"{gateway}/metrics"
+    before = scrape(url)
+    model = api.models.list().data[0].id
+    api.completions.create(model=model, prompt=[PROMPT, PROMPT + " a city"], max_tokens=2, temperature=0, n=2)
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=-1)
+    assert httpx.get(f"{gateway}/v1/no-such-route/{'x' * 50}").status_code == 404
+    after = scrape(url)
+
+    def moved(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("splitserve_gateway_requests_total", route="/v1/completions", status="200") == 1
+    assert moved("splitserve_gateway_requests_total", route="/v1/completions", status="400") == 1
+    assert moved("splitserve_gateway_requests_total", route="/v1/models", status="200") == 1
+    assert moved("splitserve_gateway_requests_total", route="other", status="404") == 1  # no client path as a label
+    assert moved("splitserve_gateway_generations_total") == 4  # 2 prompts x n=2; the refused one made no call
+    assert moved("splitserve_gateway_request_duration_seconds_count", route="/v1/completions") == 2
+    assert value(after, "splitserve_gateway_requests_in_flight") == 0
+    assert not any("no-such-route" in str(labels) for _, labels in after)
