@@ -209,9 +209,9 @@ class Gateway:
                                              request_id if len(generations) == 1 else f"{request_id}-{number}",
                                              api_key=api_key)
                  for number, (prompt, index) in enumerate(generations)]
+        self.metrics.generations.inc(len(calls))
         streams = [_chunks(call) for call in calls]
         # Errors before the first token of every choice are HTTP errors.
-        self.metrics.generations.inc(len(calls))
         firsts = await _all_or_cancel(calls, [_first(stream) for stream in streams])
         if not body.get("stream"):
             return await self._whole(request, calls, streams, firsts, reply)
