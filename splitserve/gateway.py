@@ -231,7 +231,8 @@ class Gateway:
             last = chunks[-1] if chunks else inference_pb2.GenerateStreamResponse()
             text = "".join(chunk.text for chunk in chunks)
             logprobs = [entry for chunk in chunks for entry in chunk.logprobs]
-            choices.append(reply.choice(index, text, _finish(last), logprobs, final=True))
+            choices.append({**reply.choice(index, text, _finish(last), logprobs, final=True),
+                            "stop_reason": _stop_reason(last)})
             usages.append(last.usage)
         return JSONResponse({**reply.head(reply.kind), "choices": choices,
                              "usage": _usage(usages, reply.num_choices)})
@@ -276,8 +277,8 @@ class Gateway:
                 last[index] = message
                 finish = _finish(message) if message.finish_reason else None
                 if message.text or finish or message.logprobs:
-                    yield _event({**head, "choices": [reply.choice(index, message.text, finish, list(message.logprobs),
-                                                                   final=False)]})
+                    choice = reply.choice(index, message.text, finish, list(message.logprobs), final=False)
+                    yield _event({**head, "choices": [{**choice, "stop_reason": _stop_reason(message)}]})
             if include_usage and any(chunk is not None for chunk in last):
                 usages = [chunk.usage if chunk is not None else inference_pb2.Usage() for chunk in last]
                 yield _event({**head, "choices": [], "usage": _usage(usages, reply.num_choices)})
@@ -553,6 +554,13 @@ async def _cancel_on_disconnect(request: Request, calls: list) -> None:
 
 def _finish(chunk) -> str | None:
     return _FINISH.get(chunk.finish_reason)
+
+
+def _stop_reason(chunk) -> str | int | None:
+    """What ended a request that finished with "stop", as vLLM's server says it: the stop string or the stop token
+    id that matched; None for the end-of-sequence token, another finish, or a message before the last."""
+    kind = chunk.WhichOneof("stop_reason")
+    return getattr(chunk, kind) if kind is not None else None
 
 
 def _usage(usages: list, num_choices: int) -> dict:

@@ -110,6 +110,15 @@ def test_chat_is_the_grpc_paths_greedy_output(api, grpc_client):
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == expected.text == "The capital of France is Paris."
     assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == len(expected.token_ids)
+    assert chat.choices[0].stop_reason is None  # the end-of-sequence token, as vLLM says it
+    # A stop string and a stop token id say which matched (vLLM's stop_reason), whole and streamed.
+    stopped = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, stop=[" Paris"])
+    assert stopped.choices[0].message.content == "The capital of France is"
+    assert stopped.choices[0].stop_reason == " Paris"
+    stop_id = grpc_client.tokenize(" France")[0]
+    streamed = list(api.chat.completions.create(model=model, messages=QUESTION, temperature=0, stream=True,
+                                                extra_body={"stop_token_ids": [stop_id]}))
+    assert [c.choices[0].stop_reason for c in streamed if c.choices[0].finish_reason] == [stop_id]
     stream = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, stream=True)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
