@@ -7,6 +7,7 @@ no block in use.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -19,6 +20,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from splitserve.client import Client
 from splitserve.common.sampling_params import SamplingParams
@@ -331,3 +334,80 @@ def test_metrics_count_requests_by_route_and_status_and_the_generations(api, gat
     assert moved("splitserve_gateway_request_duration_seconds_count", route="/v1/completions") == 2
     assert value(after, "splitserve_gateway_requests_in_flight") == 0
     assert not any("no-such-route" in str(labels) for _, labels in after)
+
+
+# ---- random bodies: only documented statuses, and nothing is lost ----------------------------------------------
+
+_WILD = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.integers(-(2**64), 2**64),
+                  st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+                  st.lists(st.integers(-5, 60_000), max_size=4), st.dictionaries(st.text(max_size=6), st.integers(-200, 200),
+                                                                                  max_size=3))
+
+
+def _body_fields(model: str, chat: bool, wild: bool):
+    """A body's fields: valid values (small ones where they cost tokens), and with ``wild`` any JSON value too."""
+
+    def pick(*valid):
+        return st.one_of(st.sampled_from(valid), _WILD) if wild else st.sampled_from(valid)
+
+    prompts = [PROMPT, [504, 1012, 17], [PROMPT, "Hi"], [[504, 1012], [17]], "", [PROMPT, ""]]
+    fields = {
+        "model": pick(model, "gpt-4"), "n": pick(1, 2), "temperature": pick(0, 0.7), "top_p": pick(0.9, 1),
+        "top_k": pick(-1, 5), "seed": pick(3, -1), "stop": pick(".", [" Paris", "\n"]), "stream": pick(True, False),
+        "logit_bias": pick({"504": -100}, {"17": 5.5}), "stop_token_ids": pick([2], []),
+        "stream_options": pick({"include_usage": True}), "response_format": pick({"type": "text"}),
+        "best_of": pick(1), "echo": pick(False),
+    }
+    if chat:
+        fields |= {"logprobs": pick(True, False), "top_logprobs": pick(0, 2)}
+        required = {"messages": pick(QUESTION, [{"role": "system", "content": "Be brief."}, *QUESTION], [])}
+    else:
+        fields |= {"logprobs": pick(0, 2)}
+        required = {"prompt": pick(*prompts)}
+    # max_tokens always present and small when valid: a default would generate to the end of the context.
+    required["max_tokens"] = st.one_of(st.sampled_from([1, 2, 4]), st.sampled_from([0, -1, 2.5, "2", True, 10**30])) \
+        if wild else st.sampled_from([1, 2, 4])
+    return st.fixed_dictionaries(required, optional=fields)
+
+
+def test_random_bodies_get_only_documented_statuses_and_lose_nothing(api, gateway, cluster, grpc_client):
+    """Hypothesis sends random JSON bodies to both generation routes: every answer is 200 (a complete answer, or a
+    stream that ends in [DONE] or an error event) or a documented refusal (400, 404, 413, 429) in OpenAI's error
+    shape; afterwards the cluster serves and every block is free."""
+    model = api.models.list().data[0].id
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    statuses: collections.Counter = collections.Counter()
+    stop_at = time.monotonic() + 60
+
+    @settings(max_examples=150, database=None, derandomize=True, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data(), chat=st.booleans())
+    def check(data, chat):
+        if time.monotonic() > stop_at:
+            statuses["skipped (time budget)"] += 1
+            return
+        body = data.draw(_body_fields(model, chat, wild=data.draw(st.booleans())))
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        try:
+            content = json.dumps(body, allow_nan=True)
+        except (ValueError, OverflowError):
+            return
+        response = httpx.post(f"{gateway}{route}", content=content, headers=headers, timeout=60)
+        statuses[response.status_code] += 1
+        if response.status_code != 200:
+            assert response.status_code in (400, 404, 413, 429), (response.status_code, response.text, body)
+            error = response.json()["error"]
+            assert error["message"] and error["type"], body
+            return
+        if body.get("stream") is True:
+            events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+            assert events and (events[-1] == "[DONE]" or "error" in json.loads(events[-1])), (events[-3:], body)
+        else:
+            assert response.json()["choices"], body
+
+    check()
+    assert statuses[200] >= 10 and sum(statuses[code] for code in (400, 404)) >= 10, statuses
+    wait_until(lambda: all_blocks_free(grpc_client), 30, message="every block free after the random bodies")
+    status = grpc_client.cluster_status()
+    assert all(worker.num_router_in_flight_requests == 0 for pool in status.pools for worker in pool.workers)
+    assert grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2)).token_ids
