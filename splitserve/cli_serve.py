@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import shutil
@@ -57,6 +58,10 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
     )
     up.add_argument("--host", default="127.0.0.1", help="interface every process listens on (default: %(default)s)")
     up.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT, help="router port (default: %(default)s)")
+    up.add_argument("--http-port", type=int, metavar="PORT",
+                    help="also serve the OpenAI-compatible HTTP API (`splitserve gateway`, needs the gateway extra) on "
+                    "--host at this port, supervised with the rest; 0 picks a free one, printed at start (default: "
+                    "no HTTP)")
     up.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default: %(default)s)")
     up.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default: %(default)s)")
     up.add_argument("--colocated", type=int, default=0, metavar="N",
@@ -378,8 +383,11 @@ def _run_up(args: argparse.Namespace) -> int:
         raise ValueError("Worker counts must be >= 0.")
     if args.colocated == 0 and args.decode == 0:
         raise ValueError("A cluster needs at least one decode worker (--decode) or colocated worker (--colocated).")
-    if args.port and (problem := bind_problem(f"{args.host}:{args.port}")):  # in a second, not after a start
-        raise ValueError(f"Cannot listen on {args.host}:{args.port}: {problem}.")
+    for port in (args.port, args.http_port):
+        if port and (problem := bind_problem(f"{args.host}:{port}")):  # in a second, not after a start
+            raise ValueError(f"Cannot listen on {args.host}:{port}: {problem}.")
+    if args.http_port is not None and importlib.util.find_spec("uvicorn") is None:
+        raise ValueError("--http-port needs the gateway extra: pip install 'splitserve[gateway]'.")
     from splitserve.engine.config import EngineConfig
 
     EngineConfig(**_engine_options(args))  # a bad engine flag is refused once here, not by every worker
@@ -435,6 +443,9 @@ def _run_up(args: argparse.Namespace) -> int:
             print(f"Starting {args.prefill} prefill and {args.decode} decode worker(s){on_gpus}, KV over "
                   f"{args.kv_transfer}...", file=sys.stderr)
             cluster.start_pools(args.prefill, args.decode, gpus=placement, memory_shares=shares)
+        if args.http_port is not None:
+            http = cluster.start_gateway(args.http_port)
+            print(f"OpenAI-compatible HTTP on {http}/v1 (splitserve gateway).", file=sys.stderr)
         print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start).", file=sys.stderr)
         print("Processes: " + ", ".join(f"{p.name} pid {p.pid}" for p in cluster.processes()), file=sys.stderr)
         if args.prompt or args.chat:

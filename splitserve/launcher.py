@@ -286,14 +286,18 @@ class LocalCluster:
         self.router: Process | None = None
         self.workers: list[Process] = []
         self.redis: Process | None = None
+        self.gateway: Process | None = None
         self._counter = 0
 
     # ---- processes -----------------------------------------------------------------
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Process:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None, secrets: bool = True) -> Process:
+        """Start ``splitserve <args>``; ``secrets``: give it the cluster's token and API key (the router and the
+        workers need them; the gateway does not)."""
         self._counter += 1
         log_path = self.log_dir / f"{self._counter:02d}-{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {}), **self._secret_env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {}),
+               **(self._secret_env if secrets else {})}
         with open(log_path, "w") as log:
             popen = subprocess.Popen(
                 _die_with_parent([self.python, "-m", "splitserve.cli", *args, *self._tls_flags()], self.python),
@@ -352,6 +356,17 @@ class LocalCluster:
         line = _wait_ready(self.router, self.ready_timeout, self.progress)
         self.router.address = line.split()[1]
         return self.router.address
+
+    def start_gateway(self, port: int = 0) -> str:
+        """Start the OpenAI-compatible HTTP gateway (``splitserve gateway``) on ``host``:``port`` (0: a free
+        port) in front of the router; returns its base URL once it listens. It gets neither the cluster token
+        nor the API key: it calls only the router, with each HTTP caller's own key."""
+        if self.router is None:
+            raise RuntimeError("Start the router first.")
+        self.gateway = self._spawn("gateway", ["gateway", "--router", self.router.address, "--host", self.host,
+                                               "--port", str(port)], secrets=False)
+        self.gateway.address = _wait_ready(self.gateway, self.ready_timeout, self.progress).split()[1]
+        return self.gateway.address
 
     def start_workers(self, role: str, count: int = 1, extra_args: list[str] | None = None,
                       env: dict[str, str] | None = None, gpus: list[str] | None = None,
@@ -417,8 +432,8 @@ class LocalCluster:
         return processes
 
     def processes(self) -> list[Process]:
-        """Every process started so far: Redis, the router, then the workers in start order."""
-        return [p for p in (self.redis, self.router, *self.workers) if p is not None]
+        """Every process started so far: Redis, the router, the workers in start order, then the gateway."""
+        return [p for p in (self.redis, self.router, *self.workers, self.gateway) if p is not None]
 
     def watch(self, stop: threading.Event, interval: float = 0.5) -> Process | None:
         """Poll every child each ``interval`` seconds (reaping any that exited) until ``stop`` is set.
@@ -433,7 +448,9 @@ class LocalCluster:
         return None
 
     def stop(self) -> None:
-        """Stop workers, then the router, then Redis; each SIGTERM first, SIGKILL if it hangs."""
+        """Stop the gateway, the workers, then the router, then Redis; each SIGTERM first, SIGKILL if it hangs."""
+        if self.gateway is not None:
+            self.gateway.stop()
         for process in self.workers:
             if process.alive():
                 process.popen.send_signal(signal.SIGTERM)

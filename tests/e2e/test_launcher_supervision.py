@@ -7,12 +7,14 @@ Real processes on loopback; the children are found through /proc (their parent p
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from splitserve.launcher import free_port, threads_per_worker
@@ -128,6 +130,43 @@ def test_children_die_with_a_killed_launcher(tmp_path, model_dir):
         launcher.wait(10)
         left = _wait_gone(children, 15)
         assert left == [], {pid: children[pid] for pid in left}
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait(10)
+        _kill_all(children)
+
+
+def test_up_serves_openai_http_through_a_supervised_gateway_that_holds_no_secret(tmp_path, model_dir):
+    stderr_path = tmp_path / "up.stderr"
+    with open(stderr_path, "w") as stderr:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", "up", "--port", "0", "--http-port", "0", "--log-dir",
+             str(tmp_path / "logs"), "--colocated", "1", "--kv-cache-gb", "0.1", "--max-model-len", "512"],
+            stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+        )
+    children: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while "splitserve is serving on" not in stderr_path.read_text():
+            assert launcher.poll() is None, f"up exited early:\n{stderr_path.read_text()}"
+            assert time.monotonic() < deadline, f"up did not serve in time:\n{stderr_path.read_text()}"
+            time.sleep(0.2)
+        url = re.search(r"OpenAI-compatible HTTP on (http://127\.0\.0\.1:\d+/v1)", stderr_path.read_text()).group(1)
+        reply = httpx.post(f"{url}/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == \
+            "The capital of France is Paris.", reply.text
+        children = _children_of(launcher.pid)
+        [gateway_pid] = [pid for pid, cmdline in children.items() if " gateway " in cmdline]
+        assert len(children) == 3, children  # router, worker, gateway
+        environment = Path(f"/proc/{gateway_pid}/environ").read_bytes().split(b"\0")
+        assert not any(entry.startswith(b"SPLITSERVE_CLUSTER_TOKEN=") for entry in environment)
+        # The gateway is supervised like the rest: killed, it stops the cluster with status 1.
+        os.kill(gateway_pid, signal.SIGKILL)
+        assert launcher.wait(20) == 1, stderr_path.read_text()
+        assert f"gateway (pid {gateway_pid}) exited unexpectedly (signal SIGKILL)" in stderr_path.read_text()
+        assert _wait_gone(children, 15) == [], {pid: children[pid] for pid in children if _alive(pid)}
     finally:
         if launcher.poll() is None:
             launcher.kill()
