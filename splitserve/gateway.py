@@ -253,7 +253,8 @@ class Gateway:
                 await messages.put((index, error))
             except Exception as error:  # not the router's answer: still the stream's end, never a silent hang
                 logger.exception("a choice's stream failed")
-                await messages.put((index, APIError(500, f"The gateway lost a choice's stream ({type(error).__name__}).")))
+                lost = APIError(500, f"The gateway lost a choice's stream ({type(error).__name__}).")
+                await messages.put((index, lost))
             else:
                 await messages.put((index, None))
 

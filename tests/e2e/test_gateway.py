@@ -177,7 +177,8 @@ def test_n_choices_are_generations_of_their_own(api, grpc_client):
     # Seeded sampling: choice i samples as a request of its own with seed + i would.
     sampled = {"temperature": 1.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
     pair = api.completions.create(model=model, prompt=PROMPT, n=2, seed=5, **sampled)
-    alone = [api.completions.create(model=model, prompt=PROMPT, seed=seed, **sampled).choices[0].text for seed in (5, 6)]
+    alone = [api.completions.create(model=model, prompt=PROMPT, seed=seed, **sampled).choices[0].text
+             for seed in (5, 6)]
     assert [choice.text for choice in pair.choices] == alone and alone[0] != alone[1]
     # A streamed chat of two choices: each index gets its role, its text and its finish; the usage covers both.
     answer = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=64))
@@ -340,8 +341,8 @@ def test_metrics_count_requests_by_route_and_status_and_the_generations(api, gat
 
 _WILD = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.integers(-(2**64), 2**64),
                   st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
-                  st.lists(st.integers(-5, 60_000), max_size=4), st.dictionaries(st.text(max_size=6), st.integers(-200, 200),
-                                                                                  max_size=3))
+                  st.lists(st.integers(-5, 60_000), max_size=4),
+                  st.dictionaries(st.text(max_size=6), st.integers(-200, 200), max_size=3))
 
 
 def _body_fields(model: str, chat: bool, wild: bool):
