@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from splitserve.client import AsyncClient
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
-from splitserve.rpc.metrics import GatewayMetrics
+from splitserve.rpc.metrics import GatewayMetrics, serve_metrics
 from splitserve.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ _FINISH = {inference_pb2.FINISH_REASON_STOP: "stop", inference_pb2.FINISH_REASON
 # OpenAI fields the gateway cannot honour: refused with a sentence rather than silently ignored.
 _UNSUPPORTED = {"suffix": "suffix", "tools": "tool calls", "functions": "function calls",
                 "response_format": "response_format", "audio": "audio output"}
+# Their values that ask for nothing beyond plain text, as some clients send them: accepted.
+_UNSUPPORTED_DEFAULTS = {"response_format": {"type": "text"}}
 
 
 class APIError(Exception):
@@ -118,10 +120,14 @@ class _Reply:
     model: str
     created: int
     choice: Callable[..., dict]
-    num_choices: int = 1  # per prompt
+    num_choices: int  # per prompt
 
     def head(self, kind: str) -> dict:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+
+    def choice_of(self, index: int, text: str, last, logprobs: list, final: bool) -> dict:
+        """Choice ``index``, its finish and vLLM's ``stop_reason`` read off ``last``, its latest router message."""
+        return {**self.choice(index, text, _finish(last), logprobs, final), "stop_reason": _stop_reason(last)}
 
 
 class Gateway:
@@ -231,8 +237,7 @@ class Gateway:
             last = chunks[-1] if chunks else inference_pb2.GenerateStreamResponse()
             text = "".join(chunk.text for chunk in chunks)
             logprobs = [entry for chunk in chunks for entry in chunk.logprobs]
-            choices.append({**reply.choice(index, text, _finish(last), logprobs, final=True),
-                            "stop_reason": _stop_reason(last)})
+            choices.append(reply.choice_of(index, text, last, logprobs, final=True))
             usages.append(last.usage)
         return JSONResponse({**reply.head(reply.kind), "choices": choices,
                              "usage": _usage(usages, reply.num_choices)})
@@ -276,10 +281,9 @@ class Gateway:
                     yield _event(error_body(message.status, message.message, code=message.code))
                     return
                 last[index] = message
-                finish = _finish(message) if message.finish_reason else None
-                if message.text or finish or message.logprobs:
-                    choice = reply.choice(index, message.text, finish, list(message.logprobs), final=False)
-                    yield _event({**head, "choices": [{**choice, "stop_reason": _stop_reason(message)}]})
+                if message.text or message.finish_reason or message.logprobs:
+                    choice = reply.choice_of(index, message.text, message, list(message.logprobs), final=False)
+                    yield _event({**head, "choices": [choice]})
             if include_usage and any(chunk is not None for chunk in last):
                 usages = [chunk.usage if chunk is not None else inference_pb2.Usage() for chunk in last]
                 yield _event({**head, "choices": [], "usage": _usage(usages, reply.num_choices)})
@@ -309,7 +313,7 @@ class Gateway:
         if not isinstance(body, dict):
             raise APIError(400, "The request body must be a JSON object.")
         for field, what in _UNSUPPORTED.items():
-            if body.get(field) and not (field == "response_format" and body[field] == {"type": "text"}):
+            if body.get(field) and body[field] != _UNSUPPORTED_DEFAULTS.get(field):
                 raise APIError(400, f"{what} is not supported by this server.", field)
         if body.get("best_of") not in (None, 1):
             raise APIError(400, "best_of is not supported (choices are not ranked here): ask for n choices instead.",
@@ -432,24 +436,23 @@ def _num_choices(body: dict, num_prompts: int, max_choices: int) -> int:
 def _completion_prompts(prompt) -> list:
     """/v1/completions' prompt as a list of prompts, each a string or a list of token ids: a string, token ids,
     or a batch (a list of either)."""
-    if isinstance(prompt, str) and prompt:
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
-        return [[int(token) for token in prompt]]
-    batch = []
-    if isinstance(prompt, list) and prompt:
-        for item in prompt:
-            if isinstance(item, str) and item:
-                batch.append(item)
-            elif isinstance(item, list) and item and all(_is_int(token) for token in item):
-                batch.append([int(token) for token in item])
-            else:
-                batch = []
-                break
-    if not batch:
+    single = _one_prompt(prompt)
+    if single is not None:
+        return [single]
+    batch = [_one_prompt(item) for item in prompt] if isinstance(prompt, list) else []
+    if not batch or any(item is None for item in batch):
         raise APIError(400, "prompt must be a non-empty string, a list of token ids, or a batch: a list of "
                        "non-empty strings or of lists of token ids.", "prompt")
     return batch
+
+
+def _one_prompt(prompt) -> str | list[int] | None:
+    """One prompt: a non-empty string, or a non-empty list of token ids (as ints); None for anything else."""
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
+        return [int(token) for token in prompt]
+    return None
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -636,8 +639,6 @@ def run_gateway(config: GatewayConfig, host: str, port: int, log_level: str = "i
     gateway = Gateway(config)
     metrics_server = None
     if config.metrics_port is not None:
-        from splitserve.rpc.metrics import serve_metrics
-
         metrics_server = serve_metrics(gateway.metrics.registry, host, config.metrics_port)
     server = uvicorn.Server(uvicorn.Config(gateway.app, host=host, port=port, log_level=log_level.lower(),
                                            access_log=False, lifespan="on"))
