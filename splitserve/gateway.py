@@ -364,7 +364,8 @@ class Gateway:
 
 class _Measured:
     """ASGI middleware: each HTTP request's route, status and duration into ``metrics`` (the status as the
-    response's headers carried it; the duration until the application returns, a stream's last event included)."""
+    response's headers carried it; the duration until its last body message, a stream's last event, is sent, and
+    recorded before that message goes out, so a client holding its whole answer finds it counted)."""
 
     def __init__(self, app, metrics: GatewayMetrics) -> None:
         self.app, self.metrics = app, metrics
@@ -374,21 +375,31 @@ class _Measured:
             await self.app(scope, receive, send)
             return
         route = self.metrics.route(scope["path"])
-        status = ["500"]  # unless the application sends its headers
+        status = "500"  # unless the application sends its headers
+        started = time.monotonic()
+        recorded = False
+
+        def record() -> None:
+            nonlocal recorded
+            if not recorded:
+                recorded = True
+                self.metrics.in_flight.dec()
+                self.metrics.duration.labels(route).observe(time.monotonic() - started)
+                self.metrics.requests.labels(route, status).inc()
 
         async def send_measured(message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
-                status[0] = str(message["status"])
+                status = str(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                record()  # before the last byte goes out, so a client that has its answer sees it counted
             await send(message)
 
-        started = time.monotonic()
         self.metrics.in_flight.inc()
         try:
             await self.app(scope, receive, send_measured)
         finally:
-            self.metrics.in_flight.dec()
-            self.metrics.duration.labels(route).observe(time.monotonic() - started)
-            self.metrics.requests.labels(route, status[0]).inc()
+            record()  # an application that never finished its response (an error, a client that left)
 
 
 def _bearer(request: Request) -> str | None:
