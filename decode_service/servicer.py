@@ -20,12 +20,19 @@ import grpc
 
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.ids import MAX_WORKER_ID_LENGTH, check_id
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.types import FinishReason
 from splitserve.decode_service.lmcache_receiver import LMCacheReceiver
 from splitserve.decode_service.receiver import KVReceiver
 from splitserve.engine.kv_connector import KVLoadFailurePolicy, KVLoadOutcome, KVTransferParams
 from splitserve.engine.outputs import RequestOutput
-from splitserve.rpc.convert import FINISH_REASONS, position_logprobs_to_pb, sampling_params_from_pb, set_stop_reason
+from splitserve.rpc.convert import (
+    FINISH_REASONS,
+    position_logprobs_to_pb,
+    prompt_logprobs_to_pb,
+    sampling_params_from_pb,
+    set_stop_reason,
+)
 from splitserve.rpc.worker import WorkerRuntime, wait_accepted
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -82,7 +89,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             state = worker_pb2.REQUEST_STATE_WAITING_FOR_REMOTE_KVS if remote else worker_pb2.REQUEST_STATE_WAITING
             yield worker_pb2.DecodeResponse(request_id=request_id, state=state,
                                             num_cached_prompt_tokens=accepted.num_cached_tokens if remote else 0)
-            yield from self._relay(stream, params.logprobs)
+            yield from self._relay(stream, params)
             completed = True
         finally:
             if not completed:  # refused after acceptance, cancelled, or the stream closed early: free its blocks
@@ -114,7 +121,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.receiver.discard(request_id)  # refused (no room, bad prompt): nothing will be loaded
             raise
 
-    def _relay(self, stream, num_logprobs: int | None):
+    def _relay(self, stream, params: SamplingParams):
         """Token chunks from the engine: what is ready is sent as one message.
 
         The first token of a remote prefill (carried with its KV) is streamed
@@ -128,12 +135,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if ready is None:
                     break
                 outputs.append(ready)
-            yield self._message(outputs, num_logprobs)
+            yield self._message(outputs, params)
             if outputs[-1].finished:
                 return
 
-    def _message(self, outputs: list[RequestOutput], num_logprobs: int | None):
+    def _message(self, outputs: list[RequestOutput], params: SamplingParams):
         last = outputs[-1]
+        num_logprobs = params.logprobs
         completion = last.outputs[0]
         token_ids = [token for output in outputs for token in output.outputs[0].delta_token_ids]
         message = worker_pb2.DecodeResponse(
@@ -148,6 +156,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 position_logprobs_to_pb(logprobs, token, num_logprobs, decode)
                 for logprobs, token in zip(completion.logprobs[-len(token_ids):], token_ids)
             )
+        if last.prompt_logprobs is not None and token_ids and len(token_ids) == len(completion.token_ids):
+            message.prompt_logprobs.extend(prompt_logprobs_to_pb(
+                last.prompt_logprobs, last.prompt_token_ids, params.prompt_logprobs, self._decode_token))
         if last.finished:
             message.finish_reason = FINISH_REASONS[completion.finish_reason]
             set_stop_reason(message, completion.stop_reason, completion.finish_reason)

@@ -52,8 +52,9 @@ class KVCacheManager:
         """The longest run of cached full blocks matching the request's tokens.
 
         At least one token is always left to compute, so that the step that
-        schedules the request produces logits for it. Changes nothing but the
-        request's ``block_hashes``.
+        schedules the request produces logits for it; nothing is reused for a
+        request whose prompt logprobs are still to compute. Changes nothing but
+        the request's ``block_hashes``.
 
         Returns:
             (block ids, number of tokens they hold).
@@ -61,6 +62,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         self._update_block_hashes(request)
+        if request.wants_prompt_logprobs:  # every prompt position's logits are needed: compute them all
+            return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in request.block_hashes[:max_blocks]:

@@ -81,10 +81,10 @@ class KVTransfers:
     def num_external_tokens(self, request: Request, params: KVTransferParams | None) -> int:
         """How many leading prompt tokens come from outside: all of them for a remote prefill, else what the
         connector holds (LMCache: a stored prefix; a saving request then loads it first and saves the whole
-        prompt), at most the prompt."""
+        prompt), at most the prompt; nothing from the connector for a request that wants prompt logprobs."""
         if params is not None and params.load:
             return request.num_prompt_tokens
-        if self.connector is None:
+        if self.connector is None or request.wants_prompt_logprobs:
             return 0
         matched = self.connector.get_num_matched_tokens(request.request_id, request.prompt_token_ids)
         return min(max(matched, 0), request.num_prompt_tokens)

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.common.errors import InvalidRequest
 from splitserve.common.load import WorkerLoad
 from splitserve.common.log_fields import request_log
 from splitserve.common.model_info import ModelConfig
@@ -111,7 +112,7 @@ class LLMEngine:
 
         Raises:
             ValueError: empty or too long prompt, token ids out of range (the prompt's or logit_bias's), bad
-                params.
+                params, prompt_logprobs with a remote prefill's KV.
             KVCacheFullError: no room to reserve the blocks of KV that comes from outside.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -129,6 +130,9 @@ class LLMEngine:
         )
         if kv_transfer is not None:
             self.kv_transfers.check(kv_transfer, len(token_ids))
+            if kv_transfer.load and params.prompt_logprobs is not None:
+                raise InvalidRequest("prompt_logprobs needs the prompt computed here, and this request's prompt KV "
+                                     "comes from a remote prefill (kv_transfer.load): ask the prefill for them.")
         num_external_tokens = self.kv_transfers.num_external_tokens(request, kv_transfer)
         self.scheduler.add_request(request, num_external_tokens)
         self.kv_transfers.start(request, kv_transfer, num_external_tokens, self.block_ids(request_id))

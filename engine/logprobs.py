@@ -1,4 +1,4 @@
-"""Log probabilities of a step's tokens, for the requests that ask for them.
+"""Log probabilities of a step's tokens, for the requests that ask for them, and of prompt tokens.
 
 They come from the raw logits (before penalties and temperature), as vLLM
 returns them by default.
@@ -9,6 +9,30 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.request import Request
+
+
+# Prompt positions whose logits are turned into logprobs at once: bounds the float32 [rows, vocab] copies
+# (256 rows of a 49,152-token vocabulary: 50 MB each) whatever the chunk's size.
+PROMPT_ROWS_AT_ONCE = 256
+
+
+def _chosen_and_top(logprobs: torch.Tensor, chosen: list[int], num_tops: list[int]) -> list[dict[int, float]]:
+    """Per row of ``logprobs`` ([rows, vocab], log-softmaxed): {token_id: logprob} for its ``num_tops[row]``
+    most likely tokens, most likely first, then its ``chosen[row]`` token when not among them."""
+    chosen_tensor = torch.tensor(chosen, device=logprobs.device)
+    chosen_values = logprobs.gather(1, chosen_tensor[:, None]).squeeze(1).tolist()
+    max_top = max(num_tops)
+    top_values: list[list[float]] = [[] for _ in chosen]
+    top_token_ids: list[list[int]] = [[] for _ in chosen]
+    if max_top > 0:
+        values, token_ids = logprobs.topk(max_top, dim=-1)  # [rows, max_top]
+        top_values, top_token_ids = values.tolist(), token_ids.tolist()
+    result = []
+    for row, num_top in enumerate(num_tops):
+        row_logprobs = dict(zip(top_token_ids[row][:num_top], top_values[row][:num_top]))
+        row_logprobs.setdefault(chosen[row], chosen_values[row])
+        result.append(row_logprobs)
+    return result
 
 
 def compute_logprobs(
@@ -28,17 +52,29 @@ def compute_logprobs(
         return result
     # logprobs: [num_rows_asking, vocab]
     logprobs = torch.log_softmax(raw_logits[torch.tensor(rows)].float(), dim=-1)
-    sampled = torch.tensor([sampled_token_ids[row] for row in rows], device=logprobs.device)
-    sampled_logprobs = logprobs.gather(1, sampled[:, None]).squeeze(1).tolist()
-    max_top = max(requests[row].sampling_params.logprobs for row in rows)
-    top_values: list[list[float]] = [[] for _ in rows]
-    top_token_ids: list[list[int]] = [[] for _ in rows]
-    if max_top > 0:
-        values, token_ids = logprobs.topk(max_top, dim=-1)  # [num_rows_asking, max_top]
-        top_values, top_token_ids = values.tolist(), token_ids.tolist()
-    for position, row in enumerate(rows):
-        num_top = requests[row].sampling_params.logprobs
-        row_logprobs = dict(zip(top_token_ids[position][:num_top], top_values[position][:num_top]))
-        row_logprobs.setdefault(sampled_token_ids[row], sampled_logprobs[position])
-        result[row] = row_logprobs
+    entries = _chosen_and_top(logprobs, [sampled_token_ids[row] for row in rows],
+                              [requests[row].sampling_params.logprobs for row in rows])
+    for row, entry in zip(rows, entries):
+        result[row] = entry
     return result
+
+
+def record_prompt_logprobs(hidden: torch.Tensor, compute_logits, rows: list[tuple[Request, int, int]]) -> None:
+    """Append to each request's ``prompt_logprobs`` the entries its computed prompt positions give.
+
+    Args:
+        hidden: the step's final hidden states, one row per token of the step.
+        compute_logits: the model's head, hidden rows -> raw logits.
+        rows: (request, row of ``hidden``, its position), each request's positions ascending and starting
+            at the first entry it lacks (``model_runner._prompt_rows``): the row at position p scores the
+            prompt's token p + 1, its entry p + 1.
+    """
+    for start in range(0, len(rows), PROMPT_ROWS_AT_ONCE):
+        part = rows[start:start + PROMPT_ROWS_AT_ONCE]
+        row_index = torch.tensor([row for _, row, _ in part], dtype=torch.int64, device=hidden.device)
+        logprobs = torch.log_softmax(compute_logits(hidden[row_index]).float(), dim=-1)
+        entries = _chosen_and_top(logprobs, [request.prompt_token_ids[position + 1] for request, _, position in part],
+                                  [request.sampling_params.prompt_logprobs for request, _, _ in part])
+        for (request, _, position), entry in zip(part, entries):
+            assert len(request.prompt_logprobs) == position + 1, "prompt positions out of order"
+            request.prompt_logprobs.append(entry)

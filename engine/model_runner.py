@@ -28,6 +28,7 @@ from splitserve.engine.config import (
 from splitserve.engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from splitserve.engine.gpu_memory import gpu_kv_cache_bytes, measure_step_bytes
 from splitserve.engine.host_allocator import keep_freed_buffers_in_heap
+from splitserve.engine.logprobs import record_prompt_logprobs
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from splitserve.engine.request import Request
@@ -110,6 +111,8 @@ class _BatchInputs:
     metadata: AttentionMetadata
     sample_rows: list[int]  # rows whose logits are sampled, in the order of sample_requests
     sample_requests: list[Request]
+    # (request, row, position) of the prompt positions whose logits give prompt logprobs (record_prompt_logprobs)
+    prompt_rows: list[tuple[Request, int, int]]
 
 
 class ModelRunner:
@@ -252,20 +255,28 @@ class ModelRunner:
         """Run the step's forward pass; sample a token for every request that reached its last known token."""
         scheduled = output.scheduled
         graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(len(scheduled)) and all(item.num_new_tokens == 1 for item in scheduled):
+        if (graphs is not None and graphs.can_run(len(scheduled)) and all(item.num_new_tokens == 1 for item in scheduled)
+                and not any(item.request.wants_prompt_logprobs for item in scheduled)):
             step, sample_rows, sample_requests = self._decode_rows(scheduled, block_tables)
             hidden = graphs.run(step)[sample_rows]
         else:
             inputs = self._prepare(scheduled, block_tables)
             sample_rows, sample_requests = inputs.sample_rows, inputs.sample_requests
+            num_rows = inputs.input_ids.numel()
             pieces = self.piecewise_graphs
-            if pieces is not None and pieces.can_run(inputs.input_ids.numel()):
-                hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.metadata)[sample_rows]
-            elif len(sample_rows) == inputs.input_ids.numel():  # ascending rows: every row is sampled
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            every_row = None
+            if pieces is not None and pieces.can_run(num_rows):
+                every_row = pieces.run(inputs.input_ids, inputs.positions, inputs.metadata)
+                hidden = every_row[sample_rows]
+            elif len(sample_rows) == num_rows or inputs.prompt_rows:
+                every_row = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+                # ascending rows when every row is sampled
+                hidden = every_row if len(sample_rows) == num_rows else every_row[sample_rows]
             else:  # only the sampled rows' hidden states are read: the last layer computes no others
                 output_rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, output_rows)
+            if inputs.prompt_rows:
+                record_prompt_logprobs(every_row, self.model.compute_logits, inputs.prompt_rows)
         if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden)
@@ -303,6 +314,8 @@ class ModelRunner:
         prefills = [item for item in scheduled if item.num_new_tokens > 1]
         step, sample_rows, sample_requests = self._decode_rows(decodes, block_tables)
         token_ids, positions, decode_tables = step.token_ids, step.positions, step.block_tables
+        prompt_rows = [entry for row, item in enumerate(decodes)  # a one-token prompt chunk is a decode row
+                       for entry in _prompt_rows(item.request, row, positions[row], 1)]
         slot_mapping = [torch.tensor(step.slots, dtype=torch.int64, device=self.device)]
         # The C++ and Triton kernels read each request's own blocks: one group, no padding to worry about.
         one_group = self.use_cpu_kernel or self.use_triton_kernel
@@ -322,6 +335,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             table = torch.tensor(block_tables[request.request_id], dtype=torch.int64, device=self.device)
             spans.append(PrefillSpan(row, row + item.num_new_tokens, start, table))
+            prompt_rows.extend(_prompt_rows(request, row, start, item.num_new_tokens))
             chunk_positions = torch.arange(start, end, device=self.device)
             slot_mapping.append(table[chunk_positions // self.block_size] * self.block_size + chunk_positions % self.block_size)
             if item.sample:
@@ -338,6 +352,7 @@ class ModelRunner:
             metadata=metadata,
             sample_rows=sample_rows,
             sample_requests=sample_requests,
+            prompt_rows=prompt_rows,
         )
 
     def _decode_group(self, start: int, end: int, tables: list[list[int]], positions: list[int]) -> DecodeGroup:
@@ -352,6 +367,16 @@ class ModelRunner:
             num_kv_heads = self.model_config.num_key_value_heads
             group.mask = padding.unsqueeze(0).expand(num_kv_heads, -1, -1).reshape(num_kv_heads * len(tables), 1, -1)
         return group
+
+
+def _prompt_rows(request: Request, row: int, start: int, count: int) -> list[tuple[Request, int, int]]:
+    """(request, row, position) for the positions of a chunk (``count`` tokens from position ``start`` at step
+    row ``row``) whose logits score a prompt token not yet scored: position p scores token p + 1."""
+    if not request.wants_prompt_logprobs:
+        return []
+    first = max(start, len(request.prompt_logprobs) - 1)
+    end = min(start + count, request.num_prompt_tokens - 1)
+    return [(request, row + position - start, position) for position in range(first, end)]
 
 
 # A decode group grows while padding it to its longest member wastes at most this fraction.

@@ -54,3 +54,7 @@ class RequestOutput:
     # Prompt tokens whose KV a connector loaded into the request's blocks (a remote prefill's whole prompt, or
     # a prefix LMCache held), not counting num_cached_tokens; 0 when the load failed or nothing was loaded.
     num_loaded_tokens: int = 0
+    # With SamplingParams.prompt_logprobs, per prompt token: None for the first (nothing predicts it), then
+    # {token_id: logprob} for that token and the top alternatives at its position, as vLLM's prompt_logprobs.
+    # Whole once the prompt is computed (a request's first token comes with it).
+    prompt_logprobs: list[dict[int, float] | None] | None = None

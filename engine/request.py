@@ -82,6 +82,9 @@ class Request:
     generator: Any = None
     # Per generated token: {token_id: logprob} when logprobs were asked for.
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With sampling_params.prompt_logprobs, per prompt position computed so far: None for the first token
+    # (nothing predicts it), then {token_id: logprob} for the prompt's token and the top alternatives there.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     # Sum of the generated tokens' logprobs, kept as they arrive.
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
@@ -91,6 +94,14 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs were asked for and some are not computed yet: the prompt's KV must then be
+        computed here, not taken from the prefix cache or a connector."""
+        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,7 +26,12 @@ from splitserve.common.types import FinishReason
 from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.prefill_service.lmcache_sender import LMCacheSender
 from splitserve.prefill_service.sender import KVSender, TransferSender
-from splitserve.rpc.convert import position_logprobs_to_pb, sampling_params_from_pb, set_stop_reason
+from splitserve.rpc.convert import (
+    position_logprobs_to_pb,
+    prompt_logprobs_to_pb,
+    sampling_params_from_pb,
+    set_stop_reason,
+)
 from splitserve.rpc.worker import WorkerRuntime, wait_accepted
 from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 
@@ -124,11 +129,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             first_token_text=completion.text, num_cached_tokens=final.num_cached_tokens,
             num_loaded_tokens=final.num_loaded_tokens, num_sent_blocks=sender.num_sent_blocks,
         )
+        decode = lambda token_id: self.runtime.engine.tokenizer.decode([token_id])  # noqa: E731
         if params.logprobs is not None and completion.logprobs:
-            decode = lambda token_id: self.runtime.engine.tokenizer.decode([token_id])  # noqa: E731
             response.first_token_logprobs.CopyFrom(
                 position_logprobs_to_pb(completion.logprobs[0], first_token, params.logprobs, decode)
             )
+        if final.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(prompt_logprobs_to_pb(
+                final.prompt_logprobs, list(request.prompt_token_ids), params.prompt_logprobs, decode))
         # The engine ran with max_tokens=1: "length" is a finish only if the request wanted one token.
         if completion.finish_reason == FinishReason.STOP:
             response.finish_reason = inference_pb2.FINISH_REASON_STOP

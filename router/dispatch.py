@@ -108,6 +108,8 @@ class RouterRequest:
         params.CopyFrom(self.original_sampling_params)
         params.max_tokens = max(max_tokens - num_sent, 1)
         params.min_tokens = max(params.min_tokens - num_sent, 0)
+        if num_sent:  # the client has the prompt's logprobs (they came with the first token)
+            params.ClearField("prompt_logprobs")
         self.sampling_params = params
         self.prompt = Prompt(list(self.original_prompt.token_ids) + list(sent_token_ids), None)
         self.prefill = None
@@ -275,6 +277,8 @@ class Dispatcher:
             request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
             sampling_params=job.sampling_params, prefill_locally=prefill_worker is None,
         )
+        if prefill_worker is not None:  # the prefill worker computes the prompt, and its logprobs if asked
+            request.sampling_params.ClearField("prompt_logprobs")
         if prefill_worker is not None and prefill_worker.kv_endpoint is not None:
             request.source.CopyFrom(prefill_worker.kv_endpoint)
         if self.config.kv_timeout_seconds is not None:

@@ -72,6 +72,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 response.text += chunk.text
                 response.token_ids.extend(chunk.token_ids)
                 response.logprobs.extend(chunk.logprobs)
+                response.prompt_logprobs.extend(chunk.prompt_logprobs)
                 if chunk.finish_reason:
                     response.finish_reason = chunk.finish_reason
                     kind = chunk.WhichOneof("stop_reason")
@@ -235,6 +236,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 progress.first_token_time = time.monotonic()
             if progress.num_attempt_tokens == 0:
                 self._fill_first_logprobs(job, chunk)
+                if not progress.sent_token_ids:  # the client's first token: the prompt's logprobs come with it
+                    chunk.prompt_logprobs.extend(message.prompt_logprobs or
+                                                 (job.prefill.prompt_logprobs if job.prefill is not None else []))
             progress.num_attempt_tokens += len(message.token_ids)
         kind = message.WhichOneof("stop_reason")
         if kind:

@@ -78,6 +78,8 @@ def sampling_params_to_pb(params: SamplingParams | None) -> inference_pb2.Sampli
         message.seed = params.seed
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        message.prompt_logprobs = params.prompt_logprobs
     return message
 
 

@@ -75,6 +75,16 @@ def hf_greedy_with_top(model_dir: str, prompt_token_ids: list[int], max_new_toke
     return tokens, [dict(zip(t.indices.tolist(), t.values.tolist())) for t in tops]
 
 
+@functools.lru_cache(maxsize=8)
+def hf_prompt_logprobs(model_dir: str, prompt_token_ids: tuple[int, ...]):
+    """transformers' log-softmax (float32) at every prompt position, [tokens, vocab]: row p scores token p + 1."""
+    import torch
+
+    with torch.inference_mode():
+        logits = hf_model(model_dir)(torch.tensor([list(prompt_token_ids)])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
 def first_difference(ours: list[int], theirs: list[int]) -> int | None:
     """The first index where two token sequences differ (over their common length), or None."""
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)

@@ -44,6 +44,10 @@ class SamplingParams:
         ignore_eos: keep generating after the end-of-sequence token.
         min_tokens: generate at least this many tokens before EOS or stop ids may end it.
         logprobs: also return the top-N log probabilities of each generated token.
+        prompt_logprobs: also return, for every prompt token after the first, its log probability given
+            the tokens before it and the top-N alternatives there (vLLM's prompt_logprobs; what scoring a
+            text, as lm-evaluation-harness's loglikelihood does, needs). The prompt is then computed in
+            full: its KV is not taken from the prefix cache or a KV connector.
         logit_bias: token id -> a value in [-100, 100] added to that token's logit before
             anything else (-100 all but bans the token, 100 all but forces it), as OpenAI's
             and vLLM's logit_bias; at most 1,024 entries. Log probabilities stay the raw
@@ -65,6 +69,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
 
@@ -107,10 +112,10 @@ class SamplingParams:
             raise InvalidRequest(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
             )
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequest(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}.")
         if any(not isinstance(text, str) or not text for text in self.stop):
             raise InvalidRequest("stop must be a list of non-empty strings.")
         if any(token_id < 0 for token_id in self.stop_token_ids):

@@ -38,7 +38,7 @@ def sampling_params_from_pb(message: inference_pb2.SamplingParams) -> SamplingPa
         logit_bias={token_id: round(float(bias), 6) for token_id, bias in message.logit_bias.items()},
     )
     for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "logprobs",
-                 "skip_special_tokens"):
+                 "prompt_logprobs", "skip_special_tokens"):
         if message.HasField(name):
             values[name] = getattr(message, name)
     # float32 on the wire: 0.7 arrives as 0.699999988; round to what the client meant.
@@ -106,6 +106,16 @@ def position_logprobs_to_pb(
         sampled=entry(sampled_token_id, logprobs[sampled_token_id]),
         top=[entry(token_id, value) for token_id, value in ranked],
     )
+
+
+def prompt_logprobs_to_pb(
+    prompt_logprobs: list[dict[int, float] | None], prompt_token_ids: list[int], num_top: int,
+    decode_token: Callable[[int], str],
+) -> list[inference_pb2.PositionLogprobs]:
+    """A request's prompt logprobs, one message per prompt token (``sampled`` is the prompt's token): empty for
+    the first, which nothing predicts."""
+    return [position_logprobs_to_pb(entry or {}, token_id, num_top, decode_token)
+            for entry, token_id in zip(prompt_logprobs, prompt_token_ids)]
 
 
 def set_stop_reason(message, stop_reason: int | str | None, finish_reason: str | None) -> None:

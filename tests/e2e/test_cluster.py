@@ -28,7 +28,7 @@ from tests.cluster_helpers import (
     wait_until,
     worker_status,
 )
-from tests.reference import MAX_TOKENS
+from tests.reference import MAX_TOKENS, hf_prompt_logprobs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -156,6 +156,7 @@ def test_abort_rpc_ends_the_stream_with_abort(client):
         (dict(text="hi", sampling_params=inference_pb2.SamplingParams(top_p=1.5)), "top_p"),
         (dict(text="hi", sampling_params=inference_pb2.SamplingParams(max_tokens=0)), "max_tokens"),
         (dict(text="hi", sampling_params=inference_pb2.SamplingParams(logprobs=50)), "logprobs"),
+        (dict(text="hi", sampling_params=inference_pb2.SamplingParams(prompt_logprobs=21)), "prompt_logprobs"),
     ],
 )
 def test_invalid_requests_get_invalid_argument_with_a_sentence(client, request_kwargs, message):
@@ -185,6 +186,40 @@ def test_unary_generate_and_the_small_rpcs(client, tokenizer):
     assert info.max_model_len == 2048 and info.vocab_size == tokenizer.vocab_size and info.has_chat_template
     chat = client.generate([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=4, temperature=0.0))
     assert chat.usage.prompt_tokens > 5
+
+
+def test_prompt_logprobs_come_with_the_first_token_from_either_worker(cluster, client, model_dir, prompt_token_ids):
+    """Through the router the prefill worker computes them (its KV still goes to the decode worker); a decode worker
+    prefilling locally computes them itself. Both equal transformers', on the first token's message only."""
+    prompt = prompt_token_ids[5]
+    decode = decode_worker(cluster)
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)
+    before = worker_status(decode.address, "decode").counters
+    chunks = list(client.generate_stream(prompt, params, timeout=300))
+    after = worker_status(decode.address, "decode").counters
+    assert after.num_kv_transfers_received == before.num_kv_transfers_received + 1
+    assert after.num_local_prefills == before.num_local_prefills
+    with grpc.insecure_channel(decode.address) as channel:
+        request = worker_pb2.DecodeRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
+                                           sampling_params=sampling_params_to_pb(params), prefill_locally=True)
+        messages = list(worker_pb2_grpc.DecodeWorkerStub(channel).Decode(request, timeout=120))
+    unary = client.generate(prompt, params, timeout=300)
+    reference = hf_prompt_logprobs(str(model_dir), tuple(prompt))
+    for stream in (chunks, messages):
+        (first,) = [index for index, message in enumerate(stream) if message.token_ids][:1]
+        assert not any(message.prompt_logprobs for index, message in enumerate(stream) if index != first)
+        assert [token for message in stream for token in message.token_ids] == list(unary.token_ids)
+        entries = stream[first].prompt_logprobs
+        assert len(entries) == len(prompt) and not entries[0].HasField("sampled") and not entries[0].top
+        assert [entry.sampled.token_id for entry in entries[1:]] == prompt[1:]
+        for position, entry in enumerate(entries[1:], start=1):
+            row = reference[position - 1]
+            assert entry.sampled.logprob == pytest.approx(row[prompt[position]].item(), abs=2e-4)
+            assert [top.logprob for top in entry.top] == pytest.approx(row.topk(2).values.tolist(), abs=2e-4)
+    streamed = next(chunk for chunk in chunks if chunk.token_ids).prompt_logprobs
+    assert [entry.sampled.logprob for entry in unary.prompt_logprobs] == pytest.approx(
+        [entry.sampled.logprob for entry in streamed], abs=1e-6)
+    wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free")
 
 
 def test_generate_cli_streams_from_the_cluster(cluster):
