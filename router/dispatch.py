@@ -83,6 +83,7 @@ class RouterRequest:
     original_prompt: Prompt | None = None  # the client's; set in __post_init__
     original_sampling_params: inference_pb2.SamplingParams | None = None  # the client's; set in __post_init__
     num_migrations: int = 0
+    echo_text: str | None = None  # the prompt's text, for a request that asked for it (GenerateRequest.echo)
     excluded_decode_workers: set[str] = field(default_factory=set)  # decode workers that failed this request
     _cancels: list[Callable[[], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -127,6 +127,10 @@ class Frontend:
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         return Prompt(token_ids, text)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of validated token ids, special tokens kept (what echo returns for a token-id prompt)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def _check_size(self, text: str, what: str) -> None:
         """Refuses text too long to fit max_model_len tokens, without tokenizing it (a huge prompt takes minutes).
 

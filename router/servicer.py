@@ -73,6 +73,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 response.token_ids.extend(chunk.token_ids)
                 response.logprobs.extend(chunk.logprobs)
                 response.prompt_logprobs.extend(chunk.prompt_logprobs)
+                response.prompt_text += chunk.prompt_text
                 if chunk.finish_reason:
                     response.finish_reason = chunk.finish_reason
                     kind = chunk.WhichOneof("stop_reason")
@@ -130,6 +131,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         prompt = self.frontend.prompt_of(request)
         self.frontend.sampling_params_of(request)  # validates; the workers get the message
         job = RouterRequest(request_id, prompt, request.sampling_params)
+        if request.echo:
+            job.echo_text = prompt.text if prompt.text is not None else self.frontend.decode(prompt.token_ids)
         with self._lock:
             if self._draining:
                 self.metrics.admission_refusals.labels("draining").inc()
@@ -236,9 +239,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 progress.first_token_time = time.monotonic()
             if progress.num_attempt_tokens == 0:
                 self._fill_first_logprobs(job, chunk)
-                if not progress.sent_token_ids:  # the client's first token: the prompt's logprobs come with it
+                if not progress.sent_token_ids:  # the client's first token: what it asked of the prompt comes with it
                     chunk.prompt_logprobs.extend(message.prompt_logprobs or
                                                  (job.prefill.prompt_logprobs if job.prefill is not None else []))
+                    chunk.prompt_text = job.echo_text or ""
             progress.num_attempt_tokens += len(message.token_ids)
         kind = message.WhichOneof("stop_reason")
         if kind:

@@ -83,9 +83,11 @@ def sampling_params_to_pb(params: SamplingParams | None) -> inference_pb2.Sampli
     return message
 
 
-def generate_request(prompt, params: SamplingParams | None = None, request_id: str | None = None):
-    """A GenerateRequest for a text prompt, a list of token ids, or a list of chat messages (dicts)."""
-    request = inference_pb2.GenerateRequest(sampling_params=sampling_params_to_pb(params))
+def generate_request(prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                     echo: bool = False):
+    """A GenerateRequest for a text prompt, a list of token ids, or a list of chat messages (dicts); with ``echo``
+    the first token's message carries the prompt's text."""
+    request = inference_pb2.GenerateRequest(sampling_params=sampling_params_to_pb(params), echo=echo)
     if request_id is not None:
         request.request_id = request_id
     if isinstance(prompt, str):
@@ -126,13 +128,14 @@ class Client:
         grpc.channel_ready_future(self.channel).result(timeout)
 
     def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                 timeout: float | None = None) -> inference_pb2.GenerateResponse:
-        return self.stub.Generate(generate_request(prompt, params, request_id), timeout=timeout or self.timeout)
+                 timeout: float | None = None, echo: bool = False) -> inference_pb2.GenerateResponse:
+        return self.stub.Generate(generate_request(prompt, params, request_id, echo), timeout=timeout or self.timeout)
 
     def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                        timeout: float | None = None) -> Iterator[inference_pb2.GenerateStreamResponse]:
+                        timeout: float | None = None, echo: bool = False) -> Iterator[inference_pb2.GenerateStreamResponse]:
         """The streamed chunks; cancel early with ``.cancel()`` on the returned call."""
-        return self.stub.GenerateStream(generate_request(prompt, params, request_id), timeout=timeout or self.timeout)
+        return self.stub.GenerateStream(generate_request(prompt, params, request_id, echo),
+                                        timeout=timeout or self.timeout)
 
     def abort(self, request_id: str) -> bool:
         return self.stub.Abort(inference_pb2.AbortRequest(request_id=request_id), timeout=10).found
@@ -196,16 +199,17 @@ class AsyncClient:
         await asyncio.wait_for(self.channel.channel_ready(), timeout)
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       timeout: float | None = None, api_key: str | None = None) -> inference_pb2.GenerateResponse:
-        return await self.stub.Generate(generate_request(prompt, params, request_id), timeout=timeout or self.timeout,
-                                        metadata=self._metadata(api_key))
+                       timeout: float | None = None, api_key: str | None = None,
+                       echo: bool = False) -> inference_pb2.GenerateResponse:
+        return await self.stub.Generate(generate_request(prompt, params, request_id, echo),
+                                        timeout=timeout or self.timeout, metadata=self._metadata(api_key))
 
     def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                        timeout: float | None = None, api_key: str | None = None):
+                        timeout: float | None = None, api_key: str | None = None, echo: bool = False):
         """The call, an async iterator of the streamed chunks; ``.cancel()`` on it ends the request on the
         workers (its blocks freed)."""
-        return self.stub.GenerateStream(generate_request(prompt, params, request_id), timeout=timeout or self.timeout,
-                                        metadata=self._metadata(api_key))
+        return self.stub.GenerateStream(generate_request(prompt, params, request_id, echo),
+                                        timeout=timeout or self.timeout, metadata=self._metadata(api_key))
 
     async def abort(self, request_id: str, api_key: str | None = None) -> bool:
         response = await self.stub.Abort(inference_pb2.AbortRequest(request_id=request_id), timeout=10,

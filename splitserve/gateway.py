@@ -121,13 +121,46 @@ class _Reply:
     created: int
     choice: Callable[..., dict]
     num_choices: int  # per prompt
+    # /v1/completions' echo: each choice's text (and logprobs) starts with its prompt's. With max_tokens 0 (only
+    # the prompt is wanted, scored when logprobs are asked) one token is generated and not shown.
+    score_only: bool = False
 
     def head(self, kind: str) -> dict:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
-    def choice_of(self, index: int, text: str, last, logprobs: list, final: bool) -> dict:
-        """Choice ``index``, its finish and vLLM's ``stop_reason`` read off ``last``, its latest router message."""
-        return {**self.choice(index, text, _finish(last), logprobs, final), "stop_reason": _stop_reason(last)}
+    def shown(self, message) -> tuple[str, list]:
+        """The text and logprob entries a router message shows the client: the prompt's first when it carries them
+        (echo, on the first token's message; the prompt's first token unscored), nothing generated when
+        ``score_only``."""
+        text, entries = ("", []) if self.score_only else (message.text, list(message.logprobs))
+        if not message.prompt_text:
+            return text, entries
+        prompt_entries = list(message.prompt_logprobs)
+        if prompt_entries:
+            prompt_entries[0] = _Unscored(prompt_entries[0])
+        return message.prompt_text + text, prompt_entries + entries
+
+    def choice_of(self, index: int, text: str, last, logprobs: list, final: bool, text_offset: int = 0) -> dict:
+        """Choice ``index``, its finish and vLLM's ``stop_reason`` read off ``last``, its latest router message
+        (``text_offset``: where its text starts in the choice's, for the logprobs' offsets)."""
+        finish, stop_reason = _finish(last), _stop_reason(last)
+        if self.score_only and finish in ("stop", "length"):  # max_tokens 0: the prompt alone, at its length
+            finish, stop_reason = "length", None
+        return {**self.choice(index, text, finish, logprobs, final, text_offset), "stop_reason": stop_reason}
+
+    def usage(self, usages: list) -> dict:
+        """The request's usage (``_usage``), no completion tokens when ``score_only``."""
+        if self.score_only:
+            usages = [inference_pb2.Usage(prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens)
+                      for usage in usages]
+        return _usage(usages, self.num_choices)
+
+
+@dataclass
+class _Unscored:
+    """A prompt's first token in echoed logprobs: named, with no log probability (nothing predicts it)."""
+
+    entry: inference_pb2.PositionLogprobs
 
 
 class Gateway:
@@ -186,15 +219,22 @@ class Gateway:
         body = await self._body(request)
         info = await self._check_model(request, body)
         prompts = _completion_prompts(body.get("prompt"))
-        if body.get("echo"):
-            raise APIError(400, "echo is not supported.", "echo")
-        params = self._params(body, info, default_max_tokens=16, logprobs=_completion_logprobs(body))
-        return await self._respond(request, body, prompts, params, "cmpl", "text_completion", _completion_choice)
+        echo = _flag(body, "echo")
+        score_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+        logprobs = _completion_logprobs(body)
+        params = self._params({**body, "max_tokens": 1} if score_only else body, info, default_max_tokens=16,
+                              logprobs=logprobs)
+        if echo and logprobs is not None:  # the prompt's tokens get logprobs too, as vLLM's echo gives them
+            params = dataclasses.replace(params, prompt_logprobs=logprobs)
+        return await self._respond(request, body, prompts, params, "cmpl", "text_completion", _completion_choice,
+                                   echo=echo, score_only=score_only)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request)
         info = await self._check_model(request, body)
         messages = _messages(body.get("messages"))
+        if _flag(body, "echo"):
+            raise APIError(400, "echo is supported on /v1/completions only.", "echo")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         params = self._params({**body, "max_tokens": max_tokens}, info, default_max_tokens=info.max_model_len,
                               logprobs=_chat_logprobs(body))
@@ -203,23 +243,25 @@ class Gateway:
     # ---- one request's generations ----------------------------------------------------------------
 
     async def _respond(self, request: Request, body: dict, prompts: list, params: SamplingParams, prefix: str,
-                       kind: str, choice) -> Response:
+                       kind: str, choice, echo: bool = False, score_only: bool = False) -> Response:
         """Generate ``n`` choices for each of ``prompts`` (choice ``index`` of prompt ``p`` is the answer's choice
-        ``p * n + index``, as OpenAI numbers a batch's choices), one router call each."""
+        ``p * n + index``, as OpenAI numbers a batch's choices), one router call each; with ``echo`` each choice
+        starts with its prompt (``_Reply.score_only``)."""
         num_choices = _num_choices(body, len(prompts), self.config.max_choices)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        reply = _Reply(request_id, kind, self._model_name(self._model_info), int(time.time()), choice, num_choices)
+        reply = _Reply(request_id, kind, self._model_name(self._model_info), int(time.time()), choice, num_choices,
+                       score_only)
         api_key = _bearer(request)
         generations = [(prompt, index) for prompt in prompts for index in range(num_choices)]
         calls = [self.client.generate_stream(prompt, _choice_params(params, index),
                                              request_id if len(generations) == 1 else f"{request_id}-{number}",
-                                             api_key=api_key)
+                                             api_key=api_key, echo=echo)
                  for number, (prompt, index) in enumerate(generations)]
         self.metrics.generations.inc(len(calls))
         streams = [_chunks(call) for call in calls]
         # Errors before the first token of every choice are HTTP errors.
         firsts = await _all_or_cancel(calls, [_first(stream) for stream in streams])
-        if not body.get("stream"):
+        if not _flag(body, "stream"):
             return await self._whole(request, calls, streams, firsts, reply)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events = self._events(calls, streams, firsts, reply, include_usage)
@@ -235,12 +277,12 @@ class Gateway:
         choices, usages = [], []
         for index, chunks in enumerate(collected):
             last = chunks[-1] if chunks else inference_pb2.GenerateStreamResponse()
-            text = "".join(chunk.text for chunk in chunks)
-            logprobs = [entry for chunk in chunks for entry in chunk.logprobs]
+            shown = [reply.shown(chunk) for chunk in chunks]
+            text = "".join(text for text, _ in shown)
+            logprobs = [entry for _, entries in shown for entry in entries]
             choices.append(reply.choice_of(index, text, last, logprobs, final=True))
             usages.append(last.usage)
-        return JSONResponse({**reply.head(reply.kind), "choices": choices,
-                             "usage": _usage(usages, reply.num_choices)})
+        return JSONResponse({**reply.head(reply.kind), "choices": choices, "usage": reply.usage(usages)})
 
     async def _events(self, calls: list, streams: list, firsts: list, reply: _Reply,
                       include_usage: bool) -> AsyncIterator[str]:
@@ -271,6 +313,7 @@ class Gateway:
                     yield _event({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                        "logprobs": None, "finish_reason": None}]})
             last: list = [None] * len(calls)
+            text_offsets = [0] * len(calls)
             running = len(calls)
             while running:
                 index, message = await messages.get()
@@ -281,12 +324,14 @@ class Gateway:
                     yield _event(error_body(message.status, message.message, code=message.code))
                     return
                 last[index] = message
-                if message.text or message.finish_reason or message.logprobs:
-                    choice = reply.choice_of(index, message.text, message, list(message.logprobs), final=False)
+                text, entries = reply.shown(message)
+                if text or message.finish_reason or entries:
+                    choice = reply.choice_of(index, text, message, entries, False, text_offsets[index])
+                    text_offsets[index] += len(text)
                     yield _event({**head, "choices": [choice]})
             if include_usage and any(chunk is not None for chunk in last):
                 usages = [chunk.usage if chunk is not None else inference_pb2.Usage() for chunk in last]
-                yield _event({**head, "choices": [], "usage": _usage(usages, reply.num_choices)})
+                yield _event({**head, "choices": [], "usage": reply.usage(usages)})
             yield "data: [DONE]\n\n"
         finally:
             for call in calls:
@@ -489,6 +534,14 @@ def _chat_logprobs(body: dict) -> int | None:
     return (top or 0) if logprobs else None
 
 
+def _flag(body: dict, name: str) -> bool:
+    """A true-or-false field (absent or null: false); 400 for anything else."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise APIError(400, f"{name} must be true or false.", name)
+    return bool(value)
+
+
 def _completion_logprobs(body: dict) -> int | None:
     logprobs = body.get("logprobs")
     if logprobs is None:
@@ -589,11 +642,14 @@ def _usage(usages: list, num_choices: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(usage.cached_tokens for usage in firsts)}}
 
 
-def _completion_choice(index: int, text: str, finish: str | None, logprobs: list, final: bool) -> dict:
-    return {"index": index, "text": text, "logprobs": _openai_logprobs(logprobs), "finish_reason": finish}
+def _completion_choice(index: int, text: str, finish: str | None, logprobs: list, final: bool,
+                       text_offset: int = 0) -> dict:
+    return {"index": index, "text": text, "logprobs": _openai_logprobs(logprobs, text_offset),
+            "finish_reason": finish}
 
 
-def _chat_choice(index: int, text: str, finish: str | None, logprobs: list, final: bool) -> dict:
+def _chat_choice(index: int, text: str, finish: str | None, logprobs: list, final: bool,
+                 text_offset: int = 0) -> dict:
     if final:
         return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": _chat_logprobs_object(logprobs), "finish_reason": finish}
@@ -605,15 +661,22 @@ def _logprob(entry) -> float:
     return max(entry.logprob, LOWEST_LOGPROB)
 
 
-def _openai_logprobs(entries: list) -> dict | None:
-    """The legacy completions logprobs object from the router's per-position logprobs."""
+def _openai_logprobs(entries: list, text_offset: int = 0) -> dict | None:
+    """The legacy completions logprobs object from the router's per-position logprobs (an echoed prompt's first
+    token ``_Unscored``: its logprob and alternatives null, as OpenAI writes them); each token's ``text_offset``
+    is where its text starts, counting from ``text_offset``."""
     if not entries:
         return None
+    tokens = [(entry.entry if isinstance(entry, _Unscored) else entry).sampled.text for entry in entries]
+    offsets = [text_offset]
+    for token in tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
     return {
-        "tokens": [entry.sampled.text for entry in entries],
-        "token_logprobs": [_logprob(entry.sampled) for entry in entries],
-        "top_logprobs": [{top.text: _logprob(top) for top in entry.top} for entry in entries],
-        "text_offset": [],
+        "tokens": tokens,
+        "token_logprobs": [None if isinstance(entry, _Unscored) else _logprob(entry.sampled) for entry in entries],
+        "top_logprobs": [None if isinstance(entry, _Unscored) else {top.text: _logprob(top) for top in entry.top}
+                         for entry in entries],
+        "text_offset": offsets,
     }
 
 

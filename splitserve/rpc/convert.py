@@ -112,10 +112,12 @@ def prompt_logprobs_to_pb(
     prompt_logprobs: list[dict[int, float] | None], prompt_token_ids: list[int], num_top: int,
     decode_token: Callable[[int], str],
 ) -> list[inference_pb2.PositionLogprobs]:
-    """A request's prompt logprobs, one message per prompt token (``sampled`` is the prompt's token): empty for
-    the first, which nothing predicts."""
-    return [position_logprobs_to_pb(entry or {}, token_id, num_top, decode_token)
-            for entry, token_id in zip(prompt_logprobs, prompt_token_ids)]
+    """A request's prompt logprobs, one message per prompt token (``sampled`` is the prompt's token): the first,
+    which nothing predicts, names its token with logprob 0 and no alternatives."""
+    first = inference_pb2.PositionLogprobs(sampled=inference_pb2.TokenLogprob(
+        token_id=prompt_token_ids[0], text=decode_token(prompt_token_ids[0])))
+    return [first] + [position_logprobs_to_pb(entry, token_id, num_top, decode_token)
+                      for entry, token_id in zip(prompt_logprobs[1:], prompt_token_ids[1:])]
 
 
 def set_stop_reason(message, stop_reason: int | str | None, finish_reason: str | None) -> None:

@@ -210,16 +210,29 @@ def test_prompt_logprobs_come_with_the_first_token_from_either_worker(cluster, c
         assert not any(message.prompt_logprobs for index, message in enumerate(stream) if index != first)
         assert [token for message in stream for token in message.token_ids] == list(unary.token_ids)
         entries = stream[first].prompt_logprobs
-        assert len(entries) == len(prompt) and not entries[0].HasField("sampled") and not entries[0].top
-        assert [entry.sampled.token_id for entry in entries[1:]] == prompt[1:]
+        assert len(entries) == len(prompt) and not entries[0].top and entries[0].sampled.logprob == 0
+        assert [entry.sampled.token_id for entry in entries] == prompt
         for position, entry in enumerate(entries[1:], start=1):
             row = reference[position - 1]
             assert entry.sampled.logprob == pytest.approx(row[prompt[position]].item(), abs=2e-4)
             assert [top.logprob for top in entry.top] == pytest.approx(row.topk(2).values.tolist(), abs=2e-4)
+    assert not unary.prompt_text and not any(chunk.prompt_text for chunk in chunks)
     streamed = next(chunk for chunk in chunks if chunk.token_ids).prompt_logprobs
     assert [entry.sampled.logprob for entry in unary.prompt_logprobs] == pytest.approx(
         [entry.sampled.logprob for entry in streamed], abs=1e-6)
     wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free")
+
+
+def test_echo_returns_the_prompt_text_with_the_first_token(client, tokenizer):
+    text = "Echo me, please: the capital of France is"
+    ids = tokenizer.encode(text)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    assert client.generate(text, params, echo=True).prompt_text == text
+    chunks = list(client.generate_stream(ids, params, echo=True))
+    assert [chunk.prompt_text for chunk in chunks if chunk.prompt_text] == [tokenizer.decode(ids)]
+    assert chunks[0].token_ids  # on the message with the first token
+    chat = client.generate([{"role": "user", "content": "Hi"}], params, echo=True).prompt_text
+    assert chat.startswith("<|im_start|>") and chat.endswith("<|im_start|>assistant\n")
 
 
 def test_generate_cli_streams_from_the_cluster(cluster):

@@ -106,6 +106,47 @@ def test_completion_is_the_grpc_paths_greedy_output(api, grpc_client):
     assert all(len(top) <= 3 for top in logprobs.top_logprobs) and all(lp <= 0 for lp in logprobs.token_logprobs)
 
 
+def test_echo_scores_the_prompt_as_lm_evaluation_harness_asks(api, grpc_client):
+    """echo with logprobs (what lm-evaluation-harness's loglikelihood sends: token ids, max_tokens 1, logprobs 1):
+    the prompt's tokens come first, the first unscored, the rest with the gRPC path's prompt logprobs."""
+    model = api.models.list().data[0].id
+    ids = grpc_client.tokenize(PROMPT + " Paris, and that of Spain is Madrid.")
+    expected = grpc_client.generate(ids, SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1),
+                                    echo=True)
+    [choice] = api.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+                                      echo=True).choices
+    assert choice.text == expected.prompt_text + expected.text and expected.prompt_text.startswith(PROMPT)
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(ids) + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx(
+        [entry.sampled.logprob for entry in [*expected.prompt_logprobs[1:], *expected.logprobs]], abs=1e-6)
+    assert all(len(top) in (1, 2) for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset[0] == 0 and all(
+        later - earlier == len(token)
+        for earlier, later, token in zip(logprobs.text_offset, logprobs.text_offset[1:], logprobs.tokens))
+    # Streamed: the same text and logprobs in pieces, the prompt's with the first token.
+    chunks = [chunk.choices[0] for chunk in api.completions.create(
+        model=model, prompt=ids, max_tokens=3, temperature=0, logprobs=1, echo=True, stream=True)]
+    assert chunks[0].text.startswith(expected.prompt_text + expected.text)
+    streamed = [value for chunk in chunks if chunk.logprobs for value in chunk.logprobs.token_logprobs]
+    assert streamed[:len(ids) + 1] == logprobs.token_logprobs
+    offsets = [value for chunk in chunks if chunk.logprobs for value in chunk.logprobs.text_offset]
+    assert offsets == sorted(offsets) and len(offsets) == len(ids) + 3
+    # max_tokens 0: the prompt alone, scored, nothing generated.
+    scored = api.completions.create(model=model, prompt=PROMPT, max_tokens=0, logprobs=0, echo=True)
+    [only] = scored.choices
+    assert only.text == PROMPT and only.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(only.logprobs.tokens) == scored.usage.prompt_tokens == len(grpc_client.tokenize(PROMPT))
+    # Without logprobs, echo is the text alone; chat has no echo.
+    [plain] = api.completions.create(model=model, prompt=[PROMPT, ids], max_tokens=2, temperature=0,
+                                     echo=True).choices[:1]
+    assert plain.text.startswith(PROMPT) and plain.logprobs is None
+    with pytest.raises(openai.BadRequestError) as chat_echo:
+        api.chat.completions.create(model=model, messages=QUESTION, extra_body={"echo": True})
+    assert "echo is supported on /v1/completions only" in chat_echo.value.message
+
+
 def test_chat_is_the_grpc_paths_greedy_output(api, grpc_client):
     model = api.models.list().data[0].id
     expected = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=64))
@@ -357,13 +398,13 @@ def _body_fields(model: str, chat: bool, wild: bool):
         "top_k": pick(-1, 5), "seed": pick(3, -1), "stop": pick(".", [" Paris", "\n"]), "stream": pick(True, False),
         "logit_bias": pick({"504": -100}, {"17": 5.5}), "stop_token_ids": pick([2], []),
         "stream_options": pick({"include_usage": True}), "response_format": pick({"type": "text"}),
-        "best_of": pick(1), "echo": pick(False),
+        "best_of": pick(1),
     }
     if chat:
         fields |= {"logprobs": pick(True, False), "top_logprobs": pick(0, 2)}
         required = {"messages": pick(QUESTION, [{"role": "system", "content": "Be brief."}, *QUESTION], [])}
     else:
-        fields |= {"logprobs": pick(0, 2)}
+        fields |= {"logprobs": pick(0, 2), "echo": pick(False, True)}
         required = {"prompt": pick(*prompts)}
     # max_tokens always present and small when valid: a default would generate to the end of the context.
     required["max_tokens"] = st.one_of(st.sampled_from([1, 2, 4]), st.sampled_from([0, -1, 2.5, "2", True, 10**30])) \

@@ -164,6 +164,7 @@ BAD_GENERATE_REQUESTS = [
     ("stop-empty-among-others", generate_request(stop=["ok", "", "x" * LONG]), "stop must be a list of non-empty"),
     ("logprobs-21", generate_request(logprobs=21), "logprobs must be an integer in [0, 20], got 21."),
     ("logprobs-uint32-max", generate_request(logprobs=UINT32_MAX), "logprobs must be an integer in [0, 20]"),
+    ("prompt-logprobs-21", generate_request(prompt_logprobs=21), "prompt_logprobs must be an integer in [0, 20], got 21."),
     ("logit-bias-over-100", generate_request(logit_bias={7: 100.5}), "logit_bias values must be numbers in [-100, 100]"),
     ("logit-bias-nan", generate_request(logit_bias={7: NAN}), "logit_bias values must be numbers in [-100, 100]"),
     ("logit-bias-minus-inf", generate_request(logit_bias={7: -INF}), "logit_bias values must be numbers"),
@@ -448,6 +449,8 @@ VALID_EDGES = [
     ("top-k-one-top-p-tiny", generate_request(temperature=1.0, top_k=1, top_p=1e-6)),
     ("logprobs-zero", generate_request(logprobs=0, temperature=0.0)),
     ("logprobs-twenty", generate_request(logprobs=20, temperature=0.0)),
+    ("prompt-logprobs-twenty-echoed", generate_request(dict(text="Hello there, world", echo=True), prompt_logprobs=20,
+                                                       temperature=0.0)),
     ("penalties-at-their-bounds", generate_request(temperature=0.0, presence_penalty=-2.0, frequency_penalty=2.0,
                                                    repetition_penalty=1e-6)),
     ("max-tokens-uint32-max-capped-by-the-context", generate_request(ids(*[504] * (MAX_MODEL_LEN - 2)),
@@ -479,6 +482,9 @@ def test_a_valid_edge_value_is_accepted_and_generates(stubs, request_message):
     if request_message.sampling_params.HasField("logprobs"):
         assert len(response.logprobs) == len(response.token_ids)
         assert all(len(position.top) == request_message.sampling_params.logprobs for position in response.logprobs)
+    if request_message.sampling_params.HasField("prompt_logprobs"):
+        assert response.prompt_text == request_message.text and len(response.prompt_logprobs) == 4
+        assert all(len(position.top) == 20 for position in response.prompt_logprobs[1:])
     if request_message.HasField("request_id"):
         assert response.request_id == request_message.request_id
 
@@ -564,6 +570,7 @@ sampling_params = st.fixed_dictionaries({}, optional={
     "ignore_eos": st.booleans(),
     "min_tokens": sampled_or(0, 1, 2, wild=st.integers(0, UINT32_MAX)),
     "logprobs": sampled_or(0, 1, 5, 20, 21, wild=st.integers(0, UINT32_MAX)),
+    "prompt_logprobs": sampled_or(0, 2, 21, wild=st.integers(0, UINT32_MAX)),
     "skip_special_tokens": st.booleans(),
     "logit_bias": st.dictionaries(st.one_of(st.integers(0, VOCAB_SIZE - 1), st.integers(0, UINT32_MAX)),
                                   sampled_or(0.0, 5.0, -100.0, 100.0, wild=floats), max_size=3),
@@ -581,7 +588,7 @@ request_ids = st.one_of(st.none(), st.text(max_size=140), st.from_regex(r"[A-Za-
 
 @st.composite
 def generate_requests(draw) -> inference_pb2.GenerateRequest:
-    request = inference_pb2.GenerateRequest(**draw(prompts),
+    request = inference_pb2.GenerateRequest(**draw(prompts), echo=draw(st.booleans()),
                                             sampling_params=inference_pb2.SamplingParams(**draw(sampling_params)))
     request_id = draw(request_ids)
     if request_id is not None:
