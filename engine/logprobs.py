@@ -10,7 +10,6 @@ import torch
 
 from splitserve.engine.request import Request
 
-
 # Prompt positions whose logits are turned into logprobs at once: bounds the float32 [rows, vocab] copies
 # (256 rows of a 49,152-token vocabulary: 50 MB each) whatever the chunk's size.
 PROMPT_ROWS_AT_ONCE = 256

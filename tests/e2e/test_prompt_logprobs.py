@@ -4,7 +4,6 @@ the engine's chunking, preemption and prefix cache."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.kv_connector import KVTransferParams
