@@ -315,6 +315,7 @@ class ModelRunner:
         step, sample_rows, sample_requests = self._decode_rows(decodes, block_tables)
         token_ids, positions, decode_tables = step.token_ids, step.positions, step.block_tables
         prompt_rows = [entry for row, item in enumerate(decodes)  # a one-token prompt chunk is a decode row
+                       if item.request.sampling_params.prompt_logprobs is not None
                        for entry in _prompt_rows(item.request, row, positions[row], 1)]
         slot_mapping = [torch.tensor(step.slots, dtype=torch.int64, device=self.device)]
         # The C++ and Triton kernels read each request's own blocks: one group, no padding to worry about.
