@@ -232,6 +232,10 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     group.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens (default: %(default)s)")
     group.add_argument("--logprobs", type=int, help="return the top-N log probabilities of each token")
+    group.add_argument("--prompt-logprobs", type=int, metavar="N",
+                       help="score the prompt: each prompt token's log probability given the tokens before it, and "
+                       "the top-N there (--output's records get prompt_logprobs; one prompt's log-likelihood is "
+                       "printed to stderr)")
     group.add_argument("--logit-bias", action="append", type=_logit_bias_entry, default=[], metavar="ID=BIAS",
                        help="add BIAS (in [-100, 100]) to token ID's logit before sampling; -100 bans it "
                        "(repeatable)")
@@ -254,7 +258,7 @@ def sampling_params_from_args(args: argparse.Namespace, overrides: dict | None =
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=list(args.stop),
         stop_token_ids=list(args.stop_token_id), ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
-        logprobs=args.logprobs, logit_bias=dict(args.logit_bias),
+        logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, logit_bias=dict(args.logit_bias),
     )
     known = {field.name for field in dataclasses.fields(SamplingParams)}
     values.update({key: value for key, value in (overrides or {}).items() if key in known})
@@ -297,6 +301,9 @@ def _generate(args: argparse.Namespace) -> int:
             }
             if completion.logprobs is not None:
                 record["logprobs"] = [{str(token): value for token, value in step.items()} for step in completion.logprobs]
+            if output.prompt_logprobs is not None:
+                record["prompt_logprobs"] = [None] + [{str(token): value for token, value in entry.items()}
+                                                      for entry in output.prompt_logprobs[1:]]
             if sink:
                 sink.write(json.dumps(record) + "\n")
             else:
@@ -329,11 +336,12 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
                 prompt = item.get("messages") or item.get("prompt_token_ids") or item["prompt"]
                 if args.chat and isinstance(prompt, str):
                     prompt = [{"role": "user", "content": prompt}]
-                text, token_ids, finish = "", [], None
+                text, token_ids, finish, prompt_logprobs = "", [], None, []
                 try:
                     for chunk in client.generate_stream(prompt, item_params):
                         text += chunk.text
                         token_ids.extend(chunk.token_ids)
+                        prompt_logprobs.extend(chunk.prompt_logprobs)
                         if not sink:
                             sys.stdout.write(chunk.text)
                             sys.stdout.flush()
@@ -343,12 +351,19 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
                     print(f"\nsplitserve: error: {call_failure(error, args.server)}", file=sys.stderr)
                     return 1
                 reason = _FINISH_NAMES.get(finish.finish_reason, "?") if finish else "?"
+                record = {"prompt": item.get("prompt"), "text": text, "token_ids": token_ids, "finish_reason": reason}
+                if prompt_logprobs:
+                    record["prompt_logprobs"] = [None] + [
+                        {str(entry.token_id): entry.logprob for entry in (position.sampled, *position.top)}
+                        for position in prompt_logprobs[1:]]
                 if sink:
-                    sink.write(json.dumps({"prompt": item.get("prompt"), "text": text, "token_ids": token_ids,
-                                           "finish_reason": reason}) + "\n")
+                    sink.write(json.dumps(record) + "\n")
                 else:
                     ttft = finish.timing.time_to_first_token_seconds if finish else 0.0
                     print(f"\n[{reason}; first token after {ttft * 1000:.0f} ms]", file=sys.stderr)
+                    if prompt_logprobs:
+                        print(_prompt_score([position.sampled.logprob for position in prompt_logprobs[1:]]),
+                              file=sys.stderr)
         finally:
             if sink:
                 sink.close()
@@ -421,6 +436,11 @@ def _to_prompt(llm, item: dict, chat: bool):
     return item["prompt"]
 
 
+def _prompt_score(token_logprobs: list[float]) -> str:
+    """The line a scored prompt prints: how many tokens were scored (all but the first) and their sum."""
+    return f"[prompt: {len(token_logprobs)} tokens scored, log-likelihood {sum(token_logprobs):.4f}]"
+
+
 def _stream_one(llm, prompt, params: SamplingParams) -> None:
     """Print one request's text as it is generated, through the engine's step API."""
     engine = llm.engine
@@ -434,6 +454,10 @@ def _stream_one(llm, prompt, params: SamplingParams) -> None:
                 sys.stdout.flush()
                 if output.finished:
                     print(f"\n[{output.outputs[0].finish_reason}]", file=sys.stderr)
+                    if output.prompt_logprobs is not None:
+                        print(_prompt_score([entry[token] for entry, token in
+                                             zip(output.prompt_logprobs[1:], output.prompt_token_ids[1:])]),
+                              file=sys.stderr)
     except KeyboardInterrupt:
         engine.abort_request(request_id)
         raise

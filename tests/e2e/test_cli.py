@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
+
+from tests.reference import hf_prompt_logprobs
 
 SMALL_ENGINE = ["--kv-cache-gb", "0.1", "--max-model-len", "512"]
 
@@ -27,6 +30,14 @@ def test_single_prompt_streams_text(model_dir, tokenizer):
                      *SMALL_ENGINE)
     assert banned.returncode == 0, banned.stderr
     assert banned.stdout and not banned.stdout.startswith(" Paris")
+    scored = run_cli("generate", "The capital of France is", "--max-tokens", "1", "--prompt-logprobs", "0",
+                     *SMALL_ENGINE)
+    assert scored.returncode == 0, scored.stderr
+    ids = tokenizer.encode("The capital of France is")
+    reference = hf_prompt_logprobs(str(model_dir), tuple(ids))
+    total = sum(reference[position - 1, ids[position]].item() for position in range(1, len(ids)))
+    line = re.search(r"\[prompt: (\d+) tokens scored, log-likelihood (\S+)\]", scored.stderr)
+    assert int(line[1]) == len(ids) - 1 and float(line[2]) == pytest.approx(total, abs=1e-3)
 
 
 def test_jsonl_batch_writes_one_result_a_line(tmp_path, model_dir, tokenizer):
@@ -34,7 +45,7 @@ def test_jsonl_batch_writes_one_result_a_line(tmp_path, model_dir, tokenizer):
     lines = [
         {"prompt": "The capital of France is", "max_tokens": 3},
         {"prompt_token_ids": tokenizer.encode("Water boils at")},
-        {"messages": [{"role": "user", "content": "Say hi"}], "logprobs": 2},
+        {"messages": [{"role": "user", "content": "Say hi"}], "logprobs": 2, "prompt_logprobs": 1},
         {"prompt": "The capital of France is", "max_tokens": 3, "logit_bias": {str(tokenizer.encode(" Paris")[0]): -100}},
     ]
     prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
@@ -48,6 +59,9 @@ def test_jsonl_batch_writes_one_result_a_line(tmp_path, model_dir, tokenizer):
     assert records[1]["num_prompt_tokens"] == len(tokenizer.encode("Water boils at"))
     assert len(records[2]["logprobs"]) == len(records[2]["token_ids"])
     assert "<|im_start|>assistant" in records[2]["prompt"]
+    prompt_logprobs = records[2]["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and all(len(entry) in (1, 2) for entry in prompt_logprobs[1:])
+    assert "prompt_logprobs" not in records[0]
 
 
 def test_bad_input_gives_a_clear_error(tmp_path):

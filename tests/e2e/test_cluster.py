@@ -247,6 +247,12 @@ def test_generate_cli_streams_from_the_cluster(cluster):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(" Paris.")
     assert "[length; first token after" in result.stderr
+    scored = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "generate", "--server", cluster.router.address,
+         "The capital of France is", "--max-tokens", "1", "--prompt-logprobs", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert scored.returncode == 0 and "[prompt: 4 tokens scored, log-likelihood -" in scored.stderr, scored.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "splitserve.cli", "generate", "--server", cluster.router.address, "Hi",
          "--temperature", "-1"],

@@ -72,7 +72,7 @@ def _flag(args: list[str], name: str) -> str | None:
 def test_every_object_is_valid_against_the_kubernetes_schemas(rendered):
     for objects in rendered.values():
         kinds = sorted(obj["kind"] for obj in objects)
-        assert kinds.count("HorizontalPodAutoscaler") == 2 and kinds.count("PodDisruptionBudget") == 2, kinds
+        assert kinds.count("HorizontalPodAutoscaler") == 3 and kinds.count("PodDisruptionBudget") == 3, kinds
         for obj in objects:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 
@@ -86,12 +86,16 @@ def test_every_container_command_parses_and_its_ports_and_probes_agree(rendered)
             assert parsed.handler is not None
             ports = {port["name"]: port["containerPort"] for port in container["ports"]}
             command = args[0]
-            if command == "gateway":
-                assert parsed.port == ports["http"]
-                continue
-            assert parsed.port == ports["grpc"] and parsed.metrics_port == ports["metrics"], (overlay, command)
             template = deployment["spec"]["template"]
+            assert parsed.metrics_port == ports["metrics"], (overlay, command)
             assert template["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
+            if command == "gateway":  # a pod of its own, in front of the router's Service
+                assert parsed.port == ports["http"] and parsed.router == "splitserve-router:50051"
+                assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+                assert template["spec"]["terminationGracePeriodSeconds"] > container["lifecycle"]["preStop"]["sleep"]["seconds"]
+                assert not container.get("volumeMounts"), "the gateway holds no secret"
+                continue
+            assert parsed.port == ports["grpc"], (overlay, command)
             assert container["livenessProbe"]["grpc"] == {"port": ports["grpc"]}  # liveness: the server, ""
             assert container["readinessProbe"]["grpc"] == {"port": ports["grpc"], "service": WORKER_SERVICES[command]}
             grace = template["spec"]["terminationGracePeriodSeconds"]
@@ -163,7 +167,7 @@ def _metric_names_used(rendered) -> set[str]:
     used = set()
     for objects in rendered.values():
         for hpa in _of_kind(objects, "HorizontalPodAutoscaler"):
-            used |= {metric["pods"]["metric"]["name"] for metric in hpa["spec"]["metrics"]}
+            used |= {metric["pods"]["metric"]["name"] for metric in hpa["spec"]["metrics"] if metric["type"] == "Pods"}
     rules = yaml.safe_load((DEPLOY / "prometheus-adapter" / "rules.yaml").read_text())["rules"]
     used |= {re.match(r"(\w+)\{", rule["seriesQuery"]).group(1) for rule in rules}
     dashboard = json.loads((DEPLOY / "grafana" / "splitserve-dashboard.json").read_text())
