@@ -356,30 +356,22 @@ def default_vllm_threads_bind() -> str:
     return ",".join(str(cpu) for cpu in cpus)
 
 
-class VllmPeer:
-    """vLLM in its own venv, as a long-lived subprocess driven over stdin/stdout.
+class PeerProcess:
+    """A script run by another venv's python (vLLM's), long-lived and driven over stdin/stdout: one command a line
+    in, one JSON reply a line out behind ``marker`` (its other output, vLLM's logs, copied to stderr). The script
+    reads its ``config`` from the JSON file named by its first argument, the marker is its second, and it replies
+    {"event": "ready", "vllm_version": ...} once loaded; "quit" ends it."""
 
-    The model is loaded (and compiled) once; every repeat sends one command, so
-    vLLM's runs interleave with the other systems'.
-    """
-
-    name = "vllm"
-
-    def __init__(self, python: str, model_path: str, workload: Workload, engine_kwargs: dict,
-                 kv_space_gib: int, seed: int, dtype: str = "float32", *, threads_bind: str) -> None:
-        self.workload = workload
+    def __init__(self, python: str, script: str, config: dict, marker: str, *, threads_bind: str,
+                 kv_space_gib: int) -> None:
+        self.marker = marker
         self.folder = tempfile.TemporaryDirectory(prefix="splitserve-vllm-peer-")
-        script = os.path.join(self.folder.name, "vllm_peer.py")
-        config = os.path.join(self.folder.name, "config.json")
-        with open(script, "w") as file:
-            file.write(VLLM_PEER_SCRIPT)
-        with open(config, "w") as file:
-            json.dump({"model": model_path, "seed": seed, "dtype": dtype, "engine_kwargs": engine_kwargs,
-                       "prompts": workload.prompts, "output_len": workload.output_len,
-                       "latency_prompt": workload.latency_prompt,
-                       "latency_output_len": workload.latency_output_len,
-                       "warmup_prompts": workload.warmup_prompts,
-                       "warmup_output_len": WARMUP_OUTPUT_LEN}, file)
+        script_path = os.path.join(self.folder.name, "vllm_peer.py")
+        config_path = os.path.join(self.folder.name, "config.json")
+        with open(script_path, "w") as file:
+            file.write(script)
+        with open(config_path, "w") as file:
+            json.dump(config, file)
         env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(VLLM_CPU_OMP_THREADS_BIND=threads_bind, VLLM_USE_AOT_COMPILE="0",
                    VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), PYTHONUNBUFFERED="1")
@@ -387,20 +379,20 @@ class VllmPeer:
         # neither system pays page faults the other does not; vLLM's guide gets the same from tcmalloc.
         env.setdefault("GLIBC_TUNABLES", glibc_tunables())
         # stderr (vLLM's progress bars, tracebacks) goes straight to ours.
-        self.process = subprocess.Popen([python, script, config, VLLM_PEER_MARKER], stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([python, script_path, config_path, marker], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=env, cwd=self.folder.name)
         try:
-            self.version = self._await("ready")["vllm_version"]
+            self.version = self.wait_for("ready")["vllm_version"]
         except BaseException:
             self.close()
             raise
         log(f"vLLM {self.version} ready")
 
-    def _await(self, event: str) -> dict:
+    def wait_for(self, event: str) -> dict:
         """Read the peer's stdout until its next reply; its log lines are copied to stderr."""
         for line in self.process.stdout:
-            if line.startswith(VLLM_PEER_MARKER):
-                message = json.loads(line[len(VLLM_PEER_MARKER):])
+            if line.startswith(self.marker):
+                message = json.loads(line[len(self.marker):])
                 if message.get("event") != event:
                     raise RuntimeError(f"vLLM peer replied {message.get('event')!r}, expected {event!r}")
                 return message
@@ -409,23 +401,10 @@ class VllmPeer:
         raise RuntimeError(f"the vLLM peer exited with code {code} before replying {event!r}; "
                            "its traceback is above")
 
-    def _request(self, command: str, event: str) -> dict:
+    def request(self, command: str, event: str) -> dict:
         self.process.stdin.write(command + "\n")
         self.process.stdin.flush()
-        return self._await(event)
-
-    def warm_up(self) -> None:
-        pass  # done by the peer before it reports ready
-
-    def run_throughput(self) -> tuple[ThroughputRun, list[list[int]]]:
-        reply = self._request("throughput", "throughput")
-        token_ids = reply["token_ids"]
-        num_tokens = _check_output_lengths(self.name, token_ids, self.workload.output_len)
-        return ThroughputRun(reply["seconds"], num_tokens), token_ids
-
-    def run_latency(self) -> LatencyRun:
-        reply = self._request("latency", "latency")
-        return LatencyRun(reply["ttft_seconds"], reply["e2e_seconds"], reply["num_output_tokens"])
+        return self.wait_for(event)
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -437,6 +416,43 @@ class VllmPeer:
                 self.process.kill()
                 self.process.wait()
         self.folder.cleanup()
+
+
+class VllmPeer:
+    """vLLM in its own venv (a :class:`PeerProcess`).
+
+    The model is loaded (and compiled) once; every repeat sends one command, so
+    vLLM's runs interleave with the other systems'.
+    """
+
+    name = "vllm"
+
+    def __init__(self, python: str, model_path: str, workload: Workload, engine_kwargs: dict,
+                 kv_space_gib: int, seed: int, dtype: str = "float32", *, threads_bind: str) -> None:
+        self.workload = workload
+        config = {"model": model_path, "seed": seed, "dtype": dtype, "engine_kwargs": engine_kwargs,
+                  "prompts": workload.prompts, "output_len": workload.output_len,
+                  "latency_prompt": workload.latency_prompt, "latency_output_len": workload.latency_output_len,
+                  "warmup_prompts": workload.warmup_prompts, "warmup_output_len": WARMUP_OUTPUT_LEN}
+        self.peer = PeerProcess(python, VLLM_PEER_SCRIPT, config, VLLM_PEER_MARKER, threads_bind=threads_bind,
+                                kv_space_gib=kv_space_gib)
+        self.version = self.peer.version
+
+    def warm_up(self) -> None:
+        pass  # done by the peer before it reports ready
+
+    def run_throughput(self) -> tuple[ThroughputRun, list[list[int]]]:
+        reply = self.peer.request("throughput", "throughput")
+        token_ids = reply["token_ids"]
+        num_tokens = _check_output_lengths(self.name, token_ids, self.workload.output_len)
+        return ThroughputRun(reply["seconds"], num_tokens), token_ids
+
+    def run_latency(self) -> LatencyRun:
+        reply = self.peer.request("latency", "latency")
+        return LatencyRun(reply["ttft_seconds"], reply["e2e_seconds"], reply["num_output_tokens"])
+
+    def close(self) -> None:
+        self.peer.close()
 
 
 # ----------------------------------------------------------------------------- reporting

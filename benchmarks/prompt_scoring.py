@@ -27,16 +27,18 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.offline_throughput import SPECIAL_ID_MARGIN, default_vllm_threads_bind, log  # noqa: E402
-from splitserve.engine.host_allocator import glibc_tunables  # noqa: E402
+from benchmarks.offline_throughput import (  # noqa: E402
+    SPECIAL_ID_MARGIN,
+    PeerProcess,
+    default_vllm_threads_bind,
+    log,
+)
 
 # Runs inside the vLLM venv: loads the model, warms up, then answers "score", "prefill" or "quit" (one a line on
 # stdin) with one JSON line behind a marker on stdout (vLLM logs to stdout too).
@@ -124,65 +126,26 @@ class Splitserve:
 
 
 class VllmPeer:
-    """vLLM-CPU in its own venv, a long-lived subprocess driven over stdin/stdout."""
+    """vLLM-CPU in its own venv (offline_throughput's :class:`PeerProcess`)."""
 
     name = "vllm"
 
     def __init__(self, python: str, model: str, dtype: str, prompts: list[list[int]], top: int, max_model_len: int,
                  max_num_batched_tokens: int, threads_bind: str, kv_space_gib: int) -> None:
-        self.folder = tempfile.TemporaryDirectory(prefix="splitserve-vllm-scoring-")
-        script = os.path.join(self.folder.name, "vllm_peer.py")
-        config = os.path.join(self.folder.name, "config.json")
-        with open(script, "w") as file:
-            file.write(VLLM_PEER_SCRIPT)
-        with open(config, "w") as file:
-            json.dump({"model": model, "dtype": dtype, "prompts": prompts, "top": top, "max_model_len": max_model_len,
-                       "max_num_batched_tokens": max_num_batched_tokens}, file)
-        env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(VLLM_CPU_OMP_THREADS_BIND=threads_bind, VLLM_USE_AOT_COMPILE="0",
-                   VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), PYTHONUNBUFFERED="1")
-        env.setdefault("GLIBC_TUNABLES", glibc_tunables())
-        self.process = subprocess.Popen([python, script, config, VLLM_PEER_MARKER], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, env=env, cwd=self.folder.name)
-        try:
-            self.version = self._await("ready")["vllm_version"]
-        except BaseException:
-            self.close()
-            raise
-        log(f"vLLM {self.version} ready")
-
-    def _await(self, event: str) -> dict:
-        for line in self.process.stdout:
-            if line.startswith(VLLM_PEER_MARKER):
-                message = json.loads(line[len(VLLM_PEER_MARKER):])
-                if message.get("event") != event:
-                    raise RuntimeError(f"vLLM peer replied {message.get('event')!r}, expected {event!r}")
-                return message
-            sys.stderr.write(f"[vllm] {line}")
-        raise RuntimeError(f"the vLLM peer exited with code {self.process.wait()} before replying {event!r}")
-
-    def _request(self, command: str) -> dict:
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-        return self._await(command)
+        config = {"model": model, "dtype": dtype, "prompts": prompts, "top": top, "max_model_len": max_model_len,
+                  "max_num_batched_tokens": max_num_batched_tokens}
+        self.peer = PeerProcess(python, VLLM_PEER_SCRIPT, config, VLLM_PEER_MARKER, threads_bind=threads_bind,
+                                kv_space_gib=kv_space_gib)
 
     def score(self) -> tuple[float, list[list[float]]]:
-        message = self._request("score")
+        message = self.peer.request("score", "score")
         return message["seconds"], message["scored"]
 
     def prefill(self) -> float:
-        return self._request("prefill")["seconds"]
+        return self.peer.request("prefill", "prefill")["seconds"]
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.write("quit\n")
-                self.process.stdin.flush()
-                self.process.wait(60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-        self.folder.cleanup()
+        self.peer.close()
 
 
 def largest_difference(ours: list[list[float]], theirs: list[list[float]]) -> float:

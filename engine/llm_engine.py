@@ -112,7 +112,7 @@ class LLMEngine:
 
         Raises:
             ValueError: empty or too long prompt, token ids out of range (the prompt's or logit_bias's), bad
-                params, prompt_logprobs with a remote prefill's KV.
+                params, prompt_logprobs with a remote prefill's KV or more of them than one response holds.
             KVCacheFullError: no room to reserve the blocks of KV that comes from outside.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -120,6 +120,7 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         params.check_vocabulary(self.model_config.vocab_size)
         token_ids = self.prompt_token_ids_of(prompt, prompt_token_ids)
+        params.check_prompt_length(len(token_ids))
         room = self.max_model_len - len(token_ids)
         request = Request(
             request_id=request_id,

@@ -129,7 +129,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if request.HasField("request_id"):
             request_id = check_id(request.request_id, "request_id")
         prompt = self.frontend.prompt_of(request)
-        self.frontend.sampling_params_of(request)  # validates; the workers get the message
+        # Validated here; the workers get the message.
+        self.frontend.sampling_params_of(request).check_prompt_length(len(prompt.token_ids))
         job = RouterRequest(request_id, prompt, request.sampling_params)
         if request.echo:
             job.echo_text = prompt.text if prompt.text is not None else self.frontend.decode(prompt.token_ids)

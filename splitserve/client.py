@@ -173,15 +173,15 @@ class AsyncClient:
 
     def __init__(self, address: str, timeout: float | None = None, api_key: str | None = None,
                  tls: TLSConfig | None = None) -> None:
-        from splitserve.rpc.tls import SERVER_NAME_OPTION
+        from splitserve.rpc.tls import CHANNEL_OPTIONS, SERVER_NAME_OPTION
 
         self.address = address
         self.timeout = timeout
         self.tls = tls
         if tls is None:
-            self.channel = grpc.aio.insecure_channel(address)
+            self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         else:
-            options = [(SERVER_NAME_OPTION, tls.server_name)] if tls.server_name else []
+            options = [*CHANNEL_OPTIONS, *([(SERVER_NAME_OPTION, tls.server_name)] if tls.server_name else [])]
             self.channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
         self._api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)

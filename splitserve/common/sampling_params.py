@@ -21,6 +21,9 @@ MAX_LOGPROBS = 20
 # OpenAI's range for a logit bias, and the most entries one request may carry (each is work on every step).
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# The most prompt log probabilities one request may ask for (prompt tokens x (prompt_logprobs + 1)): they travel
+# in one gRPC message, of 64 MB at most, at some 17-40 bytes each. 8,192 tokens with 20 alternatives are 172,032.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
 
 
 @dataclass
@@ -132,6 +135,16 @@ class SamplingParams:
             if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise InvalidRequest(f"logit_bias values must be numbers in [-100, 100], got {str(bias)[:32]!r} "
                                      f"for token {token_id}.")
+
+    def check_prompt_length(self, num_prompt_tokens: int) -> None:
+        """Raises InvalidRequest when prompt_logprobs asks more of a prompt this long than one response holds."""
+        if self.prompt_logprobs is None:
+            return
+        entries = num_prompt_tokens * (self.prompt_logprobs + 1)
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise InvalidRequest(f"prompt_logprobs={self.prompt_logprobs} on a {num_prompt_tokens}-token prompt asks "
+                                 f"for {entries} log probabilities; one response holds at most "
+                                 f"{MAX_PROMPT_LOGPROB_ENTRIES}: ask for fewer alternatives or score a shorter prompt.")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Raises InvalidRequest when a logit_bias token id is outside the model's vocabulary [0, vocab_size)."""

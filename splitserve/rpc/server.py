@@ -26,14 +26,14 @@ from splitserve.rpc.auth import (
     cluster_token_guard,
 )
 from splitserve.rpc.errors import ErrorInterceptor
-from splitserve.rpc.tls import TLSConfig
+from splitserve.rpc.tls import MAX_MESSAGE_BYTES, TLSConfig
 
 logger = logging.getLogger(__name__)
 
 # Streams, keep-alive and big unary messages (KV payloads never go through gRPC).
 _SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
 

@@ -122,6 +122,12 @@ def _read_pem(path: str, what: str, marker: re.Pattern) -> bytes:
     return data
 
 
+# What every splitserve server may send and receive in one message (a response with a long prompt's logprobs, say);
+# channels take as much, where gRPC's default receive limit is 4 MB.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
 def open_channel(address: str, tls: TLSConfig | None,
                  options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
     """A channel to ``address`` (host:port): TLS with ``tls``, plaintext without.
@@ -131,9 +137,9 @@ def open_channel(address: str, tls: TLSConfig | None,
     set. A failed handshake is not an exception here: calls on the channel fail with UNAVAILABLE.
 
     Args:
-        options: gRPC channel options, passed on.
+        options: gRPC channel options, passed on (beside ``CHANNEL_OPTIONS``).
     """
-    options = list(options)
+    options = [*CHANNEL_OPTIONS, *options]
     if tls is None:
         return grpc.insecure_channel(address, options=options)
     if tls.server_name:

@@ -9,6 +9,7 @@ from splitserve import LLM, SamplingParams
 from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.engine.model_runner import _prompt_rows
 from splitserve.engine.request import Request
+from tests.e2e.test_llm_correctness import assert_all_blocks_free
 from tests.reference import hf_prompt_logprobs
 
 # float32 through different kernels (chunked, paged, C++ or torch) against transformers' one forward pass.
@@ -32,11 +33,6 @@ def assert_matches_transformers(model_dir, token_ids: list[int], prompt_logprobs
         for token_id, value in entry.items():
             assert abs(value - row[token_id].item()) < TOLERANCE
         assert len(entry) in (num_top, num_top + 1)
-
-
-def assert_all_blocks_free(llm: LLM) -> None:
-    assert llm.engine.free_block_count == llm.engine.num_kv_blocks
-    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +117,9 @@ def test_refusals(llm):
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs must be an integer in \\[0, 20\\]"):
             SamplingParams(prompt_logprobs=bad)
+    SamplingParams(prompt_logprobs=20).check_prompt_length(24966)  # 524,286 entries: the most one response holds
+    with pytest.raises(ValueError, match="asks for 524307 log probabilities; one response holds at most 524288"):
+        SamplingParams(prompt_logprobs=20).check_prompt_length(24967)
     with pytest.raises(ValueError, match="prompt_logprobs needs the prompt computed here"):
         llm.engine.add_request("remote", None, SamplingParams(prompt_logprobs=1), prompt_token_ids=[1, 2, 3],
                                kv_transfer=KVTransferParams(load=True))

@@ -73,7 +73,12 @@ padded = greedy(padded_tokens)
 # (without capture): every such step here pads to 16 tokens, the one size for a budget of 16.
 runner.piecewise_graphs = runner.make_piecewise_graphs(options["max_num_batched_tokens"], capture=False)
 pieced = greedy(padded_tokens)
-print(json.dumps([eager, padded, runner.decode_graphs.num_steps, pieced, runner.piecewise_graphs.num_steps]))
+# A request scoring its prompt through the pieces: every row of its chunk is kept for the logits.
+steps = runner.piecewise_graphs.num_steps
+[scored] = llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)
+assert runner.piecewise_graphs.num_steps > steps
+print(json.dumps([eager, padded, runner.decode_graphs.num_steps, pieced, runner.piecewise_graphs.num_steps,
+                  scored.prompt_logprobs[1:]]))
 """
 
 
@@ -106,7 +111,7 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(first_layers):
         capture_output=True, text=True, timeout=380,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    triton_tokens, padded_tokens, padded_steps, pieced_tokens, pieced_steps = json.loads(
+    triton_tokens, padded_tokens, padded_steps, pieced_tokens, pieced_steps, scored = json.loads(
         result.stdout.strip().splitlines()[-1])
 
     reference = LLM(str(model_dir), attention_backend="torch", **ENGINE_OPTIONS)
@@ -121,6 +126,12 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(first_layers):
     assert padded_steps > 0 and padded_tokens == [tokens[:PADDED_TOKENS] for tokens in torch_tokens]
     # Prompt chunks (3 prompts of 5 to 14 tokens, with decodes beside them) ran padded to 16 tokens, in pieces.
     assert pieced_steps > 0 and pieced_tokens == [tokens[:PADDED_TOKENS] for tokens in torch_tokens]
+    # The prompt scored through the pieces is the torch backend's (float32 sums in another order).
+    [expected] = reference.generate(PROMPTS[:1], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+                                    use_tqdm=False)
+    assert [sorted(map(int, entry)) for entry in scored] == [sorted(entry) for entry in expected.prompt_logprobs[1:]]
+    assert all(value == pytest.approx(entry[int(token)], abs=1e-4)
+               for ours, entry in zip(scored, expected.prompt_logprobs[1:]) for token, value in ours.items())
 
 
 def test_triton_backend_on_a_cpu_refuses_to_start_outside_the_interpreter(model_dir, monkeypatch):

@@ -12,7 +12,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import EngineConfig, resolve_attention_backend, resolve_device, resolve_dtype
-from tests.reference import MAX_TOKENS
+from tests.reference import MAX_TOKENS, hf_prompt_logprobs
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False: a CPU build of torch, or no GPU)"
@@ -140,6 +140,25 @@ def test_prompt_steps_replayed_in_pieces_give_transformers_tokens(model_dir, pro
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], GREEDY)
     assert [output.outputs[0].token_ids for output in outputs] == hf_reference
     assert pieces.num_steps > 0
+
+
+@needs_cuda
+def test_prompt_logprobs_with_cuda_graphs_are_transformers(model_dir, prompt_token_ids):
+    # Requests scoring their prompts step beside the others through the pieces (their chunks' every row kept for
+    # the logits), and a decode step holding a one-token chunk of theirs runs eagerly, not from the decode graphs.
+    llm = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, device="cuda", dtype="float32",
+              max_num_seqs=6, max_num_batched_tokens=64, cuda_graphs=True)
+    prompts = prompt_token_ids[1:7]
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    assert llm.engine.model_runner.piecewise_graphs.num_steps > 0
+    for ids, output in zip(prompts, outputs):
+        reference = hf_prompt_logprobs(str(model_dir), tuple(ids))
+        assert len(output.prompt_logprobs) == len(ids) and output.prompt_logprobs[0] is None
+        for position in range(1, len(ids)):
+            row, entry = reference[position - 1], output.prompt_logprobs[position]
+            assert entry[ids[position]] == pytest.approx(row[ids[position]].item(), abs=1e-3), position
+            assert list(entry.values())[:2] == pytest.approx(row.topk(2).values.tolist(), abs=1e-3), position
 
 
 def test_cuda_graphs_are_refused_on_a_cpu_with_a_sentence(model_dir):
