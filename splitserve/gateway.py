@@ -5,7 +5,9 @@
 base, without its request models: the bodies are checked here, so every refusal is OpenAI's error shape with a
 sentence, never a 422 of field paths). Each choice of an HTTP request (``n`` of them for each prompt of a
 completions batch, 1 by default) is one gRPC call on the router through :class:`splitserve.client.AsyncClient`,
-the calls side by side (as vLLM's parallel sampling, choice i of a seeded request samples with seed + i); the
+the calls side by side (as vLLM's parallel sampling, choice i of a seeded request samples with seed + i); with
+``echo`` each completion starts with its prompt (scored with ``logprobs``, ``max_tokens`` 0 for the prompt alone,
+as lm-evaluation-harness's loglikelihood asks), from the router's ``prompt_text`` and prompt logprobs. The
 gateway keeps no state and no secret. The caller's
 ``Authorization: Bearer`` header is passed on as the router's API key, so the router authenticates as it does
 for gRPC clients. A caller that disconnects cancels its calls, and the router aborts their requests on the

@@ -305,6 +305,10 @@ def test_bad_requests_get_openai_errors(api, gateway, cluster):
     broken = httpx.post(f"{gateway}/v1/chat/completions", content=b"{not json",
                         headers={"authorization": f"Bearer {cluster.api_key}"})
     assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
+    for field in ("stream", "echo"):  # a flag is true or false: 1.0 or "yes" is refused, not taken as truthy
+        flagged = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, field: "yes"},
+                             headers={"authorization": f"Bearer {cluster.api_key}"})
+        assert flagged.status_code == 400 and flagged.json()["error"]["message"] == f"{field} must be true or false."
     assert httpx.get(f"{gateway}/v2/nothing").status_code == 404
 
 
