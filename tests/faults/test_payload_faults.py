@@ -22,6 +22,7 @@ from splitserve.v1 import inference_pb2
 from tests.cluster_helpers import wait_until, worker_status
 from tests.fault_helpers import Load, Outcome, assert_nothing_lost, assert_settled, cluster_workers
 from tests.faults.conftest import MAX_TOKENS, PROMPTS, expected_tokens, start_fault_cluster
+from tests.reference import hf_prompt_logprobs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -77,6 +78,29 @@ def test_a_refused_payload_is_recomputed_with_the_right_tokens(cluster, client, 
     assert after.num_kv_transfers_received == before.num_kv_transfers_received
     assert refusal in decode.log()
     assert "KV fault injection is ON" in faulty_prefill.log()
+    assert_settled(cluster, client, num_workers=2)
+
+
+@pytest.mark.parametrize(
+    "faulty_prefill, counter",
+    [("corrupt=1,seed=4", "num_kv_recomputes"), ("fail=1,seed=5", "num_local_prefills")],
+    indirect=["faulty_prefill"], ids=["payload-refused", "send-failed"],
+)
+def test_prompt_logprobs_survive_a_failed_transfer(cluster, client, expected, faulty_prefill, counter, model_dir):
+    """A refused payload: the decode worker recomputes the prompt, and the prompt's logprobs are the prefill
+    worker's. A failed send: the decode worker prefills the prompt itself, and computes them. Either way the client
+    gets them with the first token, transformers' values, and the undisturbed tokens."""
+    prompt = client.tokenize(PROMPTS[0])
+    before, _ = decode_counters(cluster)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, prompt_logprobs=1)
+    response = client.generate(prompt, params, timeout=90)
+    after, _ = decode_counters(cluster)
+    assert getattr(after, counter) - getattr(before, counter) == 1
+    assert list(response.token_ids) == expected[0]
+    reference = hf_prompt_logprobs(str(model_dir), tuple(prompt))
+    assert [entry.sampled.token_id for entry in response.prompt_logprobs] == prompt
+    assert [entry.sampled.logprob for entry in response.prompt_logprobs[1:]] == pytest.approx(
+        [reference[position - 1, prompt[position]].item() for position in range(1, len(prompt))], abs=2e-4)
     assert_settled(cluster, client, num_workers=2)
 
 
