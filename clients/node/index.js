@@ -29,9 +29,13 @@ function loadInference(protosDir = PROTOS) {
   return grpc.loadPackageDefinition(definition).splitserve.v1;
 }
 
-// Sampling parameters as a plain object, in camelCase: { maxTokens, temperature, topP, topK, stop, seed, ... }.
-function generateRequest(prompt, params = {}, requestId) {
-  const request = { samplingParams: params };
+// What the router's messages may be (a long prompt's logprobs, say), as its servers send them; grpc-js takes 4 MB.
+const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
+
+// Sampling parameters as a plain object, in camelCase: { maxTokens, temperature, topP, topK, stop, seed,
+// promptLogprobs, ... }. With echo, the message with the first token carries the prompt's text (promptText).
+function generateRequest(prompt, params = {}, requestId, echo = false) {
+  const request = { samplingParams: params, echo };
   if (requestId !== undefined) request.requestId = requestId;
   if (typeof prompt === 'string') request.text = prompt;
   else if (Array.isArray(prompt) && prompt.length && typeof prompt[0] === 'object') request.chat = { messages: prompt };
@@ -56,7 +60,7 @@ class Client {
       const read = (file) => (file ? fs.readFileSync(file) : null);
       credentials = grpc.credentials.createSsl(read(options.tls.ca), read(options.tls.key), read(options.tls.cert));
     }
-    this.stub = new Inference(address, credentials);
+    this.stub = new Inference(address, credentials, { 'grpc.max_receive_message_length': MAX_MESSAGE_BYTES });
     this.apiKey = options.apiKey;
     this.timeoutSeconds = options.timeoutSeconds;
   }
@@ -79,15 +83,15 @@ class Client {
     });
   }
 
-  /** The whole completion: { text, tokenIds, finishReason, usage, timing, ... }. Rejects with a gRPC error
-   * ({ code, details }) for a refused request. */
-  generate(prompt, params = {}, { requestId, timeoutSeconds } = {}) {
-    return this._unary('generate', generateRequest(prompt, params, requestId), timeoutSeconds);
+  /** The whole completion: { text, tokenIds, finishReason, usage, timing, promptLogprobs, promptText, ... }.
+   * Rejects with a gRPC error ({ code, details }) for a refused request. */
+  generate(prompt, params = {}, { requestId, timeoutSeconds, echo } = {}) {
+    return this._unary('generate', generateRequest(prompt, params, requestId, echo), timeoutSeconds);
   }
 
   /** The streamed chunks, an async iterator; `.cancel()` on it ends the request on the workers. */
-  generateStream(prompt, params = {}, { requestId, timeoutSeconds } = {}) {
-    return this.stub.generateStream(generateRequest(prompt, params, requestId), this._metadata(),
+  generateStream(prompt, params = {}, { requestId, timeoutSeconds, echo } = {}) {
+    return this.stub.generateStream(generateRequest(prompt, params, requestId, echo), this._metadata(),
       this._options(timeoutSeconds));
   }
 

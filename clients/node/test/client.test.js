@@ -45,6 +45,22 @@ test('chat messages and token ids are prompts too', async () => {
   }
 });
 
+test('a prompt is scored and echoed', async () => {
+  const client = new Client(address, { apiKey, timeoutSeconds: 120 });
+  try {
+    const tokenIds = await client.tokenize(PROMPT);
+    const reply = await client.generate(PROMPT, { temperature: 0, maxTokens: 1, promptLogprobs: 2 }, { echo: true });
+    assert.equal(reply.promptText, PROMPT);
+    assert.deepEqual(reply.promptLogprobs.map((position) => position.sampled.tokenId), tokenIds);
+    for (const position of reply.promptLogprobs.slice(1)) {
+      assert.equal(position.top.length, 2);
+      assert.ok(position.sampled.logprob <= 0 && position.sampled.logprob <= position.top[0].logprob + 1e-6);
+    }
+  } finally {
+    client.close();
+  }
+});
+
 test('a refused request rejects with the status code and the router sentence', async () => {
   const client = new Client(address, { apiKey });
   try {
