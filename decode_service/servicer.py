@@ -158,7 +158,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             )
         if last.prompt_logprobs is not None and token_ids and len(token_ids) == len(completion.token_ids):
             message.prompt_logprobs.extend(prompt_logprobs_to_pb(
-                last.prompt_logprobs, last.prompt_token_ids, params.prompt_logprobs, self._decode_token))
+                last.prompt_logprobs, last.prompt_ranks, last.prompt_token_ids, params.prompt_logprobs,
+                self._decode_token))
         if last.finished:
             message.finish_reason = FINISH_REASONS[completion.finish_reason]
             set_stop_reason(message, completion.stop_reason, completion.finish_reason)

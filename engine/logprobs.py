@@ -15,11 +15,11 @@ from splitserve.engine.request import Request
 PROMPT_ROWS_AT_ONCE = 256
 
 
-def _chosen_and_top(logprobs: torch.Tensor, chosen: list[int], num_tops: list[int]) -> list[dict[int, float]]:
+def _chosen_and_top(logprobs: torch.Tensor, chosen: list[int], chosen_values: list[float],
+                    num_tops: list[int]) -> list[dict[int, float]]:
     """Per row of ``logprobs`` ([rows, vocab], log-softmaxed): {token_id: logprob} for its ``num_tops[row]``
-    most likely tokens, most likely first, then its ``chosen[row]`` token when not among them."""
-    chosen_tensor = torch.tensor(chosen, device=logprobs.device)
-    chosen_values = logprobs.gather(1, chosen_tensor[:, None]).squeeze(1).tolist()
+    most likely tokens, most likely first, then its ``chosen[row]`` token (logprob ``chosen_values[row]``) when
+    not among them."""
     max_top = max(num_tops)
     top_values: list[list[float]] = [[] for _ in chosen]
     top_token_ids: list[list[int]] = [[] for _ in chosen]
@@ -51,7 +51,9 @@ def compute_logprobs(
         return result
     # logprobs: [num_rows_asking, vocab]
     logprobs = torch.log_softmax(raw_logits[torch.tensor(rows)].float(), dim=-1)
-    entries = _chosen_and_top(logprobs, [sampled_token_ids[row] for row in rows],
+    sampled = [sampled_token_ids[row] for row in rows]
+    sampled_values = logprobs.gather(1, torch.tensor(sampled, device=logprobs.device)[:, None]).squeeze(1).tolist()
+    entries = _chosen_and_top(logprobs, sampled, sampled_values,
                               [requests[row].sampling_params.logprobs for row in rows])
     for row, entry in zip(rows, entries):
         result[row] = entry
@@ -59,7 +61,8 @@ def compute_logprobs(
 
 
 def record_prompt_logprobs(hidden: torch.Tensor, compute_logits, rows: list[tuple[Request, int, int]]) -> None:
-    """Append to each request's ``prompt_logprobs`` the entries its computed prompt positions give.
+    """Append to each request's ``prompt_logprobs`` the entries its computed prompt positions give, and to its
+    ``prompt_ranks`` the prompt tokens' ranks there.
 
     Args:
         hidden: the step's final hidden states, one row per token of the step.
@@ -72,8 +75,13 @@ def record_prompt_logprobs(hidden: torch.Tensor, compute_logits, rows: list[tupl
         part = rows[start:start + PROMPT_ROWS_AT_ONCE]
         row_index = torch.tensor([row for _, row, _ in part], dtype=torch.int64, device=hidden.device)
         logprobs = torch.log_softmax(compute_logits(hidden[row_index]).float(), dim=-1)
-        entries = _chosen_and_top(logprobs, [request.prompt_token_ids[position + 1] for request, _, position in part],
+        chosen = [request.prompt_token_ids[position + 1] for request, _, position in part]
+        chosen_column = logprobs.gather(1, torch.tensor(chosen, device=logprobs.device)[:, None])  # [rows, 1]
+        # vLLM's rank: how many tokens are at least as likely as the prompt's (1: the most likely).
+        ranks = (logprobs >= chosen_column).sum(dim=-1).tolist()
+        entries = _chosen_and_top(logprobs, chosen, chosen_column.squeeze(1).tolist(),
                                   [request.sampling_params.prompt_logprobs for request, _, _ in part])
-        for (request, _, position), entry in zip(part, entries):
+        for (request, _, position), entry, rank in zip(part, entries, ranks):
             assert len(request.prompt_logprobs) == position + 1, "prompt positions out of order"
             request.prompt_logprobs.append(entry)
+            request.prompt_ranks.append(rank)

@@ -81,4 +81,5 @@ class OutputProcessor:
             num_loaded_tokens=load.num_loaded_tokens if load is not None else 0,
             # The request's own list: appended to only while its prompt is computed, so never copied.
             prompt_logprobs=request.prompt_logprobs if request.sampling_params.prompt_logprobs is not None else None,
+            prompt_ranks=request.prompt_ranks if request.sampling_params.prompt_logprobs is not None else None,
         )

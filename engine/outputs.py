@@ -58,3 +58,6 @@ class RequestOutput:
     # {token_id: logprob} for that token and the top alternatives at its position, as vLLM's prompt_logprobs.
     # Whole once the prompt is computed (a request's first token comes with it).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Beside prompt_logprobs, each prompt token's rank at its position (1: the most likely; vLLM's Logprob.rank),
+    # None for the first.
+    prompt_ranks: list[int | None] | None = None

@@ -85,6 +85,8 @@ class Request:
     # With sampling_params.prompt_logprobs, per prompt position computed so far: None for the first token
     # (nothing predicts it), then {token_id: logprob} for the prompt's token and the top alternatives there.
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # Beside it, each prompt token's rank at its position (1: the most likely), None for the first.
+    prompt_ranks: list[int | None] = field(default_factory=list)
     # Sum of the generated tokens' logprobs, kept as they arrive.
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
@@ -95,7 +97,7 @@ class Request:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
         if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
-            self.prompt_logprobs = [None]
+            self.prompt_logprobs, self.prompt_ranks = [None], [None]
 
     @property
     def wants_prompt_logprobs(self) -> bool:

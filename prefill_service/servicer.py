@@ -136,7 +136,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             )
         if final.prompt_logprobs is not None:
             response.prompt_logprobs.extend(prompt_logprobs_to_pb(
-                final.prompt_logprobs, list(request.prompt_token_ids), params.prompt_logprobs, decode))
+                final.prompt_logprobs, final.prompt_ranks, list(request.prompt_token_ids), params.prompt_logprobs,
+                decode))
         # The engine ran with max_tokens=1: "length" is a finish only if the request wanted one token.
         if completion.finish_reason == FinishReason.STOP:
             response.finish_reason = inference_pb2.FINISH_REASON_STOP

@@ -126,6 +126,8 @@ class _Reply:
     # /v1/completions' echo: each choice's text (and logprobs) starts with its prompt's. With max_tokens 0 (only
     # the prompt is wanted, scored when logprobs are asked) one token is generated and not shown.
     score_only: bool = False
+    # vLLM's prompt_logprobs asked for: each completion choice (a chat answer once) gets them in vLLM's shape.
+    with_prompt_logprobs: bool = False
 
     def head(self, kind: str) -> dict:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
@@ -226,8 +228,8 @@ class Gateway:
         logprobs = _completion_logprobs(body)
         params = self._params({**body, "max_tokens": 1} if score_only else body, info, default_max_tokens=16,
                               logprobs=logprobs)
-        if echo and logprobs is not None:  # the prompt's tokens get logprobs too, as vLLM's echo gives them
-            params = dataclasses.replace(params, prompt_logprobs=logprobs)
+        if params.prompt_logprobs is None and echo and logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=logprobs)  # the prompt scored, as vLLM's echo does
         return await self._respond(request, body, prompts, params, "cmpl", "text_completion", _completion_choice,
                                    echo=echo, score_only=score_only)
 
@@ -252,7 +254,7 @@ class Gateway:
         num_choices = _num_choices(body, len(prompts), self.config.max_choices)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         reply = _Reply(request_id, kind, self._model_name(self._model_info), int(time.time()), choice, num_choices,
-                       score_only)
+                       score_only, with_prompt_logprobs=body.get("prompt_logprobs") is not None)
         api_key = _bearer(request)
         generations = [(prompt, index) for prompt in prompts for index in range(num_choices)]
         calls = [self.client.generate_stream(prompt, _choice_params(params, index),
@@ -276,7 +278,7 @@ class Gateway:
             collected = await _all_or_cancel(calls, [_rest(first, stream) for first, stream in zip(firsts, streams)])
         finally:
             watcher.cancel()
-        choices, usages = [], []
+        choices, usages, prompt_logprobs = [], [], []
         for index, chunks in enumerate(collected):
             last = chunks[-1] if chunks else inference_pb2.GenerateStreamResponse()
             shown = [reply.shown(chunk) for chunk in chunks]
@@ -284,7 +286,15 @@ class Gateway:
             logprobs = [entry for _, entries in shown for entry in entries]
             choices.append(reply.choice_of(index, text, last, logprobs, final=True))
             usages.append(last.usage)
-        return JSONResponse({**reply.head(reply.kind), "choices": choices, "usage": reply.usage(usages)})
+            prompt_logprobs.append(_vllm_prompt_logprobs([entry for chunk in chunks for entry in chunk.prompt_logprobs]))
+        answer = {**reply.head(reply.kind), "choices": choices, "usage": reply.usage(usages)}
+        if reply.with_prompt_logprobs:  # vLLM's: on each completion choice, once for a chat (its one prompt)
+            if reply.kind == "chat.completion":
+                answer["prompt_logprobs"] = prompt_logprobs[0]
+            else:
+                for choice, choice_prompt_logprobs in zip(choices, prompt_logprobs):
+                    choice["prompt_logprobs"] = choice_prompt_logprobs
+        return JSONResponse(answer)
 
     async def _events(self, calls: list, streams: list, firsts: list, reply: _Reply,
                       include_usage: bool) -> AsyncIterator[str]:
@@ -402,6 +412,7 @@ class Gateway:
             "repetition_penalty": body.get("repetition_penalty", 1.0), "ignore_eos": body.get("ignore_eos", False),
             "min_tokens": body.get("min_tokens", 0), "stop_token_ids": body.get("stop_token_ids") or [],
             "logit_bias": _logit_bias(body.get("logit_bias")),
+            "prompt_logprobs": _prompt_logprobs(body),
         }
         try:
             return SamplingParams(**fields)
@@ -544,6 +555,19 @@ def _flag(body: dict, name: str) -> bool:
     return bool(value)
 
 
+def _prompt_logprobs(body: dict) -> int | None:
+    """vLLM's ``prompt_logprobs`` (the prompt's tokens scored, with this many alternatives), whole answers only."""
+    value = body.get("prompt_logprobs")
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"prompt_logprobs must be an integer from 0 to {MAX_LOGPROBS}.", "prompt_logprobs")
+    if _flag(body, "stream"):
+        raise APIError(400, "prompt_logprobs are not available with stream; ask without streaming.",
+                       "prompt_logprobs")
+    return value
+
+
 def _completion_logprobs(body: dict) -> int | None:
     logprobs = body.get("logprobs")
     if logprobs is None:
@@ -680,6 +704,23 @@ def _openai_logprobs(entries: list, text_offset: int = 0) -> dict | None:
                          for entry in entries],
         "text_offset": offsets,
     }
+
+
+def _vllm_prompt_logprobs(positions: list) -> list | None:
+    """vLLM's prompt_logprobs from the router's: null for the first token, then per token {token id: {logprob,
+    rank, decoded_token}} for the prompt's token and its alternatives (token ids as JSON's string keys)."""
+    if not positions:
+        return None
+
+    def entry(token) -> dict:
+        return {"logprob": _logprob(token), "rank": token.rank, "decoded_token": token.text}
+
+    def tokens(position) -> dict:  # the prompt's token first, with its own rank (vLLM's order)
+        scored = {str(position.sampled.token_id): entry(position.sampled)}
+        return {**scored, **{str(top.token_id): entry(top) for top in position.top
+                             if str(top.token_id) not in scored}}
+
+    return [None] + [tokens(position) for position in positions[1:]]
 
 
 def _chat_logprobs_object(entries: list) -> dict | None:

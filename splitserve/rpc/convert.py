@@ -109,15 +109,21 @@ def position_logprobs_to_pb(
 
 
 def prompt_logprobs_to_pb(
-    prompt_logprobs: list[dict[int, float] | None], prompt_token_ids: list[int], num_top: int,
-    decode_token: Callable[[int], str],
+    prompt_logprobs: list[dict[int, float] | None], prompt_ranks: list[int | None], prompt_token_ids: list[int],
+    num_top: int, decode_token: Callable[[int], str],
 ) -> list[inference_pb2.PositionLogprobs]:
-    """A request's prompt logprobs, one message per prompt token (``sampled`` is the prompt's token): the first,
-    which nothing predicts, names its token with logprob 0 and no alternatives."""
-    first = inference_pb2.PositionLogprobs(sampled=inference_pb2.TokenLogprob(
-        token_id=prompt_token_ids[0], text=decode_token(prompt_token_ids[0])))
-    return [first] + [position_logprobs_to_pb(entry, token_id, num_top, decode_token)
-                      for entry, token_id in zip(prompt_logprobs[1:], prompt_token_ids[1:])]
+    """A request's prompt logprobs, one message per prompt token (``sampled`` is the prompt's token, with its
+    rank; the alternatives ranked 1, 2, ...): the first, which nothing predicts, names its token with logprob 0,
+    rank 0 and no alternatives."""
+    positions = [inference_pb2.PositionLogprobs(sampled=inference_pb2.TokenLogprob(
+        token_id=prompt_token_ids[0], text=decode_token(prompt_token_ids[0])))]
+    for entry, rank, token_id in zip(prompt_logprobs[1:], prompt_ranks[1:], prompt_token_ids[1:]):
+        position = position_logprobs_to_pb(entry, token_id, num_top, decode_token)
+        position.sampled.rank = rank
+        for index, top in enumerate(position.top, start=1):
+            top.rank = index
+        positions.append(position)
+    return positions
 
 
 def set_stop_reason(message, stop_reason: int | str | None, finish_reason: str | None) -> None:

@@ -216,6 +216,8 @@ def test_prompt_logprobs_come_with_the_first_token_from_either_worker(cluster, c
             row = reference[position - 1]
             assert entry.sampled.logprob == pytest.approx(row[prompt[position]].item(), abs=2e-4)
             assert [top.logprob for top in entry.top] == pytest.approx(row.topk(2).values.tolist(), abs=2e-4)
+            assert [top.rank for top in entry.top] == [1, 2] and entry.sampled.rank >= 1
+            assert (entry.sampled.rank == 1) == (entry.sampled.token_id == entry.top[0].token_id)
     assert not unary.prompt_text and not any(chunk.prompt_text for chunk in chunks)
     streamed = next(chunk for chunk in chunks if chunk.token_ids).prompt_logprobs
     assert [entry.sampled.logprob for entry in unary.prompt_logprobs] == pytest.approx(

@@ -147,6 +147,31 @@ def test_echo_scores_the_prompt_as_lm_evaluation_harness_asks(api, grpc_client):
     assert "echo is supported on /v1/completions only" in chat_echo.value.message
 
 
+def test_vllms_prompt_logprobs_come_on_whole_answers(gateway, cluster, grpc_client):
+    """vLLM's prompt_logprobs field: each completion choice (a chat answer once, at its top level) gets the prompt's
+    tokens scored in vLLM's shape, {token id: {logprob, rank, decoded_token}}, the gRPC path's values."""
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    ids = grpc_client.tokenize(PROMPT)
+    expected = grpc_client.generate(ids, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
+    answer = httpx.post(f"{gateway}/v1/completions", headers=headers, timeout=60, json={
+        "prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2, "n": 2}).json()
+    for choice in answer["choices"]:
+        scored = choice["prompt_logprobs"]
+        assert scored[0] is None and len(scored) == len(ids)
+        for position, (entry, reference) in enumerate(zip(scored[1:], expected.prompt_logprobs[1:]), start=1):
+            first, *alternatives = entry.items()
+            assert first[0] == str(ids[position]) and first[1]["rank"] == reference.sampled.rank >= 1
+            assert first[1]["logprob"] == pytest.approx(reference.sampled.logprob, abs=1e-6)
+            assert all(value["rank"] in (1, 2) and value["decoded_token"] for _, value in alternatives)
+    chat = httpx.post(f"{gateway}/v1/chat/completions", headers=headers, timeout=60, json={
+        "messages": QUESTION, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
+    streamed = httpx.post(f"{gateway}/v1/completions", headers=headers, timeout=60, json={
+        "prompt": PROMPT, "max_tokens": 2, "stream": True, "prompt_logprobs": 1})
+    assert streamed.status_code == 400 and "not available with stream" in streamed.json()["error"]["message"]
+
+
 def test_chat_is_the_grpc_paths_greedy_output(api, grpc_client):
     model = api.models.list().data[0].id
     expected = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=64))
@@ -408,7 +433,7 @@ def _body_fields(model: str, chat: bool, wild: bool):
         fields |= {"logprobs": pick(True, False), "top_logprobs": pick(0, 2)}
         required = {"messages": pick(QUESTION, [{"role": "system", "content": "Be brief."}, *QUESTION], [])}
     else:
-        fields |= {"logprobs": pick(0, 2), "echo": pick(False, True)}
+        fields |= {"logprobs": pick(0, 2), "echo": pick(False, True), "prompt_logprobs": pick(0, 1)}
         required = {"prompt": pick(*prompts)}
     # max_tokens always present and small when valid: a default would generate to the end of the context.
     required["max_tokens"] = st.one_of(st.sampled_from([1, 2, 4]), st.sampled_from([0, -1, 2.5, "2", True, 10**30])) \

@@ -17,15 +17,23 @@ TOLERANCE = 2e-4
 NUM_TOP = 3
 
 
-def assert_matches_transformers(model_dir, token_ids: list[int], prompt_logprobs, num_top: int) -> None:
+def assert_matches_transformers(model_dir, token_ids: list[int], prompt_logprobs, num_top: int,
+                                ranks: list | None = None) -> None:
     """One entry per prompt token, None first; each holds the prompt's token and the ``num_top`` most likely
-    tokens (most likely first), with transformers' values."""
+    tokens (most likely first), with transformers' values; with ``ranks``, each prompt token's rank is
+    transformers' (how many tokens are at least as likely, within the tolerance)."""
     reference = hf_prompt_logprobs(str(model_dir), tuple(token_ids))
     assert len(prompt_logprobs) == len(token_ids) and prompt_logprobs[0] is None
+    if ranks is not None:
+        assert len(ranks) == len(token_ids) and ranks[0] is None
     for position in range(1, len(token_ids)):
         entry, row = prompt_logprobs[position], reference[position - 1]
         token = token_ids[position]
         assert abs(entry[token] - row[token].item()) < TOLERANCE, (position, entry[token], row[token].item())
+        if ranks is not None:
+            value = row[token].item()
+            most, least = (row >= value - TOLERANCE).sum().item(), (row >= value + TOLERANCE).sum().item()
+            assert least <= ranks[position] <= most, (position, ranks[position], least, most)
         top_values = row.topk(num_top).values.tolist()
         ours = list(entry.values())[:num_top]
         assert ours == sorted(ours, reverse=True)
@@ -52,7 +60,7 @@ def test_prompt_logprobs_match_transformers_beside_requests_without_them(llm, mo
                            [params for _ in prompts for params in (asking, plain)], use_tqdm=False)
     for ids, reference, (asked, other) in zip(prompts, first, zip(outputs[0::2], outputs[1::2])):
         assert asked.num_cached_tokens == 0
-        assert_matches_transformers(model_dir, ids, asked.prompt_logprobs, NUM_TOP)
+        assert_matches_transformers(model_dir, ids, asked.prompt_logprobs, NUM_TOP, asked.prompt_ranks)
         # The prompt's logprobs change nothing generated.
         assert asked.outputs[0].token_ids == other.outputs[0].token_ids == reference.outputs[0].token_ids
         assert other.prompt_logprobs is None
@@ -95,7 +103,7 @@ def test_a_request_preempted_mid_prompt_records_each_position_once(model_dir, pr
     assert outputs[1].metrics.num_preemptions > 0
     for ids, output in zip(prompts, outputs):
         assert output.outputs[0].finish_reason == "length"
-        assert_matches_transformers(model_dir, ids, output.prompt_logprobs, 1)
+        assert_matches_transformers(model_dir, ids, output.prompt_logprobs, 1, output.prompt_ranks)
     assert_all_blocks_free(llm)
 
 
