@@ -127,9 +127,20 @@ class Frontend:
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         return Prompt(token_ids, text)
 
-    def decode(self, token_ids: list[int]) -> str:
-        """The text of validated token ids, special tokens kept (what echo returns for a token-id prompt)."""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of token ids (Detokenize; echo's text of a token-id prompt), special tokens kept unless
+        ``skip_special_tokens``.
+
+        Raises:
+            InvalidRequest: more ids than max_model_len, or one outside the vocabulary.
+        """
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequest(f"{len(token_ids)} token ids are more than max_model_len ({self.max_model_len}).")
+        vocab_size = self.model_config.vocab_size
+        bad = next((token_id for token_id in token_ids if token_id >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"Token id {bad} is outside the vocabulary [0, {vocab_size}).")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def _check_size(self, text: str, what: str) -> None:
         """Refuses text too long to fit max_model_len tokens, without tokenizing it (a huge prompt takes minutes).

@@ -31,7 +31,7 @@ from splitserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
 
-# Abort, Tokenize, GetModelInfo and GetClusterStatus calls answered at once; the router's server has threads for
+# Abort, Tokenize, Detokenize, GetModelInfo and GetClusterStatus calls answered at once; the router's server has threads for
 # these, max_in_flight_requests generation calls, and more (``router.server``), so heartbeats always find one.
 MAX_CONCURRENT_SMALL_CALLS = 8
 
@@ -133,7 +133,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.frontend.sampling_params_of(request).check_prompt_length(len(prompt.token_ids))
         job = RouterRequest(request_id, prompt, request.sampling_params)
         if request.echo:
-            job.echo_text = prompt.text if prompt.text is not None else self.frontend.decode(prompt.token_ids)
+            job.echo_text = prompt.text if prompt.text is not None else self.frontend.detokenize(prompt.token_ids)
         with self._lock:
             if self._draining:
                 self.metrics.admission_refusals.labels("draining").inc()
@@ -334,6 +334,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         with self._small_call():
             return self._tokenize(request)
 
+    def Detokenize(self, request: inference_pb2.DetokenizeRequest, context) -> inference_pb2.DetokenizeResponse:
+        with self._small_call():
+            text = self.frontend.detokenize(list(request.token_ids), request.skip_special_tokens)
+            return inference_pb2.DetokenizeResponse(text=text)
+
     def GetModelInfo(self, request, context) -> inference_pb2.GetModelInfoResponse:
         with self._small_call():
             return self._model_info()
@@ -345,8 +350,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     @contextlib.contextmanager
     def _small_call(self):
         if not self._small_calls.acquire(blocking=False):
-            raise Overloaded(f"The router is answering {MAX_CONCURRENT_SMALL_CALLS} Abort, Tokenize, GetModelInfo "
-                             "and GetClusterStatus calls already, its limit; retry later.")
+            raise Overloaded(f"The router is answering {MAX_CONCURRENT_SMALL_CALLS} Abort, Tokenize, Detokenize, "
+                             "GetModelInfo and GetClusterStatus calls already, its limit; retry later.")
         try:
             yield
         finally:

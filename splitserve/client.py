@@ -143,6 +143,10 @@ class Client:
     def tokenize(self, text: str) -> list[int]:
         return list(self.stub.Tokenize(inference_pb2.TokenizeRequest(text=text), timeout=30).token_ids)
 
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        request = inference_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return self.stub.Detokenize(request, timeout=30).text
+
     def model_info(self) -> inference_pb2.GetModelInfoResponse:
         return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=10)
 
@@ -217,9 +221,21 @@ class AsyncClient:
         return response.found
 
     async def tokenize(self, text: str, api_key: str | None = None) -> list[int]:
-        response = await self.stub.Tokenize(inference_pb2.TokenizeRequest(text=text), timeout=30,
-                                            metadata=self._metadata(api_key))
-        return list(response.token_ids)
+        return list((await self.tokenize_prompt(text, api_key)).token_ids)
+
+    async def tokenize_prompt(self, prompt, api_key: str | None = None) -> inference_pb2.TokenizeResponse:
+        """Tokenize text, or chat messages (a list of {"role", "content"}) through the model's chat template."""
+        request = inference_pb2.TokenizeRequest()
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.chat.messages.extend(inference_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+        return await self.stub.Tokenize(request, timeout=30, metadata=self._metadata(api_key))
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False,
+                         api_key: str | None = None) -> str:
+        request = inference_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return (await self.stub.Detokenize(request, timeout=30, metadata=self._metadata(api_key))).text
 
     async def model_info(self, api_key: str | None = None) -> inference_pb2.GetModelInfoResponse:
         return await self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=10,

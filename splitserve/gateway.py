@@ -178,6 +178,8 @@ class Gateway:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
         ]
         self.metrics = GatewayMetrics(route.path for route in routes)
@@ -218,6 +220,39 @@ class Gateway:
             "id": self._model_name(info), "object": "model", "created": 0, "owned_by": "splitserve",
             "max_model_len": info.max_model_len,
         }]})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: ``prompt`` (text) or ``messages`` (through the chat template) -> the token ids
+        generation would use, their count and the model's context length."""
+        body = await self._body(request)
+        info = await self._check_model(request, body)
+        if "messages" in body:
+            prompt = _messages(body.get("messages"))
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise APIError(400, "prompt must be a string (or send messages instead).", "prompt")
+        try:
+            tokenized = await self.client.tokenize_prompt(prompt, api_key=_bearer(request))
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        tokens = list(tokenized.token_ids)
+        return JSONResponse({"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: ``tokens`` (token ids) -> their text, ``prompt``."""
+        body = await self._body(request)
+        await self._check_model(request, body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(_is_int(token) and token >= 0 for token in tokens):
+            raise APIError(400, "tokens must be a list of token ids (non-negative integers).", "tokens")
+        if any(token >= 2**32 for token in tokens):
+            raise APIError(400, "a token id is outside the vocabulary.", "tokens")
+        try:
+            text = await self.client.detokenize(tokens, api_key=_bearer(request))
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return JSONResponse({"prompt": text})
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
@@ -742,7 +777,7 @@ def _event(payload: dict) -> str:
 
 async def _not_found(request: Request, error) -> Response:
     return APIError(404, f"No route {request.url.path[:200]}: this server offers /v1/completions, "
-                    "/v1/chat/completions, /v1/models and /health.").response()
+                    "/v1/chat/completions, /v1/models, /tokenize, /detokenize and /health.").response()
 
 
 async def _not_allowed(request: Request, error) -> Response:

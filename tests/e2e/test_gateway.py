@@ -172,6 +172,26 @@ def test_vllms_prompt_logprobs_come_on_whole_answers(gateway, cluster, grpc_clie
     assert streamed.status_code == 400 and "not available with stream" in streamed.json()["error"]["message"]
 
 
+def test_tokenize_and_detokenize_are_vllms(gateway, cluster, grpc_client):
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    tokenized = httpx.post(f"{gateway}/tokenize", headers=headers, json={"prompt": PROMPT}).json()
+    assert tokenized["tokens"] == grpc_client.tokenize(PROMPT) and tokenized["count"] == len(tokenized["tokens"])
+    assert tokenized["max_model_len"] == grpc_client.model_info().max_model_len
+    chat = httpx.post(f"{gateway}/tokenize", headers=headers, json={"messages": QUESTION}).json()
+    chat_text = httpx.post(f"{gateway}/detokenize", headers=headers, json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert chat_text.startswith("<|im_start|>") and "What is the capital of France?" in chat_text
+    assert httpx.post(f"{gateway}/detokenize", headers=headers,
+                      json={"tokens": tokenized["tokens"]}).json() == {"prompt": PROMPT}
+    for route, body, words in (("/detokenize", {"tokens": [1, 10**9]}, "outside the vocabulary"),
+                               ("/detokenize", {"tokens": "1 2"}, "tokens must be a list of token ids"),
+                               ("/tokenize", {"prompt": [1, 2]}, "prompt must be a string")):
+        refused = httpx.post(f"{gateway}{route}", headers=headers, json=body)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text
+    stranger = httpx.post(f"{gateway}/detokenize", headers={"authorization": "Bearer not-the-key"},
+                          json={"tokens": [1]})
+    assert stranger.status_code == 401
+
+
 def test_chat_is_the_grpc_paths_greedy_output(api, grpc_client):
     model = api.models.list().data[0].id
     expected = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=64))

@@ -302,6 +302,16 @@ BAD_CALLS = [
          lambda s: s.inference.Tokenize(inference_pb2.TokenizeRequest(**chat(("", "hi"))), timeout=CALL_TIMEOUT)),
     case("tokenize-huge-text", Invalid, "The text prompt is 3000000 bytes",
          lambda s: s.inference.Tokenize(inference_pb2.TokenizeRequest(text="a" * 3_000_000), timeout=CALL_TIMEOUT)),
+    # Inference.Detokenize: INVALID_ARGUMENT for an id outside the vocabulary or more ids than max_model_len.
+    case("detokenize-id-equal-to-vocab-size", Invalid, f"Token id {VOCAB_SIZE} is outside the vocabulary",
+         lambda s: s.inference.Detokenize(inference_pb2.DetokenizeRequest(token_ids=[5, VOCAB_SIZE]),
+                                          timeout=CALL_TIMEOUT)),
+    case("detokenize-id-uint32-max", Invalid, "is outside the vocabulary",
+         lambda s: s.inference.Detokenize(inference_pb2.DetokenizeRequest(token_ids=[UINT32_MAX]),
+                                          timeout=CALL_TIMEOUT)),
+    case("detokenize-more-ids-than-max-model-len", Invalid, f"{MAX_MODEL_LEN + 1} token ids are more than max_model_len",
+         lambda s: s.inference.Detokenize(inference_pb2.DetokenizeRequest(token_ids=[504] * (MAX_MODEL_LEN + 1)),
+                                          timeout=CALL_TIMEOUT)),
     # WorkerRegistry.Register: INVALID_ARGUMENT (no address, unspecified role, no KV endpoint or layout for a
     # prefill or decode worker, no fingerprint), FAILED_PRECONDITION (other fingerprint or layout).
     case("register-no-address", Invalid, "address is required", lambda s: register(s, address="")),
@@ -495,6 +505,22 @@ def test_tokenize_answers_a_prompt_longer_than_max_model_len_with_max_model_len(
     assert (len(response.token_ids), response.max_model_len) == (300, MAX_MODEL_LEN)
 
 
+def test_detokenize_gives_back_the_text_at_the_edges(stubs):
+    tokenized = stubs.inference.Tokenize(inference_pb2.TokenizeRequest(text="Hello there, 🙂 é"), timeout=CALL_TIMEOUT)
+    text = stubs.inference.Detokenize(inference_pb2.DetokenizeRequest(token_ids=tokenized.token_ids),
+                                      timeout=CALL_TIMEOUT).text
+    assert text == "Hello there, 🙂 é"  # the emoji's bytes span tokens: decoded together, whole
+    empty = stubs.inference.Detokenize(inference_pb2.DetokenizeRequest(), timeout=CALL_TIMEOUT)
+    assert empty.text == ""
+    edges = inference_pb2.DetokenizeRequest(token_ids=[0, VOCAB_SIZE - 1] + [504] * (MAX_MODEL_LEN - 2))
+    assert stubs.inference.Detokenize(edges, timeout=CALL_TIMEOUT).text
+    with_special = inference_pb2.DetokenizeRequest(token_ids=[0, 504])  # 0: SmolLM2's <|endoftext|>
+    kept = stubs.inference.Detokenize(with_special, timeout=CALL_TIMEOUT).text
+    with_special.skip_special_tokens = True
+    skipped = stubs.inference.Detokenize(with_special, timeout=CALL_TIMEOUT).text
+    assert kept == "<|endoftext|>" + skipped and skipped
+
+
 # ---------------------------------------------------------------------------
 # Requests in flight: a duplicate id, Abort, deadlines
 # ---------------------------------------------------------------------------
@@ -636,6 +662,7 @@ RAW_METHODS = {  # method -> (streaming, the codes its proto comment allows besi
     "GenerateStream": (True, GENERATE_CODES),
     "Abort": (False, {Code.OK, Code.INVALID_ARGUMENT}),
     "Tokenize": (False, {Code.OK, Code.INVALID_ARGUMENT}),
+    "Detokenize": (False, {Code.OK, Code.INVALID_ARGUMENT}),
     "GetModelInfo": (False, {Code.OK, Code.INVALID_ARGUMENT}),
     "GetClusterStatus": (False, {Code.OK, Code.INVALID_ARGUMENT}),
 }
@@ -644,6 +671,7 @@ VALID_BYTES = [  # requests to mutate: a random byte changed here and there ofte
     generate_request(ids(504, 3575), request_id="r-1", max_tokens=2, temperature=0.5, seed=7).SerializeToString(),
     inference_pb2.AbortRequest(request_id="r-1").SerializeToString(),
     inference_pb2.TokenizeRequest(**chat(("user", "hi"))).SerializeToString(),
+    inference_pb2.DetokenizeRequest(token_ids=[504, 3575], skip_special_tokens=True).SerializeToString(),
 ]
 
 
