@@ -115,10 +115,17 @@ def prompt_logprobs_to_pb(
     """A request's prompt logprobs, one message per prompt token (``sampled`` is the prompt's token, with its
     rank; the alternatives ranked 1, 2, ...): the first, which nothing predicts, names its token with logprob 0,
     rank 0 and no alternatives."""
+    texts: dict[int, str] = {}  # a long prompt names the same tokens many times: each decoded once
+
+    def decode_token_once(token_id: int) -> str:
+        if token_id not in texts:
+            texts[token_id] = decode_token(token_id)
+        return texts[token_id]
+
     positions = [inference_pb2.PositionLogprobs(sampled=inference_pb2.TokenLogprob(
-        token_id=prompt_token_ids[0], text=decode_token(prompt_token_ids[0])))]
+        token_id=prompt_token_ids[0], text=decode_token_once(prompt_token_ids[0])))]
     for entry, rank, token_id in zip(prompt_logprobs[1:], prompt_ranks[1:], prompt_token_ids[1:]):
-        position = position_logprobs_to_pb(entry, token_id, num_top, decode_token)
+        position = position_logprobs_to_pb(entry, token_id, num_top, decode_token_once)
         position.sampled.rank = rank
         for index, top in enumerate(position.top, start=1):
             top.rank = index
