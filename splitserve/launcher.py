@@ -102,6 +102,10 @@ class ClusterStartError(SplitserveError):
     """A child exited, or stayed silent too long, before it served: the message says which, how, and its last error."""
 
 
+class _PortTaken(Exception):
+    """redis-server exited: its port was taken."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -317,11 +321,24 @@ class LocalCluster:
         return flags
 
     def start_redis(self, port: int | None = None) -> str:
-        """Start a private redis-server on ``port`` (None: a free loopback port); returns its URL."""
+        """Start a private redis-server on ``port`` (None: a free loopback port); returns its URL.
+
+        A port found free may be taken before redis-server binds it (by an outgoing connection's ephemeral
+        port); redis-server then exits saying so, and a port chosen here is chosen again, at most 3 times.
+        """
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not on the PATH; install Redis or pass --redis-url.")
-        port = port or free_port(self.host)
+        for attempt in range(1 if port else 3):
+            try:
+                return self._start_redis(binary, port or free_port(self.host))
+            except _PortTaken:
+                if attempt == 2:
+                    raise RuntimeError("redis-server found each of 3 free ports taken before it could bind it; "
+                                       f"see {self.log_dir / '00-redis.log'}.") from None
+        raise RuntimeError(f"redis-server could not bind port {port}: it is in use.")
+
+    def _start_redis(self, binary: str, port: int) -> str:
         log_path = self.log_dir / "00-redis.log"
         with open(log_path, "w") as log:
             popen = subprocess.Popen(
@@ -338,6 +355,8 @@ class LocalCluster:
                     if sock.recv(16).startswith(b"+PONG"):
                         return f"redis://{self.host}:{port}/0"
             except OSError:
+                if popen.poll() is not None and "Address already in use" in log_path.read_text(errors="replace"):
+                    raise _PortTaken() from None
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server did not start on port {port}; see {log_path}.")
 

@@ -162,3 +162,26 @@ def test_up_serves_openai_http_through_a_supervised_gateway_that_holds_no_secret
             launcher.kill()
         launcher.wait(10)
         _kill_all(children)
+
+
+def test_a_private_redis_whose_free_port_was_taken_starts_on_another(tmp_path, monkeypatch):
+    """A port found free can be taken before redis-server binds it: the launcher then starts it on a fresh one;
+    a port the caller chose is not changed."""
+    import socket
+
+    from splitserve import launcher
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = iter([busy])
+        monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": next(ports, None) or free_port(host))
+        cluster = launcher.LocalCluster(log_dir=tmp_path)
+        url = cluster.start_redis()
+        try:
+            assert url.startswith("redis://127.0.0.1:") and not url.endswith(f":{busy}/0")
+        finally:
+            cluster.redis.stop(5)
+        with pytest.raises(RuntimeError, match=f"could not bind port {busy}: it is in use"):
+            launcher.LocalCluster(log_dir=tmp_path / "chosen").start_redis(busy)

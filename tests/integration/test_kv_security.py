@@ -254,7 +254,23 @@ def secured_redis(tmp_path_factory):
     directory = tmp_path_factory.mktemp("redis-tls")
     ca = make_ca(directory)
     server, client = issue(ca, directory, "redis-server"), issue(ca, directory, "kv-client")
-    port, tls_port = free_port(), free_port()
+    # A port free when asked may be taken before redis-server binds it (an ephemeral port of some connection: CI
+    # once lost the TLS port so): then it exits saying so, and it starts again on two fresh ports.
+    for attempt in range(3):
+        port, tls_port = free_port(), free_port()
+        process, output = _start_secured_redis(port, tls_port, server, ca)
+        if process is not None:
+            break
+        if "Address already in use" not in output or attempt == 2:
+            raise RuntimeError(f"redis-server did not start: {output[-2000:]}")
+    yield (f"redis://127.0.0.1:{port}/0", f"rediss://127.0.0.1:{tls_port}/0", str(ca.cert_file),
+           str(client.cert_file), str(client.key_file))
+    process.terminate()
+    process.wait(10)
+
+
+def _start_secured_redis(port: int, tls_port: int, server, ca) -> tuple[subprocess.Popen | None, str]:
+    """(the running redis-server, "") once it answers a PING on ``port``; (None, its output) if it exited."""
     config = "\n".join([
         f"port {port}", "bind 127.0.0.1", 'save ""', "appendonly no", f"requirepass {PASSWORD}",
         f"user {ACL_USER} on >{ACL_PASSWORD} ~splitserve:* &* +@all",
@@ -270,16 +286,13 @@ def secured_redis(tmp_path_factory):
     while True:
         try:
             admin.ping()
-            break
+            return process, ""
         except redis.ConnectionError:
             if time.monotonic() > deadline or process.poll() is not None:
                 process.kill()
-                raise RuntimeError(f"redis-server did not start: {process.stdout.read()[-2000:]}") from None
+                process.wait()
+                return None, process.stdout.read()
             time.sleep(0.05)
-    yield (f"redis://127.0.0.1:{port}/0", f"rediss://127.0.0.1:{tls_port}/0", str(ca.cert_file),
-           str(client.cert_file), str(client.key_file))
-    process.terminate()
-    process.wait(10)
 
 
 def _redis_pair(receiver_url: str, sender_options: dict, **receiver_options):
