@@ -348,6 +348,16 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep this 
 VLLM_PEER_MARKER = "@@offline_throughput@@ "
 
 
+def add_vllm_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--vllm-python`` and ``--vllm-threads-bind``, as a benchmark that runs vLLM beside splitserve takes them."""
+    parser.add_argument("--vllm-python", default=None, metavar="PATH",
+                        help="python of a vLLM-CPU venv (built by /work/shared/tools/vllm-peer-setup); without it "
+                        "splitserve runs alone")
+    parser.add_argument("--vllm-threads-bind", default=None, metavar="CPUS",
+                        help="VLLM_CPU_OMP_THREADS_BIND for the vLLM peer (default: as many CPUs as splitserve's "
+                        f"torch threads, lowest first; here {default_vllm_threads_bind()})")
+
+
 def default_vllm_threads_bind() -> str:
     """vLLM's OpenMP threads pinned one to a CPU, as many as splitserve's torch threads, on the CPUs this process
     may use (lowest first): e.g. "0,1" on two cores. vLLM's own default ("auto") reserves CPUs for its other

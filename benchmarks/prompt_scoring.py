@@ -36,6 +36,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.offline_throughput import (  # noqa: E402
     SPECIAL_ID_MARGIN,
     PeerProcess,
+    add_vllm_peer_arguments,
     default_vllm_threads_bind,
     log,
 )
@@ -183,12 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt generator (default: %(default)s)")
     parser.add_argument("--check-hf", type=int, default=2, metavar="N",
                         help="also compare the first N prompts' scores with transformers' (0: no; default: %(default)s)")
-    parser.add_argument("--vllm-python", default=None, metavar="PATH",
-                        help="python of a vLLM-CPU venv (built by /work/shared/tools/vllm-peer-setup); without it "
-                        "splitserve runs alone")
-    parser.add_argument("--vllm-threads-bind", default=None, metavar="CPUS",
-                        help="VLLM_CPU_OMP_THREADS_BIND for the vLLM peer (default: as many CPUs as splitserve's "
-                        f"torch threads, lowest first; here {default_vllm_threads_bind()})")
+    add_vllm_peer_arguments(parser)
     parser.add_argument("--json", default=None, metavar="OUT", help="write the raw timings to this JSON file")
     return parser
 

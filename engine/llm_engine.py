@@ -38,6 +38,7 @@ from splitserve.engine.output_processor import OutputProcessor
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.stats = EngineStats()
         self.kv_transfers = KVTransfers(config.block_size)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
     def attach_kv_connector(self, connector: KVConnectorBase) -> None:
         """KV of requests with ``KVTransferParams`` now moves through ``connector`` (before serving starts)."""
@@ -134,6 +136,8 @@ class LLMEngine:
             if kv_transfer.load and params.prompt_logprobs is not None:
                 raise InvalidRequest("prompt_logprobs needs the prompt computed here, and this request's prompt KV "
                                      "comes from a remote prefill (kv_transfer.load): ask the prefill for them.")
+        if params.structured_outputs is not None:
+            request.grammar = self.structured_outputs.matcher(params.structured_outputs, token_ids)
         num_external_tokens = self.kv_transfers.num_external_tokens(request, kv_transfer)
         self.scheduler.add_request(request, num_external_tokens)
         self.kv_transfers.start(request, kv_transfer, num_external_tokens, self.block_ids(request_id))
@@ -352,6 +356,8 @@ class LLMEngine:
             # A first token sampled elsewhere (remote prefill): its logprobs travel with it there.
             request.logprobs.append({})
         status = request.check_stop_token()
+        if request.grammar is not None:
+            status = self._advance_grammar(request, token.token_id, status)
         stop_string = self.output_processor.update_text(request, token.token_id)
         if stop_string is not None:
             status = RequestStatus.FINISHED_STOPPED
@@ -362,6 +368,18 @@ class LLMEngine:
         if request.is_finished:
             self._forget(request.request_id)
         return output
+
+    @staticmethod
+    def _advance_grammar(request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:
+        """Feed the token to the request's grammar; the status it calls for: an error when the grammar refuses it
+        (a token sampled without its mask), stopped once the output is complete, else ``status``."""
+        if not request.grammar.accept(token_id):
+            request.stop_reason = (f"token {token_id} does not follow the requested structure "
+                                   f"({request.grammar.error or 'refused'}).")
+            return RequestStatus.FINISHED_ERROR
+        if request.grammar.is_complete:
+            return RequestStatus.FINISHED_STOPPED
+        return status
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         normal = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)

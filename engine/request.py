@@ -87,6 +87,9 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     # Beside it, each prompt token's rank at its position (1: the most likely), None for the first.
     prompt_ranks: list[int | None] = field(default_factory=list)
+    # With sampling_params.structured_outputs: its grammar's state (a structured_output.GrammarMatcher), owned by
+    # the engine (which feeds it each token) and read by the sampler (which masks what it cannot take next).
+    grammar: Any = None
     # Sum of the generated tokens' logprobs, kept as they arrive.
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None

@@ -6,6 +6,8 @@ The order of operations follows vLLM:
 2. penalties (repetition over prompt and output, presence and frequency over
    the output) on every row that asks for them;
 3. ``min_tokens``: EOS and stop token ids are masked while a request is short;
+   then structured outputs: each constrained row's grammar masks every token
+   it cannot take next (``structured_output.py``);
 4. greedy rows (temperature 0, or ``top_k == 1``) take the argmax;
 5. random rows are divided by their temperature, filtered by top-k, then top-p,
    then min-p (the order of Hugging Face's logits warpers), turned into
@@ -35,6 +37,7 @@ from splitserve.common.sampling_params import GREEDY_EPSILON
 from splitserve.engine.logits_processors import apply_logit_bias, apply_min_tokens, apply_penalties
 from splitserve.engine.logprobs import compute_logprobs
 from splitserve.engine.request import Request
+from splitserve.engine.structured_output import apply_token_bitmask, fill_token_bitmask
 from splitserve.engine.top_k_top_p import apply_temperature, apply_top_k_top_p_min_p, sample_from_probs
 
 
@@ -80,6 +83,7 @@ class Sampler:
         logits = apply_logit_bias(raw_logits, requests)
         logits = apply_penalties(logits, requests)
         logits = apply_min_tokens(logits, requests)
+        logits = self._apply_grammars(logits, requests)
 
         greedy_rows = [row for row, request in enumerate(requests) if _is_greedy(request)]
         random_rows = [row for row, request in enumerate(requests) if not _is_greedy(request)]
@@ -98,6 +102,17 @@ class Sampler:
         return SamplerOutput(
             sampled_token_ids, compute_logprobs(raw_logits, requests, sampled_token_ids)
         )
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """-inf on each constrained row's tokens its grammar cannot take next ([num_rows, vocab]; a new tensor
+        when some row is constrained)."""
+        rows = [row for row, request in enumerate(requests) if request.grammar is not None]
+        if not rows:
+            return logits
+        num_words = (logits.shape[-1] + 31) // 32
+        bitmask = fill_token_bitmask([requests[row].grammar for row in rows], num_words)
+        return apply_token_bitmask(logits, rows, bitmask)
 
     def skip_first_draw(self, request: Request) -> None:
         """Advance a seeded request's generator past the draw its first token took elsewhere.
@@ -176,7 +191,7 @@ def greedy_token_ids(logits: torch.Tensor, kernels=None) -> torch.Tensor:
 
 
 def _all_plain_greedy(requests: list[Request]) -> bool:
-    """True when every row is a bare argmax: no logit bias, penalties, min_tokens mask or logprobs."""
+    """True when every row is a bare argmax: no logit bias, penalties, min_tokens mask, grammar or logprobs."""
     for request in requests:
         params = request.sampling_params
         if (
@@ -184,6 +199,7 @@ def _all_plain_greedy(requests: list[Request]) -> bool:
             or params.logprobs is not None
             or params.needs_penalties
             or params.logit_bias
+            or request.grammar is not None
             or len(request.output_token_ids) < params.min_tokens
         ):
             return False

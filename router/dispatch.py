@@ -97,7 +97,7 @@ class RouterRequest:
     def continue_after(self, sent_token_ids: list[int], failed_worker_id: str, max_tokens: int) -> None:
         """Turn this request into its continuation on another decode worker (a migration): the prompt becomes
         the client's prompt plus every token already streamed, ``max_tokens`` and ``min_tokens`` shrink by
-        their number, and the failed worker is not chosen again.
+        their number, a structured outputs grammar resumes after them, and the failed worker is not chosen again.
 
         Args:
             sent_token_ids: every token the client has received so far.
@@ -111,6 +111,8 @@ class RouterRequest:
         params.min_tokens = max(params.min_tokens - num_sent, 0)
         if num_sent:  # the client has the prompt's logprobs (they came with the first token)
             params.ClearField("prompt_logprobs")
+        if params.HasField("structured_outputs"):  # the grammar takes the tokens already sent first
+            params.structured_outputs.num_resumed_tokens += num_sent
         self.sampling_params = params
         self.prompt = Prompt(list(self.original_prompt.token_ids) + list(sent_token_ids), None)
         self.prefill = None

@@ -93,10 +93,13 @@ class Frontend:
         """The validated SamplingParams of a GenerateRequest (the workers get its message as it came).
 
         Raises:
-            InvalidRequest: a value out of range, or a logit_bias token id outside the vocabulary.
+            InvalidRequest: a value out of range, a logit_bias token id outside the vocabulary, or a structured
+                outputs constraint that does not build.
         """
         params = sampling_params_from_pb(request.sampling_params)
         params.check_vocabulary(self.model_config.vocab_size)
+        if params.structured_outputs is not None:
+            params.structured_outputs.check()
         return params
 
     def tokenize(self, request) -> Prompt:

@@ -8,9 +8,10 @@ The offline API mirrors vLLM's::
 """
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "Client", "AsyncClient", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "Client", "AsyncClient", "__version__"]
 
 
 def __getattr__(name: str):

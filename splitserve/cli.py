@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from splitserve import __version__
 from splitserve.common.errors import SplitserveError
@@ -239,6 +240,17 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--logit-bias", action="append", type=_logit_bias_entry, default=[], metavar="ID=BIAS",
                        help="add BIAS (in [-100, 100]) to token ID's logit before sampling; -100 bans it "
                        "(repeatable)")
+    shape = parser.add_argument_group(
+        "structured outputs", "the shape the output must take (at most one; vLLM's structured outputs: each step "
+        "masks the tokens the shape cannot take next, and generation stops once the output is complete)")
+    constraint = shape.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="SCHEMA", help="a JSON schema, inline or @FILE")
+    constraint.add_argument("--json-object", action="store_true", help="any JSON object")
+    constraint.add_argument("--regex", metavar="REGEX", help="a regular expression the whole output matches")
+    constraint.add_argument("--choice", action="append", metavar="TEXT",
+                            help="the output is exactly one of these strings (repeatable)")
+    constraint.add_argument("--grammar", metavar="GRAMMAR",
+                            help="a context-free grammar, Lark or GBNF (rules written ::=), inline or @FILE")
 
 
 def _logit_bias_entry(text: str) -> tuple[int, float]:
@@ -252,6 +264,19 @@ def _logit_bias_entry(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected ID=BIAS (a token id and a number), got {text[:40]!r}") from None
 
 
+def _structured_outputs_of(args: argparse.Namespace) -> dict | None:
+    """The structured outputs flags as StructuredOutputsParams' fields (None: no constraint); ``@FILE`` read."""
+    if getattr(args, "json_object", False):
+        return {"json_object": True}
+    for flag, name in (("json_schema", "json"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            if flag in ("json_schema", "grammar") and value.startswith("@"):
+                value = Path(value[1:]).read_text()
+            return {name: value}
+    return None
+
+
 def sampling_params_from_args(args: argparse.Namespace, overrides: dict | None = None) -> SamplingParams:
     values = dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -259,6 +284,7 @@ def sampling_params_from_args(args: argparse.Namespace, overrides: dict | None =
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=list(args.stop),
         stop_token_ids=list(args.stop_token_id), ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
         logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, logit_bias=dict(args.logit_bias),
+        structured_outputs=_structured_outputs_of(args),
     )
     known = {field.name for field in dataclasses.fields(SamplingParams)}
     values.update({key: value for key, value in (overrides or {}).items() if key in known})

@@ -17,6 +17,7 @@ import grpc
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.rpc.auth import API_KEY_ENV, AUTHORIZATION_HEADER, BEARER_PREFIX, with_api_key
+from splitserve.rpc.convert import structured_outputs_to_pb
 from splitserve.rpc.tls import TLSConfig, open_channel
 from splitserve.v1 import inference_pb2, inference_pb2_grpc
 
@@ -80,6 +81,8 @@ def sampling_params_to_pb(params: SamplingParams | None) -> inference_pb2.Sampli
         message.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         message.prompt_logprobs = params.prompt_logprobs
+    if params.structured_outputs is not None:
+        message.structured_outputs.CopyFrom(structured_outputs_to_pb(params.structured_outputs))
     return message
 
 

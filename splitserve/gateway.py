@@ -37,7 +37,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve.client import AsyncClient
+from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.rpc.metrics import GatewayMetrics, serve_metrics
 from splitserve.v1 import inference_pb2
 
@@ -58,10 +60,10 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 _FINISH = {inference_pb2.FINISH_REASON_STOP: "stop", inference_pb2.FINISH_REASON_LENGTH: "length",
            inference_pb2.FINISH_REASON_ABORT: "abort", inference_pb2.FINISH_REASON_ERROR: "error"}
 # OpenAI fields the gateway cannot honour: refused with a sentence rather than silently ignored.
-_UNSUPPORTED = {"suffix": "suffix", "tools": "tool calls", "functions": "function calls",
-                "response_format": "response_format", "audio": "audio output"}
-# Their values that ask for nothing beyond plain text, as some clients send them: accepted.
-_UNSUPPORTED_DEFAULTS = {"response_format": {"type": "text"}}
+_UNSUPPORTED = {"suffix": "suffix", "tools": "tool calls", "functions": "function calls", "audio": "audio output"}
+# vLLM's structured output fields before 0.12 (which removed them): refused with their replacement named.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
 
 
 class APIError(Exception):
@@ -405,8 +407,12 @@ class Gateway:
         if not isinstance(body, dict):
             raise APIError(400, "The request body must be a JSON object.")
         for field, what in _UNSUPPORTED.items():
-            if body.get(field) and body[field] != _UNSUPPORTED_DEFAULTS.get(field):
+            if body.get(field):
                 raise APIError(400, f"{what} is not supported by this server.", field)
+        for field, replacement in _GUIDED_FIELDS.items():
+            if body.get(field) is not None:
+                raise APIError(400, f"{field} was removed in vLLM 0.12; send structured_outputs: "
+                               f'{{"{replacement}": ...}} instead.', field)
         if body.get("best_of") not in (None, 1):
             raise APIError(400, "best_of is not supported (choices are not ranked here): ask for n choices instead.",
                            "best_of")
@@ -448,6 +454,7 @@ class Gateway:
             "min_tokens": body.get("min_tokens", 0), "stop_token_ids": body.get("stop_token_ids") or [],
             "logit_bias": _logit_bias(body.get("logit_bias")),
             "prompt_logprobs": _prompt_logprobs(body),
+            "structured_outputs": _structured_outputs(body),
         }
         try:
             return SamplingParams(**fields)
@@ -580,6 +587,46 @@ def _chat_logprobs(body: dict) -> int | None:
         if top > 0 and not logprobs:  # 0 without logprobs is harmless, as vLLM takes it
             raise APIError(400, "top_logprobs needs logprobs set to true.", "top_logprobs")
     return (top or 0) if logprobs else None
+
+
+def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format`` (text, json_object, json_schema) or vLLM's ``structured_outputs`` (json, regex,
+    choice, grammar, json_object) as the request's constraint; None for plain text. 400 for a bad value or both."""
+    response_format, vllm_fields = body.get("response_format"), body.get("structured_outputs")
+    if response_format is not None and vllm_fields is not None:
+        raise APIError(400, "Send response_format or structured_outputs, not both.", "structured_outputs")
+    try:
+        if vllm_fields is not None:
+            if not isinstance(vllm_fields, dict):
+                raise APIError(400, "structured_outputs must be an object with one of json, regex, choice, grammar "
+                               "and json_object.", "structured_outputs")
+            unknown = sorted(set(vllm_fields) - StructuredOutputsParams.FIELDS)
+            if unknown or "num_resumed_tokens" in vllm_fields:
+                name = unknown[0] if unknown else "num_resumed_tokens"
+                raise APIError(400, f"structured_outputs.{str(name)[:64]} is not supported here; use one of json, "
+                               "regex, choice, grammar and json_object.", "structured_outputs")
+            return StructuredOutputsParams(**{name: value for name, value in vllm_fields.items() if value is not None})
+        return _response_format(response_format)
+    except InvalidRequest as error:
+        raise APIError(400, str(error), "response_format" if vllm_fields is None else "structured_outputs") from None
+
+
+def _response_format(response_format) -> StructuredOutputsParams | None:
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        schema = response_format.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema"), (dict, bool)):
+            raise APIError(400, 'response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}.',
+                           "response_format")
+        return StructuredOutputsParams(json=schema["schema"])
+    raise APIError(400, "response_format must be an object whose type is text, json_object or json_schema.",
+                   "response_format")
 
 
 def _flag(body: dict, name: str) -> bool:

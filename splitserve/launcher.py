@@ -370,8 +370,10 @@ class LocalCluster:
             from splitserve.engine.model_store import prepare_default_model
 
             prepare_default_model(self.env.get("SPLITSERVE_CACHE"))
-        port = self.router_port or free_port(self.host)
-        self.router = self._spawn("router", ["router", "--host", self.host, "--port", str(port), *self.router_args])
+        # Port 0: the router binds a free port itself and prints it (a port found free here could be taken
+        # before the router bound it, as a redis-server's was).
+        self.router = self._spawn("router", ["router", "--host", self.host, "--port", str(self.router_port),
+                                             *self.router_args])
         line = _wait_ready(self.router, self.ready_timeout, self.progress)
         self.router.address = line.split()[1]
         return self.router.address

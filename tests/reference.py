@@ -88,3 +88,49 @@ def hf_prompt_logprobs(model_dir: str, prompt_token_ids: tuple[int, ...]):
 def first_difference(ours: list[int], theirs: list[int]) -> int | None:
     """The first index where two token sequences differ (over their common length), or None."""
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+
+
+def hf_greedy_constrained(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int, grammar: str,
+                          eos_token_ids: list[int]) -> list[int]:
+    """transformers' greedy continuation, float32, under an llguidance grammar (its JSON form, e.g.
+    ``StructuredOutputsParams.to_grammar()``): at each step every token the grammar's own matcher cannot take
+    next gets -inf, from the tokenizer.json file as llguidance reads it. Ends once the grammar is complete (or
+    ``max_new_tokens``), as the engine does, without the end-of-sequence token the grammar would then allow."""
+    import json
+    from pathlib import Path
+
+    import llguidance
+    import torch
+
+    tokenizer_json = json.dumps(json.loads((Path(model_dir) / "tokenizer.json").read_text()))
+    model = hf_model(model_dir)
+    vocab_size = model.config.vocab_size
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                          eos_token=eos_token_ids), grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+    def mask(input_ids, scores):  # a LogitsProcessor: -inf where the grammar cannot go next
+        allowed = torch.zeros(scores.shape[-1], dtype=torch.bool)
+        allowed[torch.from_numpy(numpy_bits(matcher.compute_bitmask(), vocab_size))] = True
+        return scores.masked_fill(~allowed, float("-inf"))
+
+    class Complete(StoppingCriteria):  # after each token: the grammar takes it; stop once it is complete
+        def __call__(self, input_ids, scores, **kwargs):
+            assert matcher.consume_token(int(input_ids[0, -1])), matcher.get_error()
+            return matcher.is_stopped()
+
+    with torch.inference_mode():
+        input_ids = torch.tensor([prompt_token_ids])
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, logits_processor=LogitsProcessorList([mask]),
+                                stopping_criteria=StoppingCriteriaList([Complete()]))
+    return output[0, len(prompt_token_ids):].tolist()
+
+
+def numpy_bits(bitmask: bytes, vocab_size: int):
+    """The token ids a bitmask (bit j of little-endian 32-bit word w: token 32 w + j) allows, as a numpy array."""
+    import numpy
+
+    bits = numpy.unpackbits(numpy.frombuffer(bitmask, dtype=numpy.uint8), bitorder="little")
+    return numpy.flatnonzero(bits[:vocab_size])

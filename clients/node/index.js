@@ -33,7 +33,8 @@ function loadInference(protosDir = PROTOS) {
 const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 
 // Sampling parameters as a plain object, in camelCase: { maxTokens, temperature, topP, topK, stop, seed,
-// promptLogprobs, ... }. With echo, the message with the first token carries the prompt's text (promptText).
+// promptLogprobs, structuredOutputs: { json: '<schema text>' } (or { regex }, { choice: { values: [...] } },
+// { grammar }, { jsonObject: true }), ... }. With echo, the message with the first token carries the prompt's text (promptText).
 function generateRequest(prompt, params = {}, requestId, echo = false) {
   const request = { samplingParams: params, echo };
   if (requestId !== undefined) request.requestId = requestId;

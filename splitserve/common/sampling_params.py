@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequest
+from splitserve.common.structured_outputs import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_EPSILON = 1e-5
@@ -56,6 +57,9 @@ class SamplingParams:
             and vLLM's logit_bias; at most 1,024 entries. Log probabilities stay the raw
             model's, as vLLM returns them.
         skip_special_tokens: leave special tokens out of the text.
+        structured_outputs: the shape the output must take (a JSON schema, any JSON object, a regex, one of
+            some strings, or a grammar), as vLLM's; a dict of StructuredOutputsParams' fields is taken too.
+            Each step masks the tokens the shape cannot take next; the request stops once it is complete.
     """
 
     max_tokens: int | None = 16
@@ -75,6 +79,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +91,14 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict):
             raise InvalidRequest("logit_bias must map token ids to bias values.")
         self.logit_bias = dict(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - StructuredOutputsParams.FIELDS)
+            if unknown:
+                raise InvalidRequest(f"structured_outputs has no field {str(unknown[0])[:64]!r}; its fields are "
+                                     f"{', '.join(sorted(StructuredOutputsParams.FIELDS))}.")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequest("structured_outputs must be a StructuredOutputsParams.")
         self._validate()
 
     def _validate(self) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.load import WorkerLoad
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.common.types import FinishReason, WorkerRole, WorkerState
 from splitserve.v1 import inference_pb2
 
@@ -45,7 +46,32 @@ def sampling_params_from_pb(message: inference_pb2.SamplingParams) -> SamplingPa
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         if name in values:
             values[name] = round(float(values[name]), 6)
+    if message.HasField("structured_outputs"):
+        values["structured_outputs"] = structured_outputs_from_pb(message.structured_outputs)
     return SamplingParams(**values)
+
+
+def structured_outputs_from_pb(message: inference_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    """A request's output constraint. Raises InvalidRequest when none or a bad one is set (sizes checked here; the
+    grammar itself where it is built)."""
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidRequest("structured_outputs is set without a constraint: set one of json, json_object, regex, "
+                             "choice and grammar.")
+    if kind == "json_object" and not message.json_object:
+        raise InvalidRequest("structured_outputs.json_object must be true when set.")
+    value = list(message.choice.values) if kind == "choice" else getattr(message, kind)
+    return StructuredOutputsParams(**{kind: value}, num_resumed_tokens=message.num_resumed_tokens)
+
+
+def structured_outputs_to_pb(params: StructuredOutputsParams) -> inference_pb2.StructuredOutputs:
+    """The proto form of a request's output constraint."""
+    message = inference_pb2.StructuredOutputs(num_resumed_tokens=params.num_resumed_tokens)
+    if params.choice is not None:
+        message.choice.values.extend(params.choice)
+    else:
+        setattr(message, params.kind, getattr(params, params.kind))
+    return message
 
 
 def worker_load_to_pb(load: WorkerLoad) -> inference_pb2.WorkerLoad:

@@ -64,6 +64,30 @@ def test_jsonl_batch_writes_one_result_a_line(tmp_path, model_dir, tokenizer):
     assert "prompt_logprobs" not in records[0]
 
 
+def test_structured_outputs_flags_and_jsonl_lines_shape_the_output(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+                                  "required": ["name"], "additionalProperties": False}))
+    shaped = run_cli("generate", "A person, as JSON:", "--json-schema", f"@{schema}", *SMALL_ENGINE)
+    assert shaped.returncode == 0, shaped.stderr
+    assert set(json.loads(shaped.stdout)) == {"name"} and "[stop]" in shaped.stderr
+    chosen = run_cli("generate", "Is Paris in France? Answer:", "--choice", " yes", "--choice", " no", *SMALL_ENGINE)
+    assert chosen.returncode == 0 and chosen.stdout.strip() in ("yes", "no"), chosen.stderr
+    prompts, output = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Pick a date:", "max_tokens": 10,
+                                   "structured_outputs": {"regex": "[0-9]{4}-[0-9]{2}"}})
+                       + "\n" + json.dumps({"prompt": "Hello"}) + "\n")
+    result = run_cli("generate", "--file", str(prompts), "--output", str(output), "--max-tokens", "4", *SMALL_ENGINE)
+    assert result.returncode == 0, result.stderr
+    dated, plain = [json.loads(line) for line in output.read_text().splitlines()]
+    assert re.fullmatch("[0-9]{4}-[0-9]{2}", dated["text"]) and dated["finish_reason"] == "stop"
+    assert plain["finish_reason"] == "length"
+    refused = run_cli("generate", "hello", "--regex", "[0-")
+    assert refused.returncode == 2 and "the regex is not valid" in refused.stderr
+    both = run_cli("generate", "hello", "--regex", "a", "--json-object")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
 def test_bad_input_gives_a_clear_error(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\nnot json\n')

@@ -28,7 +28,7 @@ from tests.cluster_helpers import (
     wait_until,
     worker_status,
 )
-from tests.reference import MAX_TOKENS, hf_prompt_logprobs
+from tests.reference import MAX_TOKENS, hf_greedy_constrained, hf_prompt_logprobs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -157,6 +157,16 @@ def test_abort_rpc_ends_the_stream_with_abort(client):
         (dict(text="hi", sampling_params=inference_pb2.SamplingParams(max_tokens=0)), "max_tokens"),
         (dict(text="hi", sampling_params=inference_pb2.SamplingParams(logprobs=50)), "logprobs"),
         (dict(text="hi", sampling_params=inference_pb2.SamplingParams(prompt_logprobs=21)), "prompt_logprobs"),
+        (dict(text="hi", sampling_params=inference_pb2.SamplingParams(
+            structured_outputs=inference_pb2.StructuredOutputs(regex="[a-"))), "the regex is not valid"),
+        (dict(text="hi", sampling_params=inference_pb2.SamplingParams(
+            structured_outputs=inference_pb2.StructuredOutputs(grammar="start: nowhere"))), "the grammar is not valid"),
+        (dict(text="hi", sampling_params=inference_pb2.SamplingParams(
+            structured_outputs=inference_pb2.StructuredOutputs())), "without a constraint"),
+        (dict(text="hi", sampling_params=inference_pb2.SamplingParams(
+            structured_outputs=inference_pb2.StructuredOutputs(json_object=False))), "must be true"),
+        (dict(text="hi", sampling_params=inference_pb2.SamplingParams(
+            structured_outputs=inference_pb2.StructuredOutputs(json="[1]"))), "an object or a boolean"),
     ],
 )
 def test_invalid_requests_get_invalid_argument_with_a_sentence(client, request_kwargs, message):
@@ -222,6 +232,30 @@ def test_prompt_logprobs_come_with_the_first_token_from_either_worker(cluster, c
     streamed = next(chunk for chunk in chunks if chunk.token_ids).prompt_logprobs
     assert [entry.sampled.logprob for entry in unary.prompt_logprobs] == pytest.approx(
         [entry.sampled.logprob for entry in streamed], abs=1e-6)
+    wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free")
+
+
+def test_structured_outputs_hold_across_the_prefill_and_decode_workers(cluster, client, model_dir):
+    """The prefill worker samples the first token under the grammar and the decode worker continues it: greedy,
+    each constraint's output is transformers' under the same grammar, and the KV still came through the
+    connector (no local prefill)."""
+    from tests.e2e.test_structured_outputs import CASES
+
+    decode = decode_worker(cluster)
+    before = worker_status(decode.address, "decode").counters
+    eos = list(client.model_info().eos_token_ids)
+    for prompt, constraint, max_tokens, check in CASES:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=constraint)
+        chunks = list(client.generate_stream(prompt, params, timeout=300))
+        token_ids = [token for chunk in chunks for token in chunk.token_ids]
+        text = "".join(chunk.text for chunk in chunks)
+        expected = hf_greedy_constrained(str(model_dir), client.tokenize(prompt), max_tokens,
+                                         constraint.to_grammar(), eos)
+        assert token_ids == expected, (constraint.kind, text)
+        assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_STOP and check(text), (constraint.kind, text)
+    after = worker_status(decode.address, "decode").counters
+    assert after.num_kv_transfers_received - before.num_kv_transfers_received == len(CASES)
+    assert after.num_local_prefills == before.num_local_prefills
     wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free")
 
 

@@ -246,7 +246,7 @@ def test_chat_logprobs_are_the_grpc_paths_and_spell_the_answer(api, grpc_client)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == expected.text[:len(
         plain.choices[0].message.content)]
     for fields in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": "yes"},
-                   {"response_format": {"type": "json_object"}}):
+                   {"response_format": {"type": "xml"}}):
         with pytest.raises(openai.BadRequestError) as refused:
             api.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, **fields)
         assert refused.value.param in ("logprobs", "top_logprobs", "response_format"), fields
@@ -327,6 +327,58 @@ def test_logit_bias_bans_and_forces_tokens_on_both_workers(api, grpc_client):
         with pytest.raises(openai.BadRequestError) as refused:
             api.completions.create(model=model, prompt=PROMPT, max_tokens=2, logit_bias=logit_bias)
         assert "logit_bias" in refused.value.message, logit_bias
+
+
+def test_structured_outputs_are_the_grpc_paths_and_keep_their_shape(api, grpc_client):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs (choice, regex, grammar):
+    greedy, the gRPC path's tokens under the same constraint (the prefill worker's first token and the decode
+    worker's rest both masked); streamed too. Refused with 400 and a sentence: other response formats, vLLM's
+    removed guided_* fields, unknown constraint fields, both fields at once, and a constraint that does not build
+    (the router's check)."""
+    model = api.models.list().data[0].id
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
+              "required": ["city", "population"], "additionalProperties": False}
+    chat = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=60,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "city", "schema": schema}})
+    answer = json.loads(chat.choices[0].message.content)
+    assert set(answer) == {"city", "population"} and 0 <= answer["population"] <= 10**8
+    assert chat.choices[0].finish_reason == "stop"
+    expected = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=60,
+                                                             structured_outputs={"json": schema}))
+    assert chat.choices[0].message.content == expected.text
+    anything = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=30,
+                                           response_format={"type": "json_object"})
+    assert anything.choices[0].message.content.startswith("{")  # this small model's object outruns 30 tokens
+    assert anything.choices[0].message.content == grpc_client.generate(QUESTION, SamplingParams(
+        temperature=0, max_tokens=30, structured_outputs={"json_object": True})).text
+    for constraint, check in (({"choice": ["Paris", "Lyon", "Nice"]}, lambda text: text in ("Paris", "Lyon", "Nice")),
+                              ({"regex": "[0-9]{3}"}, lambda text: re.fullmatch("[0-9]{3}", text)),
+                              ({"grammar": 'root ::= " " ("a" | "b")+'}, lambda text: re.fullmatch(" [ab]+", text))):
+        completion = api.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=8,
+                                            extra_body={"structured_outputs": constraint})
+        text = completion.choices[0].text
+        assert check(text), (constraint, text)
+        assert text == grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8,
+                                                                   structured_outputs=constraint)).text
+        stream = api.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=8, stream=True,
+                                        extra_body={"structured_outputs": constraint})
+        assert "".join(choice.text for chunk in stream for choice in chunk.choices) == text
+    for extra, field, words in (
+            ({"response_format": {"type": "xml"}}, "response_format", "text, json_object or json_schema"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+             '"schema"'),
+            ({"guided_json": schema}, "guided_json", 'structured_outputs: {"json": ...}'),
+            ({"structured_outputs": {"json": schema, "whitespace_pattern": " "}}, "structured_outputs",
+             "whitespace_pattern is not supported"),
+            ({"structured_outputs": {"regex": "[0-9]+"}, "response_format": {"type": "json_object"}},
+             "structured_outputs", "not both"),
+            ({"structured_outputs": {"regex": "[0-"}}, None, "regex is not valid"),
+            ({"structured_outputs": {"choice": "Paris"}}, "structured_outputs", "list of strings")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body=extra)
+        assert words in refused.value.message and refused.value.param == field, extra
 
 
 def test_bad_requests_get_openai_errors(api, gateway, cluster):
@@ -446,7 +498,9 @@ def _body_fields(model: str, chat: bool, wild: bool):
         "model": pick(model, "gpt-4"), "n": pick(1, 2), "temperature": pick(0, 0.7), "top_p": pick(0.9, 1),
         "top_k": pick(-1, 5), "seed": pick(3, -1), "stop": pick(".", [" Paris", "\n"]), "stream": pick(True, False),
         "logit_bias": pick({"504": -100}, {"17": 5.5}), "stop_token_ids": pick([2], []),
-        "stream_options": pick({"include_usage": True}), "response_format": pick({"type": "text"}),
+        "stream_options": pick({"include_usage": True}),
+        "response_format": pick({"type": "text"}, {"type": "json_object"}),
+        "structured_outputs": pick({"choice": [" Paris", " Lyon"]}, {"regex": " [0-9]+"}),
         "best_of": pick(1),
     }
     if chat:

@@ -50,10 +50,18 @@ def test_the_client_snippet_streams_and_prints_a_status_table(cluster):
 
 
 def test_the_llm_snippet_prints_the_answers_it_claims():
-    code = _snippet("from splitserve import LLM")
+    code = _snippet("from splitserve import LLM, SamplingParams\n")
     claimed = re.search(r"print\(reply\[0\]\.outputs\[0\]\.text\)\s+# (.+)", code).group(1)
     result = _run(code.replace("LLM()", 'LLM(kv_cache_memory_bytes=2**28, max_model_len=1024)'))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == " Paris. stop", result.stdout
     assert lines[-1] == claimed, result.stdout
+
+
+def test_the_structured_outputs_snippet_prints_the_json_it_claims():
+    code = _snippet("from splitserve import LLM, SamplingParams, StructuredOutputsParams")
+    claimed = re.search(r"print\(out\[0\]\.outputs\[0\]\.text\)\s+# (.+)", code).group(1)
+    result = _run(code.replace("LLM()", 'LLM(kv_cache_memory_bytes=2**28, max_model_len=1024)'))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == claimed, result.stdout

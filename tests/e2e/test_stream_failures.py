@@ -7,6 +7,7 @@ SIGTERMed router refuses new requests but lets the streams in flight finish, the
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -66,32 +67,62 @@ def test_a_decode_worker_killed_mid_stream_ends_the_stream_with_an_error_message
         assert response.finish_reason == inference_pb2.FINISH_REASON_LENGTH and len(response.token_ids) == 4
 
 
+def two_decode_workers_serving(cluster, client) -> None:
+    while len(live_decode_workers(cluster)) < 2:
+        cluster.start_workers("decode", 1)
+    wait_until(lambda: len([w for pool in client.cluster_status().pools for w in pool.workers
+                            if w.state == inference_pb2.WORKER_STATE_SERVING]) >= 2, 60,
+               message="two decode workers serving")
+
+
+def stream_killing_its_decode_worker(cluster, client, prompt: str, params: SamplingParams, after: int = 10):
+    """Stream ``prompt``, SIGKILLing the decode worker serving it once ``after`` tokens came; returns the tokens,
+    the text and the last message the client got, and the worker killed."""
+    token_ids, text, killed, last = [], "", None, None
+    for chunk in client.generate_stream(prompt, params, timeout=300):
+        token_ids.extend(chunk.token_ids)
+        text += chunk.text
+        last = chunk
+        if killed is None and len(token_ids) >= after:
+            serving = [w.worker_id for pool in client.cluster_status().pools for w in pool.workers
+                       if w.num_router_in_flight_requests]
+            [killed] = [p for p in live_decode_workers(cluster) if p.worker_id in serving]
+            killed.kill()
+    assert killed is not None and not killed.alive()
+    return token_ids, text, last, killed
+
+
 def test_a_stream_whose_decode_worker_is_killed_migrates_to_another_and_stays_token_identical(cluster):
     """Two decode workers: killing the one serving a greedy stream mid-way moves the request (prompt plus the
     tokens streamed) to the other; the client sees one stream, token for token the undisturbed one."""
-    while len(live_decode_workers(cluster)) < 2:
-        cluster.start_workers("decode", 1)
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     with Client(cluster.router.address) as client:
-        wait_until(lambda: len([w for pool in client.cluster_status().pools for w in pool.workers
-                                if w.state == inference_pb2.WORKER_STATE_SERVING]) >= 2, 60,
-                   message="two decode workers serving")
+        two_decode_workers_serving(cluster, client)
         undisturbed = client.generate(PROMPT, params, timeout=300)
-        token_ids, killed, last = [], None, None
-        for chunk in client.generate_stream(PROMPT, params, timeout=300):
-            token_ids.extend(chunk.token_ids)
-            last = chunk
-            if killed is None and len(token_ids) >= 10:
-                serving = [w.worker_id for pool in client.cluster_status().pools for w in pool.workers
-                           if w.num_router_in_flight_requests]
-                [killed] = [p for p in live_decode_workers(cluster) if p.worker_id in serving]
-                killed.kill()
-        assert killed is not None and not killed.alive()
+        token_ids, _, last, _ = stream_killing_its_decode_worker(cluster, client, PROMPT, params)
         assert (last.finish_reason, last.error_message) == (inference_pb2.FINISH_REASON_LENGTH, "")
         assert token_ids == list(undisturbed.token_ids)
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (undisturbed.usage.prompt_tokens, 120)
         wait_until(lambda: all(w.num_router_in_flight_requests == 0 for pool in client.cluster_status().pools
                                for w in pool.workers), 30, message="no request in flight on the router")
+
+
+def test_a_migrated_stream_resumes_its_grammar_after_the_tokens_sent(cluster):
+    """A JSON-schema stream whose decode worker is killed mid-way: the continuation's grammar takes the tokens
+    already streamed first (num_resumed_tokens), so the client gets the undisturbed stream's tokens, one valid
+    JSON array."""
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 40, "maxItems": 40}
+    params = SamplingParams(temperature=0.0, max_tokens=200, structured_outputs={"json": schema})
+    prompt = "Forty numbers as a JSON array:"
+    with Client(cluster.router.address) as client:
+        two_decode_workers_serving(cluster, client)
+        undisturbed = client.generate(prompt, params, timeout=300)
+        migrations = cluster.router.log().count("migrating it")
+        token_ids, text, last, _ = stream_killing_its_decode_worker(cluster, client, prompt, params)
+        assert cluster.router.log().count("migrating it") == migrations + 1
+        assert (last.finish_reason, last.error_message) == (inference_pb2.FINISH_REASON_STOP, "")
+        assert token_ids == list(undisturbed.token_ids) and len(token_ids) > 20
+        assert text == undisturbed.text and len(json.loads(text)) == 40
 
 
 def test_a_sigtermed_router_drains_its_streams_then_exits_0(cluster):

@@ -289,7 +289,8 @@ def test_a_stream_whose_decode_worker_fails_migrates_to_another_one(cluster):
         worker_pb2.DecodeResponse(state=worker_pb2.REQUEST_STATE_RUNNING, token_ids=[8], text="d"), finished]))
     channels.prefill_outcomes += [worker_pb2.PrefillResponse(first_token_id=5),
                                   worker_pb2.PrefillResponse(first_token_id=8)]
-    params = inference_pb2.SamplingParams(max_tokens=5, min_tokens=4, temperature=0.0)
+    params = inference_pb2.SamplingParams(max_tokens=5, min_tokens=4, temperature=0.0,
+                                          structured_outputs=inference_pb2.StructuredOutputs(regex="[a-z]+"))
     request = RouterRequest("r1", Prompt(list(range(40)), None), params)
     chunks = list(servicer_of(dispatcher, registry)._generate(request, FakeContext()))
     assert [list(c.token_ids) for c in chunks] == [[5, 6], [7], [8], [9]]
@@ -301,6 +302,10 @@ def test_a_stream_whose_decode_worker_fails_migrates_to_another_one(cluster):
     assert (first_address, second_address) == ("d:1", "d:3")  # the failed worker is not chosen again
     assert list(second.prompt_token_ids) == [*range(40), 5, 6, 7]
     assert (second.sampling_params.max_tokens, second.sampling_params.min_tokens) == (2, 1)
+    # The grammar takes the three tokens sent before it samples: they end the continuation's prompt.
+    assert first.sampling_params.structured_outputs.num_resumed_tokens == 0
+    assert second.sampling_params.structured_outputs == inference_pb2.StructuredOutputs(regex="[a-z]+",
+                                                                                       num_resumed_tokens=3)
     assert second.sampling_params.temperature == 0.0 and first.request_id != second.request_id
     assert request.num_migrations == 1 and request.original_prompt.token_ids == list(range(40))
     assert {w: registry.get(w).num_in_flight for w in ("prefill-1", "decode-1", "decode-2")} == {

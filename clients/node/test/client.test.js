@@ -61,6 +61,28 @@ test('a prompt is scored and echoed', async () => {
   }
 });
 
+test('structured outputs shape the reply: a JSON schema, a choice', async () => {
+  const client = new Client(address, { apiKey, timeoutSeconds: 120 });
+  try {
+    const schema = { type: 'object', properties: { city: { type: 'string', maxLength: 24 } }, required: ['city'],
+      additionalProperties: false };
+    const shaped = await client.generate([{ role: 'user', content: 'What is the capital of France?' }],
+      { temperature: 0, maxTokens: 40, structuredOutputs: { json: JSON.stringify(schema) } });
+    assert.deepEqual(Object.keys(JSON.parse(shaped.text)), ['city']);
+    assert.equal(shaped.finishReason, 'FINISH_REASON_STOP');
+    const chosen = await client.generate(PROMPT, { temperature: 0, maxTokens: 8,
+      structuredOutputs: { choice: { values: [' Paris', ' Lyon'] } } });
+    assert.ok([' Paris', ' Lyon'].includes(chosen.text), chosen.text);
+    await assert.rejects(client.generate(PROMPT, { structuredOutputs: { regex: '[0-' } }), (error) => {
+      assert.equal(error.code, status.INVALID_ARGUMENT);
+      assert.match(error.details, /the regex is not valid/);
+      return true;
+    });
+  } finally {
+    client.close();
+  }
+});
+
 test('a refused request rejects with the status code and the router sentence', async () => {
   const client = new Client(address, { apiKey });
   try {

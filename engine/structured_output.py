@@ -1,0 +1,149 @@
+"""Structured outputs in the engine: one llguidance matcher per constrained request, and the token masks.
+
+A request with ``sampling_params.structured_outputs`` gets a :class:`GrammarMatcher`
+when it is added (a bad grammar refuses the request then, with llguidance's
+reason). At each step the sampler asks every constrained row's matcher which
+tokens may come next (:func:`fill_token_bitmask`) and sets the others' logits
+to -inf (:func:`apply_token_bitmask`), after the logit bias, penalties and the
+min_tokens mask, as vLLM masks before sampling; log probabilities stay the
+model's own. The engine then feeds the sampled token to the matcher
+(:meth:`GrammarMatcher.accept`): once the grammar is complete the request
+finishes (``stop``), and a token the grammar refuses (one sampled elsewhere,
+e.g. a remote prefill's without the mask) ends it with an error.
+
+llguidance computes a mask lazily over the tokenizer's trie, in tens of
+microseconds for most JSON states; its parser limits bound the work a hostile
+grammar can ask for per step, and error messages never quote the grammar.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.structured_outputs import StructuredOutputsParams, parser_limits, short_message
+
+BITS_PER_WORD = 32
+
+
+class GrammarMatcher:
+    """One request's grammar state: which tokens may come next, and the tokens taken so far."""
+
+    def __init__(self, matcher) -> None:
+        self._matcher = matcher  # llguidance.LLMatcher
+
+    def fill_bitmask(self, words: torch.Tensor) -> None:
+        """Write the allowed next tokens into ``words``: [num_words] int32, contiguous, on the host; bit j of
+        word w allows token 32 w + j."""
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+
+    def accept(self, token_id: int) -> bool:
+        """Feed the sampled token to the grammar; False when the grammar refuses it (the matcher is then in error
+        for good: :attr:`error` says why)."""
+        return self._matcher.consume_token(token_id)
+
+    @property
+    def is_complete(self) -> bool:
+        """The grammar takes no more tokens: the output is whole."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    @property
+    def error(self) -> str:
+        """Why the grammar refused a token or could not go on; empty while it can."""
+        return short_message(self._matcher.get_error())
+
+
+class StructuredOutputs:
+    """An engine's grammar builder: llguidance's view of the tokenizer (built on the first constrained request,
+    about 0.3 s for SmolLM2's 49,152 tokens) and a matcher per request.
+
+    Args:
+        tokenizer: the engine's Hugging Face tokenizer; it must have a fast (tokenizers) backend.
+        vocab_size: the model's logits width (the masks cover it).
+        eos_token_ids: the ids that end a request; the grammar allows them where the output may end.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()
+
+    @property
+    def num_words(self) -> int:
+        """int32 words of one row's bitmask."""
+        return (self.vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
+
+    def matcher(self, params: StructuredOutputsParams, prompt_token_ids: list[int]) -> GrammarMatcher:
+        """A new request's matcher, past the prompt's last ``params.num_resumed_tokens`` tokens.
+
+        Raises:
+            InvalidRequest: the grammar does not build, or refuses the resumed tokens.
+        """
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._llguidance_tokenizer(), params.to_grammar(), log_level=0, limits=parser_limits())
+        if matcher.is_error():
+            raise InvalidRequest(f"structured outputs: the {params.kind} is not valid: {short_message(matcher.get_error())}")
+        resumed = params.num_resumed_tokens
+        if resumed > len(prompt_token_ids):
+            raise InvalidRequest(f"structured outputs: num_resumed_tokens ({resumed}) exceeds the prompt's "
+                                 f"{len(prompt_token_ids)} tokens.")
+        if resumed and not matcher.consume_tokens(prompt_token_ids[len(prompt_token_ids) - resumed:]):
+            raise InvalidRequest(f"structured outputs: the prompt's last {resumed} tokens do not follow the "
+                                 f"{params.kind}: {short_message(matcher.get_error())}")
+        return GrammarMatcher(matcher)
+
+    def _llguidance_tokenizer(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                from llguidance import LLTokenizer
+
+                backend = getattr(self._tokenizer, "backend_tokenizer", None)
+                if backend is None:
+                    raise InvalidRequest("structured outputs need a fast tokenizer (a tokenizer.json); this "
+                                         "model's has none.")
+                backend = copy.copy(backend)  # padding and truncation off on a copy, not on the engine's
+                backend.no_padding()
+                backend.no_truncation()
+                self._ll_tokenizer = LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                 eos_token=self._eos_token_ids)
+            return self._ll_tokenizer
+
+
+def fill_token_bitmask(matchers: list[GrammarMatcher], num_words: int) -> torch.Tensor:
+    """The allowed next tokens of each matcher: [len(matchers), num_words] int32 on the host."""
+    bitmask = torch.zeros(len(matchers), num_words, dtype=torch.int32)
+    for row, matcher in enumerate(matchers):
+        matcher.fill_bitmask(bitmask[row])
+    return bitmask
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits of the tokens ``bitmask`` does not allow, on ``rows``.
+
+    Args:
+        logits: [num_rows, vocab] float; not modified.
+        rows: the constrained rows, one per bitmask row.
+        bitmask: [len(rows), num_words] int32; bit j of word w allows token 32 w + j. Tokens past
+            32 num_words are not allowed.
+
+    Returns:
+        A new [num_rows, vocab] tensor (the input itself when ``rows`` is empty).
+    """
+    if not rows:
+        return logits
+    vocab_size = logits.shape[-1]
+    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [len(rows), 32 num_words]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    allowed = allowed[:, :vocab_size].to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    result = logits.clone()
+    result[index] = result[index].masked_fill(~allowed, float("-inf"))
+    return result

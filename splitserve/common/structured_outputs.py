@@ -1,0 +1,172 @@
+"""StructuredOutputsParams: the shape a request's output must take (vLLM's structured outputs).
+
+Exactly one constraint per request, as in vLLM's ``StructuredOutputsParams``:
+a JSON schema (``json``), any JSON object (``json_object``), a regular
+expression (``regex``), one of a list of strings (``choice``) or a context-free
+grammar (``grammar``: Lark, as llguidance reads it, or GBNF, which vLLM's
+xgrammar backend reads and is converted here). The engine turns it into an
+llguidance grammar and masks, at each step, every token the grammar cannot
+take next (``splitserve.engine.structured_output``).
+
+The values come from the network, so their sizes are bounded here before any
+grammar is built, and the grammar's own work is bounded by llguidance's parser
+limits there. Shared by the engine, the router (which checks a request's
+grammar before routing it) and clients; importing it needs no llguidance.
+"""
+
+from __future__ import annotations
+
+import json as json_module
+from dataclasses import dataclass
+from typing import ClassVar
+
+from splitserve.common.errors import InvalidRequest
+
+# The most characters of a schema, regex or grammar, and of all choices together; the most choices.
+MAX_CONSTRAINT_CHARS = 65_536
+MAX_CHOICES = 1_024
+# Characters a Rust regex (llguidance's) gives a meaning to, escaped in a choice.
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One request's output constraint; exactly one field of ``json``, ``json_object``, ``regex``, ``choice``,
+    ``grammar`` is set.
+
+    Attributes:
+        json: a JSON schema, as text or as its parsed value (a dict, or a bool); kept as compact text.
+        json_object: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+        regex: the output matches this regular expression, whole (Rust's regex syntax, as llguidance's).
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar: Lark as llguidance reads it, or GBNF (rules written ``::=``).
+        num_resumed_tokens: the last this-many prompt tokens were generated under this constraint before (a
+            request continued on another worker after a failure): the grammar takes them first.
+    """
+
+    json: str | dict | bool | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    num_resumed_tokens: int = 0
+
+    FIELDS: ClassVar[frozenset[str]] = frozenset((*_KINDS, "num_resumed_tokens"))
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in _KINDS if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise InvalidRequest("structured outputs take exactly one of json, json_object, regex, choice and "
+                                 f"grammar; got {', '.join(kinds) or 'none'}.")
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_text(self.json))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _checked_choices(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_text(name, value)
+        if (not isinstance(self.num_resumed_tokens, int) or isinstance(self.num_resumed_tokens, bool)
+                or self.num_resumed_tokens < 0):
+            raise InvalidRequest(f"num_resumed_tokens must be an integer >= 0, got {self.num_resumed_tokens!r}.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        return next(name for name in _KINDS if getattr(self, name) not in (None, False))
+
+    def check(self) -> None:
+        """Raise InvalidRequest when the constraint does not build a grammar (checked without a tokenizer: the
+        router's check before it routes a request; the engine builds it against its tokenizer)."""
+        from llguidance import LLMatcher
+
+        error = LLMatcher.validate_grammar(self.to_grammar(), limits=parser_limits())
+        if error:
+            raise InvalidRequest(f"structured outputs: the {self.kind} is not valid: {short_message(error)}")
+
+    def to_grammar(self) -> str:
+        """The constraint as an llguidance grammar (its JSON form); not yet checked (the grammar's builder does).
+
+        Raises:
+            InvalidRequest: llguidance is not installed.
+        """
+        try:
+            from llguidance import LLMatcher
+        except ImportError:
+            raise InvalidRequest("structured outputs need llguidance on the serving side (pip install "
+                                 "llguidance).") from None
+        if self.json is not None:
+            return LLMatcher.grammar_from_json_schema(self.json)
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"})
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return LLMatcher.grammar_from_regex("|".join(_escape(choice) for choice in self.choice))
+        if "::=" in self.grammar:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                return LLMatcher.grammar_from_lark(gbnf_to_lark(self.grammar))
+            except Exception as error:  # the converter raises plain exceptions on bad GBNF
+                raise InvalidRequest(f"grammar is not valid GBNF: {short_message(str(error))}") from None
+        return LLMatcher.grammar_from_lark(self.grammar)
+
+
+def parser_limits():
+    """llguidance's parser limits for a request's grammar: its defaults, which bound each step's work (lexer fuel,
+    Earley items) and the grammar's size, and error messages that do not quote the grammar."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(verbose_errors=False)
+
+
+def _schema_text(schema: object) -> str:
+    """A JSON schema as compact text, checked to be JSON (an object or a boolean) and not too long."""
+    if isinstance(schema, str):
+        _check_text("json", schema)
+        try:
+            schema = json_module.loads(schema)
+        except ValueError as error:
+            raise InvalidRequest(f"json must be a JSON schema; its text is not JSON: {short_message(str(error))}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequest(f"json must be a JSON schema (an object or a boolean), got {type(schema).__name__}.")
+    try:
+        text = json_module.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise InvalidRequest(f"json must be a JSON schema: {short_message(str(error))}") from None
+    _check_text("json", text)
+    return text
+
+
+def _checked_choices(choices: object) -> tuple[str, ...]:
+    if isinstance(choices, str) or not isinstance(choices, (list, tuple)):
+        raise InvalidRequest("choice must be a list of strings.")
+    if not 1 <= len(choices) <= MAX_CHOICES:
+        raise InvalidRequest(f"choice must hold 1 to {MAX_CHOICES} strings, got {len(choices)}.")
+    if any(not isinstance(choice, str) or not choice for choice in choices):
+        raise InvalidRequest("choice must be a list of non-empty strings.")
+    if sum(len(choice) for choice in choices) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(f"choice holds more than {MAX_CONSTRAINT_CHARS} characters in all.")
+    return tuple(choices)
+
+
+def _check_text(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{name} must be a non-empty string.")
+    if len(value) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(f"{name} has {len(value)} characters; at most {MAX_CONSTRAINT_CHARS} are allowed.")
+
+
+def _escape(text: str) -> str:
+    """``text`` as a regex matching exactly it: meta characters escaped, others outside printable ASCII as code
+    points (\\x{...})."""
+    return "".join("\\" + char if char in _REGEX_META
+                   else char if " " <= char <= "~" else f"\\x{{{ord(char):x}}}" for char in text)
+
+
+def short_message(message: str, limit: int = 300) -> str:
+    """A library's error message cut to ``limit`` characters (it may quote the client's text at length)."""
+    message = " ".join(message.split())
+    return message if len(message) <= limit else message[:limit] + "..."
