@@ -359,7 +359,7 @@ class LLMEngine:
         if request.grammar is not None:
             status = self._advance_grammar(request, token.token_id, status)
         stop_string = self.output_processor.update_text(request, token.token_id)
-        if stop_string is not None:
+        if stop_string is not None and status != RequestStatus.FINISHED_ERROR:
             status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = stop_string
         if status is not None:

@@ -103,8 +103,7 @@ class Sampler:
             sampled_token_ids, compute_logprobs(raw_logits, requests, sampled_token_ids)
         )
 
-    @staticmethod
-    def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_grammars(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """-inf on each constrained row's tokens its grammar cannot take next ([num_rows, vocab]; a new tensor
         when some row is constrained)."""
         rows = [row for row, request in enumerate(requests) if request.grammar is not None]
@@ -112,7 +111,7 @@ class Sampler:
             return logits
         num_words = (logits.shape[-1] + 31) // 32
         bitmask = fill_token_bitmask([requests[row].grammar for row in rows], num_words)
-        return apply_token_bitmask(logits, rows, bitmask)
+        return apply_token_bitmask(logits, rows, bitmask, self.kernels)
 
     def skip_first_draw(self, request: Request) -> None:
         """Advance a seeded request's generator past the draw its first token took elsewhere.

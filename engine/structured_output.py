@@ -116,14 +116,21 @@ class StructuredOutputs:
 
 
 def fill_token_bitmask(matchers: list[GrammarMatcher], num_words: int) -> torch.Tensor:
-    """The allowed next tokens of each matcher: [len(matchers), num_words] int32 on the host."""
+    """The allowed next tokens of each matcher: [len(matchers), num_words] int32 on the host.
+
+    A matcher that allows nothing (it fell into an error, e.g. a step over its parser limits) gets every token:
+    the row is sampled as if unconstrained and the engine's :meth:`GrammarMatcher.accept` refuses the token,
+    ending that request with the matcher's error; a row of -inf logits would make the sampler's probabilities
+    NaN and fail the whole batch's step.
+    """
     bitmask = torch.zeros(len(matchers), num_words, dtype=torch.int32)
     for row, matcher in enumerate(matchers):
         matcher.fill_bitmask(bitmask[row])
+    bitmask[~bitmask.any(dim=1)] = -1
     return bitmask
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, kernels=None) -> torch.Tensor:
     """Set to -inf the logits of the tokens ``bitmask`` does not allow, on ``rows``.
 
     Args:
@@ -131,12 +138,20 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Te
         rows: the constrained rows, one per bitmask row.
         bitmask: [len(rows), num_words] int32; bit j of word w allows token 32 w + j. Tokens past
             32 num_words are not allowed.
+        kernels: the C++ CPU kernels (``splitserve.kernels.cpu_ops``, loaded), for float32 logits on the host:
+            their ``apply_token_bitmask_`` (0.3 against 5-10 ms for 32 of SmolLM2's rows on two Zen 5 cores).
+            None: the torch reference below.
 
     Returns:
         A new [num_rows, vocab] tensor (the input itself when ``rows`` is empty).
     """
     if not rows:
         return logits
+    if (kernels is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
+            and logits.stride(1) == 1):
+        result = logits.clone()
+        kernels.apply_token_bitmask_(result, torch.tensor(rows, dtype=torch.long), bitmask.contiguous())
+        return result
     vocab_size = logits.shape[-1]
     shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [len(rows), 32 num_words]

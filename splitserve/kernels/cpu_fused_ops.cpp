@@ -12,6 +12,7 @@
 
 #include "cpu_tensor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -361,6 +362,42 @@ at::Tensor argmax_rows(at::Tensor logits) {
     indices[r] = found;
   }
   return out;
+}
+
+// Structured outputs' token masks (engine/structured_output.py): on each listed row of the logits, -inf on every
+// token its bitmask does not allow (bit j of word w allows token 32 w + j; tokens past the words are not allowed).
+// A word of all ones is skipped whole, and a set bit leaves its logit alone, so a row costs its refused tokens' stores.
+// torch's version (expand the bits to a bool per token, then masked_fill) took 5-10 ms for 32 rows of SmolLM2's
+// 49,152 logits on two Zen 5 cores, a tenth of a decode step; its reference is apply_token_bitmask's torch path.
+void apply_token_bitmask_(at::Tensor logits, at::Tensor rows, at::Tensor bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "apply_token_bitmask_: logits must be float32 [rows, vocab] with contiguous rows");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "apply_token_bitmask_: rows must be a contiguous int64 vector");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous() &&
+                  bitmask.size(0) == rows.size(0),
+              "apply_token_bitmask_: bitmask must be contiguous int32 [len(rows), words]");
+  const int64_t num_rows = logits.size(0), vocab = logits.size(1), row_stride = logits.stride(0);
+  const int64_t count = rows.size(0), words = bitmask.size(1);
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < num_rows, "apply_token_bitmask_: row ", row_ids[i], " out of range");
+  float* base = logits.data_ptr<float>();
+  const uint32_t* masks = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  constexpr float kRefused = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static) if (count > 1)
+  for (int64_t i = 0; i < count; ++i) {
+    float* row = base + row_ids[i] * row_stride;
+    const uint32_t* mask = masks + i * words;
+    for (int64_t w = 0; w < words && 32 * w < vocab; ++w) {
+      const uint32_t word = mask[w];
+      if (word == 0xFFFFFFFFu) continue;
+      const int64_t first = 32 * w, last = std::min<int64_t>(first + 32, vocab);
+      for (int64_t token = first; token < last; ++token)
+        if (!((word >> (token - first)) & 1u)) row[token] = kRefused;
+    }
+    for (int64_t token = 32 * words; token < vocab; ++token) row[token] = kRefused;
+  }
 }
 
 }  // namespace splitserve

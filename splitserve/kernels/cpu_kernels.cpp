@@ -20,6 +20,7 @@ at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
 at::Tensor silu_and_mul(at::Tensor gate_up, at::Tensor out);
 void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor argmax_rows(at::Tensor logits);
+void apply_token_bitmask_(at::Tensor logits, at::Tensor rows, at::Tensor bitmask);
 bool small_gemm_supported();
 bool bfloat16_dot_supported();
 bool amx_decode_supported(int64_t head_dim, int64_t block_size, int64_t group);
@@ -48,6 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &splitserve::rotary_, "rotary embedding in place (float32 or bfloat16)");
   m.def("argmax_rows", &splitserve::argmax_rows,
         "each row's argmax, the first of tied maxima, a NaN the largest (float32 [rows, vocab] -> int64 [rows])");
+  m.def("apply_token_bitmask_", &splitserve::apply_token_bitmask_,
+        "-inf in place on each listed row's tokens its int32 bitmask does not allow (float32 logits)");
   m.def("small_gemm_supported", &splitserve::small_gemm_supported, "whether small_gemm was built (AVX-512, or AVX2 and FMA)");
   m.def("bfloat16_dot_supported", &splitserve::bfloat16_dot_supported,
         "whether attention over a bfloat16 cache multiplies in AVX512-BF16 (queries rounded to bfloat16)");

@@ -403,6 +403,13 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return _module.argmax_rows(logits)
 
 
+def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place on float32 ``logits`` [num_rows, vocab] (rows contiguous): -inf on each of ``rows`` (int64 [n])
+    where its ``bitmask`` row (int32 [n, words], bit j of word w allows token 32 w + j) does not allow the token;
+    tokens past 32 words are not allowed. The torch reference: ``engine.structured_output.apply_token_bitmask``."""
+    _module.apply_token_bitmask_(logits, rows, bitmask)
+
+
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x: [tokens, heads, head_dim] in place; cos, sin: [tokens, head_dim]."""
     _module.rotary_(x, cos, sin)

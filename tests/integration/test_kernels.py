@@ -348,6 +348,38 @@ def test_silu_and_mul_writes_into_rows_of_a_larger_tensor(dtype):
             kernels.silu_and_mul(gate_up, out=wrong)
 
 
+def test_apply_token_bitmask_is_the_torch_reference_on_every_shape():
+    """Random bitmasks with whole words allowed and refused and bit 31 set, vocabularies around the 32-token words,
+    fewer words than the vocabulary needs, a subset of rows in any order, rows 50,000 apart: the torch
+    reference's logits; rows not listed are untouched."""
+    from splitserve.engine.structured_output import apply_token_bitmask
+
+    kernels = _kernels()
+    generator = torch.Generator().manual_seed(12)
+    for vocab in (1, 31, 32, 33, 64, 100, 49152):
+        for num_words in {(vocab + 31) // 32, max(1, (vocab + 31) // 32 - 1)}:
+            logits = torch.randn(5, vocab, generator=generator)
+            bitmask = torch.randint(-2**31, 2**31 - 1, (3, num_words), dtype=torch.int32, generator=generator)
+            bitmask[0, 0], bitmask[1, -1], bitmask[2, 0] = -1, 0, -2**31  # all allowed, none, only bit 31
+            rows = [4, 0, 2]
+            expected = apply_token_bitmask(logits, rows, bitmask)
+            ours = apply_token_bitmask(logits, rows, bitmask, kernels)
+            assert torch.equal(ours, expected), (vocab, num_words)
+            assert torch.equal(ours[[1, 3]], logits[[1, 3]])
+    wide = torch.randn(3, 50000, generator=generator)
+    view = wide[:, 3:49155]  # rows 50,000 apart
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 1536), dtype=torch.int32, generator=generator)
+    expected = apply_token_bitmask(view.contiguous(), [2, 1], bitmask)
+    kernels.apply_token_bitmask_(view, torch.tensor([2, 1]), bitmask)
+    assert torch.equal(view, expected)
+    for bad, words in ((dict(rows=torch.tensor([3])), "out of range"), (dict(rows=torch.tensor([0], dtype=torch.int32)), "int64"),
+                       (dict(logits=torch.zeros(2, 40, dtype=torch.float64)), "float32"),
+                       (dict(bitmask=torch.zeros(2, 2, dtype=torch.int32)), "len\\(rows\\)")):
+        arguments = {"logits": torch.zeros(2, 40), "rows": torch.tensor([1]), "bitmask": torch.zeros(1, 2, dtype=torch.int32)}
+        with pytest.raises(RuntimeError, match=words):
+            kernels.apply_token_bitmask_(**{**arguments, **bad})
+
+
 def test_argmax_rows_is_torch_argmax_ties_nans_infinities_and_tails_included():
     """The first of tied maxima, a NaN as the largest (the first NaN), +-inf, signed zeros, rows of every width
     around the kernel's 8- and 32-wide steps, strided rows and no rows: the indices torch.argmax gives."""

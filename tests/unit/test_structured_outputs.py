@@ -13,7 +13,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_outputs import MAX_CONSTRAINT_CHARS, StructuredOutputsParams
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
-from splitserve.engine.structured_output import apply_token_bitmask
+from splitserve.engine.structured_output import apply_token_bitmask, fill_token_bitmask
 from splitserve.rpc.convert import sampling_params_from_pb, structured_outputs_from_pb, structured_outputs_to_pb
 from splitserve.v1 import inference_pb2
 
@@ -151,3 +151,23 @@ def test_the_sampler_takes_the_grammar_over_greedy_and_random_rows_and_leaves_lo
     assert output.sampled_token_ids[2] == int(logits[2].argmax())
     raw = torch.log_softmax(logits[0], -1)
     assert output.logprobs[0][40] == pytest.approx(raw[40].item(), abs=1e-6)
+
+
+class _Nothing:
+    """A grammar state in error: it allows no token."""
+
+    def fill_bitmask(self, words: torch.Tensor) -> None:
+        words.zero_()
+
+
+def test_a_grammar_allowing_nothing_leaves_its_row_unmasked_and_the_batch_sampled():
+    """Its token is then refused by the grammar (the engine ends that request with an error); the other rows, greedy
+    and random, are sampled as ever, and no probability is NaN."""
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    requests = [Request(str(row), [1, 2], SamplingParams(temperature=temperature, seed=9))
+                for row, temperature in enumerate((1.0, 0.0, 1.0))]
+    requests[0].grammar, requests[2].grammar = _Nothing(), _OnlyToken(11)
+    bitmask = fill_token_bitmask([_Nothing(), _OnlyToken(11)], 2)
+    assert bitmask[0].tolist() == [-1, -1] and bitmask[1].tolist() == [1 << 11, 0]
+    sampled = Sampler()(logits, requests).sampled_token_ids
+    assert 0 <= sampled[0] < 64 and sampled[1] == int(logits[1].argmax()) and sampled[2] == 11
