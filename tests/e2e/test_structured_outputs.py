@@ -73,6 +73,20 @@ def test_greedy_under_each_constraint_is_transformers_under_it_beside_plain_requ
     assert_all_blocks_free(llm)
 
 
+def test_the_torch_backend_masks_through_the_torch_path_and_gives_the_same_tokens(model_dir, llm):
+    """Without the C++ kernels (--attention-backend torch) the masks go through apply_token_bitmask's torch path:
+    the same tokens as the C++ kernel's."""
+    torch_llm = LLM(str(model_dir), num_kv_blocks=128, max_model_len=1024, attention_backend="torch")
+    assert torch_llm.engine.model_runner.sampler.kernels is None
+    assert llm.engine.model_runner.sampler.kernels is not None
+    prompts = [prompt for prompt, *_ in CASES]
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=constraint)
+              for _, constraint, max_tokens, _ in CASES]
+    expected = [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+    assert [output.outputs[0].token_ids for output in torch_llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert_all_blocks_free(torch_llm)
+
+
 def test_sampled_outputs_keep_the_shape_and_a_seed_repeats_them(llm):
     prompt = "Pick a date and an answer."
     for constraint, check in ((StructuredOutputsParams(regex=DATE), lambda text: re.fullmatch(DATE, text)),

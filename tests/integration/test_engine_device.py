@@ -215,3 +215,31 @@ def test_on_cuda_the_cache_takes_what_the_share_leaves(model_dir, prompt_token_i
 def test_on_cuda_a_share_too_small_for_the_weights_is_refused_with_a_sentence(model_dir):
     with pytest.raises(ValueError, match="leave nothing for the KV cache: raise gpu_memory_utilization"):
         LLM(str(model_dir), max_model_len=2048, device="cuda", gpu_memory_utilization=1e-6)
+
+
+@needs_cuda
+def test_structured_outputs_on_cuda_with_graphs_are_transformers_under_the_grammar(model_dir):
+    """The grammar's masks built on the host and applied to logits on the GPU (the torch path of
+    apply_token_bitmask), decode steps replayed from CUDA graphs: greedy under each constraint is transformers'
+    greedy under the same grammar (float32); a seeded sampled answer keeps the shape."""
+    import re
+
+    from tests.e2e.test_structured_outputs import CASES, DATE
+    from tests.reference import hf_greedy_constrained
+
+    llm = LLM(str(model_dir), num_kv_blocks=256, max_model_len=1024, device="cuda", dtype="float32",
+              max_num_seqs=8, cuda_graphs=True)
+    assert llm.engine.model_runner.sampler.kernels is None  # the C++ kernels are CPU-only
+    prompts = [llm.engine.tokenize(prompt) for prompt, *_ in CASES]
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=constraint)
+              for _, constraint, max_tokens, _ in CASES]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    assert llm.engine.model_runner.decode_graphs.num_steps > 0
+    eos = sorted(llm.engine.eos_token_ids)
+    for (_, constraint, max_tokens, check), ids, output in zip(CASES, prompts, outputs):
+        expected = hf_greedy_constrained(str(model_dir), ids, max_tokens, constraint.to_grammar(), eos)
+        assert output.outputs[0].token_ids == expected, constraint.kind
+        assert check(output.outputs[0].text) and output.outputs[0].finish_reason == "stop"
+    sampled = llm.generate(["Pick a date."], SamplingParams(temperature=1.0, max_tokens=20, seed=4,
+                                                            structured_outputs={"regex": DATE}))[0].outputs[0]
+    assert re.fullmatch(DATE, sampled.text), sampled.text
