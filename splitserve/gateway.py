@@ -404,6 +404,8 @@ class Gateway:
             body = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise APIError(400, f"The request body is not valid JSON ({error}).") from None
+        except RecursionError:  # Python's parser gives up about 1,000 levels down: no request nests so deep
+            raise APIError(400, "The request body is nested too deeply.") from None
         if not isinstance(body, dict):
             raise APIError(400, "The request body must be a JSON object.")
         for field, what in _UNSUPPORTED.items():

@@ -28,6 +28,8 @@ MAX_CHOICES = 1_024
 # Characters a Rust regex (llguidance's) gives a meaning to, escaped in a choice.
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_JSON_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+_TOO_DEEP = "json is nested too deeply to be a JSON schema read here."
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,11 @@ class StructuredOutputsParams:
         regex: the output matches this regular expression, whole (Rust's regex syntax, as llguidance's).
         choice: the output is exactly one of these strings.
         grammar: a context-free grammar: Lark as llguidance reads it, or GBNF (rules written ``::=``).
+        disable_any_whitespace: JSON without whitespace between its tokens (vLLM's; by default a JSON output may
+            put any run of spaces, tabs and newlines there, and a small model sometimes fills it).
+        disable_additional_properties: every object of the schema that does not say otherwise takes only the
+            properties it names (``additionalProperties: false``), as vLLM's option does.
+        whitespace_pattern: a regex for the whitespace JSON may put between its tokens (vLLM's), instead of any run.
         num_resumed_tokens: the last this-many prompt tokens were generated under this constraint before (a
             request continued on another worker after a failure): the grammar takes them first.
     """
@@ -50,12 +57,17 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
     num_resumed_tokens: int = 0
 
-    FIELDS: ClassVar[frozenset[str]] = frozenset((*_KINDS, "num_resumed_tokens"))
+    FIELDS: ClassVar[frozenset[str]] = frozenset((*_KINDS, *_JSON_OPTIONS, "num_resumed_tokens"))
 
     def __post_init__(self) -> None:
-        kinds = [name for name in _KINDS if getattr(self, name) not in (None, False)]
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise InvalidRequest("json_object must be true or false.")
+        kinds = [name for name in _KINDS if self._is_set(name)]
         if len(kinds) != 1:
             raise InvalidRequest("structured outputs take exactly one of json, json_object, regex, choice and "
                                  f"grammar; got {', '.join(kinds) or 'none'}.")
@@ -67,6 +79,15 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None:
                 _check_text(name, value)
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name} must be true or false.")
+        if self.whitespace_pattern is not None:
+            _check_text("whitespace_pattern", self.whitespace_pattern)
+        if self.kind not in ("json", "json_object") and (self.disable_any_whitespace or self.whitespace_pattern
+                                                         or self.disable_additional_properties):
+            raise InvalidRequest(f"disable_any_whitespace, disable_additional_properties and whitespace_pattern "
+                                 f"shape JSON only; this constraint is a {self.kind}.")
         if (not isinstance(self.num_resumed_tokens, int) or isinstance(self.num_resumed_tokens, bool)
                 or self.num_resumed_tokens < 0):
             raise InvalidRequest(f"num_resumed_tokens must be an integer >= 0, got {self.num_resumed_tokens!r}.")
@@ -74,7 +95,11 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint this is: json, json_object, regex, choice or grammar."""
-        return next(name for name in _KINDS if getattr(self, name) not in (None, False))
+        return next(name for name in _KINDS if self._is_set(name))
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        return value not in (False, None) if name == "json_object" else value is not None
 
     def check(self) -> None:
         """Raise InvalidRequest when the constraint does not build a grammar (checked without a tokenizer: the
@@ -96,10 +121,18 @@ class StructuredOutputsParams:
         except ImportError:
             raise InvalidRequest("structured outputs need llguidance on the serving side (pip install "
                                  "llguidance).") from None
-        if self.json is not None:
-            return LLMatcher.grammar_from_json_schema(self.json)
-        if self.json_object:
-            return LLMatcher.grammar_from_json_schema({"type": "object"})
+        if self.json is not None or self.json_object:
+            schema = json_module.loads(self.json) if self.json is not None else {"type": "object"}
+            if isinstance(schema, bool):  # true: any JSON value, as {} says it
+                if not schema:
+                    raise InvalidRequest("json is the schema false, which no output follows.")
+                schema = {}
+            if self.disable_additional_properties:
+                schema = _without_additional_properties(schema)
+            options = {"whitespace_flexible": not self.disable_any_whitespace}
+            if self.whitespace_pattern is not None:
+                options["whitespace_pattern"] = self.whitespace_pattern
+            return LLMatcher.grammar_from_json_schema(schema, defaults=options)
         if self.regex is not None:
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
@@ -130,14 +163,34 @@ def _schema_text(schema: object) -> str:
             schema = json_module.loads(schema)
         except ValueError as error:
             raise InvalidRequest(f"json must be a JSON schema; its text is not JSON: {short_message(str(error))}") from None
+        except RecursionError:
+            raise InvalidRequest(_TOO_DEEP) from None
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest(f"json must be a JSON schema (an object or a boolean), got {type(schema).__name__}.")
     try:
         text = json_module.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise InvalidRequest(f"json must be a JSON schema: {short_message(str(error))}") from None
+    except RecursionError:
+        raise InvalidRequest(_TOO_DEEP) from None
     _check_text("json", text)
     return text
+
+
+def _without_additional_properties(schema):
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not set it (one with
+    ``properties`` or ``type: object``), however deep: a copy, walked without recursion."""
+    schema = json_module.loads(json_module.dumps(schema))
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            if ("properties" in node or node.get("type") == "object") and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return schema
 
 
 def _checked_choices(choices: object) -> tuple[str, ...]:

@@ -61,12 +61,20 @@ def structured_outputs_from_pb(message: inference_pb2.StructuredOutputs) -> Stru
     if kind == "json_object" and not message.json_object:
         raise InvalidRequest("structured_outputs.json_object must be true when set.")
     value = list(message.choice.values) if kind == "choice" else getattr(message, kind)
-    return StructuredOutputsParams(**{kind: value}, num_resumed_tokens=message.num_resumed_tokens)
+    return StructuredOutputsParams(
+        **{kind: value}, num_resumed_tokens=message.num_resumed_tokens,
+        disable_any_whitespace=message.disable_any_whitespace,
+        disable_additional_properties=message.disable_additional_properties,
+        whitespace_pattern=message.whitespace_pattern if message.HasField("whitespace_pattern") else None)
 
 
 def structured_outputs_to_pb(params: StructuredOutputsParams) -> inference_pb2.StructuredOutputs:
     """The proto form of a request's output constraint."""
-    message = inference_pb2.StructuredOutputs(num_resumed_tokens=params.num_resumed_tokens)
+    message = inference_pb2.StructuredOutputs(num_resumed_tokens=params.num_resumed_tokens,
+                                              disable_any_whitespace=params.disable_any_whitespace,
+                                              disable_additional_properties=params.disable_additional_properties)
+    if params.whitespace_pattern is not None:
+        message.whitespace_pattern = params.whitespace_pattern
     if params.choice is not None:
         message.choice.values.extend(params.choice)
     else:

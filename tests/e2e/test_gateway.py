@@ -348,6 +348,10 @@ def test_structured_outputs_are_the_grpc_paths_and_keep_their_shape(api, grpc_cl
     expected = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=60,
                                                              structured_outputs={"json": schema}))
     assert chat.choices[0].message.content == expected.text
+    compact = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=60,
+                                          extra_body={"structured_outputs": {"json": schema,
+                                                                             "disable_any_whitespace": True}})
+    assert json.loads(compact.choices[0].message.content) and "\n" not in compact.choices[0].message.content
     anything = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=30,
                                            response_format={"type": "json_object"})
     assert anything.choices[0].message.content.startswith("{")  # this small model's object outruns 30 tokens
@@ -370,8 +374,8 @@ def test_structured_outputs_are_the_grpc_paths_and_keep_their_shape(api, grpc_cl
             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
              '"schema"'),
             ({"guided_json": schema}, "guided_json", 'structured_outputs: {"json": ...}'),
-            ({"structured_outputs": {"json": schema, "whitespace_pattern": " "}}, "structured_outputs",
-             "whitespace_pattern is not supported"),
+            ({"structured_outputs": {"json": schema, "structural_tag": "{}"}}, "structured_outputs",
+             "structural_tag is not supported"),
             ({"structured_outputs": {"regex": "[0-9]+"}, "response_format": {"type": "json_object"}},
              "structured_outputs", "not both"),
             ({"structured_outputs": {"regex": "[0-"}}, None, "regex is not valid"),
@@ -402,6 +406,16 @@ def test_bad_requests_get_openai_errors(api, gateway, cluster):
     broken = httpx.post(f"{gateway}/v1/chat/completions", content=b"{not json",
                         headers={"authorization": f"Bearer {cluster.api_key}"})
     assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
+    deep = httpx.post(f"{gateway}/v1/completions", content=b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+                      headers={"authorization": f"Bearer {cluster.api_key}"})
+    assert deep.status_code == 400 and deep.json()["error"]["message"] == "The request body is nested too deeply."
+    schema = {"type": "integer"}
+    for _ in range(900):  # within the parser's depth, beyond what the constraint's checks read
+        schema = {"type": "array", "items": schema}
+    deep_schema = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "structured_outputs":
+                                                                 {"json": schema}},
+                             headers={"authorization": f"Bearer {cluster.api_key}"})
+    assert deep_schema.status_code == 400 and "json is not valid" in deep_schema.json()["error"]["message"]
     for field in ("stream", "echo"):  # a flag is true or false: 1.0 or "yes" is refused, not taken as truthy
         flagged = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, field: "yes"},
                              headers={"authorization": f"Bearer {cluster.api_key}"})

@@ -107,19 +107,51 @@ def test_sampled_outputs_keep_the_shape_and_a_seed_repeats_them(llm):
     ({"json": {"type": "objekt"}}, "json is not valid"),
     ({"json": "{not json"}, "not JSON"),
     ({"json": [1, 2]}, "an object or a boolean"),
+    ({"json": False}, "which no output follows"),
     ({"choice": []}, "1 to 1024"),
     ({"choice": ["a"] * (MAX_CHOICES + 1)}, "1 to 1024"),
     ({"choice": ["ok", ""]}, "non-empty strings"),
     ({"regex": "a" * 70_000}, "at most 65536"),
     ({"regex": "a", "choice": ["a"]}, "exactly one"),
     ({}, "exactly one"),
-    ({"whitespace_pattern": " "}, "no field 'whitespace_pattern'"),
+    ({"structural_tag": "{}"}, "no field 'structural_tag'"),
+    ({"regex": "[0-9]+", "disable_any_whitespace": True}, "shape JSON only"),
+    ({"json_object": True, "whitespace_pattern": "(a"}, "json_object is not valid"),
 ])
 def test_a_bad_constraint_is_refused_with_a_sentence_and_loses_nothing(llm, constraint, reason):
     with pytest.raises(InvalidRequest, match=re.escape(reason)):
         llm.engine.add_request("bad", "Hello", SamplingParams(max_tokens=4, **{"structured_outputs": constraint}))
     assert_all_blocks_free(llm)
     assert llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0].outputs[0].text
+
+
+def test_vllms_json_options_take_out_the_whitespace_and_the_extra_properties(llm, model_dir):
+    """disable_any_whitespace: no whitespace between JSON's tokens (a small model otherwise fills it with newlines);
+    disable_additional_properties: an object schema that does not forbid other keys gets none; a whitespace
+    pattern of one space. Greedy, each is transformers' greedy under the same grammar."""
+    open_person = {key: value for key, value in PERSON.items() if key != "additionalProperties"}
+    prompt = llm.engine.tokenize(CASES[0][0])
+
+    def compact(text: str) -> bool:
+        return not any(char in text for char in "\n\t") and ": " not in text and ", " not in text
+
+    for constraint, check in (
+            (StructuredOutputsParams(json=PERSON, disable_any_whitespace=True), compact),
+            (StructuredOutputsParams(json=open_person, disable_additional_properties=True),
+             lambda text: set(json.loads(text)) <= set(PERSON["properties"])),
+            (StructuredOutputsParams(json_object=True, whitespace_pattern=" "),
+             lambda text: "\n" not in text)):
+        output = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+            temperature=0.0, max_tokens=80, structured_outputs=constraint), use_tqdm=False)[0].outputs[0]
+        assert output.token_ids == hf_greedy_constrained(str(model_dir), prompt, 80, constraint.to_grammar(), eos(llm))
+        if output.finish_reason == "stop":
+            json.loads(output.text)
+        assert check(output.text), (constraint, output.text)
+    # Without the option this prompt's answer has the whitespace the first one takes out.
+    plain = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON)),
+        use_tqdm=False)[0].outputs[0].text
+    assert not compact(plain), plain
 
 
 def test_choices_are_matched_literally(llm):

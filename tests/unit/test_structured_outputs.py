@@ -25,6 +25,8 @@ CONSTRAINTS = [
     StructuredOutputsParams(regex="[0-9]+"),
     StructuredOutputsParams(choice=["yes", "no"]),
     StructuredOutputsParams(grammar='start: "a"+'),
+    StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True, disable_additional_properties=True,
+                            whitespace_pattern=" ?"),
 ]
 
 
@@ -59,6 +61,11 @@ def test_a_schema_is_kept_as_compact_text_whatever_form_it_came_in():
     ({"choice": ["x" * 40_000, "y" * 40_000]}, "characters in all"),
     ({"regex": "a", "num_resumed_tokens": -1}, "num_resumed_tokens"),
     ({"regex": "a", "num_resumed_tokens": True}, "num_resumed_tokens"),
+    ({"json_object": True, "disable_any_whitespace": 1}, "must be true or false"),
+    ({"json_object": 1}, "json_object must be true or false"),
+    ({"json_object": None}, "exactly one"),
+    ({"json_object": True, "whitespace_pattern": ""}, "non-empty string"),
+    ({"choice": ["a"], "disable_additional_properties": True}, "shape JSON only"),
 ])
 def test_a_bad_constraint_names_what_is_wrong(fields, words):
     with pytest.raises(InvalidRequest, match=re.escape(words)):
@@ -171,3 +178,17 @@ def test_a_grammar_allowing_nothing_leaves_its_row_unmasked_and_the_batch_sample
     assert bitmask[0].tolist() == [-1, -1] and bitmask[1].tolist() == [1 << 11, 0]
     sampled = Sampler()(logits, requests).sampled_token_ids
     assert 0 <= sampled[0] < 64 and sampled[1] == int(logits[1].argmax()) and sampled[2] == 11
+
+
+def test_additional_properties_are_closed_on_every_object_schema_that_leaves_them_open():
+    from splitserve.common.structured_outputs import _without_additional_properties
+
+    schema = {"type": "object", "properties": {"a": {"type": "object"}, "b": {"additionalProperties": True,
+                                                                           "properties": {}}},
+              "anyOf": [{"properties": {"c": {}}}, {"type": "string"}], "$defs": {"d": {"type": "object"}}}
+    closed = _without_additional_properties(schema)
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["b"]["additionalProperties"] is True  # said otherwise: kept
+    assert closed["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in closed["anyOf"][1]
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # a copy
