@@ -177,19 +177,32 @@ def _schema_text(schema: object) -> str:
     return text
 
 
+# Keywords whose value maps names to subschemas, and keywords whose value is data, never a schema.
+_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+_DATA_KEYWORDS = frozenset(("enum", "const", "default", "examples"))
+
+
 def _without_additional_properties(schema):
     """``schema`` with ``additionalProperties: false`` on every object schema that does not set it (one with
-    ``properties`` or ``type: object``), however deep: a copy, walked without recursion."""
+    ``properties`` or ``type: object``), however deep: a copy, walked without recursion, through subschemas only
+    (a property named ``properties`` or an ``enum``'s objects are left as they are)."""
     schema = json_module.loads(json_module.dumps(schema))
     pending = [schema]
     while pending:
         node = pending.pop()
-        if isinstance(node, dict):
-            if ("properties" in node or node.get("type") == "object") and "additionalProperties" not in node:
-                node["additionalProperties"] = False
-            pending.extend(node.values())
-        elif isinstance(node, list):
-            pending.extend(node)
+        if not isinstance(node, dict):
+            continue
+        if ("properties" in node or node.get("type") == "object") and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        for keyword, value in node.items():
+            if keyword in _DATA_KEYWORDS:
+                continue
+            if keyword in _SCHEMA_MAPS and isinstance(value, dict):
+                pending.extend(value.values())
+            elif isinstance(value, dict):
+                pending.append(value)
+            elif isinstance(value, list):
+                pending.extend(value)
     return schema
 
 

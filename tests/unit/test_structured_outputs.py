@@ -192,3 +192,8 @@ def test_additional_properties_are_closed_on_every_object_schema_that_leaves_the
     assert closed["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in closed["anyOf"][1]
     assert closed["$defs"]["d"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # a copy
+    # A property named "properties" is a property, not a schema keyword; enum values and defaults are data.
+    named = _without_additional_properties({"type": "object", "properties": {"properties": {"type": "string"}},
+                                            "default": {"properties": {}}, "enum": [{"type": "object"}]})
+    assert named["properties"] == {"properties": {"type": "string"}}
+    assert named["default"] == {"properties": {}} and named["enum"] == [{"type": "object"}]
