@@ -37,7 +37,7 @@ from splitserve.common.sampling_params import GREEDY_EPSILON
 from splitserve.engine.logits_processors import apply_logit_bias, apply_min_tokens, apply_penalties
 from splitserve.engine.logprobs import compute_logprobs
 from splitserve.engine.request import Request
-from splitserve.engine.structured_output import apply_token_bitmask, fill_token_bitmask
+from splitserve.engine.structured_output import BITS_PER_WORD, apply_token_bitmask, fill_token_bitmask
 from splitserve.engine.top_k_top_p import apply_temperature, apply_top_k_top_p_min_p, sample_from_probs
 
 
@@ -109,7 +109,7 @@ class Sampler:
         rows = [row for row, request in enumerate(requests) if request.grammar is not None]
         if not rows:
             return logits
-        num_words = (logits.shape[-1] + 31) // 32
+        num_words = -(-logits.shape[-1] // BITS_PER_WORD)  # the logits' width, in the bitmask's int32 words
         bitmask = fill_token_bitmask([requests[row].grammar for row in rows], num_words)
         return apply_token_bitmask(logits, rows, bitmask, self.kernels)
 

@@ -73,11 +73,6 @@ class StructuredOutputs:
         self._ll_tokenizer = None
         self._lock = threading.Lock()
 
-    @property
-    def num_words(self) -> int:
-        """int32 words of one row's bitmask."""
-        return (self.vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
-
     def matcher(self, params: StructuredOutputsParams, prompt_token_ids: list[int]) -> GrammarMatcher:
         """A new request's matcher, past the prompt's last ``params.num_resumed_tokens`` tokens.
 
