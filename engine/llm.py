@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from splitserve.common.chat import Chat
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import DEFAULT_STEP_LIMITS, EngineConfig, likely_device, resolve_device, resolve_dtype
 from splitserve.engine.llm_engine import LLMEngine
@@ -85,21 +86,35 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations (lists of {"role", "content"}) through the model's chat template."""
+        """Generate replies to conversations (lists of OpenAI chat messages: {"role", "content"}, an assistant's
+        ``tool_calls``, a tool's answer) through the model's chat template, or ``chat_template`` (a Jinja
+        template's text), which is shown ``tools`` (OpenAI's function tools), as vLLM's ``LLM.chat`` does."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(conversation, add_generation_prompt) for conversation in conversations]
+        prompts = [self.apply_chat_template(conversation, add_generation_prompt, tools, chat_template)
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> dict:
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, chat_template: str | None = None) -> dict:
+        """The prompt of a conversation (its text and token ids), rendered as the router renders a chat.
+
+        Raises:
+            ValueError: no chat template, or malformed messages or tools (``Chat.from_openai``).
+        """
         tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("This model has no chat template; use generate() with a plain prompt.")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        chat = Chat.from_openai(conversation, tools)
+        text = tokenizer.apply_chat_template(chat.template_messages(), tools=chat.template_tools(), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template)
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": token_ids}
 

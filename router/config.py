@@ -21,6 +21,7 @@ class RouterConfig:
         dtype: the workers' dtype (part of the model fingerprint they must share); "auto": float32 or
             bfloat16, whichever the first worker to register serves.
         max_model_len: context limit enforced at the door (None: the model's).
+        chat_template: a Jinja chat template's text that replaces the model's (None: the model's own).
         prefill_workers, decode_workers, colocated_workers: static worker addresses
             (workers may also register themselves with ``--router``).
         prefill_policy, decode_policy: routing policy per pool.
@@ -51,6 +52,7 @@ class RouterConfig:
     model: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
+    chat_template: str | None = None
     prefill_workers: list[str] = field(default_factory=list)
     decode_workers: list[str] = field(default_factory=list)
     colocated_workers: list[str] = field(default_factory=list)

@@ -32,7 +32,7 @@ from splitserve.common.errors import InvalidRequest
 from splitserve.common.model_info import ModelConfig, find_model_dir, has_weights, model_fingerprint
 from splitserve.common.prompt import validate_prompt_token_ids
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
-from splitserve.rpc.convert import sampling_params_from_pb
+from splitserve.rpc.convert import chat_from_pb, sampling_params_from_pb
 from splitserve.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)
@@ -57,15 +57,21 @@ class Frontend:
         dtype: the workers' dtype, part of the model fingerprint ("auto": float32 or bfloat16, whichever the
             first worker to register serves).
         max_model_len: the cluster's context limit (None: the model's).
+        chat_template: a Jinja chat template that replaces the model's (None: the model's own).
 
     Raises:
         FileNotFoundError: no such directory, or the default model is not prepared yet.
+        ValueError: a chat template that does not compile or cannot render a user's message.
     """
 
-    def __init__(self, model: str | None, dtype: str = "auto", max_model_len: int | None = None) -> None:
+    def __init__(self, model: str | None, dtype: str = "auto", max_model_len: int | None = None,
+                 chat_template: str | None = None) -> None:
         self.model_dir = find_model_dir(model)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+            _check_chat_template(self.tokenizer)
         self.max_model_len = min(max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
         self.max_token_bytes = max_token_bytes(self.tokenizer)
         # None for a directory without weights: the registered workers then say which weights the cluster serves.
@@ -123,8 +129,7 @@ class Frontend:
         elif kind == "token_ids":
             text, token_ids = None, list(request.token_ids.ids)
         else:
-            messages = request.chat.messages
-            self._check_size("".join(message.role + message.content for message in messages), "chat's messages")
+            self._check_size(_chat_text(request.chat), "chat's messages")
             text = self.render_chat(request.chat)
             self._check_size(text, "rendered chat")
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -161,25 +166,23 @@ class Frontend:
             )
 
     def render_chat(self, chat: inference_pb2.ChatPrompt) -> str:
-        """The chat rendered through the model's chat template.
+        """The chat rendered through the model's chat template, with its tools (the template's ``tools``) and its
+        messages' tool calls and tool answers.
 
         Raises:
-            InvalidRequest: no template, no messages, a message without a role, or
-                messages the template refuses (its error, at most 160 characters of it).
+            InvalidRequest: no template, no messages, a message without a role, tools
+                ``chat_from_pb`` refuses, or messages the template refuses (its error, at most 160
+                characters of it).
         """
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("This model has no chat template; send the prompt as text or token ids.")
-        if not chat.messages:
-            raise InvalidRequest("The chat prompt has no messages.")
-        messages = [{"role": message.role, "content": message.content} for message in chat.messages]
-        for index, message in enumerate(messages):
-            if not message["role"]:
-                raise InvalidRequest(f"Chat message {index} has no role.")
-        add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        conversation = chat_from_pb(chat)
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-        except jinja2.TemplateError as error:  # the template's own raise_exception(...), or a message it cannot read
+            return self.tokenizer.apply_chat_template(
+                conversation.template_messages(), tools=conversation.template_tools(), tokenize=False,
+                add_generation_prompt=conversation.add_generation_prompt)
+        # The template's raise_exception(...), a value it cannot read, or one it adds to text (TypeError).
+        except (jinja2.TemplateError, TypeError) as error:
             reason = str(error).strip().rstrip(".")[:_ECHOED_TEMPLATE_ERROR_CHARACTERS] or type(error).__name__
             raise InvalidRequest(f"The model's chat template refused these messages: {reason}.") from None
 
@@ -193,6 +196,26 @@ class Frontend:
             has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
             max_logprobs=MAX_LOGPROBS, server_version=__version__,
         )
+
+
+def _check_chat_template(tokenizer) -> None:
+    """Renders one user message through the tokenizer's chat template, so that a broken template stops the
+    router at start rather than failing every chat request."""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                      add_generation_prompt=True)
+    except (jinja2.TemplateError, TypeError, ValueError) as error:
+        reason = str(error).strip().rstrip(".")[:300] or type(error).__name__
+        raise ValueError(f"The chat template cannot render a user's message: {reason}.") from None
+
+
+def _chat_text(chat: inference_pb2.ChatPrompt) -> str:
+    """Every text a chat carries (roles, contents, tool calls, tools), to bound its size before rendering."""
+    parts = [part for message in chat.messages
+             for part in (message.role, message.content, message.tool_call_id, message.name,
+                          *(text for call in message.tool_calls for text in (call.id, call.name, call.arguments)))]
+    parts += [text for tool in chat.tools for text in (tool.name, tool.description, tool.parameters)]
+    return "".join(parts)
 
 
 def max_token_bytes(tokenizer) -> int:

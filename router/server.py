@@ -34,7 +34,7 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         """Raises FileNotFoundError when the model directory (tokenizer and config.json) is missing."""
         self.config = config
-        self.frontend = Frontend(config.model, config.dtype, config.max_model_len)
+        self.frontend = Frontend(config.model, config.dtype, config.max_model_len, config.chat_template)
         self.registry = WorkerRegistry(
             lease_duration_seconds=config.lease_seconds, heartbeat_interval_seconds=config.heartbeat_seconds,
             model_fingerprint=self.frontend.model_fingerprint, allowed_fingerprints=self.frontend.allowed_fingerprints,

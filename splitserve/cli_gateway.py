@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from splitserve.common.tools import TOOL_CALL_PARSERS
+
 DEFAULT_GATEWAY_PORT = 8000
 
 
@@ -11,7 +13,8 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
     gateway = commands.add_parser(
         "gateway", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) in front of a router",
         description="Serve /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models and "
-        "/health over HTTP, each request one gRPC call on the router at --router (calls side by side for n "
+        "/health over HTTP (chat requests may give tools: calls forced by tool_choice \"required\" or a named "
+        "function, or left to the model with --enable-auto-tool-choice), each request one gRPC call on the router at --router (calls side by side for n "
         "choices and for a batch of prompts). The gateway keeps no state and no key: a caller's 'Authorization: Bearer KEY' header is passed on "
         "to the router, which checks it as it checks gRPC clients. A caller that disconnects cancels its request on "
         "the workers. Errors are OpenAI's JSON error object with the matching HTTP status (400, 401, 404, 413, 429, "
@@ -35,6 +38,15 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
                          "generations) at http://HOST:PORT/metrics, on --host only; 0 picks a free port and logs it "
                          "(default: not served). Read-only and unauthenticated: keep the port inside the cluster's "
                          "network")
+    gateway.add_argument("--enable-auto-tool-choice", action="store_true",
+                         help='let chat requests with tools leave the choice to the model (tool_choice "auto", the '
+                         "default when a request gives tools); its calls are read from the text by --tool-call-parser "
+                         '(default: off; "required", a named function and "none" always work, by a JSON schema '
+                         "that forces the call)")
+    gateway.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                         help="how the model writes tool calls, for --enable-auto-tool-choice: hermes is "
+                         "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Hermes, Qwen 2.5 and 3, "
+                         "SmolLM3, examples/chat-templates/chatml-tools.jinja)")
     gateway.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     add_client_tls_arguments(gateway)
     gateway.set_defaults(handler=_run_gateway)
@@ -53,11 +65,13 @@ def _run_gateway(args: argparse.Namespace) -> int:
         raise ValueError("--max-body-bytes must be positive.")
     if args.max_choices < 1:
         raise ValueError("--max-choices must be positive.")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: say how the model writes its calls.")
     for port in (args.port, args.metrics_port):
         if port and (problem := bind_problem(f"{args.host}:{port}")):
             raise CannotListen(f"Cannot listen on {args.host}:{port}: {problem}.")
     configure_logging(args.log_level)
     tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
     config = GatewayConfig(args.router, args.served_model_name, tls, args.max_body_bytes, args.max_choices,
-                           args.metrics_port)
+                           args.metrics_port, args.tool_call_parser if args.enable_auto_tool_choice else None)
     return run_gateway(config, args.host, args.port, args.log_level)

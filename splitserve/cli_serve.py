@@ -9,6 +9,9 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
+
+from splitserve.common.tools import TOOL_CALL_PARSERS
 
 DEFAULT_ROUTER_PORT = 50051
 
@@ -62,6 +65,12 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
                     help="also serve the OpenAI-compatible HTTP API (`splitserve gateway`, needs the gateway extra) on "
                     "--host at this port, supervised with the rest; 0 picks a free one, printed at start (default: "
                     "no HTTP)")
+    up.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="the HTTP gateway lets the model choose its tool calls (tool_choice auto); see `splitserve "
+                    "gateway --help` (needs --http-port and --tool-call-parser)")
+    up.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                    help="how the model writes tool calls, for --enable-auto-tool-choice")
+    _add_chat_template_argument(up)
     up.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default: %(default)s)")
     up.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default: %(default)s)")
     up.add_argument("--colocated", type=int, default=0, metavar="N",
@@ -114,6 +123,13 @@ _KV_TRANSFERS = ("p2p", "redis", "lmcache")
 _engine_options = None
 
 
+def _add_chat_template_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chat-template", metavar="FILE",
+                        help="a Jinja chat template file that replaces the model's for every chat request (as vLLM's "
+                        "--chat-template): e.g. examples/chat-templates/chatml-tools.jinja, which shows a ChatML "
+                        "model its tools and the calls it made (default: the model's tokenizer_config.json template)")
+
+
 def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT, help="port; 0 picks a free one (default: %(default)s)")
@@ -125,6 +141,7 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the workers' dtype, part of the model fingerprint; auto accepts either, and the first "
                         "worker to register sets it for the rest (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output accepted (default: the model's)")
+    _add_chat_template_argument(parser)
     parser.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (default: %(default)s)")
     parser.add_argument("--prefill-worker", action="append", default=[], metavar="ADDR",
                         help="a static prefill worker's host:port (repeatable); workers may also register themselves")
@@ -311,7 +328,7 @@ def _run_router(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     config = RouterConfig(
         host=args.host, port=args.port, model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-        prefill_workers=args.prefill_worker, decode_workers=args.decode_worker,
+        chat_template=_chat_template(args.chat_template), prefill_workers=args.prefill_worker, decode_workers=args.decode_worker,
         colocated_workers=args.colocated_worker, prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy, local_prefill_threshold=args.local_prefill_threshold,
         max_in_flight_requests=args.max_in_flight_requests, lease_seconds=args.lease_seconds,
@@ -322,6 +339,16 @@ def _run_router(args: argparse.Namespace) -> int:
         tls=_tls_from_args(args),
     )
     return run_router(config)
+
+
+def _chat_template(path: str | None) -> str | None:
+    """The text of a --chat-template file (None without one)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"Cannot read --chat-template {path}: {error}.") from None
 
 
 def worker_engine_options(role: str, options: dict) -> dict:
@@ -421,6 +448,14 @@ def _run_up(args: argparse.Namespace) -> int:
                    "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
     if args.max_model_len:
         router_args += ["--max-model-len", str(args.max_model_len)]
+    if args.chat_template:
+        _chat_template(args.chat_template)  # read now: a missing file is said before anything starts
+        router_args += ["--chat-template", str(Path(args.chat_template).resolve())]
+    gateway_args = ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser] \
+        if args.enable_auto_tool_choice else []
+    if args.enable_auto_tool_choice and (not args.tool_call_parser or args.http_port is None):
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser and --http-port (the HTTP gateway reads "
+                         "the calls).")
     roles = ["both"] * args.colocated if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     placement = _place_workers(args, roles)  # before anything starts
     shares = _memory_shares(args, placement)
@@ -444,7 +479,7 @@ def _run_up(args: argparse.Namespace) -> int:
                   f"{args.kv_transfer}...", file=sys.stderr)
             cluster.start_pools(args.prefill, args.decode, gpus=placement, memory_shares=shares)
         if args.http_port is not None:
-            http = cluster.start_gateway(args.http_port)
+            http = cluster.start_gateway(args.http_port, gateway_args)
             print(f"OpenAI-compatible HTTP on {http}/v1 (splitserve gateway).", file=sys.stderr)
         print(f"splitserve is serving on {address} ({time.monotonic() - started:.0f} s to start).", file=sys.stderr)
         print("Processes: " + ", ".join(f"{p.name} pid {p.pid}" for p in cluster.processes()), file=sys.stderr)

@@ -15,9 +15,10 @@ from collections.abc import Iterator
 
 import grpc
 
+from splitserve.common.chat import Chat
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.rpc.auth import API_KEY_ENV, AUTHORIZATION_HEADER, BEARER_PREFIX, with_api_key
-from splitserve.rpc.convert import structured_outputs_to_pb
+from splitserve.rpc.convert import chat_to_pb, structured_outputs_to_pb
 from splitserve.rpc.tls import TLSConfig, open_channel
 from splitserve.v1 import inference_pb2, inference_pb2_grpc
 
@@ -86,17 +87,27 @@ def sampling_params_to_pb(params: SamplingParams | None) -> inference_pb2.Sampli
     return message
 
 
+def chat_prompt(chat) -> inference_pb2.ChatPrompt:
+    """A :class:`~splitserve.common.chat.Chat`, or OpenAI's chat messages (dicts), as the router's ChatPrompt.
+
+    Raises:
+        InvalidRequest: malformed messages (``Chat.from_openai``).
+    """
+    return chat_to_pb(chat if isinstance(chat, Chat) else Chat.from_openai(chat))
+
+
 def generate_request(prompt, params: SamplingParams | None = None, request_id: str | None = None,
                      echo: bool = False):
-    """A GenerateRequest for a text prompt, a list of token ids, or a list of chat messages (dicts); with ``echo``
+    """A GenerateRequest for a text prompt, a list of token ids, or a chat (a ``Chat``, or a list of OpenAI message
+    dicts, tool calls and answers included: ``chat_prompt``); with ``echo``
     the first token's message carries the prompt's text."""
     request = inference_pb2.GenerateRequest(sampling_params=sampling_params_to_pb(params), echo=echo)
     if request_id is not None:
         request.request_id = request_id
     if isinstance(prompt, str):
         request.text = prompt
-    elif prompt and isinstance(prompt[0], dict):
-        request.chat.messages.extend(inference_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    elif isinstance(prompt, Chat) or (prompt and isinstance(prompt[0], dict)):
+        request.chat.CopyFrom(chat_prompt(prompt))
     else:
         request.token_ids.ids.extend(int(token) for token in prompt)
     return request
@@ -232,7 +243,7 @@ class AsyncClient:
         if isinstance(prompt, str):
             request.text = prompt
         else:
-            request.chat.messages.extend(inference_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+            request.chat.CopyFrom(chat_prompt(prompt))
         return await self.stub.Tokenize(request, timeout=30, metadata=self._metadata(api_key))
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False,

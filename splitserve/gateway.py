@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -37,9 +38,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve.client import AsyncClient
+from splitserve.common.chat import Chat, openai_tools
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
+from splitserve.common.tools import tool_call_parser
+from splitserve.gateway_tools import ToolReplies, chat_tools
 from splitserve.rpc.metrics import GatewayMetrics, serve_metrics
 from splitserve.v1 import inference_pb2
 
@@ -60,7 +64,9 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 _FINISH = {inference_pb2.FINISH_REASON_STOP: "stop", inference_pb2.FINISH_REASON_LENGTH: "length",
            inference_pb2.FINISH_REASON_ABORT: "abort", inference_pb2.FINISH_REASON_ERROR: "error"}
 # OpenAI fields the gateway cannot honour: refused with a sentence rather than silently ignored.
-_UNSUPPORTED = {"suffix": "suffix", "tools": "tool calls", "functions": "function calls", "audio": "audio output"}
+_UNSUPPORTED = {"suffix": "suffix", "functions": "functions (OpenAI's deprecated field; send tools instead)",
+                "function_call": "function_call (OpenAI's deprecated field; send tool_choice instead)",
+                "audio": "audio output"}
 # vLLM's structured output fields before 0.12 (which removed them): refused with their replacement named.
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
@@ -104,6 +110,9 @@ class GatewayConfig:
         max_choices: the most generations one request may ask for (``n`` for each prompt of a batch; each a
             generation of its own).
         metrics_port: serve Prometheus metrics on this port of the gateway's host (0: a free one; None: none).
+        tool_call_parser: how the model writes tool calls (one of ``splitserve.common.tools.TOOL_CALL_PARSERS``),
+            which lets chat requests leave the choice of a call to the model (``tool_choice`` "auto"); None: such
+            requests are refused, and calls are made only when forced.
     """
 
     router: str
@@ -112,6 +121,7 @@ class GatewayConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     max_choices: int = MAX_CHOICES
     metrics_port: int | None = None
+    tool_call_parser: str | None = None
 
 
 @dataclass
@@ -175,6 +185,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.client: AsyncClient | None = None
+        self._tool_parser = tool_call_parser(config.tool_call_parser) if config.tool_call_parser else None
         self._model_info: inference_pb2.GetModelInfoResponse | None = None
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -229,7 +240,7 @@ class Gateway:
         body = await self._body(request)
         info = await self._check_model(request, body)
         if "messages" in body:
-            prompt = _messages(body.get("messages"))
+            prompt = _chat(body)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -273,13 +284,19 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request)
         info = await self._check_model(request, body)
-        messages = _messages(body.get("messages"))
+        chat = _chat(body)
         if _flag(body, "echo"):
             raise APIError(400, "echo is supported on /v1/completions only.", "echo")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         params = self._params({**body, "max_tokens": max_tokens}, info, default_max_tokens=info.max_model_len,
                               logprobs=_chat_logprobs(body))
-        return await self._respond(request, body, [messages], params, "chatcmpl", "chat.completion", _chat_choice)
+        try:
+            constraint, tools = chat_tools(body, chat.tools, self._tool_parser, params.structured_outputs)
+        except InvalidRequest as error:
+            raise APIError(400, str(error), "tool_choice") from None
+        params = dataclasses.replace(params, structured_outputs=constraint)
+        return await self._respond(request, body, [chat], params, "chatcmpl", "chat.completion",
+                                   functools.partial(_chat_choice, tools=tools))
 
     # ---- one request's generations ----------------------------------------------------------------
 
@@ -377,7 +394,8 @@ class Gateway:
                 if text or message.finish_reason or entries:
                     choice = reply.choice_of(index, text, message, entries, False, text_offsets[index])
                     text_offsets[index] += len(text)
-                    yield _event({**head, "choices": [choice]})
+                    if choice.get("delta") != {} or choice["finish_reason"] or entries:  # not text a tool call holds
+                        yield _event({**head, "choices": [choice]})
             if include_usage and any(chunk is not None for chunk in last):
                 usages = [chunk.usage if chunk is not None else inference_pb2.Usage() for chunk in last]
                 yield _event({**head, "choices": [], "usage": reply.usage(usages)})
@@ -661,23 +679,17 @@ def _completion_logprobs(body: dict) -> int | None:
     return logprobs
 
 
-def _messages(messages) -> list[dict]:
-    """OpenAI chat messages as the router takes them (text content; a list of text parts is joined)."""
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list of {role, content} objects.", "messages")
-    converted = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise APIError(400, f"messages[{index}] must be an object with a role and a content.", "messages")
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
-                raise APIError(400, f"messages[{index}]: only text content parts are supported.", "messages")
-            content = "".join(str(part.get("text", "")) for part in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{index}].content must be a string or a list of text parts.", "messages")
-        converted.append({"role": message["role"], "content": content})
-    return converted
+def _chat(body: dict) -> Chat:
+    """The request's ``messages`` (text content, or a list of text parts, joined; tool calls and tool answers)
+    and ``tools`` as a Chat; 400 naming the field for malformed ones."""
+    try:
+        tools = openai_tools(body.get("tools"))
+    except InvalidRequest as error:
+        raise APIError(400, str(error), "tools") from None
+    try:
+        return Chat.from_openai(body.get("messages"), tools or None)
+    except InvalidRequest as error:
+        raise APIError(400, str(error), "messages") from None
 
 
 async def _chunks(call) -> AsyncIterator:
@@ -759,12 +771,19 @@ def _completion_choice(index: int, text: str, finish: str | None, logprobs: list
 
 
 def _chat_choice(index: int, text: str, finish: str | None, logprobs: list, final: bool,
-                 text_offset: int = 0) -> dict:
+                 text_offset: int = 0, tools: ToolReplies | None = None) -> dict:
+    """A chat choice: its message (``final``) or its stream delta; with ``tools`` (a tool choice other than none)
+    the text may be tool calls."""
     if final:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": _chat_logprobs_object(logprobs), "finish_reason": finish}
-    return {"index": index, "delta": {"content": text} if text else {}, "logprobs": _chat_logprobs_object(logprobs),
-            "finish_reason": finish}
+        message, finish = (tools.message(text, finish) if tools is not None
+                           else ({"role": "assistant", "content": text}, finish))
+        return {"index": index, "message": message, "logprobs": _chat_logprobs_object(logprobs),
+                "finish_reason": finish}
+    if tools is not None:
+        delta, finish = tools.delta(index, text, finish)
+    else:
+        delta = {"content": text} if text else {}
+    return {"index": index, "delta": delta, "logprobs": _chat_logprobs_object(logprobs), "finish_reason": finish}
 
 
 def _logprob(entry) -> float:

@@ -378,14 +378,14 @@ class LocalCluster:
         self.router.address = line.split()[1]
         return self.router.address
 
-    def start_gateway(self, port: int = 0) -> str:
-        """Start the OpenAI-compatible HTTP gateway (``splitserve gateway``) on ``host``:``port`` (0: a free
-        port) in front of the router; returns its base URL once it listens. It gets neither the cluster token
-        nor the API key: it calls only the router, with each HTTP caller's own key."""
+    def start_gateway(self, port: int = 0, extra_args: list[str] | None = None) -> str:
+        """Start the OpenAI-compatible HTTP gateway (``splitserve gateway``, with ``extra_args``) on
+        ``host``:``port`` (0: a free port) in front of the router; returns its base URL once it listens. It gets
+        neither the cluster token nor the API key: it calls only the router, with each HTTP caller's own key."""
         if self.router is None:
             raise RuntimeError("Start the router first.")
         self.gateway = self._spawn("gateway", ["gateway", "--router", self.router.address, "--host", self.host,
-                                               "--port", str(port)], secrets=False)
+                                               "--port", str(port), *(extra_args or [])], secrets=False)
         self.gateway.address = _wait_ready(self.gateway, self.ready_timeout, self.progress).split()[1]
         return self.gateway.address
 

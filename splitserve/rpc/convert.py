@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
+from splitserve.common.chat import Chat, ChatMessage, FunctionTool, ToolCall, check_tools
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.load import WorkerLoad
 from splitserve.common.sampling_params import SamplingParams
@@ -80,6 +82,52 @@ def structured_outputs_to_pb(params: StructuredOutputsParams) -> inference_pb2.S
     else:
         setattr(message, params.kind, getattr(params, params.kind))
     return message
+
+
+def chat_to_pb(chat: Chat) -> inference_pb2.ChatPrompt:
+    """The proto form of a chat (each tool's parameters as JSON text)."""
+    message = inference_pb2.ChatPrompt(add_generation_prompt=chat.add_generation_prompt)
+    for item in chat.messages:
+        message.messages.append(inference_pb2.ChatMessage(
+            role=item.role, content=item.content, tool_call_id=item.tool_call_id, name=item.name,
+            tool_calls=[inference_pb2.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+                        for call in item.tool_calls]))
+    for tool in chat.tools:
+        message.tools.append(inference_pb2.Tool(
+            name=tool.name, description=tool.description,
+            parameters=json.dumps(tool.parameters) if tool.parameters is not None else ""))
+    return message
+
+
+def chat_from_pb(message: inference_pb2.ChatPrompt) -> Chat:
+    """A chat from its proto form. Raises InvalidRequest for no messages, a message without a role, or tools that
+    :func:`splitserve.common.chat.check_tools` refuses or whose parameters are not a JSON object."""
+    if not message.messages:
+        raise InvalidRequest("The chat prompt has no messages.")
+    messages = []
+    for index, item in enumerate(message.messages):
+        if not item.role:
+            raise InvalidRequest(f"Chat message {index} has no role.")
+        messages.append(ChatMessage(item.role, item.content,
+                                    tuple(ToolCall(call.id, call.name, call.arguments) for call in item.tool_calls),
+                                    item.tool_call_id, item.name))
+    check_tools(message.tools)  # the count, names and uniqueness, before any parameters are parsed
+    tools = tuple(FunctionTool(tool.name, tool.description, _tool_parameters(tool, index))
+                  for index, tool in enumerate(message.tools))
+    add_generation_prompt = message.add_generation_prompt if message.HasField("add_generation_prompt") else True
+    return Chat(tuple(messages), tools, add_generation_prompt)
+
+
+def _tool_parameters(tool: inference_pb2.Tool, index: int) -> dict | None:
+    if not tool.parameters:
+        return None
+    try:
+        parameters = json.loads(tool.parameters)
+    except (ValueError, RecursionError):
+        parameters = None
+    if not isinstance(parameters, dict):
+        raise InvalidRequest(f"tools[{index}].parameters must be a JSON Schema object, as JSON text.")
+    return parameters
 
 
 def worker_load_to_pb(load: WorkerLoad) -> inference_pb2.WorkerLoad:

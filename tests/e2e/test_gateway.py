@@ -32,11 +32,20 @@ pytestmark = pytest.mark.timeout(600)
 
 PROMPT = "The capital of France is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "examples" / "chat-templates" / "chatml-tools.jinja"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now."}}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_dir):
-    cluster = start_cluster("p2p", tmp_path_factory.mktemp("gateway-logs"), credentials=True)
+    # The ChatML template with tools renders every chat without tools as the model's own template does.
+    cluster = start_cluster("p2p", tmp_path_factory.mktemp("gateway-logs"), credentials=True,
+                            router_args=["--chat-template", str(TOOLS_TEMPLATE)])
     yield cluster
     cluster.stop()
 
@@ -52,7 +61,8 @@ def gateway(cluster, gateway_log):
     module."""
     log = open(gateway_log, "w")
     process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "gateway", "--router", cluster.router.address,
-                                "--port", "0", "--max-body-bytes", "100000", "--metrics-port", "0"],
+                                "--port", "0", "--max-body-bytes", "100000", "--metrics-port", "0",
+                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
                                stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         line = process.stdout.readline()
@@ -518,7 +528,9 @@ def _body_fields(model: str, chat: bool, wild: bool):
         "best_of": pick(1),
     }
     if chat:
-        fields |= {"logprobs": pick(True, False), "top_logprobs": pick(0, 2)}
+        fields |= {"logprobs": pick(True, False), "top_logprobs": pick(0, 2), "tools": pick([WEATHER, CLOCK], [CLOCK]),
+                   "tool_choice": pick("none", "auto", "required", {"type": "function", "function": {"name": "get_time"}}),
+                   "parallel_tool_calls": pick(True, False)}
         required = {"messages": pick(QUESTION, [{"role": "system", "content": "Be brief."}, *QUESTION], [])}
     else:
         fields |= {"logprobs": pick(0, 2), "echo": pick(False, True), "prompt_logprobs": pick(0, 1)}
@@ -570,3 +582,173 @@ def test_random_bodies_get_only_documented_statuses_and_lose_nothing(api, gatewa
     status = grpc_client.cluster_status()
     assert all(worker.num_router_in_flight_requests == 0 for pool in status.pools for worker in pool.workers)
     assert grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2)).token_ids
+
+
+def _streamed_calls(stream) -> tuple[dict, str, str]:
+    """A streamed chat's tool calls put together as OpenAI's clients do ({index: (id, name, arguments)}), its
+    content and its finish reason."""
+    calls: dict = {}
+    content, finish = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for call in choice.delta.tool_calls or []:
+                known = calls.setdefault(call.index, ["", "", ""])
+                known[0] = call.id or known[0]
+                known[1] = (call.function.name if call.function and call.function.name else known[1])
+                known[2] += call.function.arguments or "" if call.function else ""
+    return {index: tuple(value) for index, value in calls.items()}, content, finish
+
+
+def test_a_named_tool_call_is_transformers_greedy_under_the_tools_schema(api, grpc_client, tokenizer, model_dir):
+    """tool_choice naming a function: the answer is one call of it, its arguments the model's greedy tokens under
+    the function's parameters schema, as transformers gives them on the prompt the template renders with the
+    tools (finish "stop", as OpenAI says it for a named function); streamed, the arguments come in pieces."""
+    from splitserve.common.chat import Chat
+    from splitserve.common.structured_outputs import StructuredOutputsParams
+    from tests.reference import hf_greedy_constrained
+
+    model = api.models.list().data[0].id
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chat = api.chat.completions.create(model=model, messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK],
+                                       tool_choice=named, temperature=0, max_tokens=40)
+    [choice] = chat.choices
+    [call] = choice.message.tool_calls
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    # The prompt: the router renders the tools into it exactly as transformers does with this template.
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(
+        WEATHER_QUESTION, tools=[WEATHER, CLOCK], add_generation_prompt=True, chat_template=TOOLS_TEMPLATE.read_text(),
+        tokenize=False), add_special_tokens=False)
+    tokenized = httpx.post(f"{str(api.base_url).rstrip('/').removesuffix('/v1')}/tokenize",
+                           json={"model": model, "messages": WEATHER_QUESTION, "tools": [WEATHER, CLOCK]},
+                           headers={"authorization": f"Bearer {api.api_key}"}).json()
+    assert tokenized["tokens"] == prompt_ids and "get_weather" in tokenizer.decode(prompt_ids)
+    grammar = StructuredOutputsParams(json=WEATHER["function"]["parameters"]).to_grammar()
+    expected = hf_greedy_constrained(str(model_dir), prompt_ids, 40, grammar, [tokenizer.eos_token_id])
+    assert call.function.arguments == tokenizer.decode(expected)
+    assert chat.usage.completion_tokens == len(expected)
+    grpc_answer = grpc_client.generate(Chat.from_openai(WEATHER_QUESTION, [WEATHER, CLOCK]), SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs={"json": WEATHER["function"]["parameters"]}))
+    assert list(grpc_answer.token_ids) == expected
+    calls, content, finish = _streamed_calls(api.chat.completions.create(
+        model=model, messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK], tool_choice=named, temperature=0,
+        max_tokens=40, stream=True))
+    assert content == "" and finish == "stop" and len(calls) == 1
+    assert calls[0][0].startswith("call_") and calls[0][1:] == ("get_weather", call.function.arguments)
+
+
+def test_required_tool_calls_are_the_grpc_paths_and_a_conversation_goes_on(api, grpc_client, tokenizer):
+    """tool_choice "required": one or more calls of the tools, each with arguments its schema allows, finish
+    "tool_calls" (this small model fills the call's object with keys of its own, as vLLM's schema lets it, before
+    closing it), the same streamed; parallel_tool_calls false makes it one. The calls and the tool's answer then
+    go back in the conversation, rendered as transformers renders them."""
+    model = api.models.list().data[0].id
+    tools = [WEATHER, CLOCK]
+    chat = api.chat.completions.create(model=model, messages=WEATHER_QUESTION, tools=tools, tool_choice="required",
+                                       temperature=0, max_tokens=200)
+    [choice] = chat.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name in ("get_weather", "get_time"), call
+        if call.function.name == "get_weather":
+            assert set(arguments) == {"city"}
+    single = api.chat.completions.create(model=model, messages=WEATHER_QUESTION, tools=tools, tool_choice="required",
+                                         parallel_tool_calls=False, temperature=0, max_tokens=200)
+    assert len(single.choices[0].message.tool_calls) == 1
+    calls, content, finish = _streamed_calls(api.chat.completions.create(
+        model=model, messages=WEATHER_QUESTION, tools=tools, tool_choice="required", temperature=0, max_tokens=200,
+        stream=True))
+    assert finish == "tool_calls" and content == ""
+    assert [value[1:] for _, value in sorted(calls.items())] == [
+        (call.function.name, call.function.arguments) for call in choice.message.tool_calls]
+    # Cut short by max_tokens: no call, the JSON so far as content, finish "length".
+    cut = api.chat.completions.create(model=model, messages=WEATHER_QUESTION, tools=tools, tool_choice="required",
+                                      temperature=0, max_tokens=3)
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    assert cut.choices[0].message.content.startswith("[")
+    # The conversation goes on: the assistant's calls and the tool's answer, then the model speaks again.
+    conversation = [*WEATHER_QUESTION, choice.message.model_dump(exclude_none=True),
+                    *({"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21, "sky": "clear"}'}
+                      for call in choice.message.tool_calls)]
+    rendered = tokenizer.apply_chat_template(
+        [*WEATHER_QUESTION, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                              "arguments": json.loads(call.function.arguments)}}
+            for call in choice.message.tool_calls]}, *conversation[2:]],
+        tools=tools, add_generation_prompt=True, chat_template=TOOLS_TEMPLATE.read_text(), tokenize=False)
+    assert "<tool_response>" in rendered and '"arguments": {' in rendered
+    tokenized = httpx.post(f"{str(api.base_url).rstrip('/').removesuffix('/v1')}/tokenize",
+                           json={"model": model, "messages": conversation, "tools": tools},
+                           headers={"authorization": f"Bearer {api.api_key}"}).json()
+    assert tokenized["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    answer = api.chat.completions.create(model=model, messages=conversation, tools=tools, tool_choice="none",
+                                         temperature=0, max_tokens=24)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
+    assert answer.choices[0].message.content == grpc_client.generate(
+        _chat_of(conversation, tools), SamplingParams(temperature=0, max_tokens=24)).text
+
+
+def _chat_of(messages: list, tools: list):
+    from splitserve.common.chat import Chat
+
+    return Chat.from_openai(messages, tools)
+
+
+def test_auto_tool_choice_reads_hermes_calls_out_of_the_text(api, grpc_client):
+    """tool_choice "auto" (the default with tools), with the gateway's hermes parser: a <tool_call> block in the
+    answer (here forced by a regex, as this small model does not call tools by itself) is a call, finish
+    "tool_calls", the text before it content, streamed as it comes; an answer without one is plain content."""
+    model = api.models.list().data[0].id
+    regex = r'Looking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}"\}\}\n</tool_call>'
+    forced = {"structured_outputs": {"regex": regex}}
+    chat = api.chat.completions.create(model=model, messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK],
+                                       temperature=0, max_tokens=60, extra_body=forced)
+    [choice] = chat.choices
+    [call] = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Looking.\n"
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    text = grpc_client.generate(_chat_of(WEATHER_QUESTION, [WEATHER, CLOCK]), SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs={"regex": regex})).text
+    assert json.loads(call.function.arguments)["city"] == re.search(r'"city": "(\w+)"', text).group(1)
+    calls, content, finish = _streamed_calls(api.chat.completions.create(
+        model=model, messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK], tool_choice="auto", temperature=0,
+        max_tokens=60, stream=True, extra_body=forced))
+    assert content == "Looking.\n" and finish == "tool_calls"
+    assert calls[0][1:] == ("get_weather", call.function.arguments)
+    plain = api.chat.completions.create(model=model, messages=QUESTION, tools=[CLOCK], temperature=0, max_tokens=16)
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].message.content == grpc_client.generate(
+        _chat_of(QUESTION, [CLOCK]), SamplingParams(temperature=0, max_tokens=16)).text
+
+
+def test_bad_tool_requests_get_openai_errors(api):
+    model = api.models.list().data[0].id
+    named = {"type": "function", "function": {"name": "get_date"}}
+    for fields, param, words in (
+            ({"tools": [WEATHER], "tool_choice": named}, "tool_choice", "'get_date', which is not one of the tools"),
+            ({"tools": []}, "tools", "non-empty list"),
+            ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+            ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools", "1 to 64 letters"),
+            ({"tools": [WEATHER, WEATHER]}, "tools", "Two tools are named"),
+            ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+             "tool_choice", "not both"),
+            ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "tool_choice", "true or false"),
+            ({"functions": [WEATHER["function"]]}, "functions", "send tools instead")):
+        extra = {key: value for key, value in fields.items() if key in ("functions", "parallel_tool_calls")}
+        kwargs = {key: value for key, value in fields.items() if key not in extra}
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.chat.completions.create(model=model, messages=WEATHER_QUESTION, max_tokens=2, extra_body=extra,
+                                        **kwargs)
+        assert words in refused.value.message and refused.value.param == param, fields
+    # A tool schema llguidance cannot build is the router's refusal, with its sentence.
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                           "properties": {"x": {"type": "nothing"}}}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model=model, messages=WEATHER_QUESTION, max_tokens=2, tools=[broken],
+                                    tool_choice="required")
+    assert "json" in refused.value.message

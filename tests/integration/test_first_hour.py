@@ -233,3 +233,25 @@ def test_up_with_gpus_where_workers_run_on_the_cpu_says_so_before_starting(tmp_p
     [line] = [line for line in result.stderr.splitlines() if line.strip()]
     assert "--gpus places workers on GPUs, but they run on the CPU here" in line, line
     assert seconds < 30 and not list(tmp_path.glob("splitserve-cluster-*")), "nothing was started"
+
+
+def test_chat_template_and_tool_flags_that_cannot_work_are_said_before_starting(tmp_path, model_dir):
+    """A --chat-template that is missing or does not render, and --enable-auto-tool-choice without what it needs,
+    each end the command at once with one line (exit 2), nothing started."""
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for message in %}")
+    cases = [
+        (("router", "--port", "0", "--chat-template", str(broken)),
+         "The chat template cannot render a user's message: "),
+        (("up", "--port", "0", "--chat-template", str(tmp_path / "missing.jinja")), "Cannot read --chat-template"),
+        (("up", "--port", "0", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+         "--enable-auto-tool-choice needs --tool-call-parser and --http-port"),
+        (("gateway", "--router", "127.0.0.1:1", "--port", "0", "--enable-auto-tool-choice"),
+         "--enable-auto-tool-choice needs --tool-call-parser"),
+    ]
+    for args, words in cases:
+        result, seconds = _cli(*args, env={"TMPDIR": str(tmp_path)})
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        [line] = [line for line in result.stderr.splitlines() if line.strip()]
+        assert words in line, line
+        assert seconds < 30 and not list(tmp_path.glob("splitserve-cluster-*")), "nothing was started"
