@@ -95,6 +95,30 @@ def test_chat_applies_the_template(llm):
     assert "Paris" in output.outputs[0].text
 
 
+def test_chat_shows_tools_and_calls_through_a_template_given_as_text(llm, tokenizer):
+    """LLM.chat(tools=..., chat_template=...) renders as transformers does, a call's arguments as an object; the
+    tool's answer is in the prompt the model continues; malformed tools are refused with a sentence."""
+    from pathlib import Path
+
+    template = (Path(__file__).resolve().parents[2] / "examples" / "chat-templates" / "chatml-tools.jinja").read_text()
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "The time now."}}]
+    conversation = [{"role": "user", "content": "What time is it?"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "It is 10:42."}]
+    (output,) = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=8), tools=tools,
+                         chat_template=template)
+    expected = tokenizer.apply_chat_template(
+        [conversation[0], {**conversation[1], "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {}}}]}, conversation[2]],
+        tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True)
+    assert output.prompt == expected
+    assert '{"name": "get_time", "arguments": {}}' in expected and "It is 10:42." in expected
+    assert output.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+    with pytest.raises(ValueError, match="Two tools are named 'get_time'"):
+        llm.chat(conversation, tools=tools * 2, chat_template=template)
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
