@@ -34,14 +34,18 @@ const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 
 // Sampling parameters as a plain object, in camelCase: { maxTokens, temperature, topP, topK, stop, seed,
 // promptLogprobs, structuredOutputs: { json: '<schema text>' } (or { regex }, { choice: { values: [...] } },
-// { grammar }, { jsonObject: true }), ... }. With echo, the message with the first token carries the prompt's text (promptText).
+// { grammar }, { jsonObject: true }), ... }. A chat with function tools is { messages, tools: [{ name, description,
+// parameters: '<JSON schema text>' }] }, its messages carrying toolCalls: [{ id, name, arguments: '<JSON text>' }]
+// (an assistant's) and toolCallId (a tool's answer); a call is forced with structuredOutputs: { json: parameters }. With echo, the message with the first token carries the prompt's text (promptText).
 function generateRequest(prompt, params = {}, requestId, echo = false) {
   const request = { samplingParams: params, echo };
   if (requestId !== undefined) request.requestId = requestId;
   if (typeof prompt === 'string') request.text = prompt;
   else if (Array.isArray(prompt) && prompt.length && typeof prompt[0] === 'object') request.chat = { messages: prompt };
   else if (Array.isArray(prompt)) request.tokenIds = { ids: prompt };
-  else throw new TypeError('prompt must be a string, an array of token ids, or an array of {role, content} messages');
+  else if (prompt && Array.isArray(prompt.messages)) request.chat = prompt;
+  else throw new TypeError('prompt must be a string, an array of token ids, an array of {role, content} messages, '
+    + 'or a chat: { messages, tools }');
   return request;
 }
 

@@ -85,7 +85,7 @@ def tool_choice_constraint(choice: str | FunctionTool, tools: Sequence[FunctionT
             definitions in one schema).
     """
     if isinstance(choice, FunctionTool):
-        return StructuredOutputsParams(json=_parameters_schema(choice.parameters))
+        return _schema_constraint(_parameters_schema(choice.parameters), f"{choice.name}'s parameters")
     if choice != "required":
         return None
     definitions: dict = {}
@@ -102,7 +102,7 @@ def tool_choice_constraint(choice: str | FunctionTool, tools: Sequence[FunctionT
         schema["maxItems"] = 1
     if definitions:
         schema["$defs"] = definitions
-    return StructuredOutputsParams(json=schema)
+    return _schema_constraint(schema, "the schema of a call of any of the tools")
 
 
 def required_tool_calls(text: str) -> list[ParsedToolCall] | None:
@@ -167,6 +167,13 @@ def tool_call_parser(name: str) -> HermesToolParser:
     if name != "hermes":
         raise ValueError(f"Unknown tool call parser {name!r}; choose from {', '.join(TOOL_CALL_PARSERS)}.")
     return HermesToolParser()
+
+
+def _schema_constraint(schema: dict, what: str) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(json=schema)
+    except InvalidRequest as error:  # too large, say: the sentence names the tools, not a "json" the caller never sent
+        raise InvalidRequest(f"tool_choice forces calls through {what}, which is refused: {error}") from None
 
 
 def _parameters_schema(parameters: dict | None) -> dict:

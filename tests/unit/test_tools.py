@@ -166,6 +166,16 @@ def test_required_merges_the_tools_definitions_and_refuses_a_clash():
         tool_choice_constraint("required", (tool("a", {"type": "integer"}), tool("b", {"type": "string"})))
 
 
+def test_a_forced_call_over_too_large_a_schema_is_refused_naming_the_tools():
+    tools = tuple(FunctionTool(f"tool_{index}", parameters={"type": "object", "properties": {
+        f"parameter_{number}": {"type": "string", "description": "x" * 100} for number in range(8)}})
+                  for index in range(64))
+    with pytest.raises(InvalidRequest) as refused:
+        tool_choice_constraint("required", tools)
+    assert str(refused.value).startswith("tool_choice forces calls through the schema of a call of any of the tools")
+    assert "at most 65536 are allowed" in str(refused.value)
+
+
 def test_required_answers_read_back_as_calls():
     assert required_tool_calls('[{"name": "f", "parameters": {"x": "é"}}, {"name": "g", "parameters": {}}]') == [
         ParsedToolCall("f", '{"x": "é"}'), ParsedToolCall("g", "{}")]

@@ -83,6 +83,32 @@ test('structured outputs shape the reply: a JSON schema, a choice', async () => 
   }
 });
 
+test('a chat carries tools and tool calls, and a call is forced by its parameters schema', async () => {
+  const client = new Client(address, { apiKey, timeoutSeconds: 120 });
+  try {
+    const parameters = JSON.stringify({ type: 'object', properties: { city: { type: 'string', maxLength: 20 } },
+      required: ['city'], additionalProperties: false });
+    const tools = [{ name: 'get_weather', description: 'The weather now in a city.', parameters }];
+    const messages = [
+      { role: 'user', content: 'What is the weather in Paris?' },
+      { role: 'assistant', content: '', toolCalls: [{ id: 'call_1', name: 'get_weather', arguments: '{"city": "Paris"}' }] },
+      { role: 'tool', toolCallId: 'call_1', content: '{"celsius": 21}' },
+      { role: 'user', content: 'And in Lyon?' },
+    ];
+    const call = await client.generate({ messages, tools },
+      { temperature: 0, maxTokens: 40, structuredOutputs: { json: parameters } });
+    assert.deepEqual(Object.keys(JSON.parse(call.text)), ['city']);
+    assert.equal(call.finishReason, 'FINISH_REASON_STOP');
+    await assert.rejects(client.generate({ messages, tools: [{ name: 'get weather' }] }), (error) => {
+      assert.equal(error.code, status.INVALID_ARGUMENT);
+      assert.match(error.details, /1 to 64 letters, digits, underscores or hyphens/);
+      return true;
+    });
+  } finally {
+    client.close();
+  }
+});
+
 test('a refused request rejects with the status code and the router sentence', async () => {
   const client = new Client(address, { apiKey });
   try {
