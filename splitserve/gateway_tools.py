@@ -4,7 +4,9 @@
 chat's tools, the constraint that forces a call (``splitserve.common.tools``) and a :class:`ToolReplies` that
 writes each choice's message or stream deltas as OpenAI does: a forced call's text is its ``tool_calls``
 (``finish_reason`` "tool_calls" for "required", "stop" for a named function, as OpenAI and vLLM say), and with
-``"auto"`` the parser finds the calls; content before them streams as it comes, the calls at the end.
+``"auto"`` the parser finds the calls. Streamed, a named call's arguments go out as they are generated, each
+"required" call as soon as its object closes, and an "auto" answer's content as it comes (only a tail that could
+begin a call waits), its calls at the end.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.common.tools import (
     HermesToolParser,
     ParsedToolCall,
+    RequiredCallsReader,
     new_tool_call_id,
     required_tool_calls,
     tool_choice_constraint,
@@ -26,12 +29,15 @@ from splitserve.common.tools import (
 
 @dataclass
 class _ChoiceState:
-    """One streamed choice: its text so far, how much of it went out as content, and its call's id."""
+    """One streamed choice: its text so far, how much of it went out as content, its named call's id, and a
+    "required" answer's reader with the count of calls sent."""
 
     text: str = ""
     num_sent: int = 0
     call_id: str = field(default_factory=new_tool_call_id)
     header_sent: bool = False
+    reader: RequiredCallsReader = field(default_factory=RequiredCallsReader)
+    num_calls: int = 0
 
 
 class ToolReplies:
@@ -69,15 +75,26 @@ class ToolReplies:
                 call["function"] = {"name": self.choice.name, "arguments": text}
                 state.header_sent = True
             return {"tool_calls": [call]}, finish
+        if self.choice == "required":
+            return self._required_delta(state, text, finish)
         if finish is None:  # content that cannot start a call goes out now; a call waits for the end
-            shown = self.parser.safe_prefix_length(state.text) if self.choice == "auto" else 0
-            return self._content_delta(state, shown), None
+            return self._content_delta(state, self.parser.safe_prefix_length(state.text)), None
         content, calls, finish = self._read(state.text, finish)
         delta = self._content_delta(state, len(content or ""))
         if calls:
-            delta["tool_calls"] = [{"index": number, "id": new_tool_call_id(), "type": "function",
-                                    "function": {"name": call.name, "arguments": call.arguments}}
-                                   for number, call in enumerate(calls)]
+            delta["tool_calls"] = _call_deltas(calls, 0)
+        return delta, finish
+
+    def _required_delta(self, state: _ChoiceState, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """Each call as soon as its object closes; at the end, an answer that made no call is content."""
+        calls = state.reader.feed(text)
+        delta = {"tool_calls": _call_deltas(calls, state.num_calls)} if calls else {}
+        state.num_calls += len(calls)
+        if finish is not None:
+            if not state.num_calls:
+                delta = self._content_delta(state, len(state.text))
+            elif state.reader.complete and finish == "stop":
+                finish = "tool_calls"
         return delta, finish
 
     def _content_delta(self, state: _ChoiceState, shown: int) -> dict:
@@ -92,10 +109,10 @@ class ToolReplies:
         if isinstance(self.choice, FunctionTool):
             return None, [ParsedToolCall(self.choice.name, text)], finish
         if self.choice == "required":
-            calls = required_tool_calls(text)
-            if calls is None:  # cut short (max_tokens): the text as it is
+            calls, complete = required_tool_calls(text)
+            if not calls:  # cut short (max_tokens) before a call was whole: the text as it is
                 return text, [], finish
-            return None, calls, "tool_calls" if finish == "stop" else finish
+            return None, calls, "tool_calls" if complete and finish == "stop" else finish
         content, calls = self.parser.parse(text)
         if not calls:
             return text, [], finish
@@ -126,3 +143,10 @@ def chat_tools(body: dict, tools: tuple[FunctionTool, ...], parser: HermesToolPa
         raise InvalidRequest("Send structured outputs (response_format, structured_outputs) or a tool_choice that "
                              "forces a call, not both.")
     return forced or constraint, ToolReplies(choice, parser)
+
+
+def _call_deltas(calls: list[ParsedToolCall], first_index: int) -> list[dict]:
+    """Stream deltas of whole calls, numbered from ``first_index``."""
+    return [{"index": index, "id": new_tool_call_id(), "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}
+            for index, call in enumerate(calls, first_index)]

@@ -105,21 +105,69 @@ def tool_choice_constraint(choice: str | FunctionTool, tools: Sequence[FunctionT
     return _schema_constraint(schema, "the schema of a call of any of the tools")
 
 
-def required_tool_calls(text: str) -> list[ParsedToolCall] | None:
-    """The calls of a ``"required"`` answer (a JSON array of ``{"name", "parameters"}``); None when the text is
-    not one (an answer cut off by max_tokens)."""
+class RequiredCallsReader:
+    """Reads a ``"required"`` answer (a JSON array of ``{"name", "parameters"}`` objects) as it is generated: each
+    call once its object closes, so a stream sends every call as soon as it is whole.
+
+    The grammar makes the text a JSON array's prefix; the reader still checks each object it closes (a name that
+    is a string), and :attr:`complete` says whether the array closed.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.complete = False
+        self._depth = 0
+        self._in_string = self._escaped = False
+        self._item_start = -1
+
+    def feed(self, text: str) -> list[ParsedToolCall]:
+        """The calls whose objects ``text`` (the answer's next piece) closes."""
+        calls = []
+        offset = len(self.text)
+        self.text += text
+        for position, character in enumerate(text, offset):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif character == "\\":
+                    self._escaped = True
+                elif character == '"':
+                    self._in_string = False
+            elif character == '"':
+                self._in_string = True
+            elif character in "[{":
+                self._depth += 1
+                if self._depth == 2:
+                    self._item_start = position
+            elif character in "]}":
+                self._depth -= 1
+                if self._depth == 1 and self._item_start >= 0:
+                    call = _required_item(self.text[self._item_start:position + 1])
+                    if call is not None:
+                        calls.append(call)
+                    self._item_start = -1
+                elif self._depth == 0:
+                    self.complete = True
+        return calls
+
+
+def required_tool_calls(text: str) -> tuple[list[ParsedToolCall], bool]:
+    """The calls of a whole ``"required"`` answer, and whether its array closed (an answer cut off by max_tokens
+    keeps the calls it finished)."""
+    reader = RequiredCallsReader()
+    calls = reader.feed(text)
+    return calls, reader.complete
+
+
+def _required_item(text: str) -> ParsedToolCall | None:
+    """One item of a "required" answer as a call (its parameters as compact JSON text, as vLLM writes them)."""
     try:
-        items = json.loads(text)
+        item = json.loads(text)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(items, list) or not items:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return None
-        calls.append(ParsedToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
-    return calls
+    return ParsedToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
 
 
 class HermesToolParser:

@@ -14,6 +14,7 @@ from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.common.tools import (
     HermesToolParser,
     ParsedToolCall,
+    RequiredCallsReader,
     required_tool_calls,
     tool_choice_constraint,
     tool_choice_of,
@@ -176,11 +177,23 @@ def test_a_forced_call_over_too_large_a_schema_is_refused_naming_the_tools():
     assert "at most 65536 are allowed" in str(refused.value)
 
 
-def test_required_answers_read_back_as_calls():
-    assert required_tool_calls('[{"name": "f", "parameters": {"x": "é"}}, {"name": "g", "parameters": {}}]') == [
-        ParsedToolCall("f", '{"x": "é"}'), ParsedToolCall("g", "{}")]
-    for cut in ('[{"name": "f", "parameters": {"x"', "[]", '{"name": "f"}', '[{"parameters": {}}]', "[1]"):
-        assert required_tool_calls(cut) is None
+def test_required_answers_read_back_as_calls_whole_or_as_they_close():
+    assert required_tool_calls('[{"name": "f", "parameters": {"x": "é"}}, {"name": "g", "parameters": {}}]') == (
+        [ParsedToolCall("f", '{"x": "é"}'), ParsedToolCall("g", "{}")], True)
+    # Brackets and escaped quotes inside strings are text, not structure.
+    assert required_tool_calls('[{"name": "f", "parameters": {"x": "a]}\\"{[\\\\"}}]') == (
+        [ParsedToolCall("f", '{"x": "a]}\\"{[\\\\"}')], True)
+    # Cut short by max_tokens: the calls already whole, the array not closed.
+    assert required_tool_calls('[{"name": "f", "parameters": {}}, {"name": "g", "par') == (
+        [ParsedToolCall("f", "{}")], False)
+    for text, complete in (('[{"name": "f", "parameters": {"x"', False), ("[]", True), ("[1]", True),
+                           ('[{"parameters": {}}]', True)):
+        assert required_tool_calls(text) == ([], complete), text
+    reader = RequiredCallsReader()
+    text = '[{"name": "f", "parameters": {"a": [1, {"b": 2}]}}, {"name": "g", "parameters": {}}]'
+    pieces = [reader.feed(text[start:start + 7]) for start in range(0, len(text), 7)]
+    assert [call.name for piece in pieces for call in piece] == ["f", "g"] and reader.complete
+    assert [index for index, piece in enumerate(pieces) if piece] == [7, 11]  # each as soon as its object closed
 
 
 def test_hermes_calls_are_read_from_the_text():
@@ -222,15 +235,31 @@ def test_a_named_call_streams_its_arguments_and_its_answer_is_one_call():
     assert second == {"index": 0, "function": {"arguments": ': "Paris"}'}}
 
 
-def test_required_calls_come_whole_at_the_end_with_finish_tool_calls():
-    text = '[{"name": "get_time", "parameters": {}}]'
+def test_required_calls_stream_as_each_closes_with_finish_tool_calls():
+    text = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Paris"}}]'
     message, finish = ToolReplies("required", None).message(text, "stop")
-    assert finish == "tool_calls" and message["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
-    deltas, finish = _stream(ToolReplies("required", HermesToolParser()), [text[:9], text[9:]], "stop")
-    assert finish == "tool_calls" and len(deltas) == 1 and deltas[0]["tool_calls"][0]["index"] == 0
-    cut = text[:12]  # max_tokens ran out: no call, the text as content, finish length
-    assert ToolReplies("required", None).message(cut, "length") == ({"role": "assistant", "content": cut}, "length")
-    assert _stream(ToolReplies("required", None), [cut], "length") == ([{"content": cut}], "length")
+    assert finish == "tool_calls" and message["content"] is None
+    assert [call["function"] for call in message["tool_calls"]] == [
+        {"name": "get_time", "arguments": "{}"}, {"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    replies = ToolReplies("required", HermesToolParser())  # the gateway's auto parser plays no part here
+    first, _ = replies.delta(0, text[:44], None)
+    assert [call["function"]["name"] for call in first["tool_calls"]] == ["get_time"]
+    assert first["tool_calls"][0]["index"] == 0 and first["tool_calls"][0]["id"].startswith("call_")
+    assert replies.delta(0, text[44:60], None) == ({}, None)
+    last, finish = replies.delta(0, text[60:], "stop")
+    assert finish == "tool_calls" and last["tool_calls"][0]["index"] == 1
+    assert last["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    # Cut short by max_tokens after one call: that call, finish length; before any: the text as content.
+    cut = text[:60]
+    message, finish = ToolReplies("required", None).message(cut, "length")
+    assert finish == "length" and [call["function"]["name"] for call in message["tool_calls"]] == ["get_time"]
+    deltas, finish = _stream(ToolReplies("required", None), [cut[:30], cut[30:]], "length")
+    assert finish == "length" and [call["function"]["name"] for delta in deltas for call in delta["tool_calls"]] == [
+        "get_time"]
+    early = text[:12]
+    assert ToolReplies("required", None).message(early, "length") == ({"role": "assistant", "content": early},
+                                                                      "length")
+    assert _stream(ToolReplies("required", None), [early], "length") == ([{"content": early}], "length")
 
 
 def test_auto_streams_content_and_holds_back_what_may_be_a_call():
