@@ -102,7 +102,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
         if not remote:
             self.runtime.counters.add(num_local_prefills=1)
-            stream = self.loop.submit(request_id, None, params, prompt)
+            stream = self.loop.submit(request_id, None, params, prompt, priority=request.priority)
             return stream, wait_accepted(stream)
         config = self.runtime.config
         timeout = request.kv_timeout_seconds if request.HasField("kv_timeout_seconds") else config.kv_timeout_seconds
@@ -114,7 +114,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.receiver.expect(request_id, request.transfer_id, len(prompt), timeout, _endpoint_or_none(request),
                               prompt_token_ids=prompt)
         try:
-            stream = self.loop.submit(request_id, None, params, prompt,
+            stream = self.loop.submit(request_id, None, params, prompt, priority=request.priority,
                                       kv_transfer=KVTransferParams(load=True, on_load_failure=policy))
             return stream, wait_accepted(stream)
         except BaseException:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.engine.request_queue import SCHEDULING_POLICIES
+
 _DTYPES = ("auto", "float32", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -42,6 +44,9 @@ class EngineConfig:
         max_model_len: longest prompt + output (None: the model's max_position_embeddings).
         enable_chunked_prefill: split long prompts across steps, mixed with decodes.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        scheduling_policy: the order waiting requests start in: "fcfs" (first come, first served) or "priority"
+            (each request's priority, lower first, then arrival; vLLM's ``--scheduling-policy``); see
+            ``engine/request_queue.py``.
         seed: seed of the random generator used by requests without their own seed.
         attention_backend: decode attention and the fused element-wise layer operations (RMSNorm
             with the residual add, rotary, SiLU-and-multiply) in "cpu" (the C++ kernels, float32),
@@ -73,6 +78,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
     seed: int = 0
     attention_backend: str = "auto"
     device: str = "auto"
@@ -91,6 +97,9 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(_ATTENTION_BACKENDS)}, got {self.attention_backend!r}."
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}.")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
         _require_positive_int("block_size", self.block_size)

@@ -121,10 +121,11 @@ class EngineLoop:
         sampling_params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         kv_transfer: KVTransferParams | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream.
 
-        ``kv_transfer`` is passed to ``LLMEngine.add_request``;
+        ``kv_transfer`` and ``priority`` are passed to ``LLMEngine.add_request``;
         ``stream.wait_accepted()`` says when the engine has taken it.
 
         Raises:
@@ -136,7 +137,7 @@ class EngineLoop:
             raise ValueError("sampling_params must be a SamplingParams.")
         stream = RequestStream(request_id)
         self._commands.put(
-            ("add", stream, (request_id, prompt, sampling_params, token_ids, kv_transfer))
+            ("add", stream, (request_id, prompt, sampling_params, token_ids, kv_transfer, priority))
         )
         return stream
 
@@ -188,9 +189,10 @@ class EngineLoop:
     def _apply(self, command) -> None:
         kind, target, payload = command
         if kind == "add":
-            request_id, prompt, params, token_ids, kv_transfer = payload
+            request_id, prompt, params, token_ids, kv_transfer, priority = payload
             try:
-                self.engine.add_request(request_id, prompt, params, prompt_token_ids=token_ids, kv_transfer=kv_transfer)
+                self.engine.add_request(request_id, prompt, params, prompt_token_ids=token_ids, kv_transfer=kv_transfer,
+                                        priority=priority)
             except Exception as error:  # duplicate id, no room for remote KV: the caller hears of it
                 target.accepted.set_exception(error)
                 target.put(error)

@@ -63,24 +63,30 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, all batched together; outputs come back in prompt order.
 
-        Every prompt and parameter set is checked before any is queued, so a bad
-        one raises ``ValueError`` without leaving work behind.
+        ``priority`` (one per prompt, as vLLM's) orders the prompts under the priority scheduling policy
+        (``LLM(..., scheduling_policy="priority")``; lower first). Every prompt, parameter set and priority is
+        checked before any is queued, so a bad one raises ``ValueError`` without leaving work behind.
         """
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"Got {len(priorities)} priorities for {len(prompt_list)} prompts.")
         requests = []
-        for prompt, params in zip(prompt_list, params_list):  # validate (and tokenize) all first
+        for prompt, params, value in zip(prompt_list, params_list, priorities):  # validate (and tokenize) all first
             text, token_ids = self._token_ids_of(prompt)
             requests.append((text, self.engine.prompt_token_ids_of(text, token_ids)))
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}.")
+            self.engine.check_priority(value)
         request_ids = []
-        for (text, token_ids), params in zip(requests, params_list):
+        for (text, token_ids), params, value in zip(requests, params_list, priorities):
             request_id = self.engine.next_request_id()
-            self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids)
+            self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids, priority=value)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 

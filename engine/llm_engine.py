@@ -71,8 +71,10 @@ class LLMEngine:
         config.check_fits(self.max_model_len, self.model_runner.num_blocks)
         self.kv_cache = KVCacheManager(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+            config.scheduling_policy,
         )
+        self._arrivals = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer)
         # Outputs of requests finished outside step() (aborts), reported by the next step.
         self._pending_outputs: list[RequestOutput] = []
@@ -102,6 +104,7 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         kv_transfer: KVTransferParams | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue a request (text ``prompt`` or ``prompt_token_ids``).
 
@@ -112,9 +115,12 @@ class LLMEngine:
         complete them, and they outlive the request until the last save is done
         (or :meth:`release_kv` by hand).
 
+        ``priority`` orders it under the priority scheduling policy (lower first); other policies take 0 only.
+
         Raises:
             ValueError: empty or too long prompt, token ids out of range (the prompt's or logit_bias's), bad
-                params, prompt_logprobs with a remote prefill's KV or more of them than one response holds.
+                params, prompt_logprobs with a remote prefill's KV or more of them than one response holds, a
+                priority the scheduling policy does not take.
             KVCacheFullError: no room to reserve the blocks of KV that comes from outside.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -130,6 +136,7 @@ class LLMEngine:
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             max_output_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
+            priority=self.check_priority(priority), arrival_number=next(self._arrivals),
         )
         if kv_transfer is not None:
             self.kv_transfers.check(kv_transfer, len(token_ids))
@@ -143,6 +150,15 @@ class LLMEngine:
         self.kv_transfers.start(request, kv_transfer, num_external_tokens, self.block_ids(request_id))
         self.output_processor.add(request, prompt)
         return request
+
+    def check_priority(self, priority: int) -> int:
+        """A request's priority: any integer under the priority policy, 0 otherwise (as vLLM refuses others)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequest(f"priority must be an integer, got {type(priority).__name__}.")
+        if priority and self.config.scheduling_policy != "priority":
+            raise InvalidRequest(f"priority {priority} needs the priority scheduling policy (--scheduling-policy "
+                                 "priority); this engine serves requests first come, first served.")
+        return priority
 
     def prompt_token_ids_of(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         """The validated token ids of a prompt (text is tokenized). Raises ValueError with the reason."""

@@ -67,6 +67,10 @@ class Request:
     max_output_tokens: int = 16
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
+    # The priority scheduling policy's order: lower first (vLLM's), ties by arrival_number, which the engine
+    # numbers requests by as they are added (arrival times may tie).
+    priority: int = 0
+    arrival_number: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

@@ -14,13 +14,13 @@ prompt and are skipped until :meth:`Scheduler.finish_remote_kv`.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequest, Overloaded
 from splitserve.common.log_fields import request_log
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.request_queue import RequestQueue, priority_key, request_queue
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,9 @@ class Scheduler:
         max_num_seqs: most requests in the running set.
         max_num_batched_tokens: per-step token budget.
         enable_chunked_prefill: split prompts longer than the remaining budget.
+        policy: the waiting queue's order (``engine/request_queue.py``): "fcfs", or "priority" (lower
+            ``request.priority`` first), where a request that needs blocks preempts the running request latest
+            in that order rather than the newest.
     """
 
     def __init__(
@@ -68,12 +71,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.waiting: RequestQueue = request_queue(policy)
         self.running: list[Request] = []
         self.waiting_for_remote_kvs: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
@@ -109,7 +114,7 @@ class Scheduler:
             self.waiting_for_remote_kvs[request.request_id] = request
         else:
             request.status = RequestStatus.WAITING
-            self.waiting.append(request)
+            self.waiting.add(request)
         self.requests[request.request_id] = request
 
     def finish_remote_kv(self, request_id: str, num_computed_tokens: int) -> Request:
@@ -126,7 +131,7 @@ class Scheduler:
         request.num_computed_tokens = num_computed_tokens
         self.kv_cache.cache_full_blocks(request, num_computed_tokens)
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.waiting.add(request)
         return request
 
     def finish_request(self, request: Request, status: RequestStatus, hold_blocks: bool = False) -> None:
@@ -180,7 +185,12 @@ class Scheduler:
                 index += 1
                 continue
             while not self.kv_cache.allocate_slots(request, num_new):
-                victim = self.running[-1]
+                victim = self._victim()
+                if self.running.index(victim) < index:  # scheduled earlier this step (priority): taken back
+                    index -= 1
+                    taken = next(item for item in output.scheduled if item.request is victim)
+                    output.scheduled.remove(taken)
+                    budget += taken.num_new_tokens
                 self._preempt(victim)
                 output.preempted.append(victim)
                 if victim is request:
@@ -193,7 +203,7 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             cached_block_ids: list[int] = []
             num_computed = request.num_computed_tokens
             if not self.kv_cache.block_ids(request.request_id):
@@ -205,7 +215,7 @@ class Scheduler:
                 num_new = budget
             if not self.kv_cache.allocate_slots(request, num_new, cached_block_ids):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
@@ -236,7 +246,14 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
+
+    def _victim(self) -> Request:
+        """The running request to preempt when blocks run out: the newest (fcfs), or the latest in priority
+        order (priority: the least urgent, the newest among equals)."""
+        if self.policy == "priority":
+            return max(self.running, key=priority_key)
+        return self.running[-1]
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` of every request the step computed."""

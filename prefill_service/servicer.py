@@ -88,7 +88,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             skip = self.sender.num_skip_tokens(request.num_destination_cached_tokens)
             kv_transfer = KVTransferParams(save=True, num_skip_tokens=skip)
             try:
-                stream = runtime.loop.submit(request_id, None, engine_params, prompt, kv_transfer=kv_transfer)
+                stream = runtime.loop.submit(request_id, None, engine_params, prompt, kv_transfer=kv_transfer,
+                                             priority=request.priority)
                 wait_accepted(stream)
             except BaseException:
                 self.sender.discard(request_id)

@@ -76,6 +76,7 @@ class RouterRequest:
     request_id: str
     prompt: Prompt
     sampling_params: inference_pb2.SamplingParams
+    priority: int = 0  # GenerateRequest.priority, passed to every worker call (continuations too)
     accepted: float = field(default_factory=time.monotonic)
     aborted: bool = False
     prefill: worker_pb2.PrefillResponse | None = None
@@ -278,7 +279,7 @@ class Dispatcher:
         refused it in a way another worker may not (unreachable, full)."""
         request = worker_pb2.DecodeRequest(
             request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
-            sampling_params=job.sampling_params, prefill_locally=prefill_worker is None,
+            sampling_params=job.sampling_params, prefill_locally=prefill_worker is None, priority=job.priority,
         )
         if prefill_worker is not None:  # the prefill worker computes the prompt, and its logprobs if asked
             request.sampling_params.ClearField("prompt_logprobs")
@@ -322,7 +323,7 @@ class Dispatcher:
         request = worker_pb2.PrefillRequest(
             request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
             sampling_params=job.sampling_params, destination=decode_worker.kv_endpoint,
-            num_destination_cached_tokens=num_destination_cached_tokens,
+            num_destination_cached_tokens=num_destination_cached_tokens, priority=job.priority,
         )
         future = self.channels.prefill(prefill_worker.address).Prefill.future(request, timeout=timeout())
         self.registry.begin_request(prefill_worker.worker_id)

@@ -131,7 +131,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         prompt = self.frontend.prompt_of(request)
         # Validated here; the workers get the message.
         self.frontend.sampling_params_of(request).check_prompt_length(len(prompt.token_ids))
-        job = RouterRequest(request_id, prompt, request.sampling_params)
+        job = RouterRequest(request_id, prompt, request.sampling_params, priority=request.priority)
         if request.echo:
             job.echo_text = prompt.text if prompt.text is not None else self.frontend.detokenize(prompt.token_ids)
         with self._lock:

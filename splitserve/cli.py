@@ -18,6 +18,7 @@ from splitserve.engine.config import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_STEP_LIMITS,
 )
+from splitserve.engine.request_queue import SCHEDULING_POLICIES
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -139,6 +140,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
     group.add_argument("--engine-seed", type=int, default=0, help="seed for requests without their own --seed (default: %(default)s)")
     group.add_argument(
+        "--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+        help="the order waiting requests start in: fcfs (first come, first served), or priority (each request's "
+        "priority, lower first, then arrival; when KV blocks run out the running request latest in that order is "
+        "preempted, as vLLM's policy); under fcfs a request with a priority other than 0 is refused "
+        "(default: %(default)s)")
+    group.add_argument(
         "--attention-backend", choices=("auto", "cpu", "torch", "triton"), default="auto",
         help="decode attention, KV writes and the fused layer operations (RMSNorm with the residual add, "
         "rotary, SiLU-and-multiply): the C++ CPU kernels (compiled on first use, float32), plain torch, "
@@ -209,6 +216,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
         seed=args.engine_seed,
         attention_backend=args.attention_backend,
         device=args.device,

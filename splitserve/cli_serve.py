@@ -620,6 +620,7 @@ def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
     """The engine flags of ``up``, passed on to every worker."""
     flags = ["--model", model_dir, "--dtype", _resolved_dtype(args), "--block-size", str(args.block_size),
              "--engine-seed", str(args.engine_seed), "--attention-backend", args.attention_backend,
+             "--scheduling-policy", args.scheduling_policy,
              "--device", args.device]
     for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens", args.max_num_batched_tokens)):
         if value is not None:  # else each worker's default for its device

@@ -309,11 +309,11 @@ class Gateway:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         reply = _Reply(request_id, kind, self._model_name(self._model_info), int(time.time()), choice, num_choices,
                        score_only, with_prompt_logprobs=body.get("prompt_logprobs") is not None)
-        api_key = _bearer(request)
+        api_key, priority = _bearer(request), _priority(body)
         generations = [(prompt, index) for prompt in prompts for index in range(num_choices)]
         calls = [self.client.generate_stream(prompt, _choice_params(params, index),
                                              request_id if len(generations) == 1 else f"{request_id}-{number}",
-                                             api_key=api_key, echo=echo)
+                                             api_key=api_key, echo=echo, priority=priority)
                  for number, (prompt, index) in enumerate(generations)]
         self.metrics.generations.inc(len(calls))
         streams = [_chunks(call) for call in calls]
@@ -647,6 +647,16 @@ def _response_format(response_format) -> StructuredOutputsParams | None:
         return StructuredOutputsParams(json=schema["schema"])
     raise APIError(400, "response_format must be an object whose type is text, json_object or json_schema.",
                    "response_format")
+
+
+def _priority(body: dict) -> int:
+    """vLLM's ``priority`` (lower first, on workers that serve by priority; 0 when absent)."""
+    priority = body.get("priority")
+    if priority is None:
+        return 0
+    if not _is_int(priority) or not -2**31 <= priority < 2**31:
+        raise APIError(400, "priority must be an integer (a signed 32-bit one; lower is served first).", "priority")
+    return int(priority)
 
 
 def _flag(body: dict, name: str) -> bool:

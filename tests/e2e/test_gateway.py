@@ -431,6 +431,15 @@ def test_bad_requests_get_openai_errors(api, gateway, cluster):
                              headers={"authorization": f"Bearer {cluster.api_key}"})
         assert flagged.status_code == 400 and flagged.json()["error"]["message"] == f"{field} must be true or false."
     assert httpx.get(f"{gateway}/v2/nothing").status_code == 404
+    # vLLM's priority: these workers serve first come, first served, and refuse any but 0 with a sentence.
+    assert api.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={"priority": 0}).choices
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={"priority": 3})
+    assert "needs the priority scheduling policy (--scheduling-policy priority)" in refused.value.message
+    for priority in ("high", 2**31, 1.5):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={"priority": priority})
+        assert refused.value.param == "priority"
 
 
 @pytest.mark.parametrize("num_choices", [1, 2])

@@ -119,6 +119,16 @@ def test_chat_shows_tools_and_calls_through_a_template_given_as_text(llm, tokeni
         llm.chat(conversation, tools=tools * 2, chat_template=template)
 
 
+def test_a_priority_needs_the_priority_policy_and_nothing_is_queued_when_refused(llm):
+    with pytest.raises(ValueError, match="needs the priority scheduling policy"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=1), priority=[0, 2])
+    with pytest.raises(ValueError, match="Got 1 priorities for 2 prompts"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=1), priority=[0])
+    assert not llm.engine.has_work()
+    (output,) = llm.generate("a", SamplingParams(max_tokens=1), priority=[0])
+    assert output.outputs[0].token_ids
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [

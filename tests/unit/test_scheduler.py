@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
@@ -10,14 +12,19 @@ from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import KVCacheFullError, Scheduler
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, budget=16, chunked=True, caching=False):
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, budget=16, chunked=True, caching=False,
+                   policy="fcfs"):
     manager = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-    return Scheduler(manager, max_num_seqs, budget, enable_chunked_prefill=chunked)
+    return Scheduler(manager, max_num_seqs, budget, enable_chunked_prefill=chunked, policy=policy)
 
 
-def make_request(request_id: str, num_prompt: int, first_token: int = 0) -> Request:
+_arrivals = itertools.count()
+
+
+def make_request(request_id: str, num_prompt: int, first_token: int = 0, priority: int = 0) -> Request:
     prompt = list(range(first_token, first_token + num_prompt))
-    return Request(request_id, prompt, SamplingParams(max_tokens=100))
+    return Request(request_id, prompt, SamplingParams(max_tokens=100), priority=priority,
+                   arrival_number=next(_arrivals))
 
 
 def run_step(scheduler: Scheduler, next_token: int = 7):
@@ -174,3 +181,60 @@ def test_prefix_cache_hit_schedules_only_the_uncached_tail():
     assert ("b", 2, True) in plan(output)
     assert second.num_cached_tokens == 8
     assert scheduler.kv_cache.block_ids("b")[:2] == scheduler.kv_cache.block_ids("a")[:2]
+
+
+def test_priority_orders_the_waiting_queue_ties_by_arrival():
+    scheduler = make_scheduler(max_num_seqs=1, budget=16, policy="priority")
+    for request_id, priority in (("late", 5), ("first", -1), ("second", 0), ("third", 0)):
+        scheduler.add_request(make_request(request_id, 2, priority=priority))
+    assert [request.request_id for request in scheduler.waiting] == ["first", "second", "third", "late"]
+    order = []
+    for _ in range(4):
+        output = run_step(scheduler)
+        [item] = output.scheduled
+        order.append(item.request.request_id)
+        scheduler.finish_request(item.request, RequestStatus.FINISHED_STOPPED)
+    assert order == ["first", "second", "third", "late"]
+    # First come, first served: arrival order, whatever the priority.
+    fcfs = make_scheduler(max_num_seqs=4, budget=16)
+    for request_id, priority in (("late", 5), ("first", -1)):
+        fcfs.add_request(make_request(request_id, 2, priority=priority))
+    assert [request.request_id for request in fcfs.waiting] == ["late", "first"]
+
+
+def test_priority_preempts_the_least_urgent_running_request_not_the_newest():
+    # 4 blocks of 4 tokens; two requests of 8 tokens fill the pool. The newer one is the more urgent.
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=32, policy="priority")
+    background = make_request("background", 8, priority=10)
+    urgent = make_request("urgent", 8, first_token=100, priority=0)
+    scheduler.add_request(background)
+    scheduler.add_request(urgent)
+    assert plan(run_step(scheduler)) == [("urgent", 8, True), ("background", 8, True)]
+    # urgent's 9th token needs a block: background is preempted though it is the older (fcfs would take urgent,
+    # the newest), and waits by its priority.
+    output = run_step(scheduler)
+    assert plan(output) == [("urgent", 1, True)] and output.preempted == [background]
+    assert background.status == RequestStatus.PREEMPTED and background.num_computed_tokens == 0
+    scheduler.finish_request(urgent, RequestStatus.FINISHED_STOPPED)
+    assert plan(run_step(scheduler)) == [("background", 9, True)]
+    scheduler.finish_request(background, RequestStatus.FINISHED_STOPPED)
+    assert scheduler.kv_cache.free_block_count == 4
+
+
+def test_a_victim_scheduled_earlier_in_the_step_is_taken_back_with_its_tokens():
+    # The less urgent request runs first in the running list; the urgent one, after it, runs out of blocks: the
+    # first one's place in this step's plan and its token budget are given back before it is preempted.
+    scheduler = make_scheduler(num_blocks=5, block_size=4, budget=32, policy="priority")
+    background = make_request("background", 4, priority=3)
+    scheduler.add_request(background)
+    assert plan(run_step(scheduler)) == [("background", 4, True)]
+    urgent = make_request("urgent", 12, first_token=100, priority=1)
+    scheduler.add_request(urgent)
+    assert plan(run_step(scheduler)) == [("background", 1, True), ("urgent", 12, True)]
+    assert scheduler.kv_cache.free_block_count == 0
+    output = run_step(scheduler)  # background's 6th token fits its 2nd block; urgent's 13th needs a 4th block
+    assert output.preempted == [background] and plan(output) == [("urgent", 1, True)]
+    assert output.num_batched_tokens == 1
+    scheduler.finish_request(urgent, RequestStatus.FINISHED_STOPPED)
+    scheduler.finish_request(background, RequestStatus.FINISHED_STOPPED)
+    assert scheduler.kv_cache.free_block_count == 5

@@ -1,0 +1,70 @@
+"""Priority scheduling through a cluster: workers started with ``--scheduling-policy priority`` start waiting
+requests by their ``priority`` (lower first), as vLLM's policy does, and keep their outputs the greedy ones.
+
+A router, one prefill and one decode worker that runs one request at a time (``--max-num-seqs 1``): while a long
+request decodes, three short ones arrive with priorities 5, 1 and 3; their KV arrives and they wait on the decode
+worker, which then runs them in priority order, not in arrival order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from splitserve.client import Client
+from splitserve.common.sampling_params import SamplingParams
+from tests.cluster_helpers import all_blocks_free, start_cluster, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = "Write a long story about a lighthouse keeper."
+SHORT = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_dir):
+    cluster = start_cluster("p2p", tmp_path_factory.mktemp("priority-logs"),
+                            worker_args=["--scheduling-policy", "priority", "--max-num-seqs", "1"])
+    yield cluster
+    cluster.stop()
+
+
+def test_waiting_requests_start_in_priority_order_with_their_greedy_outputs(cluster):
+    finished: list[int] = []
+    texts: dict[int, str] = {}
+    lock = threading.Lock()
+
+    def run(priority: int) -> None:
+        with Client(cluster.router.address) as client:
+            response = client.generate(f"{PROMPT} Chapter {priority}:", SHORT, timeout=120, priority=priority)
+        with lock:
+            finished.append(priority)
+            texts[priority] = response.text
+
+    with Client(cluster.router.address) as client:
+        blocker = client.generate_stream(PROMPT, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True),
+                                         timeout=120, priority=10)
+        next(blocker)  # decoding: the decode worker's one running place is taken
+        threads = []
+        for priority in (5, 1, 3):  # arrive in this order while the blocker runs
+            threads.append(threading.Thread(target=run, args=(priority,)))
+            threads[-1].start()
+            time.sleep(0.3)
+        wait_until(lambda: _num_waiting(client) == 3, 30, message="the three requests wait on the decode worker")
+        remaining = list(blocker)
+        assert remaining[-1].usage.completion_tokens == 300  # never preempted: KV blocks did not run out
+        for thread in threads:
+            thread.join(120)
+        assert finished == [1, 3, 5]
+        for priority, text in texts.items():  # the same greedy text as without priorities, one at a time
+            expected = client.generate(f"{PROMPT} Chapter {priority}:", SHORT, timeout=120)
+            assert text == expected.text
+        wait_until(lambda: all_blocks_free(client), 20, message="every block freed")
+
+
+def _num_waiting(client: Client) -> int:
+    """Requests waiting to start on any worker (their KV in place), as the workers last reported."""
+    status = client.cluster_status()
+    return sum(worker.load.num_waiting_requests for pool in status.pools for worker in pool.workers)
