@@ -26,7 +26,7 @@ class RequestQueue:
     """Waiting requests in arrival order (``fcfs``); :class:`PriorityRequestQueue` keeps them in priority order."""
 
     def __init__(self) -> None:
-        self._requests: deque[Request] = deque()
+        self._requests: deque[Request] | list[Request] = deque()
 
     def add(self, request: Request) -> None:
         """A request that arrives (or whose KV arrived): behind the others."""
@@ -59,30 +59,15 @@ class PriorityRequestQueue(RequestQueue):
     """Waiting requests by :func:`priority_key`: a preempted request goes back by its key too."""
 
     def __init__(self) -> None:
-        self._ordered: list[Request] = []
+        self._requests: list[Request] = []  # kept sorted by priority_key
 
     def add(self, request: Request) -> None:
-        bisect.insort(self._ordered, request, key=priority_key)
+        bisect.insort(self._requests, request, key=priority_key)
 
     prepend = add
 
-    def peek(self) -> Request:
-        return self._ordered[0]
-
     def pop(self) -> Request:
-        return self._ordered.pop(0)
-
-    def remove(self, request: Request) -> None:
-        self._ordered.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._ordered)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._ordered)
-
-    def __getitem__(self, index: int) -> Request:
-        return self._ordered[index]
+        return self._requests.pop(0)
 
 
 def request_queue(policy: str) -> RequestQueue:

@@ -57,8 +57,8 @@ class GrammarMatcher:
 
 
 class StructuredOutputs:
-    """An engine's grammar builder: llguidance's view of the tokenizer (built on the first constrained request,
-    about 0.3 s for SmolLM2's 49,152 tokens) and a matcher per request.
+    """An engine's grammar builder: llguidance's view of the tokenizer (built by :meth:`warm_up` or on the first
+    constrained request, about 0.3 s for SmolLM2's 49,152 tokens) and a matcher per request.
 
     Args:
         tokenizer: the engine's Hugging Face tokenizer; it must have a fast (tokenizers) backend.
@@ -92,6 +92,16 @@ class StructuredOutputs:
             raise InvalidRequest(f"structured outputs: the prompt's last {resumed} tokens do not follow the "
                                  f"{params.kind}: {short_message(matcher.get_error())}")
         return GrammarMatcher(matcher)
+
+    def warm_up(self) -> bool:
+        """Build llguidance's tokenizer now (a worker does it before it serves), so that the first constrained
+        request does not stall every running one while the engine's loop builds it; False when the tokenizer has
+        no fast backend (constrained requests are then refused one by one)."""
+        try:
+            self._llguidance_tokenizer()
+        except InvalidRequest:
+            return False
+        return True
 
     def _llguidance_tokenizer(self):
         with self._lock:

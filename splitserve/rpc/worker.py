@@ -138,7 +138,7 @@ class WorkerRuntime:
 
     def _warm_up(self) -> None:
         """One short request through the engine before serving, so the first client does not pay for
-        lazy initialisation (kernel loading, first allocations)."""
+        lazy initialisation (kernel loading, first allocations, structured outputs' tokenizer)."""
         from splitserve.common.sampling_params import SamplingParams
 
         started = time.monotonic()
@@ -147,6 +147,7 @@ class WorkerRuntime:
                            prompt_token_ids=[1] * 2 * self.config.engine.block_size)
         while engine.has_unfinished_requests():
             engine.step()
+        engine.structured_outputs.warm_up()  # llguidance's tokenizer, off the serving loop's path
         engine.stats = type(engine.stats)()
         self.loop.last_load = engine.load()
         logger.info("Engine warmed up in %.2f s", time.monotonic() - started)

@@ -235,3 +235,19 @@ def test_the_decode_side_continues_the_prefill_sides_first_token_under_the_gramm
     assert "does not follow the requested structure" in request.stop_reason
     assert decode.free_block_count == decode.num_kv_blocks
     assert prefill.free_block_count == prefill.num_kv_blocks
+
+
+def test_warming_up_builds_the_grammar_tokenizer_before_any_request(tokenizer):
+    """A worker's warm-up builds llguidance's tokenizer (about 0.3 s), so the first constrained request's matcher
+    does not build it on the serving loop; a tokenizer without a fast backend says so instead of raising."""
+    from splitserve.common.structured_outputs import StructuredOutputsParams
+    from splitserve.engine.structured_output import StructuredOutputs
+
+    outputs = StructuredOutputs(tokenizer, 49152, frozenset([tokenizer.eos_token_id]))
+    assert outputs._ll_tokenizer is None
+    assert outputs.warm_up()
+    built = outputs._ll_tokenizer
+    assert built is not None
+    outputs.matcher(StructuredOutputsParams(json_object=True), [1])
+    assert outputs._ll_tokenizer is built  # the matcher used it, built nothing again
+    assert not StructuredOutputs(object(), 49152, frozenset([2])).warm_up()
