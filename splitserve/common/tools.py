@@ -8,7 +8,9 @@ OpenAI's ``tool_choice`` asks for one of four things, done as vLLM does them:
   call's arguments.
 - ``"required"``: the output is a JSON array of one or more ``{"name": ..., "parameters": {...}}``, each item
   one of the tools (``anyOf`` over them; at most one item with ``parallel_tool_calls`` false), read back by
-  :func:`required_tool_calls`.
+  :func:`required_tool_calls`. Unlike vLLM's schema, an item takes no other key: vLLM leaves the item open,
+  and a small model fills it with keys of its own (a "description" of the weather, hundreds of tokens long)
+  that the call then drops.
 - ``"auto"``: the model decides, and a parser for its own format finds the calls in its text. The one parser
   here is ``hermes`` (:class:`HermesToolParser`): calls written ``<tool_call>{"name": ..., "arguments": {...}}
   </tool_call>``, the format of Hermes, Qwen 2.5 and 3, and SmolLM3, and of the ChatML tools template shipped in
@@ -96,7 +98,7 @@ def tool_choice_constraint(choice: str | FunctionTool, tools: Sequence[FunctionT
             if definitions.setdefault(name, schema) != schema:
                 raise InvalidRequest(f"Two tools define $defs {name[:64]!r} differently; one schema holds them all.")
         items.append({"properties": {"name": {"type": "string", "enum": [tool.name]}, "parameters": parameters},
-                      "required": ["name", "parameters"]})
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1

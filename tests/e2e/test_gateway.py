@@ -652,8 +652,7 @@ def test_a_named_tool_call_is_transformers_greedy_under_the_tools_schema(api, gr
 
 def test_required_tool_calls_are_the_grpc_paths_and_a_conversation_goes_on(api, grpc_client, tokenizer):
     """tool_choice "required": one or more calls of the tools, each with arguments its schema allows, finish
-    "tool_calls" (this small model fills the call's object with keys of its own, as vLLM's schema lets it, before
-    closing it), the same streamed; parallel_tool_calls false makes it one. The calls and the tool's answer then
+    "tool_calls", the same streamed; parallel_tool_calls false makes it one. The calls and the tool's answer then
     go back in the conversation, rendered as transformers renders them."""
     model = api.models.list().data[0].id
     tools = [WEATHER, CLOCK]

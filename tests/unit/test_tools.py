@@ -148,6 +148,7 @@ def test_forced_calls_are_json_schemas_over_the_tools_parameters():
     assert not _matches(required, '[{"name": "get_weather", "parameters": {}}]')  # city is required
     assert not _matches(required, '[{"name": "get_date", "parameters": {}}]')
     assert not _matches(required, "[]")
+    assert not _matches(required, '[{"name": "get_time", "parameters": {}, "description": "now"}]')  # closed items
     single = tool_choice_constraint("required", tools, parallel_tool_calls=False)
     assert json.loads(single.json)["maxItems"] == 1
     assert not _matches(single, '[{"name": "get_time", "parameters": {}}, {"name": "get_time", "parameters": {}}]')
