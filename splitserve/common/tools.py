@@ -8,9 +8,9 @@ OpenAI's ``tool_choice`` asks for one of four things, done as vLLM does them:
   call's arguments.
 - ``"required"``: the output is a JSON array of one or more ``{"name": ..., "parameters": {...}}``, each item
   one of the tools (``anyOf`` over them; at most one item with ``parallel_tool_calls`` false), read back by
-  :func:`required_tool_calls`. Unlike vLLM's schema, an item takes no other key: vLLM leaves the item open,
-  and a small model fills it with keys of its own (a "description" of the weather, hundreds of tokens long)
-  that the call then drops.
+  :func:`required_tool_calls`. Unlike vLLM's schema, an item takes no other key, and a tool declared without
+  parameters takes ``{}`` only: vLLM leaves both open, and a small model fills them with keys of its own (a
+  "description" of the weather, hundreds of tokens long).
 - ``"auto"``: the model decides, and a parser for its own format finds the calls in its text. The one parser
   here is ``hermes`` (:class:`HermesToolParser`): calls written ``<tool_call>{"name": ..., "arguments": {...}}
   </tool_call>``, the format of Hermes, Qwen 2.5 and 3, and SmolLM3, and of the ChatML tools template shipped in
@@ -227,5 +227,6 @@ def _schema_constraint(schema: dict, what: str) -> StructuredOutputsParams:
 
 
 def _parameters_schema(parameters: dict | None) -> dict:
-    """A tool's parameters as the schema its arguments must match: any object when it declares none."""
-    return parameters if parameters else {"type": "object", "properties": {}}
+    """A tool's parameters as the schema its arguments must match: ``{}`` when it declares none (vLLM allows any
+    object there, and a small model fills it with keys of its own)."""
+    return parameters if parameters else {"type": "object", "properties": {}, "additionalProperties": False}

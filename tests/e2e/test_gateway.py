@@ -657,7 +657,7 @@ def test_required_tool_calls_are_the_grpc_paths_and_a_conversation_goes_on(api, 
     model = api.models.list().data[0].id
     tools = [WEATHER, CLOCK]
     chat = api.chat.completions.create(model=model, messages=WEATHER_QUESTION, tools=tools, tool_choice="required",
-                                       temperature=0, max_tokens=200)
+                                       temperature=0, max_tokens=80)
     [choice] = chat.choices
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     for call in choice.message.tool_calls:
@@ -666,10 +666,10 @@ def test_required_tool_calls_are_the_grpc_paths_and_a_conversation_goes_on(api, 
         if call.function.name == "get_weather":
             assert set(arguments) == {"city"}
     single = api.chat.completions.create(model=model, messages=WEATHER_QUESTION, tools=tools, tool_choice="required",
-                                         parallel_tool_calls=False, temperature=0, max_tokens=200)
+                                         parallel_tool_calls=False, temperature=0, max_tokens=80)
     assert len(single.choices[0].message.tool_calls) == 1
     calls, content, finish = _streamed_calls(api.chat.completions.create(
-        model=model, messages=WEATHER_QUESTION, tools=tools, tool_choice="required", temperature=0, max_tokens=200,
+        model=model, messages=WEATHER_QUESTION, tools=tools, tool_choice="required", temperature=0, max_tokens=80,
         stream=True))
     assert finish == "tool_calls" and content == ""
     assert [value[1:] for _, value in sorted(calls.items())] == [

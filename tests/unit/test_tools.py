@@ -137,7 +137,8 @@ def test_forced_calls_are_json_schemas_over_the_tools_parameters():
     assert tool_choice_constraint("none", tools) is None and tool_choice_constraint("auto", tools) is None
     named = tool_choice_constraint(tools[0], tools)
     assert json.loads(named.json) == WEATHER["function"]["parameters"]
-    assert json.loads(tool_choice_constraint(tools[1], tools).json) == {"type": "object", "properties": {}}
+    assert json.loads(tool_choice_constraint(tools[1], tools).json) == {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}
     required = tool_choice_constraint("required", tools)
     schema = json.loads(required.json)
     assert schema["minItems"] == 1 and "maxItems" not in schema
@@ -149,6 +150,7 @@ def test_forced_calls_are_json_schemas_over_the_tools_parameters():
     assert not _matches(required, '[{"name": "get_date", "parameters": {}}]')
     assert not _matches(required, "[]")
     assert not _matches(required, '[{"name": "get_time", "parameters": {}, "description": "now"}]')  # closed items
+    assert not _matches(required, '[{"name": "get_time", "parameters": {"zone": "UTC"}}]')  # it takes none
     single = tool_choice_constraint("required", tools, parallel_tool_calls=False)
     assert json.loads(single.json)["maxItems"] == 1
     assert not _matches(single, '[{"name": "get_time", "parameters": {}}, {"name": "get_time", "parameters": {}}]')
