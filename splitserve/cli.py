@@ -69,10 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--file", metavar="JSONL",
         help='read prompts from a JSONL file, one object a line: {"prompt": "..."}, {"prompt_token_ids": [...]} '
-        'or {"messages": [{"role": ..., "content": ...}]}; any SamplingParams field in a line overrides the flags',
+        'or {"messages": [{"role": ..., "content": ...}]}; any SamplingParams field in a line overrides the flags, '
+        'and so does "priority"',
     )
     generate.add_argument("--output", metavar="JSONL", help="write one JSON result a line to this file")
     generate.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the model's chat template")
+    generate.add_argument("--priority", type=int, default=0,
+                          help="each prompt's priority (lower first) for an engine or workers that serve by priority "
+                          "(--scheduling-policy priority); others refuse any but 0 (default: %(default)s)")
     add_engine_arguments(generate)
     add_sampling_arguments(generate)
     generate.add_argument("--server", metavar="ADDR",
@@ -302,6 +306,14 @@ def sampling_params_from_args(args: argparse.Namespace, overrides: dict | None =
     return SamplingParams(**values)
 
 
+def _priority_of(args: argparse.Namespace, item: dict) -> int:
+    """A prompt's priority: its JSONL line's "priority", else --priority."""
+    priority = item.get("priority", args.priority)
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+        raise ValueError(f"priority must be a signed 32-bit integer, got {str(priority)[:32]!r}.")
+    return priority
+
+
 def _prepare_model(args: argparse.Namespace) -> int:
     from splitserve.engine.model_store import prepare_default_model
 
@@ -321,10 +333,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **engine_options(args))
     prompts = [_to_prompt(llm, item, args.chat) for item in items]
+    priorities = [_priority_of(args, item) for item in items]
     if len(prompts) == 1 and not args.output:
-        _stream_one(llm, prompts[0], params[0])
+        _stream_one(llm, prompts[0], params[0], priorities[0])
         return 0
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    outputs = llm.generate(prompts, params, use_tqdm=True, priority=priorities)
     sink = open(args.output, "w") if args.output else None
     try:
         for item, output in zip(items, outputs):
@@ -372,7 +385,7 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
                     prompt = [{"role": "user", "content": prompt}]
                 text, token_ids, finish, prompt_logprobs = "", [], None, []
                 try:
-                    for chunk in client.generate_stream(prompt, item_params):
+                    for chunk in client.generate_stream(prompt, item_params, priority=_priority_of(args, item)):
                         text += chunk.text
                         token_ids.extend(chunk.token_ids)
                         prompt_logprobs.extend(chunk.prompt_logprobs)
@@ -475,12 +488,12 @@ def _prompt_score(token_logprobs: list[float]) -> str:
     return f"[prompt: {len(token_logprobs)} tokens scored, log-likelihood {sum(token_logprobs):.4f}]"
 
 
-def _stream_one(llm, prompt, params: SamplingParams) -> None:
+def _stream_one(llm, prompt, params: SamplingParams, priority: int = 0) -> None:
     """Print one request's text as it is generated, through the engine's step API."""
     engine = llm.engine
     text, token_ids = (prompt, None) if isinstance(prompt, str) else (prompt.get("prompt"), prompt["prompt_token_ids"])
     request_id = engine.next_request_id()
-    engine.add_request(request_id, text, params, prompt_token_ids=token_ids)
+    engine.add_request(request_id, text, params, prompt_token_ids=token_ids, priority=priority)
     try:
         while engine.has_unfinished_requests():
             for output in engine.step():

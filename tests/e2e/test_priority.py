@@ -68,3 +68,20 @@ def _num_waiting(client: Client) -> int:
     """Requests waiting to start on any worker (their KV in place), as the workers last reported."""
     status = client.cluster_status()
     return sum(worker.load.num_waiting_requests for pool in status.pools for worker in pool.workers)
+
+
+def test_the_command_line_sends_a_priority_and_an_fcfs_engine_refuses_one(cluster):
+    import subprocess
+    import sys
+
+    prompt = f"{PROMPT} Chapter 9:"
+    with Client(cluster.router.address) as client:
+        expected = client.generate(prompt, SHORT, timeout=120).text
+    remote = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "--server", cluster.router.address,
+                             "--priority", "-4", "--max-tokens", "4", prompt], capture_output=True, text=True,
+                            timeout=120)
+    assert remote.returncode == 0 and remote.stdout == expected, remote.stderr
+    local = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "--priority", "1", "--max-tokens", "2",
+                            "--kv-cache-gb", "0.1", "--max-model-len", "512", prompt], capture_output=True, text=True,
+                           timeout=300)
+    assert local.returncode == 2 and "needs the priority scheduling policy" in local.stderr, local.stderr
