@@ -293,7 +293,8 @@ class Gateway:
         try:
             constraint, tools = chat_tools(body, chat.tools, self._tool_parser, params.structured_outputs)
         except InvalidRequest as error:
-            raise APIError(400, str(error), "tool_choice") from None
+            param = "parallel_tool_calls" if str(error).startswith("parallel_tool_calls") else "tool_choice"
+            raise APIError(400, str(error), param) from None
         params = dataclasses.replace(params, structured_outputs=constraint)
         return await self._respond(request, body, [chat], params, "chatcmpl", "chat.completion",
                                    functools.partial(_chat_choice, tools=tools))

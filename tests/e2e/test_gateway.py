@@ -745,7 +745,7 @@ def test_bad_tool_requests_get_openai_errors(api):
             ({"tools": [WEATHER, WEATHER]}, "tools", "Two tools are named"),
             ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
              "tool_choice", "not both"),
-            ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "tool_choice", "true or false"),
+            ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
             ({"functions": [WEATHER["function"]]}, "functions", "send tools instead")):
         extra = {key: value for key, value in fields.items() if key in ("functions", "parallel_tool_calls")}
         kwargs = {key: value for key, value in fields.items() if key not in extra}

@@ -120,6 +120,12 @@ def chat(*messages: tuple[str, str]) -> dict:
                                                         for role, content in messages]))
 
 
+def with_tools(*tools: inference_pb2.Tool) -> dict:
+    """A one-message chat with ``tools``."""
+    return dict(chat=inference_pb2.ChatPrompt(messages=[inference_pb2.ChatMessage(role="user", content="hi")],
+                                              tools=tools))
+
+
 NAN, INF = math.nan, math.inf
 
 # (id, GenerateRequest, a piece of the sentence); each goes through Generate and GenerateStream: INVALID_ARGUMENT.
@@ -142,6 +148,24 @@ BAD_GENERATE_REQUESTS = [
     ("huge-chat-refused-before-rendering", generate_request(chat(("user", "b" * 3_000_000))),
      "The chat's messages are 3000004 bytes"),
     ("huge-chat-role", generate_request(chat(("r" * 3_000_000, "hi"))), "The chat's messages are 3000002 bytes"),
+    ("tool-parameters-not-json", generate_request(with_tools(inference_pb2.Tool(name="f", parameters="{"))),
+     "tools[0].parameters must be a JSON Schema object, as JSON text."),
+    ("tool-parameters-an-array", generate_request(with_tools(inference_pb2.Tool(name="f", parameters="[1, 2]"))),
+     "tools[0].parameters must be a JSON Schema object"),
+    ("tool-name-with-a-space", generate_request(with_tools(inference_pb2.Tool(name="get weather"))),
+     "tools[0].function.name must be 1 to 64 letters, digits, underscores or hyphens, got 'get weather'."),
+    ("tool-name-empty", generate_request(with_tools(inference_pb2.Tool(name=""))), "got ''."),
+    ("tool-name-quoted-at-most-64-characters", generate_request(with_tools(inference_pb2.Tool(name="x" * 5000))),
+     f"got {'x' * 64!r}."),
+    ("two-tools-of-one-name", generate_request(with_tools(inference_pb2.Tool(name="f"), inference_pb2.Tool(name="f"))),
+     "Two tools are named 'f': each name must be unique."),
+    ("too-many-tools", generate_request(with_tools(*(inference_pb2.Tool(name=f"f{i}") for i in range(129)))),
+     "129 tools are more than the 128 a request may give."),
+    ("huge-tool-description", generate_request(with_tools(inference_pb2.Tool(name="f", description="d" * 3_000_000))),
+     "The chat's messages are 3000"),
+    ("huge-tool-call-arguments", generate_request(dict(chat=inference_pb2.ChatPrompt(messages=[
+        inference_pb2.ChatMessage(role="assistant", tool_calls=[inference_pb2.ToolCall(
+            id="c", name="f", arguments="[" * 3_000_000)])]))), "The chat's messages are 3000"),
     ("temperature-negative", generate_request(temperature=-0.5), "temperature must be a finite number >= 0"),
     ("temperature-nan", generate_request(temperature=NAN), "temperature must be"),
     ("temperature-inf", generate_request(temperature=INF), "temperature must be a finite number"),
@@ -603,11 +627,29 @@ sampling_params = st.fixed_dictionaries({}, optional={
 })
 token_ids = st.lists(st.one_of(st.integers(0, VOCAB_SIZE - 1), st.integers(0, UINT32_MAX)), max_size=300)
 messages = st.lists(st.tuples(st.text(max_size=10), st.text(max_size=80)), max_size=4)
+tools = st.lists(st.builds(inference_pb2.Tool, name=st.one_of(st.sampled_from(["f", "get_time"]), st.text(max_size=8)),
+                           description=st.text(max_size=20),
+                           parameters=st.sampled_from(["", "{}", '{"type": "object"}', "[", "null", '"x"'])),
+                 max_size=3)
+tool_calls = st.lists(st.builds(inference_pb2.ToolCall, id=st.text(max_size=6), name=st.text(max_size=8),
+                                arguments=st.sampled_from(["{}", '{"a": 1}', "not json", "[1]", ""])), max_size=2)
+
+
+@st.composite
+def chats_with_tools(draw) -> dict:
+    """A chat whose messages may carry tool calls and tool answers, and which may give tools."""
+    chat_messages = [inference_pb2.ChatMessage(role=role, content=content, tool_calls=draw(tool_calls),
+                                               tool_call_id=draw(st.text(max_size=6)))
+                     for role, content in draw(messages)]
+    return dict(chat=inference_pb2.ChatPrompt(messages=chat_messages, tools=draw(tools)))
+
+
 prompts = st.one_of(
     st.just({}),
     st.text(max_size=400).map(lambda text: dict(text=text)),
     token_ids.map(lambda values: ids(*values)),
     messages.map(lambda pairs: chat(*pairs)),
+    chats_with_tools(),
 )
 request_ids = st.one_of(st.none(), st.text(max_size=140), st.from_regex(r"[A-Za-z0-9._:#-]{1,128}", fullmatch=True))
 
