@@ -83,7 +83,7 @@ test('structured outputs shape the reply: a JSON schema, a choice', async () => 
   }
 });
 
-test('a chat carries tools and tool calls, and a call is forced by its parameters schema', async () => {
+test('a chat carries tools and tool calls, a call is forced by its parameters schema, a priority is sent', async () => {
   const client = new Client(address, { apiKey, timeoutSeconds: 120 });
   try {
     const parameters = JSON.stringify({ type: 'object', properties: { city: { type: 'string', maxLength: 20 } },
@@ -99,6 +99,12 @@ test('a chat carries tools and tool calls, and a call is forced by its parameter
       { temperature: 0, maxTokens: 40, structuredOutputs: { json: parameters } });
     assert.deepEqual(Object.keys(JSON.parse(call.text)), ['city']);
     assert.equal(call.finishReason, 'FINISH_REASON_STOP');
+    // This cluster's workers serve first come, first served: a priority is sent, and refused there.
+    await assert.rejects(client.generate(PROMPT, { maxTokens: 1 }, { priority: 3 }), (error) => {
+      assert.equal(error.code, status.INVALID_ARGUMENT);
+      assert.match(error.details, /needs the priority scheduling policy/);
+      return true;
+    });
     await assert.rejects(client.generate({ messages, tools: [{ name: 'get weather' }] }), (error) => {
       assert.equal(error.code, status.INVALID_ARGUMENT);
       assert.match(error.details, /1 to 64 letters, digits, underscores or hyphens/);
