@@ -42,10 +42,12 @@ def test_step_buffers_are_reused_with_the_engine_settings():
         assert on["applied"] is True  # glibc here
         # 30 steps of 75 MB; measured 6,144-12,288 (the heap grows once or twice more, then is reused).
         assert on["faults"] < 20_000, on
-    # Without them: 104,000-552,000 in most processes (the heap trimmed at the end of each step), and
-    # 6,144 in about one of six, where address-space layout leaves a small live chunk above the buffers.
+    # Without them: 104,000-552,000 where the heap is trimmed at the end of each step, and 6,144-29,536 where
+    # address-space layout leaves a small live chunk above the buffers. How often each comes varies by host: in
+    # most processes on the hosts of 2026-11; in 3 of 10 on the Zen 4 of 2026-12-06, where 6 tries all missed
+    # once (0.7^6, 12%). Up to 16 tries, the first trimmed one ending the loop: 0.3% to miss there.
     faults_off = []
-    while len(faults_off) < 6 and max(faults_off, default=0) <= 50_000:
+    while len(faults_off) < 16 and max(faults_off, default=0) <= 50_000:
         faults_off.append(_faults("off")["faults"])
     assert max(faults_off) > 50_000, faults_off
 
