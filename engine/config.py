@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.engine.request_queue import SCHEDULING_POLICIES
+from splitserve.engine.speculative import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
@@ -65,6 +66,9 @@ class EngineConfig:
             steps of up to 2,048 tokens in pieces around attention (``engine/piecewise_graphs.py``);
             "full_decode_only": the decode graphs alone; "piecewise": the pieces alone, for every step that
             fits (a prefill worker's).
+        speculative_config: speculative decoding by n-gram prompt lookup (``engine/speculative.py``): a
+            :class:`SpeculativeConfig`, a dict of its fields or their JSON text (vLLM's ``--speculative-config``,
+            e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``); None: one token a step.
     """
 
     model: str | None = None
@@ -84,8 +88,10 @@ class EngineConfig:
     device: str = "auto"
     cuda_graphs: bool | None = None
     cuda_graph_mode: str | None = "full_and_piecewise"
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.cuda_graph_mode is None:  # a flag left out
             self.cuda_graph_mode = CUDA_GRAPH_MODES[0]
         if self.cuda_graph_mode not in CUDA_GRAPH_MODES:

@@ -9,7 +9,7 @@ connector, ``finish_remote_kv`` and ``release_kv`` drive the same requests by
 hand. One engine is driven by one thread.
 
 This module is the engine's whole public surface (requests in, steps,
-outputs, the KV hooks), under 400 lines; what each step does lives in the
+outputs, the KV hooks), under 450 lines; what each step does lives in the
 scheduler, the model runner, :mod:`~splitserve.engine.kv_transfers` and
 :mod:`~splitserve.engine.output_processor`.
 """
@@ -52,6 +52,9 @@ class EngineStats:
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0
     num_finished_requests: int = 0
+    # Speculative decoding: drafts verified, and those accepted (each saved a step of its request).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -73,6 +76,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             config.scheduling_policy,
+            config.speculative_config.propose if config.speculative_config is not None else None,
         )
         self._arrivals = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -232,7 +236,7 @@ class LLMEngine:
         # A seeded request continues its random stream where the prefill side left it.
         self.model_runner.sampler.skip_first_draw(request)
         # Reported by the next step(), like any other token (its text is part of the stream).
-        self._pending_outputs.append(self._accept_token(SampledToken(request, int(first_token_id), None)))
+        self._pending_outputs.append(self._accept_tokens([SampledToken(request, int(first_token_id), None)]))
 
     def recompute_remote_kv(self, request_id: str) -> None:
         """Give up waiting for a request's remote KV: its prompt is computed here, in the blocks it holds
@@ -355,13 +359,37 @@ class LLMEngine:
         self.scheduler.update_after_step(scheduled)
         self.stats.num_steps += 1
         self.stats.num_computed_tokens += scheduled.num_batched_tokens
-        for token in sampled:
-            outputs.append(self._accept_token(token))
+        for item in scheduled.scheduled:
+            if item.spec_token_ids:
+                self.stats.num_draft_tokens += len(item.spec_token_ids)
+                self.stats.num_accepted_tokens += len(item.spec_token_ids) - item.num_rejected
+        start = 0
+        for end in range(1, len(sampled) + 1):  # one output per request: its tokens are consecutive
+            if end == len(sampled) or sampled[end].request is not sampled[start].request:
+                outputs.append(self._accept_tokens(sampled[start:end]))
+                start = end
         scheduler = self.scheduler
         self.kv_transfers.save_completed(scheduler.requests, scheduler.held, self.kv_cache.block_ids)
         return outputs
 
-    def _accept_token(self, token: SampledToken) -> RequestOutput:
+    def _accept_tokens(self, tokens: list[SampledToken]) -> RequestOutput:
+        """Append one request's new tokens (several when it verified drafts) in order, up to the first that
+        finishes it; its output carries them all."""
+        request = tokens[0].request
+        delta = []
+        for token in tokens:
+            delta.append(token.token_id)
+            status = self._accept_token(token)
+            if status is not None:
+                self._finish(request, status)
+                break
+        output = self._make_output(request, delta_token_ids=delta)
+        if request.is_finished:
+            self._forget(request.request_id)
+        return output
+
+    def _accept_token(self, token: SampledToken) -> RequestStatus | None:
+        """Append a token to its request; the finished status it calls for, if any."""
         request = token.request
         request.append_output_token(token.token_id)
         self.stats.num_generated_tokens += 1
@@ -378,12 +406,7 @@ class LLMEngine:
         if stop_string is not None and status != RequestStatus.FINISHED_ERROR:
             status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = stop_string
-        if status is not None:
-            self._finish(request, status)
-        output = self._make_output(request, delta_token_ids=[token.token_id])
-        if request.is_finished:
-            self._forget(request.request_id)
-        return output
+        return status
 
     @staticmethod
     def _advance_grammar(request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:

@@ -34,6 +34,7 @@ from splitserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from splitserve.engine.speculative import accepted_tokens
 from splitserve.kernels import cpu_ops, triton_attention, triton_ops
 
 _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
@@ -281,10 +282,13 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden)
         sampled = self.sampler(logits, sample_requests)
-        return [
+        tokens = [
             SampledToken(request, token_id, logprobs)
             for request, token_id, logprobs in zip(sample_requests, sampled.sampled_token_ids, sampled.logprobs)
         ]
+        if any(item.spec_token_ids for item in scheduled):
+            tokens = _verify_drafts(tokens, scheduled)
+        return tokens
 
     def _decode_rows(self, decodes: list[ScheduledRequest], block_tables: dict[str, list[int]]
                      ) -> tuple[DecodeInputs, list[int], list[Request]]:
@@ -332,16 +336,18 @@ class ModelRunner:
             request = item.request
             start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
             row = len(token_ids)
-            token_ids.extend(request.all_token_ids[start:end])
+            token_ids.extend(request.all_token_ids[start : end - len(item.spec_token_ids)])
+            token_ids.extend(item.spec_token_ids)
             positions.extend(range(start, end))
             table = torch.tensor(block_tables[request.request_id], dtype=torch.int64, device=self.device)
             spans.append(PrefillSpan(row, row + item.num_new_tokens, start, table))
             prompt_rows.extend(_prompt_rows(request, row, start, item.num_new_tokens))
             chunk_positions = torch.arange(start, end, device=self.device)
             slot_mapping.append(table[chunk_positions // self.block_size] * self.block_size + chunk_positions % self.block_size)
-            if item.sample:
-                sample_rows.append(row + item.num_new_tokens - 1)
-                sample_requests.append(request)
+            if item.sample:  # the chunk's last row, or with drafts every row from the request's last token's
+                first = row + item.num_new_tokens - 1 - len(item.spec_token_ids)
+                sample_rows.extend(range(first, row + item.num_new_tokens))
+                sample_requests.extend([request] * (row + item.num_new_tokens - first))
 
         metadata = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), decode_groups=decode_groups, prefills=spans,
                                      use_cpu_kernels=self.use_cpu_kernel, use_triton_kernels=self.use_triton_kernel)
@@ -368,6 +374,27 @@ class ModelRunner:
             num_kv_heads = self.model_config.num_key_value_heads
             group.mask = padding.unsqueeze(0).expand(num_kv_heads, -1, -1).reshape(num_kv_heads * len(tables), 1, -1)
         return group
+
+
+def _verify_drafts(tokens: list[SampledToken], scheduled: list[ScheduledRequest]) -> list[SampledToken]:
+    """Keep, of each request that verified drafts, the tokens its rows accept (``speculative.accepted_tokens``),
+    recording on its scheduled item how many drafts were rejected; the others' tokens pass as they are."""
+    drafts = {id(item.request): item for item in scheduled if item.spec_token_ids}
+    kept: list[SampledToken] = []
+    index = 0
+    while index < len(tokens):
+        item = drafts.get(id(tokens[index].request))
+        if item is None:
+            kept.append(tokens[index])
+            index += 1
+            continue
+        count = len(item.spec_token_ids) + 1
+        rows = tokens[index : index + count]
+        accepted = accepted_tokens(item.spec_token_ids, [token.token_id for token in rows])
+        item.num_rejected = count - len(accepted)
+        kept.extend(rows[: len(accepted)])
+        index += count
+    return kept
 
 
 def _prompt_rows(request: Request, row: int, start: int, count: int) -> list[tuple[Request, int, int]]:

@@ -9,11 +9,18 @@ preempted (its blocks freed, to be recomputed later from the queue's front).
 
 Requests in ``WAITING_FOR_REMOTE_KVS`` hold the blocks reserved for their
 prompt and are skipped until :meth:`Scheduler.finish_remote_kv`.
+
+With a ``proposer`` (speculative decoding, ``engine/speculative.py``) a running
+request's decode also takes the drafts proposed for it, as far as the budget
+and free blocks allow (drafts are dropped before anything is preempted for
+them); the model runner records how many it rejected, and
+:meth:`Scheduler.update_after_step` counts only the KV of accepted ones.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequest, Overloaded
@@ -34,8 +41,12 @@ class ScheduledRequest:
     request: Request
     # Tokens computed in this step: all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens].
     num_new_tokens: int
-    # Whether the step ends at the request's last known token, so its logits are sampled.
+    # Whether the step ends at the request's last known token (or its drafts), so its logits are sampled.
     sample: bool
+    # Speculative decoding: the drafts computed after the request's last token in this step (the last
+    # len(spec_token_ids) of num_new_tokens), and how many of them the model rejected (set by the model runner).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_rejected: int = 0
 
 
 @dataclass
@@ -63,6 +74,8 @@ class Scheduler:
         policy: the waiting queue's order (``engine/request_queue.py``): "fcfs", or "priority" (lower
             ``request.priority`` first), where a request that needs blocks preempts the running request latest
             in that order rather than the newest.
+        proposer: speculative decoding: ``proposer(request, max_drafts)`` gives the drafts to verify after a
+            running request's next token (``SpeculativeConfig.propose``); None: one token a step.
     """
 
     def __init__(
@@ -72,12 +85,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        proposer: Callable[[Request, int], list[int]] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
+        self.proposer = proposer
         self.waiting: RequestQueue = request_queue(policy)
         self.running: list[Request] = []
         self.waiting_for_remote_kvs: dict[str, Request] = {}
@@ -184,6 +199,14 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
+            drafts = self._drafts(request, num_new, budget)
+            if drafts:
+                if self.kv_cache.allocate_slots(request, 1 + len(drafts)):
+                    output.scheduled.append(self._scheduled(request, 1 + len(drafts), drafts))
+                    budget -= 1 + len(drafts)
+                    index += 1
+                    continue
+                # no blocks for the drafts: the token alone, as without speculation
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self._victim()
                 if self.running.index(victim) < index:  # scheduled earlier this step (priority): taken back
@@ -233,10 +256,19 @@ class Scheduler:
             return num_new
         return budget if self.enable_chunked_prefill else 0
 
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Drafts to verify after a decode's token: within the budget, and leaving room for the token the
+        verification itself gives, within the request's output limit."""
+        if self.proposer is None or num_new != 1:
+            return []
+        room = min(budget - 1, request.max_output_tokens - request.num_output_tokens - 1)
+        return self.proposer(request, room) if room > 0 else []
+
     @staticmethod
-    def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
-        sample = request.num_computed_tokens + num_new == request.num_tokens
-        return ScheduledRequest(request, num_new, sample)
+    def _scheduled(request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
+        drafts = drafts or []
+        sample = request.num_computed_tokens + num_new - len(drafts) == request.num_tokens
+        return ScheduledRequest(request, num_new, sample, drafts)
 
     def _preempt(self, request: Request) -> None:
         request_log(logger, request.request_id).debug("RUNNING -> PREEMPTED (out of KV blocks; to be recomputed)")
@@ -256,6 +288,7 @@ class Scheduler:
         return self.running[-1]
 
     def update_after_step(self, output: SchedulerOutput) -> None:
-        """Advance ``num_computed_tokens`` of every request the step computed."""
+        """Advance ``num_computed_tokens`` of every request the step computed (by its accepted drafts only: the
+        KV of rejected ones is overwritten later)."""
         for item in output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+            item.request.num_computed_tokens += item.num_new_tokens - item.num_rejected

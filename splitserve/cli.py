@@ -150,6 +150,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "preempted, as vLLM's policy); under fcfs a request with a priority other than 0 is refused "
         "(default: %(default)s)")
     group.add_argument(
+        "--speculative-config", type=_speculative_config, metavar="JSON",
+        help="speculative decoding by n-gram prompt lookup, as vLLM's flag: e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; a greedy request's "
+        "next tokens are guessed from the earlier text that followed its latest n tokens, and one step checks up "
+        "to num_speculative_tokens of them (same tokens, fewer steps when the output repeats its context); other "
+        "requests decode a token a step (default: off)")
+    group.add_argument(
         "--attention-backend", choices=("auto", "cpu", "torch", "triton"), default="auto",
         help="decode attention, KV writes and the fused layer operations (RMSNorm with the residual add, "
         "rotary, SiLU-and-multiply): the C++ CPU kernels (compiled on first use, float32), plain torch, "
@@ -180,6 +187,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "tokens in pieces around attention (one graph per layer, per padded token count); full_decode_only, the "
         "decode graphs alone; piecewise, the pieces alone (default: piecewise on a prefill worker, which never "
         "takes a decode step, full_and_piecewise elsewhere)")
+
+
+def _speculative_config(text: str):
+    """--speculative-config's value: the JSON object of a SpeculativeConfig, checked here so that a bad one is a
+    usage error naming the flag."""
+    from splitserve.engine.speculative import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.of(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _gib_or_auto(text: str) -> float | None:
@@ -226,6 +244,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         device=args.device,
         cuda_graphs=True if args.cuda_graphs else False if args.enforce_eager else None,
         cuda_graph_mode=args.cuda_graph_mode,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -639,4 +639,6 @@ def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
         flags.append("--enforce-eager")
     if args.cuda_graph_mode:
         flags += ["--cuda-graph-mode", args.cuda_graph_mode]
+    if args.speculative_config is not None:
+        flags += ["--speculative-config", args.speculative_config.to_json()]
     return flags

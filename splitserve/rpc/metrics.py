@@ -216,6 +216,13 @@ class _WorkerCollector(Collector):
          "num_kv_payloads_refused"),
         ("splitserve_worker_local_prefills", "Prompts a decode worker prefilled itself.", "num_local_prefills"),
     )
+    # Read from the engine's own counters (plain integers it alone writes, after each step).
+    _ENGINE_COUNTERS = (
+        ("splitserve_worker_spec_decode_draft_tokens", "Speculative decoding (--speculative-config): draft tokens "
+         "verified, as vLLM's spec_decode_num_draft_tokens.", "num_draft_tokens"),
+        ("splitserve_worker_spec_decode_accepted_tokens", "Speculative decoding: draft tokens accepted (each one a "
+         "step saved), as vLLM's spec_decode_num_accepted_tokens.", "num_accepted_tokens"),
+    )
 
     def __init__(self, runtime, role: str) -> None:
         self._runtime = runtime
@@ -231,6 +238,11 @@ class _WorkerCollector(Collector):
         for name, documentation, field in self._COUNTERS:
             family = CounterMetricFamily(name, documentation, labels=["role"])
             family.add_metric([self._role], getattr(counters, field))
+            yield family
+        stats = self._runtime.engine.stats
+        for name, documentation, field in self._ENGINE_COUNTERS:
+            family = CounterMetricFamily(name, documentation, labels=["role"])
+            family.add_metric([self._role], getattr(stats, field))
             yield family
 
 

@@ -1,0 +1,161 @@
+"""Speculative decoding by n-gram prompt lookup (``speculative_config``, ``--speculative-config``), end to end:
+greedy output is transformers' whatever the drafts, in fewer steps where the output repeats its context; requests
+that sample or ask for logprobs keep their tokens beside speculating ones; stops and limits land where they would
+without drafts; preemption and the torch attention reference hold; and a cluster whose workers speculate streams
+transformers' tokens and counts the drafts in its metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from splitserve import LLM, SamplingParams
+from splitserve.client import Client
+from tests.cluster_helpers import all_blocks_free, start_cluster, wait_until
+from tests.e2e.test_metrics import metrics_url, scrape, value
+from tests.reference import MAX_TOKENS, hf_greedy
+
+pytestmark = pytest.mark.timeout(600)
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+COPY = [{"role": "user", "content": "Copy this text exactly:\nThe quick brown fox jumps over the lazy dog. The lazy "
+         "dog sleeps under the old oak tree. The old oak tree stands on the green hill."}]
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), num_kv_blocks=512, max_model_len=2048, speculative_config=SPEC)
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    """The same engine without speculation."""
+    return LLM(str(model_dir), num_kv_blocks=512, max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def copy_ids(tokenizer):
+    return tokenizer.encode(tokenizer.apply_chat_template(COPY, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)
+
+
+def token_ids_of(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    assert llm.engine.free_block_count == llm.engine.num_kv_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_batched_greedy_is_transformers_with_drafts_accepted_and_rejected(llm, prompt_token_ids, hf_reference):
+    before = dataclasses.replace(llm.engine.stats)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], GREEDY, use_tqdm=False)
+    assert token_ids_of(outputs) == hf_reference
+    drafts = llm.engine.stats.num_draft_tokens - before.num_draft_tokens
+    accepted = llm.engine.stats.num_accepted_tokens - before.num_accepted_tokens
+    assert 0 < accepted < drafts, (accepted, drafts)  # both the accepted and the rejected path ran
+    assert_all_blocks_free(llm)
+
+
+def test_copying_takes_fewer_steps_with_transformers_tokens(llm, model_dir, copy_ids, tokenizer):
+    steps = llm.engine.stats.num_steps
+    (output,) = llm.generate({"prompt_token_ids": copy_ids}, SamplingParams(max_tokens=48, temperature=0.0),
+                             use_tqdm=False)
+    tokens = output.outputs[0].token_ids
+    assert tokens == hf_greedy(str(model_dir), copy_ids, 48)
+    assert output.outputs[0].text.startswith("The quick brown fox jumps over the lazy dog.")
+    # Measured: its 32 tokens in 8 steps, the prompt's included; one token a step would take 32.
+    assert llm.engine.stats.num_steps - steps <= len(tokens) // 2
+    assert output.outputs[0].text == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert_all_blocks_free(llm)
+
+
+def test_a_step_streams_every_token_it_accepted(llm, copy_ids):
+    engine = llm.engine
+    engine.add_request("stream", None, SamplingParams(max_tokens=40, temperature=0.0), prompt_token_ids=copy_ids)
+    deltas, texts, final = [], [], None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            deltas.append(output.outputs[0].delta_token_ids)
+            texts.append(output.outputs[0].delta_text)
+            final = output
+    assert [token for delta in deltas for token in delta] == final.outputs[0].token_ids
+    assert "".join(texts) == final.outputs[0].text
+    assert max(len(delta) for delta in deltas) > 1
+    assert_all_blocks_free(llm)
+
+
+def test_stops_and_limits_land_where_they_would_without_drafts(llm, plain, copy_ids, tokenizer):
+    (reference,) = plain.generate({"prompt_token_ids": copy_ids}, SamplingParams(max_tokens=48, temperature=0.0),
+                                  use_tqdm=False)
+    tokens = reference.outputs[0].token_ids
+    assert "sleeps" in reference.outputs[0].text
+    cases = [
+        SamplingParams(max_tokens=7, temperature=0.0),  # inside a run of accepted drafts
+        SamplingParams(max_tokens=48, temperature=0.0, stop=["sleeps"]),
+        SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[tokens[13]]),
+        SamplingParams(max_tokens=48, temperature=0.0, stop=["old oak"], min_tokens=3),
+    ]
+    prompt = {"prompt_token_ids": copy_ids}
+    for params in cases:
+        (expected,) = plain.generate(prompt, params, use_tqdm=False)
+        (got,) = llm.generate(prompt, params, use_tqdm=False)
+        assert (got.outputs[0].token_ids, got.outputs[0].text, got.outputs[0].finish_reason,
+                got.outputs[0].stop_reason) == (expected.outputs[0].token_ids, expected.outputs[0].text,
+                                                expected.outputs[0].finish_reason, expected.outputs[0].stop_reason)
+        assert len(got.outputs[0].token_ids) < len(tokens), params  # each ended early
+    assert_all_blocks_free(llm)
+
+
+def test_requests_that_sample_or_score_keep_their_tokens_beside_speculating_ones(llm, plain, copy_ids):
+    prompts = [{"prompt_token_ids": copy_ids}] * 4
+    params = [SamplingParams(max_tokens=32, temperature=0.0),
+              SamplingParams(max_tokens=32, temperature=0.8, seed=11),
+              SamplingParams(max_tokens=32, temperature=0.0, logprobs=2),
+              SamplingParams(max_tokens=32, temperature=0.0, repetition_penalty=1.3)]
+    before = llm.engine.stats.num_draft_tokens
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats.num_draft_tokens > before  # the first one speculated
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    assert token_ids_of(got) == token_ids_of(expected)
+    for mine, theirs in zip(got[2].outputs[0].logprobs, expected[2].outputs[0].logprobs):
+        assert mine.keys() == theirs.keys()
+        assert all(abs(mine[token] - theirs[token]) < 1e-4 for token in mine)
+    assert_all_blocks_free(llm)
+
+
+def test_preemption_with_drafts_through_the_torch_reference(model_dir, prompt_token_ids, hf_reference):
+    # 100 blocks of 16 tokens: the 1,111-token prompt alone takes 71, so requests are preempted, drafts held.
+    llm = LLM(str(model_dir), num_kv_blocks=100, max_model_len=1500, max_num_batched_tokens=256,
+              enable_prefix_caching=False, attention_backend="torch", speculative_config=SPEC)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], GREEDY, use_tqdm=False)
+    assert token_ids_of(outputs) == hf_reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats.num_accepted_tokens > 0
+    assert_all_blocks_free(llm)
+
+
+def test_a_speculating_cluster_streams_transformers_tokens_and_counts_its_drafts(tmp_path, model_dir, copy_ids,
+                                                                                 prompt_token_ids, hf_reference):
+    cluster = start_cluster("p2p", tmp_path, worker_args=["--speculative-config", json.dumps(SPEC),
+                                                          "--metrics-port", "0"])
+    try:
+        decode = next(worker for worker in cluster.workers if worker.name.startswith("decode"))
+        url = metrics_url(decode)
+        with Client(cluster.router.address) as client:
+            chunks = list(client.generate_stream(copy_ids, SamplingParams(max_tokens=48, temperature=0.0),
+                                                 timeout=120))
+            assert [token for chunk in chunks for token in chunk.token_ids] == hf_greedy(str(model_dir), copy_ids, 48)
+            for ids, reference in list(zip(prompt_token_ids, hf_reference))[1:6]:
+                assert list(client.generate(ids, GREEDY, timeout=120).token_ids) == reference
+            samples = scrape(url)
+            accepted = value(samples, "splitserve_worker_spec_decode_accepted_tokens_total", role="decode")
+            drafts = value(samples, "splitserve_worker_spec_decode_draft_tokens_total", role="decode")
+            assert 0 < accepted <= drafts
+            wait_until(lambda: all_blocks_free(client), 30, message="every block free on both workers")
+    finally:
+        cluster.stop()

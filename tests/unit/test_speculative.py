@@ -1,0 +1,210 @@
+"""Speculative decoding by n-gram prompt lookup: the lookup, the acceptance rule, the config, and the scheduler's
+plans with drafts (exact token counts and blocks)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from splitserve.cli import add_engine_arguments, engine_options
+from splitserve.cli_serve import _engine_flags
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.request import Request
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.speculative import SpeculativeConfig, accepted_tokens, may_speculate, propose_ngram
+
+# ---- the lookup -----------------------------------------------------------------------------------------------
+
+def test_the_first_earlier_occurrence_of_the_suffix_gives_the_drafts():
+    # suffix [1, 2] occurs at 0 (then 3, 4, 1) and at 4 (then 9, 8, 1): the first wins, as vLLM's
+    assert propose_ngram([1, 2, 3, 4, 1, 2, 9, 8, 1, 2], 2, 2, 3) == [3, 4, 1]
+
+
+def test_the_longest_suffix_is_looked_up_first():
+    # [5, 1, 2] occurred once (then 9, 5); [1, 2] first occurred before 7
+    tokens = [1, 2, 7, 5, 1, 2, 9, 5, 1, 2]
+    assert propose_ngram(tokens, 2, 3, 2) == [9, 5]
+    assert propose_ngram(tokens, 2, 2, 2) == [7, 5]
+
+
+def test_drafts_stop_at_the_end_of_the_text():
+    assert propose_ngram([4, 4, 4], 1, 1, 5) == [4, 4]
+    assert propose_ngram([3, 6, 3], 1, 3, 5) == [6, 3]
+
+
+def test_no_drafts_without_an_earlier_occurrence():
+    assert propose_ngram([1, 2, 3, 4], 1, 3, 4) == []
+    assert propose_ngram([1, 1], 2, 3, 4) == []  # shorter than min_n + 1
+    assert propose_ngram([], 1, 1, 4) == []
+
+
+def test_the_suffix_never_matches_itself():
+    assert propose_ngram([8, 9], 1, 2, 3) == []
+
+
+# ---- acceptance ----------------------------------------------------------------------------------------------
+
+def test_tokens_are_accepted_up_to_and_with_the_first_that_differs():
+    assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all drafts and the bonus
+    assert accepted_tokens([5, 6, 7], [5, 1, 7, 8]) == [5, 1]
+    assert accepted_tokens([5, 6, 7], [2, 6, 7, 8]) == [2]
+    assert accepted_tokens([], [3]) == [3]
+
+
+# ---- the config ----------------------------------------------------------------------------------------------
+
+def test_the_config_takes_vllms_json_and_fills_the_lookup_bounds_as_vllm():
+    assert SpeculativeConfig.of('{"method": "ngram", "num_speculative_tokens": 4}') == SpeculativeConfig(
+        "ngram", 4, 5, 5)
+    assert SpeculativeConfig.of({"num_speculative_tokens": 2, "prompt_lookup_max": 3}).prompt_lookup_min == 3
+    assert SpeculativeConfig.of({"num_speculative_tokens": 2, "prompt_lookup_min": 2}).prompt_lookup_max == 2
+    config = SpeculativeConfig.of({"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4})
+    assert SpeculativeConfig.of(config.to_json()) == config
+    assert json.loads(config.to_json())["num_speculative_tokens"] == 3
+    assert SpeculativeConfig.of(None) is None
+
+
+@pytest.mark.parametrize("value, words", [
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "draft models are not supported"),
+    ('{"method": "ngram"}', "needs num_speculative_tokens"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be an integer from 1 to 32, got 0"),
+    ('{"num_speculative_tokens": true}', "num_speculative_tokens must be an integer"),
+    ('{"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+     "prompt_lookup_min (4) must be at most prompt_lookup_max (2)"),
+    ('{"num_speculative_tokens": 2, "prompt_lookup_max": 1000}', "prompt_lookup_max must be an integer from 1 to 64"),
+    ('{"num_speculative_tokens": 2, "model": "draft"}', "does not take 'model'"),
+    ('{"num_speculative_tokens": 2,', "is not valid JSON"),
+    ('[1, 2]', "must be a JSON object, got list"),
+])
+def test_a_bad_config_is_refused_with_a_sentence(value, words):
+    with pytest.raises(ValueError) as raised:
+        SpeculativeConfig.of(value)
+    assert words in str(raised.value)
+
+
+def test_only_bare_argmax_requests_speculate():
+    def request(**params):
+        return Request("r", [1, 2, 3], SamplingParams(max_tokens=8, **params))
+
+    assert may_speculate(request(temperature=0.0))
+    assert may_speculate(request(temperature=0.8, top_k=1))
+    assert not may_speculate(request(temperature=0.8))
+    assert not may_speculate(request(temperature=0.0, logprobs=2))
+    assert not may_speculate(request(temperature=0.0, repetition_penalty=1.2))
+    assert not may_speculate(request(temperature=0.0, logit_bias={5: 1.0}))
+    assert not may_speculate(request(temperature=0.0, min_tokens=2))  # until it has 2 tokens
+
+
+# ---- the scheduler's plans -------------------------------------------------------------------------------------
+
+def make_scheduler(num_blocks=16, block_size=4, budget=16, drafts=3):
+    config = SpeculativeConfig("ngram", drafts, 1, 2)
+    return Scheduler(KVCacheManager(num_blocks, block_size, enable_caching=False), 4, budget, proposer=config.propose)
+
+
+def greedy(request_id, prompt, max_tokens=20, **params):
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),
+                   max_output_tokens=max_tokens)
+
+
+def step(scheduler, targets):
+    """Schedule; every request's rows give the tokens in ``targets[request_id]`` (as a model would), of which the
+    accepted ones are appended; returns the plan."""
+    output = scheduler.schedule()
+    plan = [(item.request.request_id, item.num_new_tokens, list(item.spec_token_ids)) for item in output.scheduled]
+    for item in output.scheduled:
+        if item.sample:
+            rows = targets[item.request.request_id][: len(item.spec_token_ids) + 1]
+            accepted = accepted_tokens(item.spec_token_ids, rows)
+            item.num_rejected = len(item.spec_token_ids) + 1 - len(accepted)
+    scheduler.update_after_step(output)
+    for item in output.scheduled:
+        if item.sample:
+            rows = targets[item.request.request_id][: len(item.spec_token_ids) + 1]
+            for token in accepted_tokens(item.spec_token_ids, rows):
+                item.request.append_output_token(token)
+    return plan
+
+
+def test_a_decode_verifies_its_drafts_and_counts_only_the_accepted_kv():
+    scheduler = make_scheduler()
+    request = greedy("a", [1, 2, 3, 4, 1])
+    scheduler.add_request(request)
+    assert step(scheduler, {"a": [2]}) == [("a", 5, [])]  # the prompt: no drafts
+    # tokens [1 2 3 4 1 2]: suffix [1, 2] occurred before 3, 4, 1
+    assert step(scheduler, {"a": [3, 4, 9, 7]}) == [("a", 4, [3, 4, 1])]
+    # the row after 4 gave 9, not the draft 1: 3, 4, 9 appended; the KV of positions 5-7 (2, 3, 4) kept
+    assert request.output_token_ids == [2, 3, 4, 9]
+    assert request.num_computed_tokens == 8
+    assert request.num_tokens == 9
+    # no earlier 4, 9 or 9: one token
+    assert step(scheduler, {"a": [6]}) == [("a", 1, [])]
+    assert request.num_computed_tokens == 9
+
+
+def test_drafts_fit_the_budget_and_the_output_limit():
+    scheduler = make_scheduler(budget=6, drafts=8)
+    a = greedy("a", [1, 2, 1], max_tokens=3)
+    b = greedy("b", [5, 5, 5])
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    assert step(scheduler, {"a": [2], "b": [5]}) == [("a", 3, []), ("b", 3, [])]
+    # a: 1 more output token allowed after this step's own, so 1 draft; b: the 2 tokens after the first [5, 5]
+    assert step(scheduler, {"a": [1, 2], "b": [5, 5, 5]}) == [("a", 2, [1]), ("b", 3, [5, 5])]
+    assert b.output_token_ids == [5, 5, 5, 5]
+    assert a.num_output_tokens == 3  # its limit: the scheduler never drafts past it
+    # a, at its limit (the engine would have finished it), takes its token alone; b's drafts get the rest of the budget (6 - 1 - b's own token)
+    assert step(scheduler, {"a": [3], "b": [5] * 5}) == [("a", 1, []), ("b", 5, [5, 5, 5, 5])]
+
+
+def test_drafts_are_dropped_before_anything_is_preempted_for_them():
+    # 3 blocks of 4: a prompt of 7 and its first token fill 2; drafts would need a third
+    scheduler = make_scheduler(num_blocks=3, block_size=4)
+    request = greedy("a", [1, 2, 1, 2, 1, 2, 1])
+    other = greedy("b", [9, 9, 9])
+    scheduler.add_request(request)
+    scheduler.add_request(other)
+    assert step(scheduler, {"a": [2], "b": [8]}) == [("a", 7, []), ("b", 3, [])]
+    assert scheduler.kv_cache.free_block_count == 0
+    assert step(scheduler, {"a": [1], "b": [7]}) == [("a", 1, []), ("b", 1, [])]
+    assert not scheduler.num_preemptions
+
+
+def test_requests_that_sample_or_ask_for_logprobs_decode_one_token_a_step():
+    scheduler = make_scheduler()
+    sampled = Request("s", [1, 2, 1], SamplingParams(max_tokens=8, temperature=0.7, seed=1), max_output_tokens=8)
+    scored = greedy("l", [1, 2, 1], logprobs=1)
+    scheduler.add_request(sampled)
+    scheduler.add_request(scored)
+    step(scheduler, {"s": [2], "l": [2]})
+    assert step(scheduler, {"s": [1], "l": [1]}) == [("s", 1, []), ("l", 1, [])]
+
+
+# ---- the flag -------------------------------------------------------------------------------------------------
+
+def _parse(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_the_flag_maps_onto_the_config_and_up_passes_it_to_its_workers():
+    text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    args = _parse("--speculative-config", text, "--dtype", "float32")
+    config = EngineConfig(**engine_options(args)).speculative_config
+    assert config == SpeculativeConfig("ngram", 3, 4, 4)
+    workers = _engine_flags(args, "/models/m")
+    assert SpeculativeConfig.of(workers[workers.index("--speculative-config") + 1]) == config
+    assert "--speculative-config" not in _engine_flags(_parse("--dtype", "float32"), "/models/m")
+    assert EngineConfig(**engine_options(_parse())).speculative_config is None
+
+
+def test_a_bad_flag_is_a_usage_error_naming_it(capsys):
+    with pytest.raises(SystemExit) as stop:
+        _parse("--speculative-config", '{"num_speculative_tokens": 4, "model": "x"}')
+    error = capsys.readouterr().err
+    assert stop.value.code == 2 and "argument --speculative-config: speculative_config does not take 'model'" in error
