@@ -3,8 +3,8 @@ whose answers repeat their prompts.
 
 Workload (the same for every system, in the same run): ``--num-prompts`` chat prompts that ask for a text back
 with little changed (copy a paragraph, rename a function in a piece of code, turn a list into JSON, fix a
-paragraph's spelling), the model's chat template applied here so every system gets the same token ids, greedy,
-at most ``--max-tokens`` tokens each. Requests run one at a time (batch 1: the latency speculation is for), or
+paragraph's spelling), the model's chat template applied here so every system gets the same token ids, greedy
+(or sampled at ``--temperature``, request i with seed 1000 + i), at most ``--max-tokens`` tokens each. Requests run one at a time (batch 1: the latency speculation is for), or
 with ``--batched`` all in one ``generate``. The baseline measured beside it in the same process is the same
 engine without speculation; the speculating engines take ``--speculative-config`` (vLLM's JSON, default
 ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``).
@@ -110,14 +110,15 @@ def main():
     llm = LLM(model=config["model"], dtype=config["dtype"], seed=0, max_model_len=config["max_model_len"],
               speculative_config=config["speculative_config"])
     prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in config["prompts"]]
-    params = SamplingParams(temperature=0.0, max_tokens=config["max_tokens"])
+    params = [SamplingParams(temperature=config["temperature"], max_tokens=config["max_tokens"], seed=1000 + index)
+              for index in range(len(prompts))]
 
     def run():
         start = time.perf_counter()
         if config["batched"]:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         else:
-            outputs = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]
+            outputs = [llm.generate([prompt], [param], use_tqdm=False)[0] for prompt, param in zip(prompts, params)]
         return time.perf_counter() - start, [list(output.outputs[0].token_ids) for output in outputs]
 
     def reply(message):
@@ -146,7 +147,7 @@ class Splitserve:
     """splitserve's offline engine, with ``speculative_config`` or without (None)."""
 
     def __init__(self, name: str, model: str, dtype: str, prompts: list[list[int]], max_tokens: int,
-                 max_model_len: int, speculative_config: dict | None, batched: bool) -> None:
+                 max_model_len: int, speculative_config: dict | None, batched: bool, temperature: float) -> None:
         from splitserve import LLM
 
         self.name = name
@@ -154,17 +155,20 @@ class Splitserve:
         self.prompts = [{"prompt_token_ids": prompt} for prompt in prompts]
         self.max_tokens = max_tokens
         self.batched = batched
+        self.temperature = temperature
         self.run()  # warm-up: the first run maps the KV cache's pages
 
     def run(self) -> tuple[float, list[list[int]]]:
         from splitserve import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens)
+        params = [SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, seed=1000 + index)
+                  for index in range(len(self.prompts))]
         start = time.perf_counter()
         if self.batched:
             outputs = self.llm.generate(self.prompts, params, use_tqdm=False)
         else:
-            outputs = [self.llm.generate(prompt, params, use_tqdm=False)[0] for prompt in self.prompts]
+            outputs = [self.llm.generate(prompt, param, use_tqdm=False)[0]
+                       for prompt, param in zip(self.prompts, params)]
         return time.perf_counter() - start, [list(output.outputs[0].token_ids) for output in outputs]
 
     def close(self) -> None:
@@ -177,9 +181,11 @@ class VllmPeer:
     name = "vllm ngram"
 
     def __init__(self, python: str, model: str, dtype: str, prompts: list[list[int]], max_tokens: int,
-                 max_model_len: int, speculative_config: dict, batched: bool, threads_bind: str) -> None:
+                 max_model_len: int, speculative_config: dict, batched: bool, temperature: float,
+                 threads_bind: str) -> None:
         config = {"model": model, "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens,
-                  "max_model_len": max_model_len, "speculative_config": speculative_config, "batched": batched}
+                  "max_model_len": max_model_len, "speculative_config": speculative_config, "batched": batched,
+                  "temperature": temperature}
         self.peer = PeerProcess(python, VLLM_PEER_SCRIPT, config, VLLM_PEER_MARKER, threads_bind=threads_bind,
                                 kv_space_gib=4)
 
@@ -206,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=128, help="most tokens of an answer (default: %(default)s)")
     parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPECULATIVE_CONFIG), metavar="JSON",
                         help="the speculating engines' config, vLLM's JSON (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 is greedy; above it each request samples with seed 1000 + its index, and the "
+                        "systems' tokens differ, as sampling with and without drafts does (default: %(default)s)")
     parser.add_argument("--batched", action="store_true",
                         help="all requests in one generate (default: one at a time, batch 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per system (default: %(default)s)")
@@ -230,11 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = chat_prompts(model, args.num_prompts)
     max_model_len = max(len(prompt) for prompt in prompts) + args.max_tokens + 16
     mode = "all at once" if args.batched else "one at a time"
-    log(f"model {model}; {args.num_prompts} near-copy chat prompts {mode}, greedy, at most {args.max_tokens} "
+    sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
+    log(f"model {model}; {args.num_prompts} near-copy chat prompts {mode}, {sampling}, at most {args.max_tokens} "
         f"tokens, {args.dtype}; speculation {json.dumps(speculative)}")
-    plain = Splitserve("splitserve", model, args.dtype, prompts, args.max_tokens, max_model_len, None, args.batched)
+    plain = Splitserve("splitserve", model, args.dtype, prompts, args.max_tokens, max_model_len, None, args.batched,
+                       args.temperature)
     ngram = Splitserve("splitserve ngram", model, args.dtype, prompts, args.max_tokens, max_model_len, speculative,
-                       args.batched)
+                       args.batched, args.temperature)
     systems = [plain, ngram]
     timings: dict[str, list[float]] = {}
     answers: dict[str, list[list[int]]] = {}
@@ -242,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.vllm_python:
             log("starting the vLLM peer (its first start compiles for minutes)")
             systems.append(VllmPeer(args.vllm_python, model, args.dtype, prompts, args.max_tokens, max_model_len,
-                                    speculative, args.batched, args.vllm_threads_bind or default_vllm_threads_bind()))
+                                    speculative, args.batched, args.temperature,
+                                    args.vllm_threads_bind or default_vllm_threads_bind()))
         stats = ngram.llm.engine.stats
         drafts_before, accepted_before = stats.num_draft_tokens, stats.num_accepted_tokens
         for repeat in range(args.repeats):
@@ -262,17 +274,19 @@ def main(argv: list[str] | None = None) -> int:
     def rate(name: str) -> float:
         return tokens[name] / statistics.median(timings[name])
 
-    print(f"\nSpeculative decoding: {args.num_prompts} near-copy chat requests {mode}, greedy, {args.dtype}, "
+    print(f"\nSpeculative decoding: {args.num_prompts} near-copy chat requests {mode}, {sampling}, {args.dtype}, "
           f"medians of {args.repeats}; {json.dumps(speculative)}\n")
     print("| system | output tok/s | ms per output token | tokens |")
     print("|---|---|---|---|")
     for name in timings:
         print(f"| {name} | {rate(name):.1f} | {1000 / rate(name):.2f} | {tokens[name]} |")
     identical = sum(a == b for a, b in zip(answers["splitserve"], answers["splitserve ngram"]))
-    paired = [a / b for a, b in zip(timings["splitserve"], timings["splitserve ngram"])]
+    paired = [(tokens["splitserve ngram"] / b) / (tokens["splitserve"] / a)
+              for a, b in zip(timings["splitserve"], timings["splitserve ngram"])]
     print(f"\nsplitserve ngram / splitserve: {rate('splitserve ngram') / rate('splitserve'):.2f}x (repeat by repeat "
           f"{', '.join(f'{ratio:.2f}' for ratio in paired)}); drafts accepted {accepted}/{drafts} "
-          f"({accepted / max(drafts, 1):.0%}); greedy token ids identical for {identical}/{len(prompts)} requests")
+          f"({accepted / max(drafts, 1):.0%})" + (f"; greedy token ids identical for {identical}/{len(prompts)} "
+                                                  "requests" if args.temperature == 0 else ""))
     if "vllm ngram" in timings:
         eos = set(ModelConfig.from_model_dir(model).eos_token_ids)
         same = sum(without_trailing(a, eos) == without_trailing(b, eos)
@@ -280,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         theirs = [(tokens["splitserve ngram"] / a) / (tokens["vllm ngram"] / b)
                   for a, b in zip(timings["splitserve ngram"], timings["vllm ngram"])]
         print(f"splitserve ngram / vLLM ngram: {rate('splitserve ngram') / rate('vllm ngram'):.2f}x (repeat by "
-              f"repeat {', '.join(f'{ratio:.2f}' for ratio in theirs)}); greedy token ids identical for "
-              f"{same}/{len(prompts)} requests")
+              f"repeat {', '.join(f'{ratio:.2f}' for ratio in theirs)})" + (
+                  f"; greedy token ids identical for {same}/{len(prompts)} requests" if args.temperature == 0 else ""))
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"tokens": tokens, "timings": timings, "answers": answers, "drafts": drafts,

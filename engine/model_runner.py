@@ -34,7 +34,6 @@ from splitserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.engine.speculative import accepted_tokens
 from splitserve.kernels import cpu_ops, triton_attention, triton_ops
 
 _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
@@ -281,13 +280,41 @@ class ModelRunner:
         if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden)
+        if any(item.spec_token_ids for item in scheduled):
+            return self._sample_with_drafts(logits, sample_requests, scheduled)
         sampled = self.sampler(logits, sample_requests)
-        tokens = [
+        return [
             SampledToken(request, token_id, logprobs)
             for request, token_id, logprobs in zip(sample_requests, sampled.sampled_token_ids, sampled.logprobs)
         ]
-        if any(item.spec_token_ids for item in scheduled):
-            tokens = _verify_drafts(tokens, scheduled)
+
+    def _sample_with_drafts(self, logits: torch.Tensor, sample_requests: list[Request],
+                            scheduled: list[ScheduledRequest]) -> list[SampledToken]:
+        """A step where some requests verified drafts (their rows consecutive in ``sample_requests``): the others'
+        rows are sampled together, each verifying request's rows give its accepted tokens
+        (``Sampler.verify_drafts``), and its scheduled item records how many drafts were rejected. Tokens come
+        back in row order, a request's together."""
+        drafting = {id(item.request): item for item in scheduled if item.spec_token_ids}
+        groups: list[tuple[int, int, ScheduledRequest | None]] = []  # (first row, rows, item), in row order
+        row = 0
+        while row < len(sample_requests):
+            item = drafting.get(id(sample_requests[row]))
+            count = 1 if item is None else len(item.spec_token_ids) + 1
+            groups.append((row, count, item))
+            row += count
+        plain_rows = [first for first, _, item in groups if item is None]
+        if plain_rows:
+            sampled = self.sampler(logits[plain_rows], [sample_requests[row] for row in plain_rows])
+            plain = iter(zip(sampled.sampled_token_ids, sampled.logprobs))
+        tokens: list[SampledToken] = []
+        for first, count, item in groups:
+            if item is None:
+                token_id, logprobs = next(plain)
+                tokens.append(SampledToken(sample_requests[first], token_id, logprobs))
+                continue
+            accepted = self.sampler.verify_drafts(logits[first : first + count], item.request, item.spec_token_ids)
+            item.num_rejected = count - len(accepted)
+            tokens.extend(SampledToken(item.request, token_id, None) for token_id in accepted)
         return tokens
 
     def _decode_rows(self, decodes: list[ScheduledRequest], block_tables: dict[str, list[int]]
@@ -374,27 +401,6 @@ class ModelRunner:
             num_kv_heads = self.model_config.num_key_value_heads
             group.mask = padding.unsqueeze(0).expand(num_kv_heads, -1, -1).reshape(num_kv_heads * len(tables), 1, -1)
         return group
-
-
-def _verify_drafts(tokens: list[SampledToken], scheduled: list[ScheduledRequest]) -> list[SampledToken]:
-    """Keep, of each request that verified drafts, the tokens its rows accept (``speculative.accepted_tokens``),
-    recording on its scheduled item how many drafts were rejected; the others' tokens pass as they are."""
-    drafts = {id(item.request): item for item in scheduled if item.spec_token_ids}
-    kept: list[SampledToken] = []
-    index = 0
-    while index < len(tokens):
-        item = drafts.get(id(tokens[index].request))
-        if item is None:
-            kept.append(tokens[index])
-            index += 1
-            continue
-        count = len(item.spec_token_ids) + 1
-        rows = tokens[index : index + count]
-        accepted = accepted_tokens(item.spec_token_ids, [token.token_id for token in rows])
-        item.num_rejected = count - len(accepted)
-        kept.extend(rows[: len(accepted)])
-        index += count
-    return kept
 
 
 def _prompt_rows(request: Request, row: int, start: int, count: int) -> list[tuple[Request, int, int]]:

@@ -37,6 +37,7 @@ from splitserve.common.sampling_params import GREEDY_EPSILON
 from splitserve.engine.logits_processors import apply_logit_bias, apply_min_tokens, apply_penalties
 from splitserve.engine.logprobs import compute_logprobs
 from splitserve.engine.request import Request
+from splitserve.engine.speculative import accepted_tokens
 from splitserve.engine.structured_output import BITS_PER_WORD, apply_token_bitmask, fill_token_bitmask
 from splitserve.engine.top_k_top_p import apply_temperature, apply_top_k_top_p_min_p, sample_from_probs
 
@@ -126,11 +127,53 @@ class Sampler:
             request.generator = seeded_generator(request.sampling_params.seed)
         request.generator.random(dtype=numpy.float32)
 
+    def verify_drafts(self, logits: torch.Tensor, request: Request, drafts: list[int]) -> list[int]:
+        """The tokens a request's speculative step gives (``engine/speculative.py``): its drafts accepted in order,
+        then one token of its own.
+
+        logits: [len(drafts) + 1, vocab], row i the model's logits after the request's last token and drafts
+        0..i-1. The request takes no logit bias, penalties, logprobs or grammar (``may_speculate``). A greedy
+        request accepts a draft while it equals the row's argmax, and the first argmax that differs is its own
+        token. A sampling request accepts draft i with the probability its row gives it (after temperature,
+        top-k, top-p and min-p), and on the first refusal samples its row without the draft; when every draft is
+        accepted it samples the last row. That is speculative sampling with a proposer that is certain of its
+        drafts, so each token has the distribution it would have one step at a time; the request's uniform numbers
+        come from its own generator when it has a seed (one per draft tested, one per token sampled).
+
+        Returns: 1 to ``len(drafts) + 1`` token ids.
+        """
+        if _is_greedy(request):
+            return accepted_tokens(drafts, greedy_token_ids(logits, self.kernels).tolist())
+        probs = self._random_probs(logits.float(), [request] * logits.shape[0])  # [len(drafts) + 1, vocab]
+        accepted: list[int] = []
+        for row, draft in enumerate(drafts):
+            if self._uniform(request) < float(probs[row, draft]):
+                accepted.append(draft)
+                continue
+            residual = probs[row : row + 1].clone()  # [1, vocab]: the row without the refused draft
+            residual[0, draft] = 0.0
+            uniform = torch.tensor([self._uniform(request)])
+            return accepted + [int(sample_from_probs(residual, uniform)[0])]
+        last = probs[len(drafts) :]  # [1, vocab]
+        return accepted + [int(sample_from_probs(last, torch.tensor([self._uniform(request)]))[0])]
+
+    def _uniform(self, request: Request) -> float:
+        """One uniform number in [0, 1): from a seeded request's own generator, else from the sampler's."""
+        if request.sampling_params.seed is None:
+            return float(torch.rand(1, generator=self.generator)[0])
+        if request.generator is None:
+            request.generator = seeded_generator(request.sampling_params.seed)
+        return float(request.generator.random(dtype=numpy.float32))
+
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Temperature, filters and one draw for each row that samples.
 
         logits: [num_random, vocab] float32, penalized. Returns [num_random] token ids.
         """
+        return sample_from_probs(self._random_probs(logits, requests), self._uniform_numbers(requests))
+
+    def _random_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's distribution after its temperature, top-k, top-p and min-p ([rows, vocab] float32)."""
         vocab_size = logits.shape[-1]
         params = [request.sampling_params for request in requests]
         device = logits.device  # the few per-row numbers go where the logits are (the engine's device)
@@ -141,8 +184,7 @@ class Sampler:
 
         logits = apply_temperature(logits, temperatures)
         logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
-        probs = logits.softmax(dim=-1)  # [num_random, vocab]
-        return sample_from_probs(probs, self._uniform_numbers(requests))
+        return logits.softmax(dim=-1)  # [rows, vocab]
 
     def _uniform_numbers(self, requests: list[Request]) -> torch.Tensor:
         """One uniform number in [0, 1) per row, [num_random] float32: seeded rows

@@ -5,16 +5,17 @@ A running request's next tokens are guessed from its own text: the longest suffi
 up, and the ``num_speculative_tokens`` tokens that followed its first occurrence there are the drafts (the
 earliest, as vLLM's proposer takes: the most tokens follow it). One step then computes the
 request's last token and its drafts together, as a prompt chunk over the paged cache, with logits at every row.
-Row i's greedy token is the model's token after draft i - 1; drafts are accepted while they equal it, and the
-first token that differs (or the one after the last draft) is the step's own, so a step gives 1 to k + 1 tokens
-and greedy output is the same as without speculation. The KV of rejected drafts is left in slots past
-``num_computed_tokens``, to be overwritten.
+Row i holds the model's distribution after draft i - 1. A greedy request accepts drafts while each equals its
+row's argmax, and the first argmax that differs (or the one after the last draft) is the step's own token, so
+greedy output is the same as without speculation. A sampling request accepts each draft with the probability its
+row gives it and, at the first refusal, samples that row without the draft (speculative sampling with a proposer
+certain of its drafts: every token keeps its distribution; ``Sampler.verify_drafts``). A step gives 1 to k + 1
+tokens. The KV of rejected drafts is left in slots past ``num_computed_tokens``, to be overwritten.
 
-Which requests speculate: plain greedy ones (temperature 0 or top_k 1, no logit bias, penalties, logprobs, grammar
-or pending min_tokens), whose every row is a bare argmax; others decode a token a step beside them. vLLM samples
-the drafts of random requests by rejection; that is not done here yet. The scheduler asks the proposer for
-drafts when it schedules a request's decode (``Scheduler.proposer``) and trims them to the step's budget and the
-request's remaining output tokens.
+Which requests speculate: those whose rows depend on the logits alone (no logit bias, penalties, logprobs,
+grammar or pending min_tokens); the others decode a token a step beside them. The scheduler asks the proposer
+for drafts when it schedules a request's decode (``Scheduler.proposer``) and trims them to the step's budget
+and the request's remaining output tokens.
 
 Nothing here imports torch: the lookup runs in numpy over the request's token ids.
 """
@@ -27,7 +28,6 @@ from dataclasses import dataclass, fields
 import numpy
 from numpy.lib.stride_tricks import sliding_window_view
 
-from splitserve.common.sampling_params import GREEDY_EPSILON
 from splitserve.engine.request import Request
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -112,12 +112,11 @@ class SpeculativeConfig:
 
 
 def may_speculate(request: Request) -> bool:
-    """Whether a request's next tokens may be verified several at a time: every row of it is a bare argmax
-    (greedy, with no logit bias, penalties, logprobs, grammar or pending min_tokens), so the tokens accepted are
-    the ones it would have decoded one by one."""
+    """Whether a request's next tokens may be verified several at a time: each row's distribution depends on the
+    model's logits alone (no logit bias, penalties, logprobs, grammar or pending min_tokens), so the tokens accepted
+    are distributed as one step at a time would give them (``Sampler.verify_drafts``), greedy or sampled."""
     params = request.sampling_params
-    return ((params.temperature < GREEDY_EPSILON or params.top_k == 1)
-            and params.logprobs is None and not params.needs_penalties and not params.logit_bias
+    return (params.logprobs is None and not params.needs_penalties and not params.logit_bias
             and request.grammar is None and request.num_output_tokens >= params.min_tokens)
 
 

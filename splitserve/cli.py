@@ -152,10 +152,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--speculative-config", type=_speculative_config, metavar="JSON",
         help="speculative decoding by n-gram prompt lookup, as vLLM's flag: e.g. '{\"method\": \"ngram\", "
-        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; a greedy request's "
-        "next tokens are guessed from the earlier text that followed its latest n tokens, and one step checks up "
-        "to num_speculative_tokens of them (same tokens, fewer steps when the output repeats its context); other "
-        "requests decode a token a step (default: off)")
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; a request's next "
+        "tokens are guessed from the earlier text that followed its last n tokens, and one step checks up to "
+        "num_speculative_tokens of them (greedy: the same tokens; sampled: the same distributions; fewer steps "
+        "when the output repeats its context); requests with a logit bias, penalties, logprobs or structured "
+        "outputs decode a token a step (default: off)")
     group.add_argument(
         "--attention-backend", choices=("auto", "cpu", "torch", "triton"), default="auto",
         help="decode attention, KV writes and the fused layer operations (RMSNorm with the residual add, "

@@ -1,6 +1,7 @@
 """Speculative decoding by n-gram prompt lookup (``speculative_config``, ``--speculative-config``), end to end:
 greedy output is transformers' whatever the drafts, in fewer steps where the output repeats its context; requests
-that sample or ask for logprobs keep their tokens beside speculating ones; stops and limits land where they would
+that ask for logprobs or penalties keep their tokens beside speculating ones, and those that sample speculate
+with their seed's tokens whatever the batch; stops and limits land where they would
 without drafts; preemption and the torch attention reference hold; and a cluster whose workers speculate streams
 transformers' tokens and counts the drafts in its metrics."""
 
@@ -111,20 +112,33 @@ def test_stops_and_limits_land_where_they_would_without_drafts(llm, plain, copy_
     assert_all_blocks_free(llm)
 
 
-def test_requests_that_sample_or_score_keep_their_tokens_beside_speculating_ones(llm, plain, copy_ids):
-    prompts = [{"prompt_token_ids": copy_ids}] * 4
+def test_requests_that_score_or_are_penalised_keep_their_tokens_beside_speculating_ones(llm, plain, copy_ids):
+    prompts = [{"prompt_token_ids": copy_ids}] * 3
     params = [SamplingParams(max_tokens=32, temperature=0.0),
-              SamplingParams(max_tokens=32, temperature=0.8, seed=11),
               SamplingParams(max_tokens=32, temperature=0.0, logprobs=2),
-              SamplingParams(max_tokens=32, temperature=0.0, repetition_penalty=1.3)]
+              SamplingParams(max_tokens=32, temperature=0.7, seed=11, repetition_penalty=1.3)]
     before = llm.engine.stats.num_draft_tokens
     got = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.stats.num_draft_tokens > before  # the first one speculated
     expected = plain.generate(prompts, params, use_tqdm=False)
     assert token_ids_of(got) == token_ids_of(expected)
-    for mine, theirs in zip(got[2].outputs[0].logprobs, expected[2].outputs[0].logprobs):
+    for mine, theirs in zip(got[1].outputs[0].logprobs, expected[1].outputs[0].logprobs):
         assert mine.keys() == theirs.keys()
         assert all(abs(mine[token] - theirs[token]) < 1e-4 for token in mine)
+    assert_all_blocks_free(llm)
+
+
+def test_sampling_requests_speculate_and_their_seed_holds_whatever_the_batch(llm, copy_ids, prompt_token_ids):
+    """A seeded request that samples verifies drafts by speculative sampling (``Sampler.verify_drafts``, whose
+    distributions tests/unit/test_speculative.py checks); its tokens depend on its seed alone, not on the batch."""
+    seeded = SamplingParams(max_tokens=40, temperature=0.3, seed=1234)
+    before = dataclasses.replace(llm.engine.stats)
+    (alone,) = llm.generate({"prompt_token_ids": copy_ids}, seeded, use_tqdm=False)
+    assert llm.engine.stats.num_accepted_tokens > before.num_accepted_tokens
+    assert llm.engine.stats.num_steps - before.num_steps < len(alone.outputs[0].token_ids)
+    batch = llm.generate([{"prompt_token_ids": ids} for ids in (prompt_token_ids[3], copy_ids, prompt_token_ids[6])],
+                         [SamplingParams(max_tokens=40, temperature=0.9, seed=5), seeded, GREEDY], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
     assert_all_blocks_free(llm)
 
 

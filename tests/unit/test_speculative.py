@@ -7,6 +7,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from splitserve.cli import add_engine_arguments, engine_options
 from splitserve.cli_serve import _engine_flags
@@ -14,6 +15,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.request import Request
+from splitserve.engine.sampling import Sampler
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.speculative import SpeculativeConfig, accepted_tokens, may_speculate, propose_ngram
 
@@ -86,17 +88,67 @@ def test_a_bad_config_is_refused_with_a_sentence(value, words):
     assert words in str(raised.value)
 
 
-def test_only_bare_argmax_requests_speculate():
+def test_requests_whose_rows_depend_on_the_logits_alone_speculate():
     def request(**params):
         return Request("r", [1, 2, 3], SamplingParams(max_tokens=8, **params))
 
     assert may_speculate(request(temperature=0.0))
     assert may_speculate(request(temperature=0.8, top_k=1))
-    assert not may_speculate(request(temperature=0.8))
+    assert may_speculate(request(temperature=0.8, top_p=0.9, seed=3))
     assert not may_speculate(request(temperature=0.0, logprobs=2))
-    assert not may_speculate(request(temperature=0.0, repetition_penalty=1.2))
+    assert not may_speculate(request(temperature=0.8, repetition_penalty=1.2))
     assert not may_speculate(request(temperature=0.0, logit_bias={5: 1.0}))
     assert not may_speculate(request(temperature=0.0, min_tokens=2))  # until it has 2 tokens
+
+
+# ---- verification ----------------------------------------------------------------------------------------------
+
+def _rows(*distributions):
+    return torch.log(torch.tensor(distributions, dtype=torch.float32))  # [rows, vocab]; log 0 = -inf
+
+
+def test_greedy_verification_takes_the_rows_argmax():
+    logits = _rows([0.1, 0.7, 0.2], [0.6, 0.3, 0.1], [0.2, 0.2, 0.6])
+    request = Request("g", [1], SamplingParams(max_tokens=8, temperature=0.0))
+    assert Sampler().verify_drafts(logits, request, [1, 0]) == [1, 0, 2]
+    assert Sampler().verify_drafts(logits, request, [1, 2]) == [1, 0]
+    assert Sampler().verify_drafts(logits, request, [2, 0]) == [1]
+
+
+def test_sampled_drafts_keep_every_tokens_distribution():
+    """Drafts [1, 1] against rows p0, p1, p2: the first token is distributed as p0, the second (after an accepted
+    draft) as p1, the third as p2, as sampling one step at a time would give them."""
+    p0, p1, p2 = [0.5, 0.3, 0.2, 0.0], [0.1, 0.6, 0.3, 0.0], [0.25, 0.25, 0.25, 0.25]
+    logits = _rows(p0, p1, p2)
+    sampler = Sampler(seed=1)
+    request = Request("s", [1], SamplingParams(max_tokens=8, temperature=1.0))
+    runs = [sampler.verify_drafts(logits, request, [1, 1]) for _ in range(10_000)]
+
+    def frequencies(tokens):
+        return [tokens.count(token) / len(tokens) for token in range(4)]
+
+    for got, expected in zip(frequencies([run[0] for run in runs]), p0):
+        assert abs(got - expected) < 0.02
+    after_one = [run[1] for run in runs if run[0] == 1]  # the first draft accepted: its only way to be 1
+    for got, expected in zip(frequencies(after_one), p1):
+        assert abs(got - expected) < 0.04
+    after_two = [run[2] for run in runs if run[:2] == [1, 1]]
+    for got, expected in zip(frequencies(after_two), p2):
+        assert abs(got - expected) < 0.05
+    assert all(len(run) == 1 for run in runs if run[0] != 1)  # a refusal ends the step
+
+
+def test_sampled_verification_honours_the_filters_and_the_seed():
+    logits = _rows([0.5, 0.3, 0.2], [0.4, 0.4, 0.2])
+    top_k = Request("k", [1], SamplingParams(max_tokens=8, temperature=1.0, top_k=2))
+    assert {Sampler(seed=2).verify_drafts(logits, top_k, [2])[0] for _ in range(200)} <= {0, 1}
+
+    def tokens(seed):
+        request = Request("seeded", [1], SamplingParams(max_tokens=8, temperature=1.0, seed=seed))
+        sampler = Sampler(seed=len(str(seed)))  # the sampler's own stream is not used by a seeded request
+        return [sampler.verify_drafts(logits, request, [0]) for _ in range(50)]
+
+    assert tokens(7) == tokens(7) and tokens(7) != tokens(8)
 
 
 # ---- the scheduler's plans -------------------------------------------------------------------------------------
@@ -174,14 +226,15 @@ def test_drafts_are_dropped_before_anything_is_preempted_for_them():
     assert not scheduler.num_preemptions
 
 
-def test_requests_that_sample_or_ask_for_logprobs_decode_one_token_a_step():
+def test_requests_with_penalties_or_logprobs_decode_one_token_a_step():
     scheduler = make_scheduler()
-    sampled = Request("s", [1, 2, 1], SamplingParams(max_tokens=8, temperature=0.7, seed=1), max_output_tokens=8)
+    penalised = greedy("p", [1, 2, 1], repetition_penalty=1.2)
     scored = greedy("l", [1, 2, 1], logprobs=1)
-    scheduler.add_request(sampled)
-    scheduler.add_request(scored)
-    step(scheduler, {"s": [2], "l": [2]})
-    assert step(scheduler, {"s": [1], "l": [1]}) == [("s", 1, []), ("l", 1, [])]
+    sampled = Request("s", [1, 2, 1], SamplingParams(max_tokens=8, temperature=0.7, seed=1), max_output_tokens=8)
+    for request in (penalised, scored, sampled):
+        scheduler.add_request(request)
+    step(scheduler, {"p": [2], "l": [2], "s": [2]})
+    assert step(scheduler, {"p": [1], "l": [1], "s": [1, 2, 1]}) == [("p", 1, []), ("l", 1, []), ("s", 3, [1, 2])]
 
 
 # ---- the flag -------------------------------------------------------------------------------------------------
