@@ -76,7 +76,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             config.scheduling_policy,
-            config.speculative_config.propose if config.speculative_config is not None else None,
+            *self._speculation(config),
         )
         self._arrivals = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -87,6 +87,14 @@ class LLMEngine:
         self.stats = EngineStats()
         self.kv_transfers = KVTransfers(config.block_size)
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+
+    @staticmethod
+    def _speculation(config: EngineConfig) -> tuple:
+        """The scheduler's proposer and the batch size at which it stops drafting (None, None: no speculation)."""
+        speculative = config.speculative_config
+        if speculative is None:
+            return None, None
+        return speculative.propose, speculative.disable_by_batch_size
 
     def attach_kv_connector(self, connector: KVConnectorBase) -> None:
         """KV of requests with ``KVTransferParams`` now moves through ``connector`` (before serving starts)."""

@@ -76,6 +76,8 @@ class Scheduler:
             in that order rather than the newest.
         proposer: speculative decoding: ``proposer(request, max_drafts)`` gives the drafts to verify after a
             running request's next token (``SpeculativeConfig.propose``); None: one token a step.
+        disable_speculation_at: no drafts in a step that starts with this many running requests or more
+            (``SpeculativeConfig.disable_by_batch_size``); None: at any number.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         proposer: Callable[[Request, int], list[int]] | None = None,
+        disable_speculation_at: int | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -93,6 +96,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
         self.proposer = proposer
+        self.disable_speculation_at = disable_speculation_at
         self.waiting: RequestQueue = request_queue(policy)
         self.running: list[Request] = []
         self.waiting_for_remote_kvs: dict[str, Request] = {}
@@ -192,6 +196,8 @@ class Scheduler:
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        limit = self.disable_speculation_at
+        speculate = self.proposer is not None and (limit is None or len(self.running) < limit)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -199,7 +205,7 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
-            drafts = self._drafts(request, num_new, budget)
+            drafts = self._drafts(request, num_new, budget) if speculate else []
             if drafts:
                 if self.kv_cache.allocate_slots(request, 1 + len(drafts)):
                     output.scheduled.append(self._scheduled(request, 1 + len(drafts), drafts))

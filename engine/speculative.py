@@ -47,12 +47,16 @@ class SpeculativeConfig:
         prompt_lookup_min: the shortest suffix looked up (None: prompt_lookup_max, or 5 when both are None, as
             vLLM).
         prompt_lookup_max: the longest (None: prompt_lookup_min, or 5).
+        disable_by_batch_size: no drafts in a step that starts with this many running requests or more (vLLM
+            V0's key; V1 has none): where a step's rows are bound by arithmetic rather than by reading the weights,
+            drafts cost about what they save (README, "Speculative decoding"). None: drafts at any batch size.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -61,6 +65,8 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs num_speculative_tokens (drafts per step, e.g. 4).")
         _require_int_in("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        if self.disable_by_batch_size is not None:
+            _require_int_in("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
             if value is not None:

@@ -156,7 +156,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "tokens are guessed from the earlier text that followed its last n tokens, and one step checks up to "
         "num_speculative_tokens of them (greedy: the same tokens; sampled: the same distributions; fewer steps "
         "when the output repeats its context); requests with a logit bias, penalties, logprobs or structured "
-        "outputs decode a token a step (default: off)")
+        "outputs decode a token a step; \"disable_by_batch_size\": N drafts nothing in a step that starts with N "
+        "or more running requests (default: off)")
     group.add_argument(
         "--attention-backend", choices=("auto", "cpu", "torch", "triton"), default="auto",
         help="decode attention, KV writes and the fused layer operations (RMSNorm with the residual add, "

@@ -142,6 +142,18 @@ def test_sampling_requests_speculate_and_their_seed_holds_whatever_the_batch(llm
     assert_all_blocks_free(llm)
 
 
+def test_disable_by_batch_size_drafts_only_for_smaller_batches(model_dir, copy_ids):
+    llm = LLM(str(model_dir), num_kv_blocks=128, max_model_len=2048,
+              speculative_config={**SPEC, "disable_by_batch_size": 2})
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    together = llm.generate([{"prompt_token_ids": copy_ids}] * 2, params, use_tqdm=False)
+    assert llm.engine.stats.num_draft_tokens == 0  # two running from the first step to the last
+    (alone,) = llm.generate({"prompt_token_ids": copy_ids}, params, use_tqdm=False)
+    assert llm.engine.stats.num_accepted_tokens > 0
+    assert together[0].outputs[0].token_ids == together[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_all_blocks_free(llm)
+
+
 def test_preemption_with_drafts_through_the_torch_reference(model_dir, prompt_token_ids, hf_reference):
     # 100 blocks of 16 tokens: the 1,111-token prompt alone takes 71, so requests are preempted, drafts held.
     llm = LLM(str(model_dir), num_kv_blocks=100, max_model_len=1500, max_num_batched_tokens=256,

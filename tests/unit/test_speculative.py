@@ -153,9 +153,10 @@ def test_sampled_verification_honours_the_filters_and_the_seed():
 
 # ---- the scheduler's plans -------------------------------------------------------------------------------------
 
-def make_scheduler(num_blocks=16, block_size=4, budget=16, drafts=3):
-    config = SpeculativeConfig("ngram", drafts, 1, 2)
-    return Scheduler(KVCacheManager(num_blocks, block_size, enable_caching=False), 4, budget, proposer=config.propose)
+def make_scheduler(num_blocks=16, block_size=4, budget=16, drafts=3, disable_at=None):
+    config = SpeculativeConfig("ngram", drafts, 1, 2, disable_at)
+    return Scheduler(KVCacheManager(num_blocks, block_size, enable_caching=False), 4, budget, proposer=config.propose,
+                     disable_speculation_at=config.disable_by_batch_size)
 
 
 def greedy(request_id, prompt, max_tokens=20, **params):
@@ -261,3 +262,17 @@ def test_a_bad_flag_is_a_usage_error_naming_it(capsys):
         _parse("--speculative-config", '{"num_speculative_tokens": 4, "model": "x"}')
     error = capsys.readouterr().err
     assert stop.value.code == 2 and "argument --speculative-config: speculative_config does not take 'model'" in error
+
+
+def test_no_drafts_in_a_step_that_starts_with_disable_by_batch_size_requests_running():
+    scheduler = make_scheduler(disable_at=2)
+    a, b = greedy("a", [1, 2, 1]), greedy("b", [3, 4, 3])
+    scheduler.add_request(a)
+    assert step(scheduler, {"a": [2]}) == [("a", 3, [])]
+    scheduler.add_request(b)  # joins in the step where a drafts (one running request when it starts)
+    assert step(scheduler, {"a": [1, 2, 9], "b": [4]}) == [("a", 3, [1, 2]), ("b", 3, [])]
+    # two running now: one token each, though both have drafts to offer
+    assert step(scheduler, {"a": [7], "b": [3]}) == [("a", 1, []), ("b", 1, [])]
+    assert SpeculativeConfig.of({"num_speculative_tokens": 2, "disable_by_batch_size": 4}).disable_by_batch_size == 4
+    with pytest.raises(ValueError, match="disable_by_batch_size must be an integer from 1"):
+        SpeculativeConfig.of({"num_speculative_tokens": 2, "disable_by_batch_size": 0})
