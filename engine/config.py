@@ -69,6 +69,11 @@ class EngineConfig:
         speculative_config: speculative decoding by n-gram prompt lookup (``engine/speculative.py``): a
             :class:`SpeculativeConfig`, a dict of its fields or their JSON text (vLLM's ``--speculative-config``,
             e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``); None: one token a step.
+        enable_lora: serve LoRA adapters beside the base model (``engine/lora.py``; vLLM's ``--enable-lora``):
+            requests may name one (a ``LoRARequest``). Steps then run eagerly (no CUDA graphs).
+        max_loras: LoRA adapters one step may run (vLLM's default, 1); requests of others wait.
+        max_lora_rank: the highest adapter rank accepted (vLLM's default, 16).
+        max_cpu_loras: adapters kept loaded once no request holds them (None: max_loras).
     """
 
     model: str | None = None
@@ -89,9 +94,23 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     cuda_graph_mode: str | None = "full_and_piecewise"
     speculative_config: SpeculativeConfig | dict | str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        _require_positive_int("max_loras", self.max_loras)
+        _require_positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _require_positive_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}).")
+        if self.enable_lora and self.cuda_graphs:
+            raise ValueError("enable_lora runs steps eagerly: LoRA adapters are not captured in CUDA graphs "
+                             "(leave cuda_graphs unset, or pass --enforce-eager).")
         if self.cuda_graph_mode is None:  # a flag left out
             self.cuda_graph_mode = CUDA_GRAPH_MODES[0]
         if self.cuda_graph_mode not in CUDA_GRAPH_MODES:

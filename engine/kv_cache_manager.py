@@ -138,5 +138,5 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request) -> None:
         tokens, size, hashes = request.all_token_ids, self.block_size, request.block_hashes
         for index in range(len(hashes), len(tokens) // size):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else request.block_hash_root
             hashes.append(hash_block_tokens(parent, tokens[index * size : (index + 1) * size]))

@@ -11,6 +11,7 @@ from splitserve.common.chat import Chat
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import DEFAULT_STEP_LIMITS, EngineConfig, likely_device, resolve_device, resolve_dtype
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.lora import LoRARequest
 from splitserve.engine.outputs import RequestOutput
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
@@ -64,8 +65,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, all batched together; outputs come back in prompt order.
+
+        ``lora_request`` (one for every prompt, or one per prompt, None for the base model) runs prompts with LoRA
+        adapters, in an engine made with ``enable_lora=True`` (vLLM's ``LLM(..., enable_lora=True)``).
 
         ``priority`` (one per prompt, as vLLM's) orders the prompts under the priority scheduling policy
         (``LLM(..., scheduling_policy="priority")``; lower first). Every prompt, parameter set and priority is
@@ -76,6 +81,10 @@ class LLM:
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"Got {len(priorities)} priorities for {len(prompt_list)} prompts.")
+        adapters = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                    else [lora_request] * len(prompt_list))
+        if len(adapters) != len(prompt_list):
+            raise ValueError(f"Got {len(adapters)} lora_requests for {len(prompt_list)} prompts.")
         requests = []
         for prompt, params, value in zip(prompt_list, params_list, priorities):  # validate (and tokenize) all first
             text, token_ids = self._token_ids_of(prompt)
@@ -84,10 +93,15 @@ class LLM:
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}.")
             self.engine.check_priority(value)
         request_ids = []
-        for (text, token_ids), params, value in zip(requests, params_list, priorities):
-            request_id = self.engine.next_request_id()
-            self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids, priority=value)
-            request_ids.append(request_id)
+        try:
+            for (text, token_ids), params, value, adapter in zip(requests, params_list, priorities, adapters):
+                request_id = self.engine.next_request_id()
+                self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids, priority=value,
+                                        lora_request=adapter)
+                request_ids.append(request_id)
+        except ValueError:  # an adapter that cannot load: nothing of this call stays queued
+            self._abort_all(request_ids)
+            raise
         return self._run(request_ids, use_tqdm)
 
     def chat(
@@ -161,15 +175,17 @@ class LLM:
                         if progress is not None:
                             progress.update(1)
         except BaseException:
-            for request_id in request_ids:
-                if request_id not in final:
-                    self.engine.abort_request(request_id)
-            self.engine.step()  # drain the abort outputs
+            self._abort_all([request_id for request_id in request_ids if request_id not in final])
             raise
         finally:
             if progress is not None:
                 progress.close()
         return [final[request_id] for request_id in request_ids]
+
+    def _abort_all(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+        self.engine.step()  # drain the abort outputs
 
 
 def offline_max_num_batched_tokens(engine_options: dict[str, Any]) -> int:

@@ -9,7 +9,7 @@ connector, ``finish_remote_kv`` and ``release_kv`` drive the same requests by
 hand. One engine is driven by one thread.
 
 This module is the engine's whole public surface (requests in, steps,
-outputs, the KV hooks), under 450 lines; what each step does lives in the
+outputs, the KV hooks), under 500 lines; what each step does lives in the
 scheduler, the model runner, :mod:`~splitserve.engine.kv_transfers` and
 :mod:`~splitserve.engine.output_processor`.
 """
@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.common.block_hash import lora_root_hash
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.load import WorkerLoad
 from splitserve.common.log_fields import request_log
@@ -32,6 +33,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.kv_connector import KVConnectorBase, KVLoadFailurePolicy, KVLoadOutcome, KVTransferParams
 from splitserve.engine.kv_transfers import KVTransfers
+from splitserve.engine.lora import LoRARequest
 from splitserve.engine.model_runner import ModelRunner, SampledToken
 from splitserve.engine.model_store import load_tokenizer, resolve_model
 from splitserve.engine.output_processor import OutputProcessor
@@ -77,6 +79,7 @@ class LLMEngine:
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             config.scheduling_policy,
             *self._speculation(config),
+            max_loras=config.max_loras,
         )
         self._arrivals = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -117,6 +120,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         kv_transfer: KVTransferParams | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and queue a request (text ``prompt`` or ``prompt_token_ids``).
 
@@ -128,11 +132,12 @@ class LLMEngine:
         (or :meth:`release_kv` by hand).
 
         ``priority`` orders it under the priority scheduling policy (lower first); other policies take 0 only.
+        ``lora_request`` runs it with that LoRA adapter (``enable_lora`` engines; loaded now if it is not).
 
         Raises:
             ValueError: empty or too long prompt, token ids out of range (the prompt's or logit_bias's), bad
                 params, prompt_logprobs with a remote prefill's KV or more of them than one response holds, a
-                priority the scheduling policy does not take.
+                priority the scheduling policy does not take, a LoRA adapter that cannot be served here.
             KVCacheFullError: no room to reserve the blocks of KV that comes from outside.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -157,11 +162,29 @@ class LLMEngine:
                                      "comes from a remote prefill (kv_transfer.load): ask the prefill for them.")
         if params.structured_outputs is not None:
             request.grammar = self.structured_outputs.matcher(params.structured_outputs, token_ids)
-        num_external_tokens = self.kv_transfers.num_external_tokens(request, kv_transfer)
-        self.scheduler.add_request(request, num_external_tokens)
+        if lora_request is not None:
+            self._acquire_lora(request, lora_request)
+        try:
+            num_external_tokens = self.kv_transfers.num_external_tokens(request, kv_transfer)
+            self.scheduler.add_request(request, num_external_tokens)
+        except Exception:
+            self._release_lora(request)
+            raise
         self.kv_transfers.start(request, kv_transfer, num_external_tokens, self.block_ids(request_id))
         self.output_processor.add(request, prompt)
         return request
+
+    def _acquire_lora(self, request: Request, lora_request: LoRARequest) -> None:
+        lora = self.model_runner.lora
+        if lora is None:
+            raise InvalidRequest(f"This engine serves no LoRA adapters (asked for {lora_request.lora_name[:64]!r}); "
+                                 "start it with enable_lora (--enable-lora).")
+        lora.acquire(lora_request)
+        request.lora_request, request.block_hash_root = lora_request, lora_root_hash(lora_request.lora_name)
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_request is not None:
+            self.model_runner.lora.release(request.lora_request)  # once: a request finishes once
 
     def check_priority(self, priority: int) -> int:
         """A request's priority: any integer under the priority policy, 0 otherwise (as vLLM refuses others)."""
@@ -434,6 +457,7 @@ class LLMEngine:
         if logger.isEnabledFor(logging.DEBUG):
             request_log(logger, request.request_id).debug("%s -> %s", request.status.name, status.name)
         self.scheduler.finish_request(request, status, hold_blocks=hold)
+        self._release_lora(request)
         self.stats.num_finished_requests += 1
         request.finished_time = time.monotonic()
 

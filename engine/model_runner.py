@@ -29,6 +29,7 @@ from splitserve.engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from splitserve.engine.gpu_memory import gpu_kv_cache_bytes, measure_step_bytes
 from splitserve.engine.host_allocator import keep_freed_buffers_in_heap
 from splitserve.engine.logprobs import record_prompt_logprobs
+from splitserve.engine.lora import LoRAManager
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from splitserve.engine.request import Request
@@ -113,6 +114,8 @@ class _BatchInputs:
     sample_requests: list[Request]
     # (request, row, position) of the prompt positions whose logits give prompt logprobs (record_prompt_logprobs)
     prompt_rows: list[tuple[Request, int, int]]
+    # Per row, the lora_int_id of its request's adapter (0: none)
+    lora_ids: list[int]
 
 
 class ModelRunner:
@@ -134,7 +137,7 @@ class ModelRunner:
         backend = self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         use_graphs = config.cuda_graphs
         if use_graphs is None:
-            use_graphs = self.device == "cuda" and backend == "triton"
+            use_graphs = self.device == "cuda" and backend == "triton" and not config.enable_lora
         elif use_graphs:
             _check_graphs_possible(self.device, backend)  # before the weights load
         if self.device != "cuda" and config.gpu_memory_utilization is not None:
@@ -160,6 +163,8 @@ class ModelRunner:
         if self.use_triton_kernel:
             triton_attention.check_usable(torch.device(self.device))
         self.model.use_kernels(cpu_ops if self.use_cpu_kernel else triton_ops if self.use_triton_kernel else None)
+        self.lora = None if not config.enable_lora else LoRAManager(
+            self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.dtype, self.device)
         use_pieces = bool(use_graphs) and config.cuda_graph_mode != "full_decode_only"
         self.num_blocks = self._num_kv_blocks(config, max_model_len, held_before_load, use_pieces)
         # Block-major: [num_blocks, layers, 2, kv_heads, block_size, head_dim]. One block holds its tokens'
@@ -269,11 +274,13 @@ class ModelRunner:
                 every_row = pieces.run(inputs.input_ids, inputs.positions, inputs.metadata)
                 hidden = every_row[sample_rows]
             elif len(sample_rows) == num_rows or inputs.prompt_rows:
+                self._assign_lora_rows(inputs.lora_ids, None)
                 every_row = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
                 # ascending rows when every row is sampled
                 hidden = every_row if len(sample_rows) == num_rows else every_row[sample_rows]
             else:  # only the sampled rows' hidden states are read: the last layer computes no others
                 output_rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+                self._assign_lora_rows(inputs.lora_ids, sample_rows)
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, output_rows)
             if inputs.prompt_rows:
                 record_prompt_logprobs(every_row, self.model.compute_logits, inputs.prompt_rows)
@@ -287,6 +294,10 @@ class ModelRunner:
             SampledToken(request, token_id, logprobs)
             for request, token_id, logprobs in zip(sample_requests, sampled.sampled_token_ids, sampled.logprobs)
         ]
+
+    def _assign_lora_rows(self, lora_ids: list[int], output_rows: list[int] | None) -> None:
+        if self.lora is not None:
+            self.lora.prepare(lora_ids, output_rows)
 
     def _sample_with_drafts(self, logits: torch.Tensor, sample_requests: list[Request],
                             scheduled: list[ScheduledRequest]) -> list[SampledToken]:
@@ -387,6 +398,8 @@ class ModelRunner:
             sample_rows=sample_rows,
             sample_requests=sample_requests,
             prompt_rows=prompt_rows,
+            lora_ids=[_lora_id(item.request) for item in decodes]
+            + [_lora_id(item.request) for item in prefills for _ in range(item.num_new_tokens)],
         )
 
     def _decode_group(self, start: int, end: int, tables: list[list[int]], positions: list[int]) -> DecodeGroup:
@@ -401,6 +414,10 @@ class ModelRunner:
             num_kv_heads = self.model_config.num_key_value_heads
             group.mask = padding.unsqueeze(0).expand(num_kv_heads, -1, -1).reshape(num_kv_heads * len(tables), 1, -1)
         return group
+
+
+def _lora_id(request: Request) -> int:
+    return 0 if request.lora_request is None else request.lora_request.lora_int_id
 
 
 def _prompt_rows(request: Request, row: int, start: int, count: int) -> list[tuple[Request, int, int]]:

@@ -80,6 +80,10 @@ class Request:
     num_preemptions: int = 0
     # Chained hashes of the request's full blocks, in order (see kv_cache_manager).
     block_hashes: list[bytes] = field(default_factory=list)
+    # With a LoRA adapter (engine/lora.py): its LoRARequest, and the hash its first block chains from (its KV is the
+    # adapter's: no other adapter's request may share it); None: the base model, chaining from the common root.
+    lora_request: Any = None
+    block_hash_root: bytes | None = None
     # The token id or stop string that finished it; an error message for FINISHED_ERROR.
     stop_reason: int | str | None = None
     # Per-request random generator (a numpy.random.Generator on PCG64, all 64 bits of the seed), owned by the sampler.

@@ -15,6 +15,11 @@ request's decode also takes the drafts proposed for it, as far as the budget
 and free blocks allow (drafts are dropped before anything is preempted for
 them); the model runner records how many it rejected, and
 :meth:`Scheduler.update_after_step` counts only the KV of accepted ones.
+
+With ``max_loras`` (LoRA adapters, ``engine/lora.py``) the running batch holds
+requests of at most that many adapters: a waiting request of another adapter is
+passed over, keeping its place, until one of them has no request running (as
+vLLM's scheduler skips it).
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ class Scheduler:
         policy: str = "fcfs",
         proposer: Callable[[Request, int], list[int]] | None = None,
         disable_speculation_at: int | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -97,6 +103,7 @@ class Scheduler:
         self.policy = policy
         self.proposer = proposer
         self.disable_speculation_at = disable_speculation_at
+        self.max_loras = max_loras
         self.waiting: RequestQueue = request_queue(policy)
         self.running: list[Request] = []
         self.waiting_for_remote_kvs: dict[str, Request] = {}
@@ -231,8 +238,16 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        """Start waiting requests in the queue's order while budget, max_num_seqs and blocks allow; a request whose
+        LoRA adapter would make more than max_loras in the running batch is passed over (it keeps its place)."""
+        adapters = {request.lora_request.lora_int_id for request in self.running if request.lora_request}
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            lora = request.lora_request
+            if lora is not None and lora.lora_int_id not in adapters and len(adapters) >= self.max_loras:
+                skipped.append(self.waiting.pop())
+                continue
             cached_block_ids: list[int] = []
             num_computed = request.num_computed_tokens
             if not self.kv_cache.block_ids(request.request_id):
@@ -253,8 +268,12 @@ class Scheduler:
                                                               request.status.name, num_new, num_computed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens

@@ -127,7 +127,8 @@ class LlamaMLP(nn.Module):
         gate/up projection and SiLU in pieces of that many rows, so that each piece's gate/up output (3 MB for
         SmolLM) is still in cache when SiLU reads it; with the kernels, SiLU writes each piece's rows of one
         [tokens, intermediate] tensor, which the down projection takes whole (no pieces to concatenate after it)."""
-        if x.shape[0] > _MLP_CHUNK_ROWS and x.device.type == "cpu":
+        if (x.shape[0] > _MLP_CHUNK_ROWS and x.device.type == "cpu"
+                and not getattr(self.gate_up_proj, "needs_whole_batch", False)):  # LoRA deltas index whole steps
             if self.kernels is None:
                 return torch.cat([self._forward(piece) for piece in x.split(_MLP_CHUNK_ROWS)])
             hidden = x.new_empty(x.shape[0], self.intermediate_size)

@@ -1,0 +1,51 @@
+"""LoRA adapters for the tests, made and run by PEFT (the reference): random, small, and on named projections."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EVERY_PROJECTION = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(model_dir: str, directory: Path, seed: int, targets: list[str], rank: int = 8, alpha: int = 16,
+                 std: float = 0.02, **options) -> Path:
+    """A PEFT LoRA adapter of ``model_dir`` saved in ``directory``: A as PEFT initialises it, B drawn from
+    N(0, std) with ``seed`` (PEFT's own B is zero, which would change nothing)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, **options)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, std)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+@functools.lru_cache(maxsize=8)
+def _peft_model(model_dir: str, adapter_dir: str):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def peft_greedy(model_dir: str, adapter_dir: str, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """PEFT's greedy continuation of one prompt with the adapter (unmerged, float32), no padding."""
+    import torch
+
+    model = _peft_model(str(model_dir), str(adapter_dir))
+    with torch.inference_mode():
+        input_ids = torch.tensor([prompt_token_ids])
+        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                max_new_tokens=max_new_tokens, do_sample=False)
+    return output[0, len(prompt_token_ids):].tolist()
