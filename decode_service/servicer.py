@@ -100,9 +100,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _submit(self, request, params, remote: bool):
         """Announce the request's transfer (remote KV) and hand the request to the engine."""
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
+        lora = self.runtime.lora_request(request.lora_name)
         if not remote:
             self.runtime.counters.add(num_local_prefills=1)
-            stream = self.loop.submit(request_id, None, params, prompt, priority=request.priority)
+            stream = self.loop.submit(request_id, None, params, prompt, priority=request.priority, lora_request=lora)
             return stream, wait_accepted(stream)
         config = self.runtime.config
         timeout = request.kv_timeout_seconds if request.HasField("kv_timeout_seconds") else config.kv_timeout_seconds
@@ -115,7 +116,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                               prompt_token_ids=prompt)
         try:
             stream = self.loop.submit(request_id, None, params, prompt, priority=request.priority,
-                                      kv_transfer=KVTransferParams(load=True, on_load_failure=policy))
+                                      kv_transfer=KVTransferParams(load=True, on_load_failure=policy),
+                                      lora_request=lora)
             return stream, wait_accepted(stream)
         except BaseException:
             self.receiver.discard(request_id)  # refused (no room, bad prompt): nothing will be loaded

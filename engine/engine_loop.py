@@ -19,6 +19,7 @@ from typing import Any
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.lora import LoRARequest
 from splitserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -122,10 +123,11 @@ class EngineLoop:
         prompt_token_ids: list[int] | None = None,
         kv_transfer: KVTransferParams | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream.
 
-        ``kv_transfer`` and ``priority`` are passed to ``LLMEngine.add_request``;
+        ``kv_transfer``, ``priority`` and ``lora_request`` are passed to ``LLMEngine.add_request``;
         ``stream.wait_accepted()`` says when the engine has taken it.
 
         Raises:
@@ -137,7 +139,7 @@ class EngineLoop:
             raise ValueError("sampling_params must be a SamplingParams.")
         stream = RequestStream(request_id)
         self._commands.put(
-            ("add", stream, (request_id, prompt, sampling_params, token_ids, kv_transfer, priority))
+            ("add", stream, (request_id, prompt, sampling_params, token_ids, kv_transfer, priority, lora_request))
         )
         return stream
 
@@ -189,10 +191,10 @@ class EngineLoop:
     def _apply(self, command) -> None:
         kind, target, payload = command
         if kind == "add":
-            request_id, prompt, params, token_ids, kv_transfer, priority = payload
+            request_id, prompt, params, token_ids, kv_transfer, priority, lora_request = payload
             try:
                 self.engine.add_request(request_id, prompt, params, prompt_token_ids=token_ids, kv_transfer=kv_transfer,
-                                        priority=priority)
+                                        priority=priority, lora_request=lora_request)
             except Exception as error:  # duplicate id, no room for remote KV: the caller hears of it
                 target.accepted.set_exception(error)
                 target.put(error)

@@ -108,8 +108,8 @@ def load_adapter(request: LoRARequest, num_layers: int, part_shapes: dict[str, t
                                  "without the other.")
         a, b = pair["A"], pair["B"]
         out_features, in_features = part_shapes[part]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, r):
+        r = a.shape[0] if a.dim() == 2 else 0
+        if r < 1 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, r):
             raise InvalidRequest(
                 f"LoRA adapter {request.lora_name!r} does not fit this model: layer {layer} {part} has A "
                 f"{tuple(a.shape)} and B {tuple(b.shape)}, where [r, {in_features}] and [{out_features}, r] are needed.")
@@ -320,6 +320,9 @@ class LoRAManager:
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by lora_int_id, least recently used first
         self.holders: dict[int, int] = {}  # lora_int_id -> requests holding it
         self.slot_ids: list[int | None] = [None] * max_loras  # lora_int_id in each slot
+        # Every adapter this engine ever took, by name: a name means one adapter for the engine's life, as cached KV
+        # blocks are found by it.
+        self.names: dict[str, LoRARequest] = {}
 
     def acquire(self, request: LoRARequest) -> None:
         """Load ``request``'s adapter if it is not loaded, and hold it for one request until :meth:`release`.
@@ -332,6 +335,10 @@ class LoRAManager:
         if adapter is not None and adapter.request != request:
             raise InvalidRequest(f"lora_int_id {request.lora_int_id} is adapter {adapter.request.lora_name!r} here; "
                                  "give each adapter an id of its own.")
+        known = self.names.setdefault(request.lora_name, request)
+        if known != request:  # its KV in the prefix cache is found by its name (lora_root_hash)
+            raise InvalidRequest(f"LoRA adapter name {request.lora_name!r} is lora_int_id {known.lora_int_id} here, "
+                                 "from another directory or under another id; give each adapter a name of its own.")
         if adapter is None:
             adapter = load_adapter(request, self.config.num_hidden_layers, part_shapes(self.config), self.max_rank,
                                    self.dtype, self.device)

@@ -245,7 +245,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             lora = request.lora_request
-            if lora is not None and lora.lora_int_id not in adapters and len(adapters) >= self.max_loras:
+            if (lora is not None and lora.lora_int_id not in adapters and self.max_loras is not None
+                    and len(adapters) >= self.max_loras):
                 skipped.append(self.waiting.pop())
                 continue
             cached_block_ids: list[int] = []

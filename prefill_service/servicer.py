@@ -79,6 +79,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
         runtime, request_id = self.runtime, request.request_id
         prompt = list(request.prompt_token_ids)
+        lora = runtime.lora_request(request.lora_name)
         received = time.monotonic()
         sender = self.sender.expect(request_id, request.transfer_id, KVEndpointInfo.from_pb(request.destination),
                                     len(prompt), prompt_token_ids=prompt)
@@ -89,7 +90,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             kv_transfer = KVTransferParams(save=True, num_skip_tokens=skip)
             try:
                 stream = runtime.loop.submit(request_id, None, engine_params, prompt, kv_transfer=kv_transfer,
-                                             priority=request.priority)
+                                             priority=request.priority, lora_request=lora)
                 wait_accepted(stream)
             except BaseException:
                 self.sender.discard(request_id)

@@ -77,6 +77,7 @@ class RouterRequest:
     prompt: Prompt
     sampling_params: inference_pb2.SamplingParams
     priority: int = 0  # GenerateRequest.priority, passed to every worker call (continuations too)
+    lora_name: str = ""  # GenerateRequest.lora_name: the LoRA adapter of every worker call ("" none)
     accepted: float = field(default_factory=time.monotonic)
     aborted: bool = False
     prefill: worker_pb2.PrefillResponse | None = None
@@ -258,7 +259,7 @@ class Dispatcher:
 
     def _choose_decode(self, job: RouterRequest, tried: set[str]) -> tuple[Worker, bool]:
         for role, colocated in ((WorkerRole.DECODE, False), (WorkerRole.BOTH, True)):
-            workers = [w for w in self.registry.routable(role) if w.worker_id not in tried]
+            workers = [w for w in self.registry.routable(role) if w.worker_id not in tried and w.serves(job.lora_name)]
             if workers:
                 return self.decode_policy.choose(workers, job.prompt.token_ids), colocated
         if tried:
@@ -269,8 +270,9 @@ class Dispatcher:
     def _choose_prefill(self, job: RouterRequest, tried: set[str]) -> Worker | None:
         if len(job.prompt.token_ids) < self.config.local_prefill_threshold:
             return None
-        workers = [w for w in self.registry.routable(WorkerRole.PREFILL) if w.worker_id not in tried]
-        if not workers:
+        workers = [w for w in self.registry.routable(WorkerRole.PREFILL)
+                   if w.worker_id not in tried and w.serves(job.lora_name)]
+        if not workers:  # none (that serves its adapter): the decode worker prefills it
             return None
         return self.prefill_policy.choose(workers, job.prompt.token_ids)
 
@@ -280,6 +282,7 @@ class Dispatcher:
         request = worker_pb2.DecodeRequest(
             request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
             sampling_params=job.sampling_params, prefill_locally=prefill_worker is None, priority=job.priority,
+            lora_name=job.lora_name,
         )
         if prefill_worker is not None:  # the prefill worker computes the prompt, and its logprobs if asked
             request.sampling_params.ClearField("prompt_logprobs")
@@ -324,6 +327,7 @@ class Dispatcher:
             request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
             sampling_params=job.sampling_params, destination=decode_worker.kv_endpoint,
             num_destination_cached_tokens=num_destination_cached_tokens, priority=job.priority,
+            lora_name=job.lora_name,
         )
         future = self.channels.prefill(prefill_worker.address).Prefill.future(request, timeout=timeout())
         self.registry.begin_request(prefill_worker.worker_id)

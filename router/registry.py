@@ -104,8 +104,9 @@ class WorkerRegistry:
     def register(self, role: WorkerRole, address: str, kv_endpoint: Any = None, capacity: Any = None,
                  model_fingerprint: str = "", state: WorkerState = WorkerState.SERVING, worker_id: str = "",
                  kv_layout: KVCacheLayout | None = None, previous_lease_id: str = "",
-                 identity: str | None = None, kv_connector: str | None = None) -> Worker:
-        """Add a worker with a new lease and return a copy of it.
+                 identity: str | None = None, kv_connector: str | None = None,
+                 lora_names: frozenset[str] = frozenset()) -> Worker:
+        """Add a worker with a new lease and return a copy of it (serving the LoRA adapters ``lora_names``).
 
         A registration is bound to whoever made it: its lease id and, under mutual
         TLS, the client-certificate ``identity``. A registration with the ``address``
@@ -161,7 +162,8 @@ class WorkerRegistry:
                             model_fingerprint, _exchanged_layout(role, kv_layout), state,
                             lease_id=uuid.uuid4().hex, registered_at=now,
                             last_heard=now, num_in_flight=num_in_flight, identity=identity,
-                            kv_connector=kv_connector if role != WorkerRole.BOTH else None)
+                            kv_connector=kv_connector if role != WorkerRole.BOTH else None,
+                            lora_names=frozenset(lora_names))
             self._workers[worker.worker_id] = worker
             self._leases[worker.lease_id] = worker.worker_id
             return snapshot(worker)
@@ -299,6 +301,11 @@ class WorkerRegistry:
         with self._lock:
             worker = self._by_address(address)
             return snapshot(worker) if worker is not None else None
+
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters some registered decode or colocated worker serves (a request's whole path), sorted."""
+        with self._lock:
+            return sorted({name for w in self._workers.values() if w.role != WorkerRole.PREFILL for name in w.lora_names})
 
     def pools(self) -> dict[WorkerRole, list[Worker]]:
         """Copies of every worker by role (every role a key), in registration order."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.ids import check_id
+from splitserve.common.lora_names import MAX_LORA_MODULES, check_lora_name
 from splitserve.common.types import WorkerRole
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.worker import InvalidRegistration, KVCacheLayout
@@ -43,6 +44,7 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
             kv_layout=KVCacheLayout.from_pb(request.kv_layout) if request.HasField("kv_layout") else None,
             previous_lease_id=request.previous_lease_id, identity=peer_identity(context),
             kv_connector=_connector_name(request.kv_endpoint.connector) if request.HasField("kv_endpoint") else None,
+            lora_names=_lora_names(request.lora_names),
         )
         logger.info("Worker %s (%s) registered from %s", worker.worker_id, role.name.lower(), request.address)
         self._on_change()
@@ -70,6 +72,13 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
         logger.info("Worker %s is draining", request.worker_id or "(by lease)")
         self._on_change()
         return worker_pb2.DrainResponse(num_in_flight_requests=in_flight)
+
+
+def _lora_names(names) -> frozenset[str]:
+    """A registration's LoRA adapter names, checked (InvalidRequest: too many, or a bad name)."""
+    if len(names) > MAX_LORA_MODULES:
+        raise InvalidRequest(f"A worker registers at most {MAX_LORA_MODULES} LoRA adapters, not {len(names)}.")
+    return frozenset(check_lora_name(name) for name in names)
 
 
 def _connector_name(connector: int) -> str:

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from splitserve.common.errors import InvalidRequest, Overloaded, SplitserveError, Unavailable
+from splitserve.common.errors import InvalidRequest, NotFound, Overloaded, SplitserveError, Unavailable
 from splitserve.common.ids import check_id
 from splitserve.common.log_fields import request_log
+from splitserve.common.lora_names import check_lora_name
 from splitserve.router.dispatch import DecodeStreamFailed, Dispatcher, RequestCancelled, RouterRequest
 from splitserve.router.frontend import Frontend
 from splitserve.router.registry import WorkerRegistry
@@ -131,7 +132,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         prompt = self.frontend.prompt_of(request)
         # Validated here; the workers get the message.
         self.frontend.sampling_params_of(request).check_prompt_length(len(prompt.token_ids))
-        job = RouterRequest(request_id, prompt, request.sampling_params, priority=request.priority)
+        job = RouterRequest(request_id, prompt, request.sampling_params, priority=request.priority,
+                            lora_name=self._lora_name_of(request))
         if request.echo:
             job.echo_text = prompt.text if prompt.text is not None else self.frontend.detokenize(prompt.token_ids)
         with self._lock:
@@ -376,7 +378,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         info = self.frontend.model_info()
         info.kv_block_size = self.block_size
         info.model_fingerprint = self.registry.model_fingerprint or ""
+        info.lora_names.extend(self.registry.lora_names())
         return info
+
+    def _lora_name_of(self, request: inference_pb2.GenerateRequest) -> str:
+        """The request's LoRA adapter ("" for the base model), served by some registered decode worker."""
+        if not request.lora_name:
+            return ""
+        name = check_lora_name(request.lora_name)
+        if name not in self.registry.lora_names():
+            raise NotFound(f"No worker serves LoRA adapter {name!r}; GetModelInfo's lora_names lists those served.")
+        return name
 
     def _cluster_status(self) -> inference_pb2.GetClusterStatusResponse:
         response = inference_pb2.GetClusterStatusResponse()

@@ -70,6 +70,11 @@ class Worker:
     num_in_flight: int = 0  # requests the router has outstanding on it right now
     identity: str | None = None  # the client-certificate identity that registered it (mutual TLS), else None
     kv_connector: str | None = None  # how it moves KV ("p2p", "redis", "lmcache"); None: colocated or not given
+    lora_names: frozenset[str] = frozenset()  # the LoRA adapters it serves (RegisterRequest.lora_names)
+
+    def serves(self, lora_name: str) -> bool:
+        """Whether it can run a request for LoRA adapter ``lora_name`` ("": the base model, which every worker serves)."""
+        return not lora_name or lora_name in self.lora_names
 
     @property
     def is_routable(self) -> bool:

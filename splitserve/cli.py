@@ -158,6 +158,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "when the output repeats its context); requests with a logit bias, penalties, logprobs or structured "
         "outputs decode a token a step; \"disable_by_batch_size\": N drafts nothing in a step that starts with N "
         "or more running requests (default: off)")
+    group.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters beside the base model (vLLM's flag; --lora-modules implies it): "
+                       "requests name one, steps then run eagerly (no CUDA graphs)")
+    group.add_argument("--max-loras", type=int, default=1,
+                       help="LoRA adapters one step may run; requests of others wait their turn (default: %(default)s)")
+    group.add_argument("--max-lora-rank", type=int, default=16,
+                       help="the highest LoRA adapter rank accepted (default: %(default)s)")
+    group.add_argument("--max-cpu-loras", type=int,
+                       help="LoRA adapters kept loaded once no request holds them (default: --max-loras, and on a "
+                       "worker at least the number of --lora-modules)")
     group.add_argument(
         "--attention-backend", choices=("auto", "cpu", "torch", "triton"), default="auto",
         help="decode attention, KV writes and the fused layer operations (RMSNorm with the residual add, "
@@ -247,7 +257,17 @@ def engine_options(args: argparse.Namespace) -> dict:
         cuda_graphs=True if args.cuda_graphs else False if args.enforce_eager else None,
         cuda_graph_mode=args.cuda_graph_mode,
         speculative_config=args.speculative_config,
+        enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None)),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras or _static_lora_count(args),
     )
+
+
+def _static_lora_count(args: argparse.Namespace) -> int | None:
+    """A worker's default max_cpu_loras: its --lora-modules stay loaded (at least --max-loras); None elsewhere."""
+    modules = getattr(args, "lora_modules", None)
+    return max(args.max_loras, len(modules)) if modules else None
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

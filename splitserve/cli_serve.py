@@ -46,6 +46,7 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
         worker = commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         _add_worker_arguments(worker, role)
         add_engine_arguments(worker)
+        _add_lora_modules_argument(worker)
         worker.set_defaults(handler=_run_worker, role=role)
 
     up = commands.add_parser(
@@ -115,7 +116,17 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
                     "(default: %(default)s)")
     _add_tls_arguments(up, "each other", cluster=True)
     add_engine_arguments(up)
+    _add_lora_modules_argument(up)
     up.set_defaults(handler=_run_up)
+
+
+def _add_lora_modules_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
+        help="LoRA adapters to serve (vLLM's flag): each a name (1-64 characters from [A-Za-z0-9._-]) and the local "
+        "directory of its PEFT checkpoint (adapter_config.json, adapter_model.safetensors), loaded at start; a request "
+        "names one as GenerateRequest.lora_name (the gateway: as its OpenAI model); implies --enable-lora; not with "
+        "--kv-transfer lmcache (default: none)")
 
 
 _POLICIES = ("round_robin", "least_loaded", "prefix_aware")
@@ -361,6 +372,7 @@ def worker_engine_options(role: str, options: dict) -> dict:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
+    from splitserve.common.lora_names import parse_lora_modules
     from splitserve.engine.config import EngineConfig
     from splitserve.kvtransfer.redis_access import load_redis_access
     from splitserve.prefill_service.faults import KVFaults
@@ -389,6 +401,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         kv_faults=KVFaults.from_environment(os.environ) if args.role == "prefill" else None,
         lmcache_chunk_size=args.lmcache_chunk_size, lmcache_local_cpu_mb=args.lmcache_local_cpu_mb,
         lmcache_ttl_seconds=args.lmcache_ttl, metrics_port=args.metrics_port,
+        lora_modules=parse_lora_modules(args.lora_modules),
     )
     status = run_worker(config)
     # The worker has drained and closed everything it serves. Leave now, without interpreter teardown:
@@ -618,6 +631,8 @@ def _resolved_dtype(args: argparse.Namespace) -> str:
 
 def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
     """The engine flags of ``up``, passed on to every worker."""
+    from splitserve.common.lora_names import parse_lora_modules
+
     flags = ["--model", model_dir, "--dtype", _resolved_dtype(args), "--block-size", str(args.block_size),
              "--engine-seed", str(args.engine_seed), "--attention-backend", args.attention_backend,
              "--scheduling-policy", args.scheduling_policy,
@@ -641,4 +656,16 @@ def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
         flags += ["--cuda-graph-mode", args.cuda_graph_mode]
     if args.speculative_config is not None:
         flags += ["--speculative-config", args.speculative_config.to_json()]
+    lora_modules = getattr(args, "lora_modules", [])  # up's flag (the engine group has the others)
+    if args.enable_lora or lora_modules:
+        flags += ["--enable-lora", "--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+    if args.max_cpu_loras:
+        flags += ["--max-cpu-loras", str(args.max_cpu_loras)]
+    if lora_modules:  # checked, with paths the workers find whatever their directory
+        modules = parse_lora_modules(lora_modules)
+        for name, path in modules.items():  # said once here, not by every worker as it exits
+            if not (Path(path) / "adapter_config.json").is_file():
+                raise ValueError(f"--lora-modules {name}={path}: no adapter_config.json there (a PEFT LoRA "
+                                 "checkpoint's directory).")
+        flags += ["--lora-modules", *(f"{name}={Path(path).resolve()}" for name, path in modules.items())]
     return flags

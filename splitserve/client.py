@@ -97,13 +97,13 @@ def chat_prompt(chat) -> inference_pb2.ChatPrompt:
 
 
 def generate_request(prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     echo: bool = False, priority: int = 0):
+                     echo: bool = False, priority: int = 0, lora_name: str = ""):
     """A GenerateRequest for a text prompt, a list of token ids, or a chat (a ``Chat``, or a list of OpenAI message
     dicts, tool calls and answers included: ``chat_prompt``); with ``echo``
     the first token's message carries the prompt's text; ``priority`` orders it on workers that serve by priority
-    (lower first)."""
+    (lower first); ``lora_name`` runs it with that LoRA adapter of the workers ("": the base model)."""
     request = inference_pb2.GenerateRequest(sampling_params=sampling_params_to_pb(params), echo=echo,
-                                            priority=priority)
+                                            priority=priority, lora_name=lora_name)
     if request_id is not None:
         request.request_id = request_id
     if isinstance(prompt, str):
@@ -144,15 +144,16 @@ class Client:
         grpc.channel_ready_future(self.channel).result(timeout)
 
     def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                 timeout: float | None = None, echo: bool = False, priority: int = 0) -> inference_pb2.GenerateResponse:
-        return self.stub.Generate(generate_request(prompt, params, request_id, echo, priority),
+                 timeout: float | None = None, echo: bool = False, priority: int = 0,
+                 lora_name: str = "") -> inference_pb2.GenerateResponse:
+        return self.stub.Generate(generate_request(prompt, params, request_id, echo, priority, lora_name),
                                   timeout=timeout or self.timeout)
 
     def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                        timeout: float | None = None, echo: bool = False,
-                        priority: int = 0) -> Iterator[inference_pb2.GenerateStreamResponse]:
+                        timeout: float | None = None, echo: bool = False, priority: int = 0,
+                        lora_name: str = "") -> Iterator[inference_pb2.GenerateStreamResponse]:
         """The streamed chunks; cancel early with ``.cancel()`` on the returned call."""
-        return self.stub.GenerateStream(generate_request(prompt, params, request_id, echo, priority),
+        return self.stub.GenerateStream(generate_request(prompt, params, request_id, echo, priority, lora_name),
                                         timeout=timeout or self.timeout)
 
     def abort(self, request_id: str) -> bool:
@@ -222,16 +223,16 @@ class AsyncClient:
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        timeout: float | None = None, api_key: str | None = None,
-                       echo: bool = False, priority: int = 0) -> inference_pb2.GenerateResponse:
-        return await self.stub.Generate(generate_request(prompt, params, request_id, echo, priority),
+                       echo: bool = False, priority: int = 0, lora_name: str = "") -> inference_pb2.GenerateResponse:
+        return await self.stub.Generate(generate_request(prompt, params, request_id, echo, priority, lora_name),
                                         timeout=timeout or self.timeout, metadata=self._metadata(api_key))
 
     def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                         timeout: float | None = None, api_key: str | None = None, echo: bool = False,
-                        priority: int = 0):
+                        priority: int = 0, lora_name: str = ""):
         """The call, an async iterator of the streamed chunks; ``.cancel()`` on it ends the request on the
         workers (its blocks freed)."""
-        return self.stub.GenerateStream(generate_request(prompt, params, request_id, echo, priority),
+        return self.stub.GenerateStream(generate_request(prompt, params, request_id, echo, priority, lora_name),
                                         timeout=timeout or self.timeout, metadata=self._metadata(api_key))
 
     async def abort(self, request_id: str, api_key: str | None = None) -> bool:

@@ -187,6 +187,7 @@ class Gateway:
         self.client: AsyncClient | None = None
         self._tool_parser = tool_call_parser(config.tool_call_parser) if config.tool_call_parser else None
         self._model_info: inference_pb2.GetModelInfoResponse | None = None
+        self._model_info_time = 0.0  # time.monotonic() of its last fetch
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -228,11 +229,12 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
-        info = await self._info(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": self._model_name(info), "object": "model", "created": 0, "owned_by": "splitserve",
-            "max_model_len": info.max_model_len,
-        }]})
+        """The model, then the LoRA adapters the workers serve (as vLLM lists them: ``parent`` the base model)."""
+        info = await self._info(request, refresh=True)
+        base = self._model_name(info)
+        entry = {"object": "model", "created": 0, "owned_by": "splitserve", "max_model_len": info.max_model_len}
+        return JSONResponse({"object": "list", "data": [{"id": base, **entry, "root": base, "parent": None}] + [
+            {"id": name, **entry, "root": name, "parent": base} for name in info.lora_names]})
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: ``prompt`` (text) or ``messages`` (through the chat template) -> the token ids
@@ -269,7 +271,7 @@ class Gateway:
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
-        info = await self._check_model(request, body)
+        info, lora_name = await self._model_of(request, body)
         prompts = _completion_prompts(body.get("prompt"))
         echo = _flag(body, "echo")
         score_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
@@ -279,11 +281,11 @@ class Gateway:
         if params.prompt_logprobs is None and echo and logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=logprobs)  # the prompt scored, as vLLM's echo does
         return await self._respond(request, body, prompts, params, "cmpl", "text_completion", _completion_choice,
-                                   echo=echo, score_only=score_only)
+                                   lora_name, echo=echo, score_only=score_only)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request)
-        info = await self._check_model(request, body)
+        info, lora_name = await self._model_of(request, body)
         chat = _chat(body)
         if _flag(body, "echo"):
             raise APIError(400, "echo is supported on /v1/completions only.", "echo")
@@ -297,24 +299,25 @@ class Gateway:
             raise APIError(400, str(error), param) from None
         params = dataclasses.replace(params, structured_outputs=constraint)
         return await self._respond(request, body, [chat], params, "chatcmpl", "chat.completion",
-                                   functools.partial(_chat_choice, tools=tools))
+                                   functools.partial(_chat_choice, tools=tools), lora_name)
 
     # ---- one request's generations ----------------------------------------------------------------
 
     async def _respond(self, request: Request, body: dict, prompts: list, params: SamplingParams, prefix: str,
-                       kind: str, choice, echo: bool = False, score_only: bool = False) -> Response:
+                       kind: str, choice, lora_name: str, echo: bool = False, score_only: bool = False) -> Response:
         """Generate ``n`` choices for each of ``prompts`` (choice ``index`` of prompt ``p`` is the answer's choice
-        ``p * n + index``, as OpenAI numbers a batch's choices), one router call each; with ``echo`` each choice
-        starts with its prompt (``_Reply.score_only``)."""
+        ``p * n + index``, as OpenAI numbers a batch's choices), one router call each, with LoRA adapter
+        ``lora_name`` ("": the base model); with ``echo`` each choice starts with its prompt (``_Reply.score_only``)."""
         num_choices = _num_choices(body, len(prompts), self.config.max_choices)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        reply = _Reply(request_id, kind, self._model_name(self._model_info), int(time.time()), choice, num_choices,
+        reply = _Reply(request_id, kind, lora_name or self._model_name(self._model_info), int(time.time()), choice,
+                       num_choices,
                        score_only, with_prompt_logprobs=body.get("prompt_logprobs") is not None)
         api_key, priority = _bearer(request), _priority(body)
         generations = [(prompt, index) for prompt in prompts for index in range(num_choices)]
         calls = [self.client.generate_stream(prompt, _choice_params(params, index),
                                              request_id if len(generations) == 1 else f"{request_id}-{number}",
-                                             api_key=api_key, echo=echo, priority=priority)
+                                             api_key=api_key, echo=echo, priority=priority, lora_name=lora_name)
                  for number, (prompt, index) in enumerate(generations)]
         self.metrics.generations.inc(len(calls))
         streams = [_chunks(call) for call in calls]
@@ -439,21 +442,38 @@ class Gateway:
                            "best_of")
         return body
 
-    async def _info(self, request: Request) -> inference_pb2.GetModelInfoResponse:
-        if self._model_info is None:
+    async def _info(self, request: Request, refresh: bool = False) -> inference_pb2.GetModelInfoResponse:
+        """The router's model info, fetched once, and again with ``refresh`` (the LoRA adapters served change as
+        workers come and go) at most once a second."""
+        stale = refresh and time.monotonic() - self._model_info_time >= 1.0
+        if self._model_info is None or stale:
             try:
                 self._model_info = await self.client.model_info(api_key=_bearer(request))
             except grpc.RpcError as error:
                 raise from_rpc_error(error) from None
+            self._model_info_time = time.monotonic()
         return self._model_info
 
-    async def _check_model(self, request: Request, body: dict) -> inference_pb2.GetModelInfoResponse:
+    async def _model_of(self, request: Request, body: dict) -> tuple[inference_pb2.GetModelInfoResponse, str]:
+        """The router's model info and the LoRA adapter ``model`` names ("": the model itself, or no ``model``).
+
+        Raises:
+            APIError: 404 for a model that is neither the served one nor an adapter a worker serves.
+        """
         info = await self._info(request)
         name = body.get("model")
-        if name is not None and name != self._model_name(info):
+        if name is None or name == self._model_name(info):
+            return info, ""
+        if isinstance(name, str) and name not in info.lora_names:
+            info = await self._info(request, refresh=True)  # an adapter whose workers registered since
+        if not isinstance(name, str) or name not in info.lora_names:
+            adapters = f" or its LoRA adapters {', '.join(info.lora_names)}" if info.lora_names else ""
             raise APIError(404, f"The model {str(name)[:100]!r} does not exist here; this server serves "
-                           f"{self._model_name(info)!r} (see /v1/models).", "model", "model_not_found")
-        return info
+                           f"{self._model_name(info)!r}{adapters} (see /v1/models).", "model", "model_not_found")
+        return info, name
+
+    async def _check_model(self, request: Request, body: dict) -> inference_pb2.GetModelInfoResponse:
+        return (await self._model_of(request, body))[0]
 
     def _model_name(self, info: inference_pb2.GetModelInfoResponse | None) -> str:
         return self.config.served_model_name or (info.model_name if info is not None else "")

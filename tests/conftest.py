@@ -76,6 +76,37 @@ def client(cluster):
 
 
 @pytest.fixture(scope="session")
+def lora_adapters(model_dir, tmp_path_factory):
+    """Two PEFT LoRA adapters of the default model (``tests/lora_helpers.py``), as LoRARequests: "every" on all
+    seven projections (rank 8), "attention" on q/k/v/o (rank 4, rsLoRA)."""
+    from splitserve.engine.lora import LoRARequest
+    from tests.lora_helpers import ATTENTION, EVERY_PROJECTION, make_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    every = make_adapter(str(model_dir), root / "every", seed=1, targets=EVERY_PROJECTION, std=0.04)
+    attention = make_adapter(str(model_dir), root / "attention", seed=2, targets=ATTENTION, rank=4, alpha=8,
+                             use_rslora=True)
+    return {"every": LoRARequest("every", 1, str(every)), "attention": LoRARequest("attention", 2, str(attention))}
+
+
+@pytest.fixture(scope="session")
+def lora_references(model_dir, prompt_token_ids, lora_adapters):
+    """PEFT's greedy continuations (LORA_MAX_TOKENS tokens, float32, unmerged) by adapter name, and transformers'
+    under None: of all eight reference prompts for "every" (over a thousand tokens: chunked prefill, the MLP's
+    rows whole), of the first six for "attention" and the base model."""
+    from tests.lora_helpers import LORA_MAX_TOKENS, peft_greedy
+    from tests.reference import hf_greedy
+
+    model = str(model_dir)
+    return {
+        "every": [peft_greedy(model, lora_adapters["every"].lora_path, ids, LORA_MAX_TOKENS) for ids in prompt_token_ids],
+        "attention": [peft_greedy(model, lora_adapters["attention"].lora_path, ids, LORA_MAX_TOKENS)
+                      for ids in prompt_token_ids[:6]],
+        None: [hf_greedy(model, ids, LORA_MAX_TOKENS) for ids in prompt_token_ids[:6]],
+    }
+
+
+@pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A redis-server of the tests' own on a free loopback port, stopped at the end of the session."""
     from splitserve.launcher import LocalCluster

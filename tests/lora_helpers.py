@@ -7,6 +7,7 @@ from pathlib import Path
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EVERY_PROJECTION = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+LORA_MAX_TOKENS = 16  # tokens of the references (conftest's lora_references)
 
 
 def make_adapter(model_dir: str, directory: Path, seed: int, targets: list[str], rank: int = 8, alpha: int = 16,

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from splitserve import __version__
-from splitserve.common.errors import Overloaded, Unavailable
+from splitserve.common.errors import NotFound, Overloaded, Unavailable
 from splitserve.common.types import KVConnectorKind
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
@@ -79,6 +79,7 @@ class WorkerRuntime:
             raise ValueError(problem)
         logger.info("KV cache: %d blocks of %d tokens, %.2f GiB on %s", self.engine.num_kv_blocks,
                     config.engine.block_size, cache.numel() * cache.element_size() / 1024**3, cache.device.type)
+        self.lora_requests = self._load_lora_modules(config.lora_modules)
         self.loop = EngineLoop(self.engine)
         self.model_fingerprint = model_fingerprint(self.engine.model_dir, self.engine.model_runner.dtype_name)
         self.counters = Counters()
@@ -97,6 +98,34 @@ class WorkerRuntime:
         colocated = config.role == "both"
         self.metrics = WorkerMetrics("colocated" if colocated else config.role,
                                      "none" if colocated else str(config.kv_transfer), self)
+
+    def _load_lora_modules(self, modules: dict[str, str]) -> dict:
+        """{name: LoRARequest} of the adapters this worker serves, each loaded once now (a bad one stops the
+        worker at start, with the loader's sentence), ids in the order given."""
+        from splitserve.engine.lora import LoRARequest
+
+        requests = {name: LoRARequest(name, index + 1, str(path)) for index, (name, path) in enumerate(modules.items())}
+        manager = self.engine.model_runner.lora
+        for request in requests.values():
+            manager.acquire(request)
+            manager.release(request)
+        if requests:
+            logger.info("Serving %d LoRA adapters: %s", len(requests), ", ".join(requests))
+        return requests
+
+    def lora_request(self, name: str):
+        """The LoRARequest a request naming adapter ``name`` runs with; None for "" (the base model).
+
+        Raises:
+            NotFound: this worker serves no adapter of that name.
+        """
+        if not name:
+            return None
+        request = self.lora_requests.get(name)
+        if request is None:
+            raise NotFound(f"This worker serves no LoRA adapter {name[:64]!r} (it serves "
+                           f"{', '.join(self.lora_requests) or 'none'}).")
+        return request
 
     # ---- life ------------------------------------------------------------------
 
@@ -248,6 +277,7 @@ class WorkerRuntime:
             worker_id=self.worker_id, role=ROLES[self.config.role], address=self.address,
             kv_endpoint=self.endpoint_pb(), capacity=self.capacity_pb(), model_fingerprint=self.model_fingerprint,
             kv_layout=self.layout_pb(), state=self.state, server_version=__version__,
+            lora_names=list(self.lora_requests),
         )
 
     def status_pb(self) -> worker_pb2.GetWorkerStatusResponse:

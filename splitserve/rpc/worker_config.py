@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.common.lora_names import MAX_LORA_MODULES, check_lora_name
 from splitserve.common.types import KVConnectorKind, WorkerRole
 from splitserve.engine.config import EngineConfig
 from splitserve.kvtransfer.header import CHECKSUM_TYPES
@@ -66,6 +67,8 @@ class WorkerConfig:
         kv_faults: prefill: faults injected into the KV payloads sent, for fault-injection tests only
             (``SPLITSERVE_INJECT_KV_FAULTS``, ``splitserve.prefill_service.faults``); None: none.
         metrics_port: serve Prometheus metrics over HTTP on ``host``:this port (0: a free one; None: not served).
+        lora_modules: the LoRA adapters this worker serves, {name: PEFT directory} (``--lora-modules``; needs
+            ``engine.enable_lora``): loaded at start, requests name them (GenerateRequest.lora_name).
     """
 
     role: str = "decode"
@@ -91,6 +94,7 @@ class WorkerConfig:
     lmcache_local_cpu_mb: int = 64
     lmcache_ttl_seconds: float = 600.0
     metrics_port: int | None = None
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -116,6 +120,18 @@ class WorkerConfig:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}.")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if len(self.lora_modules) > MAX_LORA_MODULES:
+            raise ValueError(f"A worker serves at most {MAX_LORA_MODULES} LoRA adapters, not {len(self.lora_modules)}.")
+        for name in self.lora_modules:
+            check_lora_name(name)
+        if self.lora_modules and not self.engine.enable_lora:
+            raise ValueError("lora_modules needs an engine with enable_lora (--enable-lora).")
+        if self.engine.enable_lora and self.kv_transfer == KVConnectorKind.LMCACHE and self.role != "both":
+            raise ValueError("LoRA adapters cannot share KV through LMCache yet: LMCache keys KV by the tokens alone, "
+                             "so one adapter's KV would be served for another's prompt. Use --kv-transfer p2p or redis.")
 
     def _check_lmcache(self) -> None:
         """Raises ValueError on a bad LMCache setting, or when the extra is not installed (how to install it)."""

@@ -11,37 +11,23 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.lora import LoRARequest
-from tests.lora_helpers import ATTENTION, EVERY_PROJECTION, make_adapter, peft_greedy
+from tests.lora_helpers import LORA_MAX_TOKENS as MAX_TOKENS
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.timeout(900)
 
-MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False: a CPU build of torch, or no GPU)"
 
 
 @pytest.fixture(scope="module")
-def adapters(model_dir, tmp_path_factory):
-    """Two PEFT adapters: "every" on all seven projections (rank 8), "attention" on q/k/v/o (rank 4, rsLoRA)."""
-    root = tmp_path_factory.mktemp("adapters")
-    every = make_adapter(str(model_dir), root / "every", seed=1, targets=EVERY_PROJECTION, std=0.04)
-    attention = make_adapter(str(model_dir), root / "attention", seed=2, targets=ATTENTION, rank=4, alpha=8,
-                             use_rslora=True)
-    return {"every": LoRARequest("every", 1, str(every)), "attention": LoRARequest("attention", 2, str(attention))}
+def adapters(lora_adapters):
+    return lora_adapters
 
 
 @pytest.fixture(scope="module")
-def references(model_dir, prompt_token_ids, adapters):
-    """PEFT's greedy continuations per adapter (and transformers' for the base), of the first six reference prompts
-    for "attention" and of all eight (over a thousand tokens: chunked, the MLP's rows whole) for "every"."""
-    model = str(model_dir)
-    return {
-        "every": [peft_greedy(model, adapters["every"].lora_path, ids, MAX_TOKENS) for ids in prompt_token_ids],
-        "attention": [peft_greedy(model, adapters["attention"].lora_path, ids, MAX_TOKENS)
-                      for ids in prompt_token_ids[:6]],
-        None: [hf_greedy(model, ids, MAX_TOKENS) for ids in prompt_token_ids[:6]],
-    }
+def references(lora_references):
+    return lora_references
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,99 @@
+"""LoRA adapters through a whole disaggregated cluster (``--lora-modules``): prefill and decode workers load them at
+start and register their names, the router lists them (GetModelInfo) and routes requests naming one
+(GenerateRequest.lora_name) to workers that serve it, and greedy output is PEFT's token for token, prompts prefilled
+remotely (their KV over p2p) and locally; the OpenAI gateway takes an adapter as its ``model``. Unknown and malformed
+names are refused with NOT_FOUND and INVALID_ARGUMENT (404 and 400 over HTTP), and nothing is left behind."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import grpc
+import openai
+import pytest
+
+from splitserve.client import Client
+from splitserve.common.sampling_params import SamplingParams
+from tests.cluster_helpers import all_blocks_free, start_cluster, wait_until
+from tests.lora_helpers import LORA_MAX_TOKENS
+
+pytestmark = pytest.mark.timeout(900)
+
+GREEDY = SamplingParams(max_tokens=LORA_MAX_TOKENS, temperature=0.0)
+LOCAL_PREFILL_THRESHOLD = 8  # shorter prompts prefill on the decode worker, longer ones on the prefill worker
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, lora_adapters):
+    modules = [f"{name}={adapter.lora_path}" for name, adapter in lora_adapters.items()]
+    cluster = start_cluster("p2p", tmp_path_factory.mktemp("lora-logs"),
+                            router_args=["--local-prefill-threshold", str(LOCAL_PREFILL_THRESHOLD)],
+                            worker_args=["--max-loras", "2", "--lora-modules", *modules])
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster.router.address) as client:
+        yield client
+
+
+def test_the_router_lists_the_adapters_its_workers_serve(client):
+    assert list(client.model_info().lora_names) == ["attention", "every"]
+
+
+def test_adapters_through_the_cluster_are_peft_token_for_token(client, prompt_token_ids, lora_references):
+    """Both adapters and the base model, prompts below and above the local prefill threshold (KV over p2p)."""
+    lengths = [len(ids) for ids in prompt_token_ids[:6]]
+    assert min(lengths) < LOCAL_PREFILL_THRESHOLD < max(lengths)
+    for name in ("every", "attention", None):
+        for index, ids in enumerate(prompt_token_ids[:6]):
+            chunks = list(client.generate_stream(ids, GREEDY, lora_name=name or "", timeout=300))
+            assert [token for chunk in chunks for token in chunk.token_ids] == lora_references[name][index], \
+                (name, index)
+            assert chunks[-1].usage.completion_tokens == len(lora_references[name][index])
+    wait_until(lambda: all_blocks_free(client), timeout=30, message="every block free")
+
+
+def test_an_adapter_no_worker_serves_is_not_found_and_a_bad_name_invalid(client):
+    with pytest.raises(grpc.RpcError) as error:
+        client.generate("Hi", lora_name="nowhere")
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND and "No worker serves LoRA adapter 'nowhere'" in \
+        error.value.details()
+    with pytest.raises(grpc.RpcError) as error:
+        client.generate("Hi", lora_name="../../etc/passwd")
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "[A-Za-z0-9._-]" in error.value.details()
+    assert client.generate("Hi").usage.completion_tokens > 0  # the cluster serves on
+    wait_until(lambda: all_blocks_free(client), timeout=30, message="every block free")
+
+
+def test_the_gateway_takes_an_adapter_as_its_model(cluster, tmp_path, client, prompt_token_ids, lora_references,
+                                                   tokenizer):
+    log = open(tmp_path / "gateway.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "gateway", "--router", cluster.router.address,
+                                "--port", "0"], stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("READY http://127.0.0.1:"), line
+        api = openai.OpenAI(base_url=f"{line.split()[1]}/v1", api_key="none", max_retries=0, timeout=120)
+        models = {model.id: model for model in api.models.list().data}
+        base = client.model_info().model_name
+        assert list(models) == [base, "attention", "every"]
+        assert models["every"].parent == base and models[base].parent is None
+        completion = api.completions.create(model="every", prompt=prompt_token_ids[1], max_tokens=LORA_MAX_TOKENS,
+                                            temperature=0)
+        assert completion.model == "every"
+        assert completion.choices[0].text == tokenizer.decode(lora_references["every"][1])
+        with pytest.raises(openai.NotFoundError, match="'nowhere' does not exist here.*LoRA adapters attention, every"):
+            api.completions.create(model="nowhere", prompt="Hi", max_tokens=2)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+    wait_until(lambda: all_blocks_free(client), timeout=30, message="every block free")
