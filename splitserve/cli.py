@@ -11,6 +11,7 @@ from pathlib import Path
 
 from splitserve import __version__
 from splitserve.common.errors import SplitserveError
+from splitserve.common.lora_names import check_lora_name, parse_lora_modules
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import (
     CUDA_GRAPH_MODES,
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--priority", type=int, default=0,
                           help="each prompt's priority (lower first) for an engine or workers that serve by priority "
                           "(--scheduling-policy priority); others refuse any but 0 (default: %(default)s)")
+    generate.add_argument("--lora", metavar="NAME[=PATH]",
+                          help="run every prompt with a LoRA adapter: with --server, the name the cluster's workers "
+                          "serve it under (their --lora-modules); without, NAME=PATH, the local directory of its PEFT "
+                          "checkpoint, loaded here (default: the base model)")
     add_engine_arguments(generate)
     add_sampling_arguments(generate)
     generate.add_argument("--server", metavar="ADDR",
@@ -369,16 +374,24 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.server and any((args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)):
         raise ValueError("The --tls-* flags are for --server: without it the model runs in this process.")
     if args.server:
+        if args.lora:
+            check_lora_name(args.lora)  # a NAME=PATH meant for a local run is said here, not by the router
         return _generate_remote(args, items, params)
     from splitserve.engine.llm import LLM
+    from splitserve.engine.lora import LoRARequest
 
-    llm = LLM(args.model, **engine_options(args))
+    lora = None
+    options = engine_options(args)
+    if args.lora:
+        [(name, path)] = parse_lora_modules([args.lora]).items()
+        lora, options["enable_lora"] = LoRARequest(name, 1, path), True
+    llm = LLM(args.model, **options)
     prompts = [_to_prompt(llm, item, args.chat) for item in items]
     priorities = [_priority_of(args, item) for item in items]
     if len(prompts) == 1 and not args.output:
-        _stream_one(llm, prompts[0], params[0], priorities[0])
+        _stream_one(llm, prompts[0], params[0], priorities[0], lora)
         return 0
-    outputs = llm.generate(prompts, params, use_tqdm=True, priority=priorities)
+    outputs = llm.generate(prompts, params, use_tqdm=True, priority=priorities, lora_request=lora)
     sink = open(args.output, "w") if args.output else None
     try:
         for item, output in zip(items, outputs):
@@ -426,7 +439,8 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
                     prompt = [{"role": "user", "content": prompt}]
                 text, token_ids, finish, prompt_logprobs = "", [], None, []
                 try:
-                    for chunk in client.generate_stream(prompt, item_params, priority=_priority_of(args, item)):
+                    for chunk in client.generate_stream(prompt, item_params, priority=_priority_of(args, item),
+                                                        lora_name=args.lora or ""):
                         text += chunk.text
                         token_ids.extend(chunk.token_ids)
                         prompt_logprobs.extend(chunk.prompt_logprobs)
@@ -529,12 +543,13 @@ def _prompt_score(token_logprobs: list[float]) -> str:
     return f"[prompt: {len(token_logprobs)} tokens scored, log-likelihood {sum(token_logprobs):.4f}]"
 
 
-def _stream_one(llm, prompt, params: SamplingParams, priority: int = 0) -> None:
+def _stream_one(llm, prompt, params: SamplingParams, priority: int = 0, lora_request=None) -> None:
     """Print one request's text as it is generated, through the engine's step API."""
     engine = llm.engine
     text, token_ids = (prompt, None) if isinstance(prompt, str) else (prompt.get("prompt"), prompt["prompt_token_ids"])
     request_id = engine.next_request_id()
-    engine.add_request(request_id, text, params, prompt_token_ids=token_ids, priority=priority)
+    engine.add_request(request_id, text, params, prompt_token_ids=token_ids, priority=priority,
+                       lora_request=lora_request)
     try:
         while engine.has_unfinished_requests():
             for output in engine.step():

@@ -6,6 +6,10 @@ engine without LoRA, a bad adapter) say why and leave nothing behind. On CUDA wh
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -138,3 +142,13 @@ def test_adapters_on_cuda_are_peft(model_dir, prompt_token_ids, adapters, refere
     outputs = llm.generate(prompts * 2, GREEDY, use_tqdm=False,
                            lora_request=[adapters["every"]] * 6 + [adapters["attention"]] * 6)
     assert token_ids_of(outputs) == references["every"][:6] + references["attention"]
+
+
+def test_the_command_line_generates_with_an_adapter(model_dir, tmp_path, prompt_token_ids, adapters, references):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": ids}) + "\n" for ids in prompt_token_ids[:3]))
+    out = tmp_path / "out.jsonl"
+    subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "--model", str(model_dir), "--file",
+                    str(prompts), "--output", str(out), "--max-tokens", str(MAX_TOKENS),
+                    "--lora", f"every={adapters['every'].lora_path}"], check=True, capture_output=True, timeout=300)
+    assert [json.loads(line)["token_ids"] for line in out.read_text().splitlines()] == references["every"][:3]

@@ -6,6 +6,7 @@ names are refused with NOT_FOUND and INVALID_ARGUMENT (404 and 400 over HTTP), a
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -56,6 +57,14 @@ def test_adapters_through_the_cluster_are_peft_token_for_token(client, prompt_to
                 (name, index)
             assert chunks[-1].usage.completion_tokens == len(lora_references[name][index])
     wait_until(lambda: all_blocks_free(client), timeout=30, message="every block free")
+
+
+def test_the_command_line_sends_an_adapters_name(cluster, tmp_path, prompt_token_ids, lora_references):
+    out = tmp_path / "out.jsonl"
+    subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "--server", cluster.router.address, "--lora",
+                    "attention", "--max-tokens", str(LORA_MAX_TOKENS), "--output", str(out), "Once upon a time, in a "
+                    "land far away,"], check=True, capture_output=True, timeout=120)
+    assert json.loads(out.read_text())["token_ids"] == lora_references["attention"][3]
 
 
 def test_an_adapter_no_worker_serves_is_not_found_and_a_bad_name_invalid(client):
