@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitserve.common.block_hash import lora_root_hash
@@ -57,6 +57,8 @@ class EngineStats:
     # Speculative decoding: drafts verified, and those accepted (each saved a step of its request).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # LoRA adapters (enable_lora): per adapter name, its requests (running, waiting) as the latest step began.
+    lora_requests: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -185,6 +187,7 @@ class LLMEngine:
     def _release_lora(self, request: Request) -> None:
         if request.lora_request is not None:
             self.model_runner.lora.release(request.lora_request)  # once: a request finishes once
+            self.stats.lora_requests = self.scheduler.lora_requests()  # finished between steps too (aborts)
 
     def check_priority(self, priority: int) -> int:
         """A request's priority: any integer under the priority policy, 0 otherwise (as vLLM refuses others)."""
@@ -371,6 +374,8 @@ class LLMEngine:
         self.update_from_kv_connector()
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduled = self.scheduler.schedule()
+        if self.model_runner.lora is not None:  # replaced whole: a metrics scrape reads it from another thread
+            self.stats.lora_requests = self.scheduler.lora_requests()
         if scheduled.is_empty:
             return outputs
         now = time.monotonic()

@@ -313,6 +313,15 @@ class Scheduler:
             return max(self.running, key=priority_key)
         return self.running[-1]
 
+    def lora_requests(self) -> dict[str, tuple[int, int]]:
+        """Per LoRA adapter name, its requests (running, waiting): those of adapters with any."""
+        counts: dict[str, list[int]] = {}
+        for index, requests in enumerate((self.running, self.waiting)):
+            for request in requests:
+                if request.lora_request is not None:
+                    counts.setdefault(request.lora_request.lora_name, [0, 0])[index] += 1
+        return {name: (running, waiting) for name, (running, waiting) in counts.items()}
+
     def update_after_step(self, output: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` of every request the step computed (by its accepted drafts only: the
         KV of rejected ones is overwritten later)."""

@@ -244,6 +244,21 @@ class _WorkerCollector(Collector):
             family = CounterMetricFamily(name, documentation, labels=["role"])
             family.add_metric([self._role], getattr(stats, field))
             yield family
+        yield from self._lora_gauges(stats.lora_requests)
+
+    def _lora_gauges(self, counts: dict[str, tuple[int, int]]) -> Iterable:
+        """Per LoRA adapter the worker serves (--lora-modules; at most 64), its requests running and waiting, as
+        vLLM's lora_requests_info tells in labels."""
+        names = list(self._runtime.lora_requests)
+        if not names:
+            return
+        for index, (name, documentation) in enumerate((
+                ("splitserve_worker_lora_requests_running", "Requests of each LoRA adapter in the running batch."),
+                ("splitserve_worker_lora_requests_waiting", "Requests of each LoRA adapter waiting to start."))):
+            family = GaugeMetricFamily(name, documentation, labels=["role", "lora_name"])
+            for adapter in names:
+                family.add_metric([self._role, adapter], counts.get(adapter, (0, 0))[index])
+            yield family
 
 
 def _label(enum, value: int, prefix: str) -> str:

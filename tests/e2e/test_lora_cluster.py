@@ -18,6 +18,7 @@ import pytest
 from splitserve.client import Client
 from splitserve.common.sampling_params import SamplingParams
 from tests.cluster_helpers import all_blocks_free, start_cluster, wait_until
+from tests.e2e.test_metrics import metrics_url, scrape, value
 from tests.lora_helpers import LORA_MAX_TOKENS
 
 pytestmark = pytest.mark.timeout(900)
@@ -31,7 +32,7 @@ def cluster(tmp_path_factory, lora_adapters):
     modules = [f"{name}={adapter.lora_path}" for name, adapter in lora_adapters.items()]
     cluster = start_cluster("p2p", tmp_path_factory.mktemp("lora-logs"),
                             router_args=["--local-prefill-threshold", str(LOCAL_PREFILL_THRESHOLD)],
-                            worker_args=["--max-loras", "2", "--lora-modules", *modules])
+                            worker_args=["--max-loras", "2", "--metrics-port", "0", "--lora-modules", *modules])
     yield cluster
     cluster.stop()
 
@@ -105,4 +106,21 @@ def test_the_gateway_takes_an_adapter_as_its_model(cluster, tmp_path, client, pr
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+    wait_until(lambda: all_blocks_free(client), timeout=30, message="every block free")
+
+
+def test_the_decode_workers_metrics_count_each_adapters_requests(cluster, client):
+    decode = next(worker for worker in cluster.workers if worker.name.startswith("decode"))
+    url = metrics_url(decode)
+
+    def running(name: str) -> float:
+        return value(scrape(url), "splitserve_worker_lora_requests_running", role="decode", lora_name=name)
+
+    stream = client.generate_stream("Hi", SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                                    lora_name="every", timeout=300)
+    next(stream)  # running now
+    wait_until(lambda: running("every") == 1, timeout=30, message="one 'every' request running")
+    assert running("attention") == 0
+    stream.cancel()
+    wait_until(lambda: running("every") == 0, timeout=30, message="no 'every' request running")
     wait_until(lambda: all_blocks_free(client), timeout=30, message="every block free")
