@@ -37,8 +37,8 @@ const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 // { grammar }, { jsonObject: true }), ... }. A chat with function tools is { messages, tools: [{ name, description,
 // parameters: '<JSON schema text>' }] }, its messages carrying toolCalls: [{ id, name, arguments: '<JSON text>' }]
 // (an assistant's) and toolCallId (a tool's answer); a call is forced with structuredOutputs: { json: parameters }. With echo, the message with the first token carries the prompt's text (promptText).
-function generateRequest(prompt, params = {}, requestId, echo = false, priority = 0) {
-  const request = { samplingParams: params, echo, priority };
+function generateRequest(prompt, params = {}, requestId, echo = false, priority = 0, loraName = '') {
+  const request = { samplingParams: params, echo, priority, loraName };
   if (requestId !== undefined) request.requestId = requestId;
   if (typeof prompt === 'string') request.text = prompt;
   else if (Array.isArray(prompt) && prompt.length && typeof prompt[0] === 'object') request.chat = { messages: prompt };
@@ -90,14 +90,15 @@ class Client {
 
   /** The whole completion: { text, tokenIds, finishReason, usage, timing, promptLogprobs, promptText, ... }.
    * Rejects with a gRPC error ({ code, details }) for a refused request. */
-  generate(prompt, params = {}, { requestId, timeoutSeconds, echo, priority } = {}) {
-    return this._unary('generate', generateRequest(prompt, params, requestId, echo, priority), timeoutSeconds);
+  generate(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName } = {}) {
+    return this._unary('generate', generateRequest(prompt, params, requestId, echo, priority, loraName),
+      timeoutSeconds);
   }
 
   /** The streamed chunks, an async iterator; `.cancel()` on it ends the request on the workers. */
-  generateStream(prompt, params = {}, { requestId, timeoutSeconds, echo, priority } = {}) {
-    return this.stub.generateStream(generateRequest(prompt, params, requestId, echo, priority), this._metadata(),
-      this._options(timeoutSeconds));
+  generateStream(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName } = {}) {
+    return this.stub.generateStream(generateRequest(prompt, params, requestId, echo, priority, loraName),
+      this._metadata(), this._options(timeoutSeconds));
   }
 
   async abort(requestId) {

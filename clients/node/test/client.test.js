@@ -83,7 +83,7 @@ test('structured outputs shape the reply: a JSON schema, a choice', async () => 
   }
 });
 
-test('a chat carries tools and tool calls, a call is forced by its parameters schema, a priority is sent', async () => {
+test('a chat carries tools and tool calls, a call is forced by its parameters schema, a priority and an adapter are sent', async () => {
   const client = new Client(address, { apiKey, timeoutSeconds: 120 });
   try {
     const parameters = JSON.stringify({ type: 'object', properties: { city: { type: 'string', maxLength: 20 } },
@@ -103,6 +103,12 @@ test('a chat carries tools and tool calls, a call is forced by its parameters sc
     await assert.rejects(client.generate(PROMPT, { maxTokens: 1 }, { priority: 3 }), (error) => {
       assert.equal(error.code, status.INVALID_ARGUMENT);
       assert.match(error.details, /needs the priority scheduling policy/);
+      return true;
+    });
+    // No worker here serves LoRA adapters: a name is sent, and not found there.
+    await assert.rejects(client.generate(PROMPT, { maxTokens: 1 }, { loraName: 'sql' }), (error) => {
+      assert.equal(error.code, status.NOT_FOUND);
+      assert.match(error.details, /No worker serves LoRA adapter 'sql'/);
       return true;
     });
     await assert.rejects(client.generate({ messages, tools: [{ name: 'get weather' }] }), (error) => {
