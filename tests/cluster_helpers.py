@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from splitserve.client import Client
 from splitserve.common.sampling_params import SamplingParams
@@ -68,3 +73,22 @@ def all_blocks_free(client: Client) -> bool:
     return bool(workers) and all(
         w.load.num_total_kv_blocks > 0 and w.load.num_free_kv_blocks == w.load.num_total_kv_blocks for w in workers
     )
+
+
+@contextlib.contextmanager
+def running_gateway(router_address: str, log_path: Path, *flags: str):
+    """A ``splitserve gateway`` process in front of the router, on a free port, logging to ``log_path``; yields its
+    base URL (``http://127.0.0.1:PORT``) and stops it (SIGTERM) on leaving."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "gateway", "--router", router_address,
+                                    "--port", "0", *flags], stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            line = process.stdout.readline()
+            assert line.startswith("READY http://127.0.0.1:"), line
+            yield line.split()[1]
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()

@@ -11,9 +11,6 @@ import collections
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +22,7 @@ from hypothesis import strategies as st
 
 from splitserve.client import Client
 from splitserve.common.sampling_params import SamplingParams
-from tests.cluster_helpers import all_blocks_free, start_cluster, wait_until
+from tests.cluster_helpers import all_blocks_free, running_gateway, start_cluster, wait_until
 from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.timeout(600)
@@ -59,22 +56,9 @@ def gateway_log(tmp_path_factory) -> Path:
 def gateway(cluster, gateway_log):
     """The gateway's base URL (its metrics on a port of their own); the process is stopped (SIGTERM) after the
     module."""
-    log = open(gateway_log, "w")
-    process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "gateway", "--router", cluster.router.address,
-                                "--port", "0", "--max-body-bytes", "100000", "--metrics-port", "0",
-                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-                               stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        line = process.stdout.readline()
-        assert line.startswith("READY http://127.0.0.1:"), line
-        yield line.split()[1]
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+    with running_gateway(cluster.router.address, gateway_log, "--max-body-bytes", "100000", "--metrics-port", "0",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

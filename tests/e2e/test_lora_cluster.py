@@ -7,7 +7,6 @@ names are refused with NOT_FOUND and INVALID_ARGUMENT (404 and 400 over HTTP), a
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import pytest
 
 from splitserve.client import Client
 from splitserve.common.sampling_params import SamplingParams
-from tests.cluster_helpers import all_blocks_free, start_cluster, wait_until
+from tests.cluster_helpers import all_blocks_free, running_gateway, start_cluster, wait_until
 from tests.e2e.test_metrics import metrics_url, scrape, value
 from tests.lora_helpers import LORA_MAX_TOKENS
 
@@ -82,13 +81,8 @@ def test_an_adapter_no_worker_serves_is_not_found_and_a_bad_name_invalid(client)
 
 def test_the_gateway_takes_an_adapter_as_its_model(cluster, tmp_path, client, prompt_token_ids, lora_references,
                                                    tokenizer):
-    log = open(tmp_path / "gateway.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "gateway", "--router", cluster.router.address,
-                                "--port", "0"], stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        line = process.stdout.readline()
-        assert line.startswith("READY http://127.0.0.1:"), line
-        api = openai.OpenAI(base_url=f"{line.split()[1]}/v1", api_key="none", max_retries=0, timeout=120)
+    with running_gateway(cluster.router.address, tmp_path / "gateway.log") as url:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         models = {model.id: model for model in api.models.list().data}
         base = client.model_info().model_name
         assert list(models) == [base, "attention", "every"]
@@ -99,13 +93,6 @@ def test_the_gateway_takes_an_adapter_as_its_model(cluster, tmp_path, client, pr
         assert completion.choices[0].text == tokenizer.decode(lora_references["every"][1])
         with pytest.raises(openai.NotFoundError, match="'nowhere' does not exist here.*LoRA adapters attention, every"):
             api.completions.create(model="nowhere", prompt="Hi", max_tokens=2)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
     wait_until(lambda: all_blocks_free(client), timeout=30, message="every block free")
 
 
