@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from splitserve import __version__
 from splitserve.common.errors import NotFound, Overloaded, Unavailable
+from splitserve.common.lora_names import check_lora_name
 from splitserve.common.types import KVConnectorKind
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
@@ -117,11 +118,12 @@ class WorkerRuntime:
         """The LoRARequest a request naming adapter ``name`` runs with; None for "" (the base model).
 
         Raises:
+            InvalidRequest: not a valid adapter name.
             NotFound: this worker serves no adapter of that name.
         """
         if not name:
             return None
-        request = self.lora_requests.get(name)
+        request = self.lora_requests.get(check_lora_name(name))
         if request is None:
             raise NotFound(f"This worker serves no LoRA adapter {name[:64]!r} (it serves "
                            f"{', '.join(self.lora_requests) or 'none'}).")
