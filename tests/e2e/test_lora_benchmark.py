@@ -22,6 +22,7 @@ def test_the_benchmark_runs_request_i_on_adapter_i_mod_k(model_dir, tmp_path, ca
     report = json.loads(out.read_text())
     assert report["tokens"] == {"splitserve": 32, "splitserve lora": 32}  # 4 requests x 8 tokens, EOS ignored
     assert len(report["timings"]["splitserve lora"]) == 1 and report["max_loras"] == 2
+    assert report["changed_by_adapters"] >= 1  # adapter-1 changes request 1's tokens: the adapters were applied
     prompts = lora.make_prompts(str(model_dir), 4)
     assert report["prompt_lens"] == [len(prompt) for prompt in prompts]
     for index, prompt in enumerate(prompts):
