@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,10 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 # Most bytes of adapter weights read from one directory: a rank-256 adapter on every projection of an 8B Llama is
 # about 1.3 GB in bfloat16; SmolLM2-135M's at rank 64 is 37 MB in float32.
 MAX_ADAPTER_BYTES = 4 * 1024**3
+# Steps of up to this many rows over several adapters take every adapter's delta in three operations, each row
+# multiplying every adapter's A and B (masked to its own); larger steps (prompt chunks) one adapter's rows at a time,
+# where the GEMMs outweigh the operations' count. Measured in benchmarks/lora.py: see the README's LoRA section.
+MASKED_MAX_ROWS = 256
 # The ranks vLLM accepts for max_lora_rank.
 SUPPORTED_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -66,6 +70,10 @@ class LoRAAdapter:
     request: LoRARequest
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]]]
+    # The same weights as LoRALinear multiplies them, made once per (layer, fused) when first put in a slot:
+    # (A transposed [in_features, sum of ranks], B of every part transposed into its columns [sum of ranks,
+    # out_features], zero elsewhere).
+    expanded: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -199,16 +207,22 @@ class LoRARows:
         self.num_rows = self.num_output_rows = 0
         self.groups: list[tuple[int, torch.Tensor | None]] = []
         self.output_groups: list[tuple[int, torch.Tensor | None]] = []
+        self._row_slots: list[int] = []  # per row of the step, its slot (-1: the base model)
+        self._output_row_slots: list[int] = []
+        self._device = "cpu"
+        self._masks: dict[tuple, torch.Tensor] = {}  # this step's (see mask)
 
     def set(self, row_slots: list[int], output_rows: list[int] | None, device: str) -> None:
         """``row_slots[row]``: the adapter slot of each token row, -1 for the base model."""
-        self.num_rows = len(row_slots)
+        self.num_rows, self._row_slots, self._device, self._masks = len(row_slots), row_slots, device, {}
         self.groups = _groups(row_slots, device)
         self.num_output_rows = 0 if output_rows is None else len(output_rows)
-        self.output_groups = [] if output_rows is None else _groups([row_slots[row] for row in output_rows], device)
+        self._output_row_slots = [] if output_rows is None else [row_slots[row] for row in output_rows]
+        self.output_groups = [] if output_rows is None else _groups(self._output_row_slots, device)
 
     def clear(self) -> None:
         self.num_rows, self.num_output_rows, self.groups, self.output_groups = 0, 0, [], []
+        self._row_slots, self._output_row_slots, self._masks = [], [], {}
 
     def for_rows(self, num_rows: int) -> list[tuple[int, torch.Tensor | None]]:
         """The groups of a projection's input of ``num_rows`` rows: the step's tokens, or its output rows."""
@@ -217,6 +231,18 @@ class LoRARows:
         if num_rows == self.num_output_rows:
             return self.output_groups
         raise RuntimeError(f"A projection ran {num_rows} rows of a step of {self.num_rows} with LoRA adapters.")
+
+    def mask(self, num_rows: int, columns: tuple[tuple[int, int], ...], dtype: torch.dtype) -> torch.Tensor:
+        """[num_rows, sum of widths]: 1 where a row's slot owns the column, 0 elsewhere, for columns laid out as
+        ``columns`` ((slot, width) blocks, in order). Made once a step per layout: the layers share it."""
+        key = (num_rows == self.num_rows, columns, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            row_slots = self._row_slots if num_rows == self.num_rows else self._output_row_slots
+            column_slots = [slot for slot, width in columns for _ in range(width)]
+            rows = torch.tensor(row_slots, device=self._device).unsqueeze(1)
+            mask = self._masks[key] = (rows == torch.tensor(column_slots, device=self._device)).to(dtype)
+        return mask
 
     @property
     def active(self) -> bool:
@@ -239,9 +265,30 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.part_starts = [sum(part_sizes[:index]) for index in range(len(part_sizes))]
+        self.out_features = sum(part_sizes)
         self.rows = rows
-        # Per slot: (a, parts) of the adapter there for this projection (LoRAAdapter.weights), or None.
-        self.slots: list[tuple | None] = [None] * num_slots
+        # Per slot: (A transposed, B expanded) of the adapter there for this projection (LoRAAdapter.expanded), or None.
+        self.slots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
+        self._version = 0  # counts changes of the slots, which the stacked weights follow
+        self._stack_key: tuple = ()
+        self._stack: tuple = ()
+
+    def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Put an adapter's (A transposed, B expanded) for this projection in ``slot`` (None: empty it)."""
+        self.slots[slot] = weights
+        self._version += 1
+
+    def expand(self, weights: tuple[torch.Tensor, list]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A transposed [in, R], B expanded [R, out_features]) of an adapter's ``(a, parts)`` for this projection:
+        each part's B transposed into its columns and zero in the others', so that one GEMM gives the whole
+        delta of every part (R, the sum of ranks, is a few dozen: the zeros cost little) and it is added to whole
+        rows, where adding into each part's columns took a strided add per part."""
+        a, parts = weights
+        expanded = a.new_zeros(a.shape[0], self.out_features)
+        for index, first, rank, b in parts:
+            start = self.part_starts[index]
+            expanded[first : first + rank, start : start + b.shape[0]] = b.t()
+        return a.t().contiguous(), expanded
 
     @property
     def needs_whole_batch(self) -> bool:
@@ -253,21 +300,33 @@ class LoRALinear(nn.Module):
         out = self.base.forward(x)
         if not self.rows.active:
             return out
-        for slot, rows in self.rows.for_rows(x.shape[0]):
-            weights = self.slots[slot]
-            if weights is None:
-                continue
-            a, parts = weights
-            shrunk = (x if rows is None else x.index_select(0, rows)) @ a.t()  # [rows, sum of ranks]
-            for index, first, rank, b in parts:
-                delta = shrunk[:, first : first + rank] @ b.t()  # [rows, part's out_features]
-                start = self.part_starts[index]
-                columns = out[:, start : start + b.shape[0]]
-                if rows is None:
-                    columns += delta
-                else:
-                    columns.index_add_(0, rows, delta)
+        groups = [(slot, rows) for slot, rows in self.rows.for_rows(x.shape[0]) if self.slots[slot] is not None]
+        if len(groups) == 1 and groups[0][1] is None:  # every row one adapter's: out += (x A^T) B^T in place
+            a_t, b_expanded = self.slots[groups[0][0]]
+            out.addmm_(torch.mm(x, a_t), b_expanded)
+        elif groups and x.shape[0] <= MASKED_MAX_ROWS:
+            # Every slot's A and B side by side, each row's shrunk values kept only in its own slot's columns:
+            # three operations whatever the number of adapters, where a group each took four (a decode step of 32
+            # rows over 4 adapters: 1,920 small operations, each paying torch's dispatch).
+            a_t, b_expanded, columns = self._stacked([slot for slot, _ in groups])
+            shrunk = torch.mm(x, a_t).mul_(self.rows.mask(x.shape[0], columns, x.dtype))  # [rows, sum of R]
+            out.addmm_(shrunk, b_expanded)
+        else:  # a group at a time: [rows, in] -> [rows, R] -> [rows, out_features], added to those rows
+            for slot, rows in groups:
+                a_t, b_expanded = self.slots[slot]
+                out.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), a_t), b_expanded))
         return out
+
+    def _stacked(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int], ...]]:
+        """The A (transposed) and B of ``slots``' adapters side by side ([in, sum of R], [sum of R, out]) and their
+        (slot, R) blocks, kept while the step's adapters stay the same."""
+        key = (self._version, *slots)
+        if self._stack_key != key:
+            weights = [self.slots[slot] for slot in slots]
+            columns = tuple((slot, a_t.shape[1]) for slot, (a_t, _) in zip(slots, weights))
+            self._stack = (torch.cat([a_t for a_t, _ in weights], dim=1), torch.cat([b for _, b in weights]), columns)
+            self._stack_key = key
+        return self._stack
 
 
 def wrap_model(model: nn.Module, num_slots: int) -> tuple[LoRARows, list[dict[str, LoRALinear]]]:
@@ -382,7 +441,13 @@ class LoRAManager:
 
     def _fill_slot(self, slot: int, lora_id: int | None) -> None:
         self.slot_ids[slot] = lora_id
-        weights = {} if lora_id is None else self.adapters[lora_id].weights
+        adapter = None if lora_id is None else self.adapters[lora_id]
         for index, wrappers in enumerate(self.layers):
             for fused, wrapper in wrappers.items():
-                wrapper.slots[slot] = weights.get((index, fused))
+                key = (index, fused)
+                if adapter is None or key not in adapter.weights:
+                    wrapper.set_slot(slot, None)
+                    continue
+                if key not in adapter.expanded:
+                    adapter.expanded[key] = wrapper.expand(adapter.weights[key])
+                wrapper.set_slot(slot, adapter.expanded[key])

@@ -251,7 +251,7 @@ def qkv_wrapper(adapters) -> tuple[LoRALinear, nn.Linear, LoRARows]:
     rows = LoRARows()
     wrapper = LoRALinear(base, [8, 4, 4], 3, rows)
     for slot, (adapter, _) in enumerate(adapters):
-        wrapper.slots[slot] = adapter.weights[(0, "qkv_proj")]
+        wrapper.set_slot(slot, wrapper.expand(adapter.weights[(0, "qkv_proj")]))
     return wrapper, base, rows
 
 
@@ -276,8 +276,12 @@ def test_every_row_of_one_adapter_gets_its_delta_in_its_parts_columns(two_adapte
     ([1, -1, 0, 1, -1, 0], [(0, [2, 5]), (1, [0, 3])]), ([-1, 0, 0, -1, -1, 0], [(0, [1, 2, 5])]),
     ([1, 0, 0, 1, 1, 0], [(0, [1, 2, 5]), (1, [0, 3, 4])]),
 ], ids=["two-adapters-and-base", "one-adapter-and-base", "two-adapters"])
+@pytest.mark.parametrize("masked_max_rows", [256, 0], ids=["masked", "group-by-group"])
 @torch.inference_mode()
-def test_rows_of_adapters_and_of_the_base_model_share_one_forward(two_adapters, row_slots, expected_groups):
+def test_rows_of_adapters_and_of_the_base_model_share_one_forward(two_adapters, row_slots, expected_groups,
+                                                                  masked_max_rows, monkeypatch):
+    """Both ways of adding several adapters' deltas: all at once under masks (small steps), a group at a time."""
+    monkeypatch.setattr(lora_module, "MASKED_MAX_ROWS", masked_max_rows)
     wrapper, base, rows = qkv_wrapper(two_adapters)
     rows.set(row_slots, None, "cpu")
     assert groups(rows.groups) == expected_groups
@@ -472,7 +476,7 @@ def assert_slots_hold(manager: LoRAManager) -> None:
     for index, wrappers in enumerate(manager.layers):
         for fused, wrapper in wrappers.items():
             for slot, lora_id in enumerate(manager.slot_ids):
-                expected = None if lora_id is None else manager.adapters[lora_id].weights.get((index, fused))
+                expected = None if lora_id is None else manager.adapters[lora_id].expanded.get((index, fused))
                 assert wrapper.slots[slot] is expected, (index, fused, slot)
 
 
