@@ -307,6 +307,7 @@ def test_prefill_single_chunk_after_a_long_context(dtype):
     triton_attention.prefill_tiles(torch.bfloat16, 64),
     triton_attention.prefill_tiles(torch.bfloat16, 128),
     triton_attention.prefill_tiles(torch.bfloat16, 128, arch=90),
+    triton_attention.prefill_tiles(torch.float32, 128, arch=90),
     triton_attention.Tiles(rows=32, key_tile=16, num_warps=8, num_stages=2),
 ], ids=lambda tiles: f"{tiles.rows}x{tiles.key_tile}x{tiles.num_warps}x{tiles.num_stages}")
 def test_prefill_tile_shapes_agree(tiles):
