@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) over a paged KV cache.
 
 Module names follow the Hugging Face checkpoints except that q/k/v and
 gate/up projections are fused into one matrix each (one GEMM instead of three
@@ -86,6 +86,11 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = _Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = _Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
+        if config.qk_norm:  # Qwen3: an RMSNorm over each head of the queries, another over the keys'
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.kernels = None  # set by LlamaForCausalLM.use_kernels
 
     def forward(
@@ -103,6 +108,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj.forward(hidden)
         # Queries and keys are rotated together: [tokens, q_heads + kv_heads, head_dim].
         query_key = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            self._normalize_heads(query_key)
         if self.kernels is not None:
             self.kernels.rotary_(query_key, *rotary_tables)
         else:
@@ -112,6 +119,14 @@ class LlamaAttention(nn.Module):
         out = paged_attention(query, key, value, kv_cache[0], kv_cache[1], metadata, self.scale)
         out = out.view(num_tokens, self.q_size)
         return self.o_proj.forward(out if output_rows is None else out[output_rows])
+
+    def _normalize_heads(self, query_key: torch.Tensor) -> None:
+        """Qwen3's q_norm and k_norm, in place: each head's query and key scaled to unit RMS over head_dim, then
+        by its norm's weight, before rotary (as transformers' Qwen3Attention). The rows go through the same RMSNorm
+        kernels as the hidden states, as [tokens x heads, head_dim]."""
+        query, key = query_key.split_with_sizes([self.num_heads, self.num_kv_heads], dim=1)
+        query.copy_(self.q_norm.forward(query.reshape(-1, self.head_dim)).view_as(query))
+        key.copy_(self.k_norm.forward(key.reshape(-1, self.head_dim)).view_as(key))
 
 
 class LlamaMLP(nn.Module):

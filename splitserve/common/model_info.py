@@ -27,6 +27,7 @@ SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -55,6 +56,8 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    # Qwen3: each head's query and key pass through an RMSNorm over head_dim (q_norm, k_norm) before rotary.
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -102,11 +105,12 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            # Qwen2 always has q/k/v biases; Llama and Mistral say so in the config.
+            # Qwen2 always has q/k/v biases; Llama, Mistral and Qwen3 say so in the config.
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             sliding_window=_sliding_window(raw),
+            qk_norm=model_type == "qwen3",
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation or {}),
         )

@@ -1,10 +1,16 @@
 """Other Llama-family architectures through --model: small random-weight checkpoints
-written by transformers itself (Qwen2 with q/k/v biases, Mistral, Llama 3 rope
-scaling with an untied head), compared token for token with transformers' generate."""
+written by transformers itself (Qwen2 with q/k/v biases, Qwen3 with its per-head query and key norms and
+heads wider than hidden_size / heads, Mistral, Llama 3 rope scaling with an untied head), compared token for
+token with transformers' generate; Qwen3 through every attention backend (the C++ kernels, the torch references,
+and the Triton kernels in Triton's interpreter), since its head norms run through each backend's RMSNorm."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -47,7 +53,14 @@ def _mistral_config():
     return MistralConfig(**SMALL, head_dim=16, sliding_window=None)
 
 
-FAMILIES = {"llama3": _llama3_config, "qwen2": _qwen2_config, "mistral": _mistral_config}
+def _qwen3_config():
+    from transformers import Qwen3Config
+
+    # head_dim 32 with 4 heads of a 64-wide model: queries 128 wide, as Qwen3's heads are wider than hidden / heads.
+    return Qwen3Config(**SMALL, head_dim=32, tie_word_embeddings=False)
+
+
+FAMILIES = {"llama3": _llama3_config, "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config}
 
 
 def write_tiny_model(config, directory, tokenizer_dir) -> None:
@@ -63,28 +76,73 @@ def write_tiny_model(config, directory, tokenizer_dir) -> None:
         shutil.copy(tokenizer_dir / name, directory / name)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_greedy_matches_transformers(family, tmp_path, model_dir, tokenizer):
+PROMPTS = ["The capital of France is", "A long time ago " * 20]
+MAX_TOKENS = 12
+ENGINE_OPTIONS = {"num_kv_blocks": 64, "max_model_len": 512, "max_num_batched_tokens": 64}
+
+
+def transformers_greedy(directory, prompt_ids: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    write_tiny_model(FAMILIES[family](), tmp_path, model_dir)
-    prompts = ["The capital of France is", "A long time ago " * 20]
-    prompt_ids = [tokenizer.encode(prompt) for prompt in prompts]
-
-    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     expected = []
     with torch.inference_mode():
         for ids in prompt_ids:
             input_ids = torch.tensor([ids])
-            out = reference.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=12,
-                                     do_sample=False, eos_token_id=None, min_new_tokens=12)
+            out = reference.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
+                                     do_sample=False, eos_token_id=None, min_new_tokens=max_tokens)
             expected.append(out[0, len(ids):].tolist())
+    return expected
 
-    llm = LLM(str(tmp_path), num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=64)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+@pytest.mark.parametrize("family,backend", [(family, "auto") for family in sorted(FAMILIES)] + [("qwen3", "torch")])
+def test_family_greedy_matches_transformers(family, backend, tmp_path, model_dir, tokenizer):
+    write_tiny_model(FAMILIES[family](), tmp_path, model_dir)
+    prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
+    expected = transformers_greedy(tmp_path, prompt_ids)
+
+    llm = LLM(str(tmp_path), attention_backend=backend, **ENGINE_OPTIONS)
+    if family == "qwen3":  # the head norms run through the backend's RMSNorm: the C++ kernels, or the references
+        norms = [layer.self_attn.q_norm for layer in llm.engine.model_runner.model.model.layers]
+        assert all((norm.kernels is None) == (backend == "torch") for norm in norms)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == expected
     assert llm.engine.free_block_count == llm.engine.num_kv_blocks
+
+
+_TRITON_GENERATE = """
+import json, sys
+from splitserve import LLM, SamplingParams
+from splitserve.kernels import triton_ops
+model, options, prompt_ids, max_tokens = json.loads(sys.argv[1])
+llm = LLM(model, attention_backend="triton", **options)
+layers = llm.engine.model_runner.model.model.layers
+assert all(layer.self_attn.q_norm.kernels is triton_ops and layer.self_attn.k_norm.kernels is triton_ops
+           for layer in layers)
+params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+assert llm.engine.free_block_count == llm.engine.num_kv_blocks
+print(json.dumps([output.outputs[0].token_ids for output in outputs]))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_qwen3_through_the_triton_kernels_matches_transformers(tmp_path, model_dir, tokenizer):
+    """The Triton backend in Triton's interpreter (a process of its own: TRITON_INTERPRET=1 must be set before
+    triton is imported), on a short prompt and a chunked one: the head norms through the Triton RMSNorm."""
+    write_tiny_model(_qwen3_config(), tmp_path, model_dir)
+    prompt_ids = [tokenizer.encode(prompt) for prompt in ("The capital of France is", "A long time ago " * 6)]
+    max_tokens = 6
+    expected = transformers_greedy(tmp_path, prompt_ids, max_tokens)
+    options = {"num_kv_blocks": 16, "max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 16,
+               "enable_prefix_caching": False}
+    argument = json.dumps([str(tmp_path), options, prompt_ids, max_tokens])
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _TRITON_GENERATE, argument], env=environment, capture_output=True,
+                          text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
 
 
 def test_bfloat16_generates_the_same_answer(model_dir):
