@@ -166,11 +166,11 @@ class Frontend:
             )
 
     def render_chat(self, chat: inference_pb2.ChatPrompt) -> str:
-        """The chat rendered through the model's chat template, with its tools (the template's ``tools``) and its
-        messages' tool calls and tool answers.
+        """The chat rendered through the model's chat template, with its tools (the template's ``tools``), its
+        messages' tool calls and tool answers, and its ``chat_template_kwargs`` as more template variables.
 
         Raises:
-            InvalidRequest: no template, no messages, a message without a role, tools
+            InvalidRequest: no template, no messages, a message without a role, tools or template variables
                 ``chat_from_pb`` refuses, or messages the template refuses (its error, at most 160
                 characters of it).
         """
@@ -180,7 +180,7 @@ class Frontend:
         try:
             return self.tokenizer.apply_chat_template(
                 conversation.template_messages(), tools=conversation.template_tools(), tokenize=False,
-                add_generation_prompt=conversation.add_generation_prompt)
+                add_generation_prompt=conversation.add_generation_prompt, **conversation.chat_template_kwargs)
         # The template's raise_exception(...), a value it cannot read, or one it adds to text (TypeError).
         except (jinja2.TemplateError, TypeError) as error:
             reason = str(error).strip().rstrip(".")[:_ECHOED_TEMPLATE_ERROR_CHARACTERS] or type(error).__name__
@@ -215,6 +215,7 @@ def _chat_text(chat: inference_pb2.ChatPrompt) -> str:
              for part in (message.role, message.content, message.tool_call_id, message.name,
                           *(text for call in message.tool_calls for text in (call.id, call.name, call.arguments)))]
     parts += [text for tool in chat.tools for text in (tool.name, tool.description, tool.parameters)]
+    parts += [text for name, value in chat.chat_template_kwargs.items() for text in (name, value.string_value)]
     return "".join(parts)
 
 

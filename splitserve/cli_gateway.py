@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from splitserve.common.tools import TOOL_CALL_PARSERS
+from splitserve.gateway_reasoning import REASONING_PARSERS
 
 DEFAULT_GATEWAY_PORT = 8000
 
@@ -14,7 +15,8 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
         "gateway", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) in front of a router",
         description="Serve /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models and "
         "/health over HTTP (chat requests may give tools: calls forced by tool_choice \"required\" or a named "
-        "function, or left to the model with --enable-auto-tool-choice), each request one gRPC call on the router at --router (calls side by side for n "
+        "function, or left to the model with --enable-auto-tool-choice; a reasoning model's think block apart from "
+        "its answer with --reasoning-parser), each request one gRPC call on the router at --router (calls side by side for n "
         "choices and for a batch of prompts). The gateway keeps no state and no key: a caller's 'Authorization: Bearer KEY' header is passed on "
         "to the router, which checks it as it checks gRPC clients. A caller that disconnects cancels its request on "
         "the workers. Errors are OpenAI's JSON error object with the matching HTTP status (400, 401, 404, 413, 429, "
@@ -47,6 +49,13 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
                          help="how the model writes tool calls, for --enable-auto-tool-choice: hermes is "
                          "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Hermes, Qwen 2.5 and 3, "
                          "SmolLM3, examples/chat-templates/chatml-tools.jinja)")
+    gateway.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                         help="split chat answers as vLLM's --reasoning-parser does: the text of the <think> block "
+                         "goes to the message's (or stream delta's) \"reasoning\" field, the rest to \"content\", "
+                         "which alone is read for tool calls. deepseek_r1: everything before </think> is reasoning, "
+                         "with or without <think> first (DeepSeek-R1 and its distills); qwen3: the same unless the "
+                         "request's chat_template_kwargs set enable_thinking false, when all is content (Qwen3). "
+                         "/v1/completions is not split (default: off)")
     gateway.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     add_client_tls_arguments(gateway)
     gateway.set_defaults(handler=_run_gateway)
@@ -73,5 +82,6 @@ def _run_gateway(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
     config = GatewayConfig(args.router, args.served_model_name, tls, args.max_body_bytes, args.max_choices,
-                           args.metrics_port, args.tool_call_parser if args.enable_auto_tool_choice else None)
+                           args.metrics_port, args.tool_call_parser if args.enable_auto_tool_choice else None,
+                           args.reasoning_parser)
     return run_gateway(config, args.host, args.port, args.log_level)

@@ -38,11 +38,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve.client import AsyncClient
-from splitserve.common.chat import Chat, openai_tools
+from splitserve.common.chat import Chat, check_chat_template_kwargs, openai_tools
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.common.tools import tool_call_parser
+from splitserve.gateway_reasoning import ReasoningReplies, reasoning_parser
 from splitserve.gateway_tools import ToolReplies, chat_tools
 from splitserve.rpc.metrics import GatewayMetrics, serve_metrics
 from splitserve.v1 import inference_pb2
@@ -113,6 +114,9 @@ class GatewayConfig:
         tool_call_parser: how the model writes tool calls (one of ``splitserve.common.tools.TOOL_CALL_PARSERS``),
             which lets chat requests leave the choice of a call to the model (``tool_choice`` "auto"); None: such
             requests are refused, and calls are made only when forced.
+        reasoning_parser: splits chat answers' ``<think>`` blocks into the message's ``reasoning`` (one of
+            ``splitserve.gateway_reasoning.REASONING_PARSERS``, as vLLM's ``--reasoning-parser``); None: answers
+            are content alone.
     """
 
     router: str
@@ -122,6 +126,7 @@ class GatewayConfig:
     max_choices: int = MAX_CHOICES
     metrics_port: int | None = None
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 @dataclass
@@ -186,6 +191,7 @@ class Gateway:
         self.config = config
         self.client: AsyncClient | None = None
         self._tool_parser = tool_call_parser(config.tool_call_parser) if config.tool_call_parser else None
+        self._reasoning_parser = reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         self._model_info: inference_pb2.GetModelInfoResponse | None = None
         self._model_info_time = 0.0  # time.monotonic() of its last fetch
         routes = [
@@ -298,8 +304,14 @@ class Gateway:
             param = "parallel_tool_calls" if str(error).startswith("parallel_tool_calls") else "tool_choice"
             raise APIError(400, str(error), param) from None
         params = dataclasses.replace(params, structured_outputs=constraint)
-        return await self._respond(request, body, [chat], params, "chatcmpl", "chat.completion",
-                                   functools.partial(_chat_choice, tools=tools), lora_name)
+        # A forced call's text is its JSON from the first token (its schema constrains the whole answer): no
+        # reasoning to split off.
+        splits = self._reasoning_parser is not None and not (tools is not None and tools.forces_a_call)
+        choice = functools.partial(_chat_choice, tools=tools,
+                                   reasoning=ReasoningReplies(self._reasoning_parser, chat.chat_template_kwargs)
+                                   if splits else None,
+                                   with_reasoning=self._reasoning_parser is not None)
+        return await self._respond(request, body, [chat], params, "chatcmpl", "chat.completion", choice, lora_name)
 
     # ---- one request's generations ----------------------------------------------------------------
 
@@ -711,14 +723,18 @@ def _completion_logprobs(body: dict) -> int | None:
 
 
 def _chat(body: dict) -> Chat:
-    """The request's ``messages`` (text content, or a list of text parts, joined; tool calls and tool answers)
-    and ``tools`` as a Chat; 400 naming the field for malformed ones."""
+    """The request's ``messages`` (text content, or a list of text parts, joined; tool calls and tool answers),
+    ``tools`` and vLLM's ``chat_template_kwargs`` as a Chat; 400 naming the field for malformed ones."""
     try:
         tools = openai_tools(body.get("tools"))
     except InvalidRequest as error:
         raise APIError(400, str(error), "tools") from None
     try:
-        return Chat.from_openai(body.get("messages"), tools or None)
+        kwargs = check_chat_template_kwargs(body.get("chat_template_kwargs"))
+    except InvalidRequest as error:
+        raise APIError(400, str(error), "chat_template_kwargs") from None
+    try:
+        return Chat.from_openai(body.get("messages"), tools or None, chat_template_kwargs=kwargs)
     except InvalidRequest as error:
         raise APIError(400, str(error), "messages") from None
 
@@ -802,18 +818,29 @@ def _completion_choice(index: int, text: str, finish: str | None, logprobs: list
 
 
 def _chat_choice(index: int, text: str, finish: str | None, logprobs: list, final: bool,
-                 text_offset: int = 0, tools: ToolReplies | None = None) -> dict:
+                 text_offset: int = 0, tools: ToolReplies | None = None, reasoning: ReasoningReplies | None = None,
+                 with_reasoning: bool = False) -> dict:
     """A chat choice: its message (``final``) or its stream delta; with ``tools`` (a tool choice other than none)
-    the text may be tool calls."""
+    the text may be tool calls; with ``reasoning`` its think block is the message's ``reasoning`` (the gateway's
+    ``--reasoning-parser``: ``with_reasoning``, every message has the field, null when there is none) and only the
+    rest is content, read for tool calls."""
     if final:
-        message, finish = (tools.message(text, finish) if tools is not None
-                           else ({"role": "assistant", "content": text}, finish))
+        thought, content = reasoning.whole(text) if reasoning is not None else (None, text)
+        message, finish = (tools.message(content or "", finish) if tools is not None
+                           else ({"role": "assistant", "content": content}, finish))
+        if with_reasoning:
+            message["reasoning"], message["content"] = thought, message["content"] or None
         return {"index": index, "message": message, "logprobs": _chat_logprobs_object(logprobs),
                 "finish_reason": finish}
+    thought = ""
+    if reasoning is not None:
+        thought, text = reasoning.delta(index, text, final=finish is not None)
     if tools is not None:
         delta, finish = tools.delta(index, text, finish)
     else:
         delta = {"content": text} if text else {}
+    if thought:
+        delta = {"reasoning": thought, **delta}
     return {"index": index, "delta": delta, "logprobs": _chat_logprobs_object(logprobs), "finish_reason": finish}
 
 

@@ -52,6 +52,11 @@ class ToolReplies:
         self.choice, self.parser = choice, parser
         self._states: dict[int, _ChoiceState] = {}
 
+    @property
+    def forces_a_call(self) -> bool:
+        """The answer is calls generated under their schema ("required" or a named function), never free text."""
+        return self.choice == "required" or isinstance(self.choice, FunctionTool)
+
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """A whole answer's message and finish reason."""
         content, calls, finish = self._read(text, finish)

@@ -16,6 +16,7 @@ choice becomes a structured outputs constraint (``splitserve.common.tools``).
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,16 @@ MAX_TOOLS = 128
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # A name or id from the network quoted in an error: at most this many characters of it.
 _QUOTED = 64
+# vLLM's chat_template_kwargs, bounded: a few variables of simple values, named as template variables are.
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_STRING = 1024
+_TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# What the renderer sets itself (transformers' apply_chat_template's parameters and the template's own helpers);
+# names ending in _token (the tokenizer's special tokens) are refused too.
+_RESERVED_TEMPLATE_KWARGS = frozenset((
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception", "strftime_now"))
 
 
 @dataclass(frozen=True)
@@ -109,25 +120,30 @@ class Chat:
         messages: oldest first.
         tools: the functions the model may call (shown to it by templates that read ``tools``).
         add_generation_prompt: end with the template's "the assistant answers" marker.
+        chat_template_kwargs: more variables for the template by name (vLLM's ``chat_template_kwargs``, such as
+            ``{"enable_thinking": False}``), as :func:`check_chat_template_kwargs` allows them.
     """
 
     messages: tuple[ChatMessage, ...]
     tools: tuple[FunctionTool, ...] = field(default=())
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict = field(default_factory=dict)
 
     @classmethod
-    def from_openai(cls, messages, tools=None, add_generation_prompt: bool = True) -> Chat:
+    def from_openai(cls, messages, tools=None, add_generation_prompt: bool = True,
+                    chat_template_kwargs=None) -> Chat:
         """A chat from OpenAI's messages (content a string, a list of text parts, or null beside tool calls;
-        ``tool_calls`` on assistant messages, ``tool_call_id`` on tool messages) and tools.
+        ``tool_calls`` on assistant messages, ``tool_call_id`` on tool messages), tools and template variables.
 
         Raises:
-            InvalidRequest: no messages, a malformed one, or tools :func:`check_tools` refuses.
+            InvalidRequest: no messages, a malformed one, tools :func:`check_tools` refuses, or template variables
+                :func:`check_chat_template_kwargs` refuses.
         """
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidRequest("messages must be a non-empty list of {role, content} objects.")
         parsed_tools = openai_tools(tools)
         return cls(tuple(_openai_message(message, f"messages[{index}]") for index, message in enumerate(messages)),
-                   parsed_tools, add_generation_prompt)
+                   parsed_tools, add_generation_prompt, check_chat_template_kwargs(chat_template_kwargs))
 
     def template_messages(self) -> list[dict]:
         """The messages as chat templates read them (each call's arguments an object where they parse)."""
@@ -164,6 +180,42 @@ def check_tools(tools: Sequence[FunctionTool]) -> None:
         if tool.name in seen:
             raise InvalidRequest(f"Two tools are named {tool.name!r}: each name must be unique.")
         seen.add(tool.name)
+
+
+def check_chat_template_kwargs(kwargs) -> dict:
+    """vLLM's ``chat_template_kwargs`` (None: none) checked: an object of at most :data:`MAX_TEMPLATE_KWARGS`
+    template variables (names of letters, digits and underscores, none the renderer sets itself) whose values are
+    booleans, integers, finite numbers or strings of at most :data:`MAX_TEMPLATE_STRING` characters.
+
+    Returns:
+        A new dict of them.
+
+    Raises:
+        InvalidRequest: naming the variable and what is wrong.
+    """
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be an object of template variables.")
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise InvalidRequest(f"chat_template_kwargs has {len(kwargs)} variables, more than the "
+                             f"{MAX_TEMPLATE_KWARGS} a request may give.")
+    for name, value in kwargs.items():
+        if not isinstance(name, str) or not _TEMPLATE_KWARG_NAME.fullmatch(name):
+            raise InvalidRequest(f"chat_template_kwargs: {str(name)[:_QUOTED]!r} is not a template variable's name "
+                                 "(1 to 64 letters, digits or underscores, not starting with a digit).")
+        if name in _RESERVED_TEMPLATE_KWARGS or name.endswith("_token"):
+            raise InvalidRequest(f"chat_template_kwargs may not set {name!r}: the renderer sets it (send messages, "
+                                 "tools and the other fields of the request instead).")
+        simple = isinstance(value, (bool, str)) or (isinstance(value, int) and -2**63 <= value < 2**63) or (
+            isinstance(value, float) and math.isfinite(value))
+        if not simple:
+            raise InvalidRequest(f"chat_template_kwargs.{name} must be a boolean, an integer, a finite number or a "
+                                 "string.")
+        if isinstance(value, str) and len(value) > MAX_TEMPLATE_STRING:
+            raise InvalidRequest(f"chat_template_kwargs.{name} is {len(value)} characters, more than the "
+                                 f"{MAX_TEMPLATE_STRING} a variable may hold.")
+    return dict(kwargs)
 
 
 def openai_tools(tools) -> tuple[FunctionTool, ...]:

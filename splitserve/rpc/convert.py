@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from splitserve.common.chat import Chat, ChatMessage, FunctionTool, ToolCall, check_tools
+from splitserve.common.chat import Chat, ChatMessage, FunctionTool, ToolCall, check_chat_template_kwargs, check_tools
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.load import WorkerLoad
 from splitserve.common.sampling_params import SamplingParams
@@ -85,7 +85,10 @@ def structured_outputs_to_pb(params: StructuredOutputsParams) -> inference_pb2.S
 
 
 def chat_to_pb(chat: Chat) -> inference_pb2.ChatPrompt:
-    """The proto form of a chat (each tool's parameters as JSON text)."""
+    """The proto form of a chat (each tool's parameters as JSON text).
+
+    Raises:
+        InvalidRequest: template variables ``check_chat_template_kwargs`` refuses."""
     message = inference_pb2.ChatPrompt(add_generation_prompt=chat.add_generation_prompt)
     for item in chat.messages:
         message.messages.append(inference_pb2.ChatMessage(
@@ -96,12 +99,26 @@ def chat_to_pb(chat: Chat) -> inference_pb2.ChatPrompt:
         message.tools.append(inference_pb2.Tool(
             name=tool.name, description=tool.description,
             parameters=json.dumps(tool.parameters) if tool.parameters is not None else ""))
+    for name, value in check_chat_template_kwargs(chat.chat_template_kwargs).items():
+        message.chat_template_kwargs[name].CopyFrom(_template_value_to_pb(value))
     return message
 
 
+def _template_value_to_pb(value: bool | int | float | str) -> inference_pb2.ChatTemplateValue:
+    if isinstance(value, bool):
+        return inference_pb2.ChatTemplateValue(bool_value=value)
+    if isinstance(value, int):
+        return inference_pb2.ChatTemplateValue(int_value=value)
+    if isinstance(value, float):
+        return inference_pb2.ChatTemplateValue(float_value=value)
+    return inference_pb2.ChatTemplateValue(string_value=value)
+
+
 def chat_from_pb(message: inference_pb2.ChatPrompt) -> Chat:
-    """A chat from its proto form. Raises InvalidRequest for no messages, a message without a role, or tools that
-    :func:`splitserve.common.chat.check_tools` refuses or whose parameters are not a JSON object."""
+    """A chat from its proto form. Raises InvalidRequest for no messages, a message without a role, tools that
+    :func:`splitserve.common.chat.check_tools` refuses or whose parameters are not a JSON object, or template
+    variables :func:`splitserve.common.chat.check_chat_template_kwargs` refuses (a value with none set among
+    them)."""
     if not message.messages:
         raise InvalidRequest("The chat prompt has no messages.")
     messages = []
@@ -115,7 +132,9 @@ def chat_from_pb(message: inference_pb2.ChatPrompt) -> Chat:
     tools = tuple(FunctionTool(tool.name, tool.description, _tool_parameters(tool, index))
                   for index, tool in enumerate(message.tools))
     add_generation_prompt = message.add_generation_prompt if message.HasField("add_generation_prompt") else True
-    return Chat(tuple(messages), tools, add_generation_prompt)
+    kwargs = {name: getattr(value, value.WhichOneof("value")) if value.WhichOneof("value") else None
+              for name, value in message.chat_template_kwargs.items()}
+    return Chat(tuple(messages), tools, add_generation_prompt, check_chat_template_kwargs(kwargs))
 
 
 def _tool_parameters(tool: inference_pb2.Tool, index: int) -> dict | None:

@@ -11,6 +11,8 @@ import collections
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -184,6 +186,31 @@ def test_tokenize_and_detokenize_are_vllms(gateway, cluster, grpc_client):
     stranger = httpx.post(f"{gateway}/detokenize", headers={"authorization": "Bearer not-the-key"},
                           json={"tokens": [1]})
     assert stranger.status_code == 401
+
+
+def test_chat_template_kwargs_are_taken_and_checked(api, gateway, cluster):
+    """vLLM's chat_template_kwargs on /tokenize and chats reach the router (this template reads none of them, so
+    the prompt is the same; tests/unit/test_router_frontend.py renders them); what the renderer sets itself, or a
+    value that is not simple, is refused with 400 and a sentence."""
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    kwargs = {"enable_thinking": False, "style": "short", "depth": 2, "temperature_hint": 0.5}
+    plain = httpx.post(f"{gateway}/tokenize", headers=headers, json={"messages": QUESTION}).json()
+    assert httpx.post(f"{gateway}/tokenize", headers=headers,
+                      json={"messages": QUESTION, "chat_template_kwargs": kwargs}).json() == plain
+    model = api.models.list().data[0].id
+    chat = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, temperature=0,
+                                       extra_body={"chat_template_kwargs": kwargs})
+    assert chat.usage.prompt_tokens == plain["count"]
+    for bad, words in (({"add_generation_prompt": False}, "may not set 'add_generation_prompt'"),
+                       ({"messages": []}, "may not set 'messages'"), ({"enable_thinking": None}, "must be a boolean"),
+                       ([1], "must be an object")):
+        refused = httpx.post(f"{gateway}/tokenize", headers=headers,
+                             json={"messages": QUESTION, "chat_template_kwargs": bad})
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text
+        with pytest.raises(openai.BadRequestError) as refused_chat:
+            api.chat.completions.create(model=model, messages=QUESTION, max_tokens=2,
+                                        extra_body={"chat_template_kwargs": bad})
+        assert words in refused_chat.value.message and refused_chat.value.param == "chat_template_kwargs"
 
 
 def test_chat_is_the_grpc_paths_greedy_output(api, grpc_client):
@@ -744,3 +771,86 @@ def test_bad_tool_requests_get_openai_errors(api):
         api.chat.completions.create(model=model, messages=WEATHER_QUESTION, max_tokens=2, tools=[broken],
                                     tool_choice="required")
     assert "json" in refused.value.message
+
+
+@pytest.fixture(scope="module")
+def reasoning_api(cluster, tmp_path_factory):
+    """A second gateway on the module's cluster, started with vLLM's --reasoning-parser qwen3 (and the hermes tool
+    parser)."""
+    log = tmp_path_factory.mktemp("reasoning-gateway") / "gateway.log"
+    with running_gateway(cluster.router.address, log, "--reasoning-parser", "qwen3",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key=cluster.api_key, max_retries=0, timeout=120)
+
+
+def _streamed_reasoning(stream) -> tuple[str, str | None, str]:
+    """A streamed chat's reasoning and content put together from its deltas (the reasoning field is vLLM's, an
+    extra field to the openai package), and its finish reason."""
+    reasoning, content, finish = "", "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning", None) or ""
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return reasoning, content, finish
+
+
+def test_the_reasoning_parser_splits_the_think_block_from_the_answer(reasoning_api, grpc_client):
+    """With --reasoning-parser qwen3: the think block (forced by a regex: this small model writes none of its own)
+    is the message's reasoning and the rest its content, which reassemble the gRPC path's text; streamed, the
+    deltas add up to the same. A text without </think> is all reasoning (content null), as vLLM's qwen3 parser
+    says it, unless the request turns thinking off in its chat_template_kwargs: then it is all content.
+    /v1/completions is not split."""
+    model = reasoning_api.models.list().data[0].id
+    regex = "<think>[a-z ]{1,12}</think>[A-Za-z ]{1,12}"
+    forced = {"structured_outputs": {"regex": regex}}
+    text = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=40,
+                                                         structured_outputs={"regex": regex})).text
+    assert re.fullmatch(regex, text)
+    message = reasoning_api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=40,
+                                                    extra_body=forced).choices[0].message
+    assert message.reasoning and message.content
+    assert f"<think>{message.reasoning}</think>{message.content}" == text
+    reasoning, content, finish = _streamed_reasoning(reasoning_api.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=40, stream=True, extra_body=forced))
+    assert (reasoning, content, finish) == (message.reasoning, message.content, "stop")
+    plain = reasoning_api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=6)
+    assert plain.choices[0].message.content is None
+    plain_text = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=6)).text
+    assert plain.choices[0].message.reasoning == plain_text
+    thinking_off = reasoning_api.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=6,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert (thinking_off.reasoning, thinking_off.content) == (None, plain_text)
+    completion = reasoning_api.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=40,
+                                                  extra_body=forced)
+    assert completion.choices[0].text.startswith("<think>")
+
+
+def test_tool_calls_come_from_the_content_after_the_think_block(reasoning_api):
+    """With a reasoning parser, the hermes parser reads calls out of the content only: a <tool_call> after
+    </think> is a call, the think block the reasoning (whole and streamed)."""
+    model = reasoning_api.models.list().data[0].id
+    regex = (r'<think>[a-z ]{1,12}</think><tool_call>\n\{"name": "get_weather", "arguments": '
+             r'\{"city": "[A-Z][a-z]{2,8}"\}\}\n</tool_call>')
+    forced = {"structured_outputs": {"regex": regex}}
+    [choice] = reasoning_api.chat.completions.create(model=model, messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK],
+                                                     temperature=0, max_tokens=60, extra_body=forced).choices
+    [call] = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.reasoning
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    stream = list(reasoning_api.chat.completions.create(model=model, messages=WEATHER_QUESTION,
+                                                        tools=[WEATHER, CLOCK], temperature=0, max_tokens=60,
+                                                        stream=True, extra_body=forced))
+    assert _streamed_reasoning(stream)[0] == choice.message.reasoning
+    calls, content, finish = _streamed_calls(stream)
+    assert content == "" and finish == "tool_calls" and calls[0][1:] == ("get_weather", call.function.arguments)
+
+
+def test_an_unknown_reasoning_parser_is_refused_at_start():
+    for command in (["gateway", "--router", "127.0.0.1:1"], ["up", "--http-port", "0"]):
+        refused = subprocess.run([sys.executable, "-m", "splitserve.cli", *command, "--reasoning-parser", "granite"],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2, refused.stderr
+        assert "argument --reasoning-parser: invalid choice: 'granite' (choose from 'deepseek_r1', 'qwen3')" \
+            in refused.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 
@@ -154,3 +155,43 @@ def test_a_chat_the_template_refuses_is_an_invalid_request_with_its_reason(front
     assert sentence.startswith("The model's chat template refused these messages: Only user and assistant roles "
                                "are supported: xxx")
     assert sentence.endswith("x.") and len(sentence) < 250  # the template's error is cut, the client's role with it
+
+
+def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_refused(frontend, monkeypatch):
+    """vLLM's chat_template_kwargs: more template variables (Qwen3's enable_thinking here), from the client's
+    Chat through the proto to the template; the router refuses what it must not render with (a name the renderer
+    sets itself, a value that is not simple) with a sentence, whoever sent the proto."""
+    from splitserve.common.chat import Chat
+    from splitserve.rpc.convert import chat_to_pb
+
+    template = ("{{ messages[0]['content'] }}|{% if enable_thinking is defined and enable_thinking is false %}"
+                "<think>\n\n</think>\n\n{% endif %}{{ greeting | default('') }}{{ times | default('') }}")
+    monkeypatch.setattr(frontend.tokenizer, "chat_template", template)
+    messages = [{"role": "user", "content": "hi"}]
+
+    def rendered(kwargs) -> str:
+        chat = chat_to_pb(Chat.from_openai(messages, chat_template_kwargs=kwargs))
+        return frontend.tokenizer.decode(frontend.tokenize(inference_pb2.TokenizeRequest(chat=chat)).token_ids)
+
+    assert rendered(None) == rendered({"enable_thinking": True}) == "hi|"
+    assert rendered({"enable_thinking": False, "greeting": "hello", "times": 2}) == "hi|<think>\n\n</think>\n\nhello2"
+    assert chat_to_pb(Chat.from_openai(messages, chat_template_kwargs={"x": 1.5})).chat_template_kwargs[
+        "x"].float_value == 1.5
+    for kwargs, sentence in (
+            ({"add_generation_prompt": False}, "chat_template_kwargs may not set 'add_generation_prompt'"),
+            ({"tools": "[]"}, "may not set 'tools'"), ({"chat_template": "{{ 1 }}"}, "may not set 'chat_template'"),
+            ({"tokenize": True}, "may not set 'tokenize'"), ({"bos_token": "x"}, "may not set 'bos_token'"),
+            ({"enable thinking": False}, "'enable thinking' is not a template variable's name"),
+            ({"depth": [1]}, "chat_template_kwargs.depth must be a boolean, an integer, a finite number or a string"),
+            ({"x": float("nan")}, "must be a boolean"), ({"x": "y" * 1025}, "is 1025 characters, more than the 1024"),
+            ({f"k{index}": 1 for index in range(17)}, "has 17 variables, more than the 16"),
+            ("enable_thinking", "must be an object of template variables")):
+        with pytest.raises(InvalidRequest, match=re.escape(sentence)):
+            Chat.from_openai(messages, chat_template_kwargs=kwargs)
+    # The same refusals from a proto no Python client checked, before anything is rendered.
+    for name, value in (("messages", inference_pb2.ChatTemplateValue(string_value="x")),
+                        ("x", inference_pb2.ChatTemplateValue())):
+        chat = inference_pb2.ChatPrompt(messages=[inference_pb2.ChatMessage(role="user", content="hi")])
+        chat.chat_template_kwargs[name].CopyFrom(value)
+        with pytest.raises(InvalidRequest, match=r"^chat_template_kwargs"):
+            frontend.prompt_of(inference_pb2.GenerateRequest(chat=chat))
