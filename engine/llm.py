@@ -112,29 +112,36 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations (lists of OpenAI chat messages: {"role", "content"}, an assistant's
         ``tool_calls``, a tool's answer) through the model's chat template, or ``chat_template`` (a Jinja
-        template's text), which is shown ``tools`` (OpenAI's function tools), as vLLM's ``LLM.chat`` does."""
+        template's text), which is shown ``tools`` (OpenAI's function tools) and ``chat_template_kwargs`` (more
+        template variables, such as ``{"enable_thinking": False}`` for Qwen3's), as vLLM's ``LLM.chat`` does;
+        ``lora_request`` as :meth:`generate` takes it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(conversation, add_generation_prompt, tools, chat_template)
+        prompts = [self.apply_chat_template(conversation, add_generation_prompt, tools, chat_template,
+                                            chat_template_kwargs)
                    for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, chat_template: str | None = None) -> dict:
+                            tools: list[dict] | None = None, chat_template: str | None = None,
+                            chat_template_kwargs: dict | None = None) -> dict:
         """The prompt of a conversation (its text and token ids), rendered as the router renders a chat.
 
         Raises:
-            ValueError: no chat template, or malformed messages or tools (``Chat.from_openai``).
+            ValueError: no chat template, or malformed messages, tools or template variables
+                (``Chat.from_openai``).
         """
         tokenizer = self.engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("This model has no chat template; use generate() with a plain prompt.")
-        chat = Chat.from_openai(conversation, tools)
+        chat = Chat.from_openai(conversation, tools, chat_template_kwargs=chat_template_kwargs)
         text = tokenizer.apply_chat_template(chat.template_messages(), tools=chat.template_tools(), tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template)
+                                             chat_template=chat_template, **chat.chat_template_kwargs)
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": token_ids}
 

@@ -119,6 +119,24 @@ def test_chat_shows_tools_and_calls_through_a_template_given_as_text(llm, tokeni
         llm.chat(conversation, tools=tools * 2, chat_template=template)
 
 
+def test_chat_template_kwargs_reach_the_template_and_are_checked(llm, tokenizer):
+    """LLM.chat(chat_template_kwargs=...) renders with the template's variables as transformers does (vLLM's
+    offline chat_template_kwargs, e.g. Qwen3's enable_thinking); what the renderer sets itself is refused."""
+    template = ("{% for message in messages %}{{ message['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                "{% else %}<think>{% endif %}")
+    conversation = [{"role": "user", "content": "What is 7 times 8?"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    thinking, quiet = (llm.chat(conversation, params, chat_template=template, chat_template_kwargs=kwargs)[0]
+                       for kwargs in (None, {"enable_thinking": False}))
+    assert thinking.prompt == "What is 7 times 8?<think>"
+    assert quiet.prompt == tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                                         enable_thinking=False) == "What is 7 times 8?<think>\n\n</think>\n\n"
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set 'tools'"):
+        llm.chat(conversation, params, chat_template=template, chat_template_kwargs={"tools": []})
+    assert llm.engine.free_block_count == llm.engine.num_kv_blocks
+
+
 def test_a_priority_needs_the_priority_policy_and_nothing_is_queued_when_refused(llm):
     with pytest.raises(ValueError, match="needs the priority scheduling policy"):
         llm.generate(["a", "b"], SamplingParams(max_tokens=1), priority=[0, 2])
