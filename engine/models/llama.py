@@ -1,8 +1,9 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, SmolLM) over a paged KV cache.
 
 Module names follow the Hugging Face checkpoints except that q/k/v and
 gate/up projections are fused into one matrix each (one GEMM instead of three
-or two); :meth:`LlamaForCausalLM.load_weights` fuses them while loading.
+or two); :meth:`LlamaForCausalLM.load_weights` fuses them while loading (Phi-3's
+checkpoints hold them fused already, under the same names).
 The layers shared with other families live beside it: ``rms_norm.py``,
 ``rotary_embedding.py`` and ``packed_linear.py``.
 
@@ -83,7 +84,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_multiplier or self.head_dim**-0.5
         self.qkv_proj = _Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = _Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
         if config.qk_norm:  # Qwen3: an RMSNorm over each head of the queries, another over the keys'
@@ -168,6 +169,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = config.residual_multiplier  # Granite's; 1.0 elsewhere
 
     def forward(self, hidden, residual, kv_cache, metadata, rotary_tables, output_rows=None):
         """The residual stream is carried separately so each residual add fuses with the norm after it.
@@ -184,8 +186,11 @@ class LlamaDecoderLayer(nn.Module):
         attention_out = self.self_attn.forward(normed, kv_cache, metadata, rotary_tables, output_rows)
         if output_rows is not None:
             residual = residual[output_rows]
+        if self.residual_multiplier != 1.0:
+            attention_out = attention_out.mul_(self.residual_multiplier)
         normed, residual = self.post_attention_layernorm.forward(attention_out, residual)
-        return self.mlp.forward(normed), residual
+        out = self.mlp.forward(normed)
+        return (out if self.residual_multiplier == 1.0 else out.mul_(self.residual_multiplier)), residual
 
 
 class LlamaModel(nn.Module):
@@ -195,10 +200,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
+        self.embedding_multiplier = config.embedding_multiplier
         self.kernels = None  # set by LlamaForCausalLM.use_kernels: then the rotary tables are in the kernels' layout
 
     def forward(self, input_ids, positions, kv_caches, metadata, output_rows=None) -> torch.Tensor:
         hidden = self.embed_tokens.forward(input_ids)
+        if self.embedding_multiplier != 1.0:  # Granite's
+            hidden = hidden * self.embedding_multiplier
         rotary_tables = self.rotary.tables(positions, hidden.dtype, over_heads=self.kernels is None)
         residual = None
         last = len(self.layers) - 1
@@ -245,7 +253,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model.forward(input_ids, positions, kv_caches, metadata, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [rows, hidden_size] -> logits [rows, vocab] (float32)."""
+        """hidden: [rows, hidden_size] -> logits [rows, vocab] (float32), divided by Granite's logits_scaling."""
+        logits = self._head_logits(hidden)
+        return logits if self.config.logits_scaling == 1.0 else logits.div_(self.config.logits_scaling)
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         kernels = self._head_kernels
         if kernels is not None and hidden.shape[0] <= self._head_panel_rows:
             if hidden.dtype == torch.bfloat16:
@@ -356,6 +368,8 @@ class LlamaForCausalLM(nn.Module):
     def _check_all_loaded(self, params: dict, loaded: set[str]) -> None:
         missing = []
         for target in params:
+            if f"{target}#None" in loaded:  # whole, fused or not (Phi-3's checkpoints hold qkv_proj, gate_up_proj)
+                continue
             shards = 3 if "qkv_proj" in target else 2 if "gate_up_proj" in target else None
             keys = [f"{target}#{shard}" for shard in range(shards)] if shards else [f"{target}#None"]
             missing += [key for key in keys if key not in loaded]

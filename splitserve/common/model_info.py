@@ -28,6 +28,8 @@ SUPPORTED_MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -58,6 +60,13 @@ class ModelConfig:
     sliding_window: int | None = None
     # Qwen3: each head's query and key pass through an RMSNorm over head_dim (q_norm, k_norm) before rotary.
     qk_norm: bool = False
+    # Granite's scalars (1.0 and None elsewhere): embeddings times embedding_multiplier, attention scores times
+    # attention_multiplier (None: head_dim ** -0.5), each layer's attention and MLP outputs times
+    # residual_multiplier before the residual add, logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -91,6 +100,9 @@ class ModelConfig:
             )
         num_heads = raw["num_attention_heads"]
         rope_theta, rope_scaling = _rope_parameters(raw)
+        activation = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+        if activation != "silu":
+            raise ValueError(f"Unsupported activation {str(activation)[:32]!r}: splitserve's MLP is SiLU-and-multiply.")
         return cls(
             model_type=model_type,
             architecture=architecture,
@@ -111,6 +123,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             sliding_window=_sliding_window(raw),
             qk_norm=model_type == "qwen3",
+            **_granite_scalars(raw, model_type),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation or {}),
         )
@@ -139,8 +152,22 @@ def _rope_parameters(raw: dict) -> tuple[float, dict]:
         raise ValueError(
             f"Unsupported rope scaling {rope_type!r}: splitserve supports {', '.join(SUPPORTED_ROPE_TYPES)}."
         )
+    # Phi-3's configs say how much of each head rotates; splitserve rotates whole heads.
+    partial = scaling.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ValueError(f"Unsupported partial_rotary_factor {partial!r}: splitserve rotates whole heads.")
     scaling["rope_type"] = rope_type
     return float(theta), scaling
+
+
+def _granite_scalars(raw: dict, model_type: str) -> dict:
+    if model_type != "granite":
+        return {}
+    attention = raw.get("attention_multiplier")
+    return {"embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
+            "attention_multiplier": None if attention is None else float(attention),
+            "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
+            "logits_scaling": float(raw.get("logits_scaling", 1.0))}
 
 
 def _sliding_window(raw: dict) -> int | None:

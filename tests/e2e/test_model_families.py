@@ -1,6 +1,7 @@
 """Other Llama-family architectures through --model: small random-weight checkpoints
 written by transformers itself (Qwen2 with q/k/v biases, Qwen3 with its per-head query and key norms and
-heads wider than hidden_size / heads, Mistral, Llama 3 rope scaling with an untied head), compared token for
+heads wider than hidden_size / heads, Mistral, Llama 3 rope scaling with an untied head, Granite with its four
+scalars, Phi-3 with its projections fused in the checkpoint), compared token for
 token with transformers' generate; Qwen3 through every attention backend (the C++ kernels, the torch references,
 and the Triton kernels in Triton's interpreter), since its head norms run through each backend's RMSNorm."""
 
@@ -60,7 +61,23 @@ def _qwen3_config():
     return Qwen3Config(**SMALL, head_dim=32, tie_word_embeddings=False)
 
 
-FAMILIES = {"llama3": _llama3_config, "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config}
+def _granite_config():
+    from transformers import GraniteConfig
+
+    # Granite's four scalars, each away from 1 (Granite 3's are about 12, 1/128, 0.22 and 8-16), tied embeddings.
+    return GraniteConfig(**SMALL, embedding_multiplier=6.0, attention_multiplier=0.1, residual_multiplier=0.5,
+                         logits_scaling=4.0, tie_word_embeddings=True)
+
+
+def _phi3_config():
+    from transformers import Phi3Config
+
+    # Phi-3 checkpoints hold q/k/v and gate/up fused already (qkv_proj, gate_up_proj).
+    return Phi3Config(**SMALL, tie_word_embeddings=False)
+
+
+FAMILIES = {"llama3": _llama3_config, "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config,
+            "granite": _granite_config, "phi3": _phi3_config}
 
 
 def write_tiny_model(config, directory, tokenizer_dir) -> None:
@@ -109,6 +126,25 @@ def test_family_greedy_matches_transformers(family, backend, tmp_path, model_dir
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == expected
     assert llm.engine.free_block_count == llm.engine.num_kv_blocks
+    if family == "granite":  # logits_scaling leaves greedy choices as they are: the log probabilities show it
+        _check_first_logprobs(llm, tmp_path, prompt_ids)
+
+
+def _check_first_logprobs(llm, directory, prompt_ids: list[list[int]]) -> None:
+    """Each prompt's first sampled token's top-3 log probabilities are transformers' (log-softmax of its logits)."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    for ids, output in zip(prompt_ids, outputs):
+        with torch.inference_mode():
+            expected = torch.log_softmax(reference(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+        top = torch.topk(expected, 3)
+        (step,) = output.outputs[0].logprobs
+        assert set(step) == set(top.indices.tolist())
+        for token_id, logprob in zip(top.indices.tolist(), top.values.tolist()):
+            assert step[token_id] == pytest.approx(logprob, abs=1e-4)
 
 
 _TRITON_GENERATE = """
