@@ -147,6 +147,37 @@ def _check_first_logprobs(llm, directory, prompt_ids: list[list[int]]) -> None:
             assert step[token_id] == pytest.approx(logprob, abs=1e-4)
 
 
+def test_qwen3_through_a_disaggregated_cluster_matches_transformers(tmp_path, model_dir, tokenizer):
+    """A tiny Qwen3 served by a prefill and a decode worker with KV over p2p: its heads are wider than
+    hidden_size / heads (32 against 16), so every size the KV path computes must come from head_dim. Each prompt's
+    KV travels (whole blocks of 2 layers x K and V x 2 heads x 32 values, float32), and the streams are
+    transformers' greedy tokens."""
+    from splitserve.client import Client
+    from tests.cluster_helpers import all_blocks_free, start_cluster, stream_tokens, wait_until, worker_status
+
+    model = tmp_path / "qwen3"
+    model.mkdir()
+    write_tiny_model(_qwen3_config(), model, model_dir)
+    prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
+    expected = transformers_greedy(model, prompt_ids)
+    model_args = ["--model", str(model), "--max-model-len", "512"]
+    cluster = start_cluster("p2p", tmp_path / "logs", worker_args=model_args, router_args=model_args)
+    try:
+        decode = next(process for process in cluster.workers if process.name.startswith("decode"))
+        with Client(cluster.router.address) as client:
+            streamed = [stream_tokens(client, ids, MAX_TOKENS, ignore_eos=True)[0]
+                        for ids in prompt_ids]
+            assert streamed == expected
+            counters = worker_status(decode.address, "decode").counters
+            assert counters.num_kv_transfers_received == len(prompt_ids) and counters.num_kv_recomputes == 0
+            per_block = 2 * 2 * 2 * 16 * 32 * 4
+            blocks, rest = divmod(counters.num_kv_bytes, per_block)
+            assert rest == 0 and blocks == sum(-(-len(ids) // 16) for ids in prompt_ids)
+            wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")
+    finally:
+        cluster.stop()
+
+
 _TRITON_GENERATE = """
 import json, sys
 from splitserve import LLM, SamplingParams
