@@ -13,6 +13,7 @@ from splitserve.engine.config import DEFAULT_STEP_LIMITS, EngineConfig, likely_d
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.lora import LoRARequest
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
 PromptType = str | dict[str, Any]
@@ -103,6 +104,43 @@ class LLM:
             self._abort_all(request_ids)
             raise
         return self._run(request_ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, as vLLM's ``LLM.embed``: its last token's final hidden state, normalized
+        (``pooling_params``; engine/pooling.py), all prompts batched together and returned in their order. The
+        prompts run as generation requests do until their last token, which gives the embedding in place of a
+        token. Every prompt is checked before any is queued."""
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}.")
+        params.check(self.engine.model_config.hidden_size)
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        adapters = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                    else [lora_request] * len(prompt_list))
+        if len(adapters) != len(prompt_list):
+            raise ValueError(f"Got {len(adapters)} lora_requests for {len(prompt_list)} prompts.")
+        requests = []
+        for prompt in prompt_list:
+            text, token_ids = self._token_ids_of(prompt)
+            requests.append((text, self.engine.prompt_token_ids_of(text, token_ids)))
+        request_ids = []
+        try:
+            for (text, token_ids), adapter in zip(requests, adapters):
+                request_id = self.engine.next_request_id()
+                self.engine.add_request(request_id, text, prompt_token_ids=token_ids, lora_request=adapter,
+                                        pooling_params=params)
+                request_ids.append(request_id)
+        except ValueError:
+            self._abort_all(request_ids)
+            raise
+        return [EmbeddingRequestOutput(output.request_id, output.prompt_token_ids, EmbeddingOutput(output.embedding))
+                for output in self._run(request_ids, use_tqdm)]
 
     def chat(
         self,

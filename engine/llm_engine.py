@@ -38,6 +38,7 @@ from splitserve.engine.model_runner import ModelRunner, SampledToken
 from splitserve.engine.model_store import load_tokenizer, resolve_model
 from splitserve.engine.output_processor import OutputProcessor
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.pooling import PoolingParams
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.structured_output import StructuredOutputs
@@ -123,6 +124,7 @@ class LLMEngine:
         kv_transfer: KVTransferParams | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> Request:
         """Validate and queue a request (text ``prompt`` or ``prompt_token_ids``).
 
@@ -135,6 +137,8 @@ class LLMEngine:
 
         ``priority`` orders it under the priority scheduling policy (lower first); other policies take 0 only.
         ``lora_request`` runs it with that LoRA adapter (``enable_lora`` engines; loaded now if it is not).
+        ``pooling_params`` makes it an embedding request (engine/pooling.py): once its prompt is computed it
+        finishes with its embedding (``RequestOutput.embedding``) and no token; ``sampling_params`` is then unused.
 
         Raises:
             ValueError: empty or too long prompt, token ids out of range (the prompt's or logit_bias's), bad
@@ -143,6 +147,13 @@ class LLMEngine:
             KVCacheFullError: no room to reserve the blocks of KV that comes from outside.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
+        if pooling_params is not None:
+            if not isinstance(pooling_params, PoolingParams):
+                raise ValueError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}.")
+            pooling_params.check(self.model_config.hidden_size)
+            if kv_transfer is not None:
+                raise InvalidRequest("An embedding request computes its prompt here: it takes no kv_transfer.")
+            params = SamplingParams(max_tokens=1)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         params.check_vocabulary(self.model_config.vocab_size)
@@ -156,6 +167,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_output_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
             priority=self.check_priority(priority), arrival_number=next(self._arrivals),
+            pooling_params=pooling_params,
         )
         if kv_transfer is not None:
             self.kv_transfers.check(kv_transfer, len(token_ids))
@@ -404,6 +416,12 @@ class LLMEngine:
             if end == len(sampled) or sampled[end].request is not sampled[start].request:
                 outputs.append(self._accept_tokens(sampled[start:end]))
                 start = end
+        for item in scheduled.scheduled:  # embedding requests whose prompt is done: their embedding ends them
+            request = item.request
+            if request.embedding is not None and not request.is_finished:
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                outputs.append(self._make_output(request))
+                self._forget(request.request_id)
         scheduler = self.scheduler
         self.kv_transfers.save_completed(scheduler.requests, scheduler.held, self.kv_cache.block_ids)
         return outputs
@@ -472,4 +490,6 @@ class LLMEngine:
 
     def _make_output(self, request: Request, delta_token_ids: list[int] | None = None) -> RequestOutput:
         load = self.kv_transfers.loads.get(request.request_id)
-        return self.output_processor.make_output(request, delta_token_ids, load)
+        output = self.output_processor.make_output(request, delta_token_ids, load)
+        output.embedding = request.embedding
+        return output

@@ -32,6 +32,7 @@ from splitserve.engine.logprobs import record_prompt_logprobs
 from splitserve.engine.lora import LoRAManager
 from splitserve.engine.models import ModelConfig, load_model
 from splitserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
+from splitserve.engine.pooling import pool
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -286,6 +287,10 @@ class ModelRunner:
                 record_prompt_logprobs(every_row, self.model.compute_logits, inputs.prompt_rows)
         if not sample_rows:
             return []
+        if any(request.pooling_params is not None for request in sample_requests):
+            hidden, sample_requests = self._take_embeddings(hidden, sample_requests)
+            if not sample_requests:
+                return []
         logits = self.model.compute_logits(hidden)
         if any(item.spec_token_ids for item in scheduled):
             return self._sample_with_drafts(logits, sample_requests, scheduled)
@@ -294,6 +299,16 @@ class ModelRunner:
             SampledToken(request, token_id, logprobs)
             for request, token_id, logprobs in zip(sample_requests, sampled.sampled_token_ids, sampled.logprobs)
         ]
+
+    @staticmethod
+    def _take_embeddings(hidden: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, list[Request]]:
+        """The rows of embedding requests (their prompt's last token) give their embeddings (engine/pooling.py)
+        instead of a token; returns the other rows and requests, to sample."""
+        pooled = [row for row, request in enumerate(requests) if request.pooling_params is not None]
+        for row, embedding in zip(pooled, pool(hidden[pooled], [requests[row].pooling_params for row in pooled])):
+            requests[row].embedding = embedding
+        kept = [row for row, request in enumerate(requests) if request.pooling_params is None]
+        return hidden[kept], [requests[row] for row in kept]
 
     def _assign_lora_rows(self, lora_ids: list[int], output_rows: list[int] | None) -> None:
         if self.lora is not None:

@@ -61,3 +61,5 @@ class RequestOutput:
     # Beside prompt_logprobs, each prompt token's rank at its position (1: the most likely; vLLM's Logprob.rank),
     # None for the first.
     prompt_ranks: list[int | None] | None = None
+    # An embedding request's embedding (LLM.embed; engine/pooling.py), once its prompt is computed.
+    embedding: list[float] | None = None

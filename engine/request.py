@@ -98,6 +98,10 @@ class Request:
     # With sampling_params.structured_outputs: its grammar's state (a structured_output.GrammarMatcher), owned by
     # the engine (which feeds it each token) and read by the sampler (which masks what it cannot take next).
     grammar: Any = None
+    # An embedding request (LLM.embed; engine.pooling.PoolingParams): its prompt's pooled hidden state, set by the
+    # model runner when the prompt's last token is computed, where a generation request samples its first token.
+    pooling_params: Any = None
+    embedding: list[float] | None = None
     # Sum of the generated tokens' logprobs, kept as they arrive.
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
