@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP gateway in front of a router: ``splitserve gateway --router ADDR``.
 
 ``/v1/completions``, ``/v1/chat/completions`` (streaming as server-sent events, with ``usage`` when
-``stream_options.include_usage`` asks), ``/v1/models`` and ``/health``, on Starlette and uvicorn (FastAPI's own
+``stream_options.include_usage`` asks), ``/v1/responses`` (``splitserve.gateway_responses``), ``/v1/models`` and
+``/health``, on Starlette and uvicorn (FastAPI's own
 base, without its request models: the bodies are checked here, so every refusal is OpenAI's error shape with a
 sentence, never a 422 of field paths). Each choice of an HTTP request (``n`` of them for each prompt of a
 completions batch, 1 by default) is one gRPC call on the router through :class:`splitserve.client.AsyncClient`,
@@ -197,6 +198,7 @@ class Gateway:
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
@@ -313,6 +315,12 @@ class Gateway:
                                    with_reasoning=self._reasoning_parser is not None)
         return await self._respond(request, body, [chat], params, "chatcmpl", "chat.completion", choice, lora_name)
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, as vLLM serves it (``splitserve.gateway_responses``)."""
+        from splitserve.gateway_responses import create_response  # it builds on this module's pieces
+
+        return await create_response(self, request)
+
     # ---- one request's generations ----------------------------------------------------------------
 
     async def _respond(self, request: Request, body: dict, prompts: list, params: SamplingParams, prefix: str,
@@ -325,29 +333,47 @@ class Gateway:
         reply = _Reply(request_id, kind, lora_name or self._model_name(self._model_info), int(time.time()), choice,
                        num_choices,
                        score_only, with_prompt_logprobs=body.get("prompt_logprobs") is not None)
-        api_key, priority = _bearer(request), _priority(body)
         generations = [(prompt, index) for prompt in prompts for index in range(num_choices)]
-        calls = [self.client.generate_stream(prompt, _choice_params(params, index),
-                                             request_id if len(generations) == 1 else f"{request_id}-{number}",
-                                             api_key=api_key, echo=echo, priority=priority, lora_name=lora_name)
-                 for number, (prompt, index) in enumerate(generations)]
-        self.metrics.generations.inc(len(calls))
-        streams = [_chunks(call) for call in calls]
-        # Errors before the first token of every choice are HTTP errors.
-        firsts = await _all_or_cancel(calls, [_first(stream) for stream in streams])
+        calls, streams, firsts = await self._start(request, body, generations, params, request_id, lora_name, echo)
         if not _flag(body, "stream"):
             return await self._whole(request, calls, streams, firsts, reply)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events = self._events(calls, streams, firsts, reply, include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _whole(self, request: Request, calls: list, streams: list, firsts: list, reply: _Reply) -> Response:
-        """The non-streamed answer; the calls are cancelled if the HTTP client leaves before they end."""
+    async def _start(self, request: Request, body: dict, generations: list, params: SamplingParams,
+                     request_id: str, lora_name: str, echo: bool = False) -> tuple[list, list, list]:
+        """One router call for each (prompt, choice index) of ``generations``, side by side (``request_id`` for a
+        single one, ``request_id-N`` for several), with the caller's key and the body's ``priority``; counted in
+        the metrics' generations.
+
+        Returns:
+            The calls, their streams (gRPC errors as APIError) and each stream's first message (None for an empty
+            stream); errors before every first message are raised, all calls cancelled, as HTTP errors.
+        """
+        api_key, priority = _bearer(request), _priority(body)
+        calls = [self.client.generate_stream(prompt, _choice_params(params, index),
+                                             request_id if len(generations) == 1 else f"{request_id}-{number}",
+                                             api_key=api_key, echo=echo, priority=priority, lora_name=lora_name)
+                 for number, (prompt, index) in enumerate(generations)]
+        self.metrics.generations.inc(len(calls))
+        streams = [_chunks(call) for call in calls]
+        firsts = await _all_or_cancel(calls, [_first(stream) for stream in streams])
+        return calls, streams, firsts
+
+    @staticmethod
+    async def _collect(request: Request, calls: list, streams: list, firsts: list) -> list[list]:
+        """Every call's messages, in order; the calls are cancelled if the HTTP client leaves before they end, or
+        all of them at the first error."""
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, calls))
         try:
-            collected = await _all_or_cancel(calls, [_rest(first, stream) for first, stream in zip(firsts, streams)])
+            return await _all_or_cancel(calls, [_rest(first, stream) for first, stream in zip(firsts, streams)])
         finally:
             watcher.cancel()
+
+    async def _whole(self, request: Request, calls: list, streams: list, firsts: list, reply: _Reply) -> Response:
+        """The non-streamed answer; the calls are cancelled if the HTTP client leaves before they end."""
+        collected = await self._collect(request, calls, streams, firsts)
         choices, usages, prompt_logprobs = [], [], []
         for index, chunks in enumerate(collected):
             last = chunks[-1] if chunks else inference_pb2.GenerateStreamResponse()
@@ -903,7 +929,7 @@ def _event(payload: dict) -> str:
 
 async def _not_found(request: Request, error) -> Response:
     return APIError(404, f"No route {request.url.path[:200]}: this server offers /v1/completions, "
-                    "/v1/chat/completions, /v1/models, /tokenize, /detokenize and /health.").response()
+                    "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize and /health.").response()
 
 
 async def _not_allowed(request: Request, error) -> Response:

@@ -854,3 +854,115 @@ def test_an_unknown_reasoning_parser_is_refused_at_start():
         assert refused.returncode == 2, refused.stderr
         assert "argument --reasoning-parser: invalid choice: 'granite' (choose from 'deepseek_r1', 'qwen3')" \
             in refused.stderr
+
+
+# ---- the Responses API (/v1/responses) --------------------------------------------------------------------------
+
+RESPONSE_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
+                   "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                   "response.content_part.done", "response.output_item.done"]
+
+
+def _event_kinds(events: list) -> list[str]:
+    """The events' types with each run of deltas as one."""
+    kinds = [event.type for event in events]
+    return [kind for index, kind in enumerate(kinds) if index == 0 or kind != kinds[index - 1]]
+
+
+def test_a_response_is_the_grpc_paths_greedy_chat_whole_and_streamed(api, grpc_client):
+    """client.responses.create: instructions are a system message first, input the user's; greedy, the text is
+    the gRPC path's chat output for the same messages, whole and streamed (the SDK's events in its order, numbered
+    from 0); message items with input_text parts are the same chat; max_output_tokens cuts it: incomplete."""
+    model = api.models.list().data[0].id
+    instructions = "Answer in one short sentence."
+    expected = grpc_client.generate([{"role": "system", "content": instructions}, *QUESTION],
+                                    SamplingParams(temperature=0, max_tokens=48))
+    response = api.responses.create(model=model, instructions=instructions, input=QUESTION[0]["content"],
+                                    temperature=0, max_output_tokens=48)
+    assert response.id.startswith("resp_") and response.object == "response" and response.status == "completed"
+    assert response.output_text == expected.text and [item.type for item in response.output] == ["message"]
+    assert response.output[0].content[0].annotations == []
+    assert response.usage.input_tokens == expected.usage.prompt_tokens
+    assert response.usage.output_tokens == len(expected.token_ids)
+    assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+    assert (response.temperature, response.max_output_tokens, response.instructions) == (0, 48, instructions)
+    events = list(api.responses.create(model=model, instructions=instructions, input=QUESTION[0]["content"],
+                                       temperature=0, max_output_tokens=48, stream=True))
+    assert _event_kinds(events) == [*RESPONSE_EVENTS, "response.completed"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert "".join(event.delta for event in events if event.type == "response.output_text.delta") == expected.text
+    assert events[-1].response.output_text == expected.text and events[-1].response.id == events[0].response.id
+    # Message items with text parts: the chat of QUESTION, as /v1/chat/completions' greedy answer.
+    chat = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=48)).text
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is the capital "},
+                                                             {"type": "input_text", "text": "of France?"}]}]
+    assert api.responses.create(model=model, input=items, temperature=0, max_output_tokens=48).output_text == chat
+    cut = api.responses.create(model=model, input=QUESTION[0]["content"], temperature=0, max_output_tokens=3)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 3 and chat.startswith(cut.output_text)
+    cut_events = list(api.responses.create(model=model, input=QUESTION[0]["content"], temperature=0,
+                                           max_output_tokens=3, stream=True))
+    assert cut_events[-1].type == "response.incomplete" and cut_events[-1].response.output_text == cut.output_text
+
+
+def test_a_response_takes_a_json_schema_text_format_and_refuses_what_needs_state(api, gateway, cluster, grpc_client):
+    """text.format json_schema is the structured outputs constraint (the gRPC path's tokens under the same
+    schema); what needs stored responses, tools and logprobs are refused with OpenAI's error, 400, the field
+    named."""
+    model = api.models.list().data[0].id
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
+              "additionalProperties": False}
+    response = api.responses.create(model=model, input=QUESTION[0]["content"], temperature=0, max_output_tokens=40,
+                                    text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                                                     "strict": True}})
+    expected = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=40,
+                                                             structured_outputs={"json": schema}))
+    assert response.output_text == expected.text and set(json.loads(response.output_text)) == {"city"}
+    refused = {"previous_response_id": "resp_123", "background": True, "tools": [{"type": "web_search"}],
+               "include": ["message.output_text.logprobs"], "truncation": "auto"}
+    for field, sent in refused.items():
+        with pytest.raises(openai.BadRequestError) as bad:
+            api.responses.create(model=model, input="Hi", **{field: sent})
+        assert bad.value.status_code == 400 and bad.value.param == field
+    answer = httpx.post(f"{gateway}/v1/responses", json={"model": model, "input": [{"role": "tool", "content": "x"}]},
+                        headers={"authorization": f"Bearer {cluster.api_key}"})
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["type"] == "invalid_request_error" and error["param"] == "input"
+    assert error["message"].endswith(".") and error["code"] is None
+    assert api.responses.create(model=model, input="Hi", max_output_tokens=2, store=True).status == "incomplete"
+    wait_until(lambda: all_blocks_free(grpc_client), 20, message="every block free after the responses")
+
+
+def test_a_responses_stream_left_mid_way_frees_its_blocks(gateway, cluster, grpc_client):
+    body = {"input": PROMPT * 20, "max_output_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+    started = time.monotonic()
+    with httpx.stream("POST", f"{gateway}/v1/responses", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {cluster.api_key}"}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("event: ")) == "event: response.created"
+        next(line for line in lines if line == "event: response.output_text.delta")
+        wait_until(lambda: not all_blocks_free(grpc_client), 10, message="the request holds blocks while it runs")
+    wait_until(lambda: all_blocks_free(grpc_client), 20, message="every block freed after the disconnect")
+    assert time.monotonic() - started < 40
+
+
+def test_a_response_with_a_reasoning_parser_has_a_reasoning_item_first(reasoning_api, grpc_client):
+    """With --reasoning-parser qwen3, the think block (forced by a regex) is a reasoning item of reasoning_text
+    before the message, whole and streamed, and both reassemble the gRPC path's text."""
+    model = reasoning_api.models.list().data[0].id
+    regex = "<think>[a-z ]{1,12}</think>[A-Za-z ]{1,12}"
+    text = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=40,
+                                                         structured_outputs={"regex": regex})).text
+    request = {"model": model, "input": QUESTION[0]["content"], "temperature": 0, "max_output_tokens": 40,
+               "extra_body": {"structured_outputs": {"regex": regex}}}
+    response = reasoning_api.responses.create(**request)
+    thought, message = response.output
+    assert (thought.type, message.type) == ("reasoning", "message")
+    assert f"<think>{thought.content[0].text}</think>{response.output_text}" == text
+    events = list(reasoning_api.responses.create(**request, stream=True))
+    reasoning = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
+    content = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert (reasoning, content) == (thought.content[0].text, response.output_text)
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
