@@ -8,17 +8,22 @@ the engine reserves the prompt's blocks and the request waits in
 reports the KV in place; then it is batched with every running sequence and
 its tokens stream back in chunks. Late or refused KV is recomputed or fails the
 request, as the request's failure policy says (the engine applies it).
+
+An ``Embed`` call computes its prompt here as an embedding request of the engine
+(``engine/pooling.py``), in the same steps as the running requests, and returns
+its embedding; a caller that goes away (or its deadline) aborts it in the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 
 import grpc
 
-from splitserve.common.errors import InvalidRequest
+from splitserve.common.errors import Cancelled, InvalidRequest, Unavailable
 from splitserve.common.ids import MAX_WORKER_ID_LENGTH, check_id
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.types import FinishReason
@@ -26,6 +31,7 @@ from splitserve.decode_service.lmcache_receiver import LMCacheReceiver
 from splitserve.decode_service.receiver import KVReceiver
 from splitserve.engine.kv_connector import KVLoadFailurePolicy, KVLoadOutcome, KVTransferParams
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.pooling import PoolingParams
 from splitserve.rpc.convert import (
     FINISH_REASONS,
     position_logprobs_to_pb,
@@ -33,8 +39,9 @@ from splitserve.rpc.convert import (
     sampling_params_from_pb,
     set_stop_reason,
 )
+from splitserve.rpc.errors import ServiceError
 from splitserve.rpc.worker import WorkerRuntime, wait_accepted
-from splitserve.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +83,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _decode(self, request, params, remote: bool, context):
         request_id = request.request_id
-        with self._lock:
-            if request_id in self._active:
-                raise InvalidRequest(f"Request id {request_id!r} is already in flight on this worker.")
-            self._active.add(request_id)
+        with self._tracked(request_id):
+            yield from self._decode_tracked(request, params, remote, context)
+
+    def _decode_tracked(self, request, params, remote: bool, context):
+        request_id = request.request_id
         completed = False
         try:
             stream, accepted = self._submit(request, params, remote)
@@ -94,6 +102,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             if not completed:  # refused after acceptance, cancelled, or the stream closed early: free its blocks
                 self._abort(request_id)
+
+    @contextlib.contextmanager
+    def _tracked(self, request_id: str):
+        """Count ``request_id`` in flight here while the block runs (so Abort and the call's cancellation find
+        it); raises InvalidRequest when it already is."""
+        with self._lock:
+            if request_id in self._active:
+                raise InvalidRequest(f"Request id {request_id!r} is already in flight on this worker.")
+            self._active.add(request_id)
+        try:
+            yield
+        finally:
             with self._lock:
                 self._active.discard(request_id)
 
@@ -183,6 +203,60 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self.runtime.metrics.observe_prompt(message.usage.prompt_tokens, message.usage.cached_tokens)
         return message
 
+    # ---- embeddings ------------------------------------------------------------------
+
+    def Embed(self, request: worker_pb2.EmbedPromptRequest, context) -> worker_pb2.EmbedPromptResponse:
+        request_id = check_id(request.request_id, "request_id", MAX_WORKER_ID_LENGTH)
+        pooling = _pooling_params_of(request)
+        pooling.check(self.runtime.engine.model_config.hidden_size)
+        lora = self.runtime.lora_request(request.lora_name)
+        self.runtime.admit()
+        try:
+            with self._tracked(request_id):
+                output = self._embed(request_id, list(request.prompt_token_ids), pooling, lora, context)
+        finally:
+            self.runtime.release()
+        if output is None:  # cancelled: the caller is gone and reads no answer
+            return worker_pb2.EmbedPromptResponse(request_id=request_id)
+        self.runtime.metrics.observe_prompt(len(output.prompt_token_ids), output.num_cached_tokens)
+        return worker_pb2.EmbedPromptResponse(request_id=request_id, embedding=output.embedding,
+                                              prompt_tokens=len(output.prompt_token_ids),
+                                              cached_tokens=output.num_cached_tokens)
+
+    def _embed(self, request_id: str, prompt: list[int], pooling: PoolingParams, lora, context) -> RequestOutput | None:
+        """The finished output of the embedding request, its embedding set; None when the call was cancelled
+        (the request aborted in the engine, its blocks freed).
+
+        Raises:
+            InvalidRequest: the engine refused the prompt.
+            Unavailable: the engine loop did not take it, or stopped before it finished (the worker stops).
+            Cancelled: DecodeWorker.Abort aborted it.
+            ServiceError: the engine failed the request (a broken step): INTERNAL.
+        """
+        completed = False
+        try:
+            stream = self.loop.submit(request_id, None, SamplingParams(max_tokens=1), prompt, lora_request=lora,
+                                      pooling_params=pooling)
+            wait_accepted(stream)
+            if not context.add_callback(lambda: self._abort(request_id)):
+                return None  # already cancelled: the finally clause aborts it
+            output = stream.get()
+            while not output.finished:
+                output = stream.get()
+            completed = True
+        finally:
+            if not completed:
+                self._abort(request_id)
+        if output.embedding is not None:
+            return output
+        if not context.is_active():
+            return None
+        if output.outputs[0].finish_reason == FinishReason.ABORT:
+            if self.runtime.state != inference_pb2.WORKER_STATE_SERVING:
+                raise Unavailable(f"Worker {self.runtime.worker_id} is stopping: the embedding request was aborted.")
+            raise Cancelled(f"The embedding request {request_id} was aborted on worker {self.runtime.worker_id}.")
+        raise ServiceError(f"The engine failed the embedding request: {output.outputs[0].stop_reason}")
+
     def _decode_token(self, token_id: int) -> str:
         return self.runtime.engine.tokenizer.decode([token_id])
 
@@ -200,6 +274,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def GetStatus(self, request, context) -> worker_pb2.GetWorkerStatusResponse:
         return self.runtime.status_pb()
+
+
+def _pooling_params_of(request: worker_pb2.EmbedPromptRequest) -> PoolingParams:
+    """The engine's PoolingParams of an EmbedPromptRequest: normalize unset is true, dimensions 0 all of them."""
+    return PoolingParams(normalize=request.normalize if request.HasField("normalize") else True,
+                         dimensions=request.dimensions or None)
 
 
 def _endpoint_or_none(request: worker_pb2.DecodeRequest):

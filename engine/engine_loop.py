@@ -21,6 +21,7 @@ from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.lora import LoRARequest
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.pooling import PoolingParams
 
 logger = logging.getLogger(__name__)
 _STOP = object()
@@ -124,10 +125,12 @@ class EngineLoop:
         kv_transfer: KVTransferParams | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream.
 
-        ``kv_transfer``, ``priority`` and ``lora_request`` are passed to ``LLMEngine.add_request``;
+        ``kv_transfer``, ``priority``, ``lora_request`` and ``pooling_params`` (an embedding request, whose one
+        output is the finished one with its ``embedding``) are passed to ``LLMEngine.add_request``;
         ``stream.wait_accepted()`` says when the engine has taken it.
 
         Raises:
@@ -139,7 +142,8 @@ class EngineLoop:
             raise ValueError("sampling_params must be a SamplingParams.")
         stream = RequestStream(request_id)
         self._commands.put(
-            ("add", stream, (request_id, prompt, sampling_params, token_ids, kv_transfer, priority, lora_request))
+            ("add", stream, (request_id, prompt, sampling_params, token_ids, kv_transfer, priority, lora_request,
+                             pooling_params))
         )
         return stream
 
@@ -191,10 +195,10 @@ class EngineLoop:
     def _apply(self, command) -> None:
         kind, target, payload = command
         if kind == "add":
-            request_id, prompt, params, token_ids, kv_transfer, priority, lora_request = payload
+            request_id, prompt, params, token_ids, kv_transfer, priority, lora_request, pooling_params = payload
             try:
                 self.engine.add_request(request_id, prompt, params, prompt_token_ids=token_ids, kv_transfer=kv_transfer,
-                                        priority=priority, lora_request=lora_request)
+                                        priority=priority, lora_request=lora_request, pooling_params=pooling_params)
             except Exception as error:  # duplicate id, no room for remote KV: the caller hears of it
                 target.accepted.set_exception(error)
                 target.put(error)

@@ -9,6 +9,9 @@ Short prompts (``local_prefill_threshold``), colocated workers and an empty
 prefill pool skip the prefill: the decode worker computes the prompt itself.
 A prefill that fails is retried on another prefill worker with a fresh decode
 attempt; when every attempt fails, the decode worker prefills locally.
+
+An embedding (``embed``) is one unary call, DecodeWorker.Embed, on a decode or
+colocated worker chosen as for a local prefill; it moves no KV.
 """
 
 from __future__ import annotations
@@ -212,6 +215,50 @@ class Dispatcher:
             for stream in streams:
                 stream.lose(f"no heartbeat for {self.registry.lease_duration_seconds:g} s, the router gave the "
                             "worker up")
+
+    def embed(self, job: RouterRequest, request: worker_pb2.EmbedPromptRequest,
+              timeout: Callable[[], float | None]) -> worker_pb2.EmbedPromptResponse:
+        """Run ``request`` (its request_id set here, per attempt) on a decode or colocated worker serving
+        ``job.lora_name``, chosen by the decode policy; a worker that refuses it as a generation's decode would be
+        retried (unreachable, full, failed) is left for another, at most ``_MAX_DECODE_ATTEMPTS`` in all.
+
+        Raises:
+            Unavailable: no worker could take it (NoWorkerAvailable: none is serving); Overloaded when every
+                worker tried was full.
+            ServiceError: a refusal another worker would share (INVALID_ARGUMENT, NOT_FOUND, DEADLINE_EXCEEDED),
+                its status relayed.
+            RequestCancelled: the request was aborted.
+        """
+        tried: set[str] = set()
+        refusals: set[grpc.StatusCode] = set()
+        for _ in range(_MAX_DECODE_ATTEMPTS):
+            try:
+                worker, _ = self._choose_decode(job, tried)
+            except Unavailable as error:
+                raise _all_full(tried, refusals) or error from None
+            request.request_id = f"{job.request_id}#{uuid.uuid4().hex[:8]}"
+            future = self.channels.decode(worker.address).Embed.future(request, timeout=timeout())
+            self.registry.begin_request(worker.worker_id)
+            try:
+                job.on_cancel(future.cancel)
+                return future.result()
+            except grpc.FutureCancelledError:
+                raise RequestCancelled() from None
+            except grpc.RpcError as error:
+                if job.aborted:
+                    raise RequestCancelled() from None
+                if error.code() not in _RETRYABLE:
+                    raise ServiceError(error.details() or str(error.code()), error.code()) from None
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.registry.mark_unreachable(worker.worker_id)
+                logger.warning("Worker %s refused embedding request %s: %s", worker.worker_id, job.request_id,
+                               error.details())
+                tried.add(worker.worker_id)
+                refusals.add(error.code())
+            finally:
+                self.registry.end_request(worker.worker_id)
+        raise _all_full(tried, refusals) or Unavailable("No decode worker could embed the request: every attempt "
+                                                        "failed.")
 
     # ---- choosing workers and starting calls ----------------------------------------------
 

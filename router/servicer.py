@@ -1,4 +1,4 @@
-"""The router's gRPC services: Inference (the public API) and WorkerRegistry (membership).
+"""The router's gRPC services: Inference (the public API: generation, embeddings and the small calls).
 
 Methods raise domain errors (``splitserve.common.errors``); the interceptor that
 ``start_server`` installs turns each into its gRPC status.
@@ -87,6 +87,34 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         finally:
             self._release(job)
 
+    # ---- embeddings --------------------------------------------------------------------
+
+    def Embed(self, request: inference_pb2.EmbedRequest, context) -> inference_pb2.EmbedResponse:
+        """One decode or colocated worker computes the prompt and returns its embedding (``Dispatcher.embed``).
+        It counts among the requests in flight (its thread, the router's limit, draining, Abort by its id)."""
+        code = grpc.StatusCode.UNKNOWN.name
+        try:
+            job = self._enter(self._embedding_job(request), context)
+            try:
+                answer = self.dispatcher.embed(job, _worker_embed_request(job, request), lambda: _seconds_left(context))
+            finally:
+                self._release(job)
+            code = grpc.StatusCode.OK.name
+            return inference_pb2.EmbedResponse(request_id=job.request_id, embedding=answer.embedding,
+                                               prompt_tokens=answer.prompt_tokens, cached_tokens=answer.cached_tokens)
+        except Exception as error:
+            code = status_of(error)[0].name
+            raise
+        finally:
+            self.metrics.embeddings.labels(code).inc()
+
+    def _embedding_job(self, request: inference_pb2.EmbedRequest) -> RouterRequest:
+        """The router's request for an EmbedRequest: its id and prompt validated as Generate's, its adapter served.
+        Dimensions are the workers' to check (PoolingParams.check: 1 to the model's hidden size)."""
+        request_id = check_id(request.request_id, "request_id") if request.HasField("request_id") else uuid.uuid4().hex
+        prompt = self.frontend.prompt_of(request)
+        return RouterRequest(request_id, prompt, inference_pb2.SamplingParams(), lora_name=self._lora_name_of(request))
+
     # ---- draining ------------------------------------------------------------------------
 
     def drain(self, timeout: float) -> bool:
@@ -136,6 +164,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             lora_name=self._lora_name_of(request))
         if request.echo:
             job.echo_text = prompt.text if prompt.text is not None else self.frontend.detokenize(prompt.token_ids)
+        return self._enter(job, context)
+
+    def _enter(self, job: RouterRequest, context) -> RouterRequest:
+        """Count ``job`` in flight, or refuse it: UNAVAILABLE while draining, INVALID_ARGUMENT for an id already in
+        flight, RESOURCE_EXHAUSTED at the limit. Its worker calls are cancelled when the client goes away."""
+        request_id = job.request_id
         with self._lock:
             if self._draining:
                 self.metrics.admission_refusals.labels("draining").inc()
@@ -381,7 +415,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         info.lora_names.extend(self.registry.lora_names())
         return info
 
-    def _lora_name_of(self, request: inference_pb2.GenerateRequest) -> str:
+    def _lora_name_of(self, request: inference_pb2.GenerateRequest | inference_pb2.EmbedRequest) -> str:
         """The request's LoRA adapter ("" for the base model), served by some registered decode worker."""
         if not request.lora_name:
             return ""
@@ -419,6 +453,15 @@ class _StreamProgress:
     first_token_time: float | None = None
     num_attempt_tokens: int = 0  # tokens relayed from the current decode worker
     decode_failure: DecodeStreamFailed | None = None  # the first decode worker failure, if any
+
+
+def _worker_embed_request(job: RouterRequest, request: inference_pb2.EmbedRequest) -> worker_pb2.EmbedPromptRequest:
+    """The worker's request for an admitted EmbedRequest (its request_id set per attempt by the dispatcher)."""
+    worker_request = worker_pb2.EmbedPromptRequest(prompt_token_ids=job.prompt.token_ids,
+                                                   dimensions=request.dimensions, lora_name=job.lora_name)
+    if request.HasField("normalize"):
+        worker_request.normalize = request.normalize
+    return worker_request
 
 
 def _seconds_left(context: grpc.ServicerContext) -> float | None:

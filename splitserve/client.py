@@ -115,6 +115,23 @@ def generate_request(prompt, params: SamplingParams | None = None, request_id: s
     return request
 
 
+def embed_request(prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
+                  request_id: str | None = None) -> inference_pb2.EmbedRequest:
+    """An EmbedRequest for a text prompt, a list of token ids, or a chat (as :func:`generate_request`'s);
+    ``dimensions``: keep only the first this-many values (None: all); ``normalize``: to unit L2 norm, after the cut."""
+    request = inference_pb2.EmbedRequest(normalize=normalize, dimensions=dimensions or 0, lora_name=lora_name)
+    if request_id is not None:
+        request.request_id = request_id
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif isinstance(prompt, Chat) or (prompt and isinstance(prompt[0], dict)):
+        request.chat.CopyFrom(chat_prompt(prompt))
+    else:
+        request.token_ids.SetInParent()  # an empty list too: the router says the prompt is empty
+        request.token_ids.ids.extend(int(token) for token in prompt)
+    return request
+
+
 class Client:
     """A connection to a router. Calls raise ``grpc.RpcError`` with the router's status and message.
 
@@ -155,6 +172,13 @@ class Client:
         """The streamed chunks; cancel early with ``.cancel()`` on the returned call."""
         return self.stub.GenerateStream(generate_request(prompt, params, request_id, echo, priority, lora_name),
                                         timeout=timeout or self.timeout)
+
+    def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
+              request_id: str | None = None, timeout: float | None = None) -> list[float]:
+        """The prompt's embedding (Embed): its last token's final hidden state, its first ``dimensions`` values
+        (None: all), of unit length unless ``normalize`` is False; ``lora_name`` embeds with that adapter."""
+        request = embed_request(prompt, normalize, dimensions, lora_name, request_id)
+        return list(self.stub.Embed(request, timeout=timeout or self.timeout).embedding)
 
     def abort(self, request_id: str) -> bool:
         return self.stub.Abort(inference_pb2.AbortRequest(request_id=request_id), timeout=10).found
@@ -234,6 +258,13 @@ class AsyncClient:
         workers (its blocks freed)."""
         return self.stub.GenerateStream(generate_request(prompt, params, request_id, echo, priority, lora_name),
                                         timeout=timeout or self.timeout, metadata=self._metadata(api_key))
+
+    async def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
+                    request_id: str | None = None, timeout: float | None = None,
+                    api_key: str | None = None) -> inference_pb2.EmbedResponse:
+        """The Embed response (its ``embedding`` and ``prompt_tokens``), as :meth:`Client.embed` asks."""
+        request = embed_request(prompt, normalize, dimensions, lora_name, request_id)
+        return await self.stub.Embed(request, timeout=timeout or self.timeout, metadata=self._metadata(api_key))
 
     async def abort(self, request_id: str, api_key: str | None = None) -> bool:
         response = await self.stub.Abort(inference_pb2.AbortRequest(request_id=request_id), timeout=10,

@@ -74,11 +74,14 @@ class RouterMetrics:
                                           ["reason"], registry=registry)
         self.migrations = Counter("splitserve_router_migrations", "Requests moved to another decode worker after "
                                   "theirs failed mid-stream.", registry=registry)
+        self.embeddings = Counter("splitserve_router_embedding_requests", "Embed requests ended, by gRPC status "
+                                  "code (OK: the embedding returned).", ["code"], registry=registry)
         # Every series a dashboard or alert reads exists from the start, at 0, rather than after its first event.
         for outcome in ("stop", "length", "abort", "error"):
             self.requests.labels(outcome, "OK")
         for reason in ("in_flight_limit", "draining"):
             self.admission_refusals.labels(reason)
+        self.embeddings.labels("OK")
         if pools is not None:
             registry.register(_RegistryCollector(pools, in_flight))
 
@@ -133,7 +136,8 @@ class _RegistryCollector(Collector):
             workers.add_metric([pool, state], count)
         yield workers
         if self._in_flight is not None:
-            yield GaugeMetricFamily("splitserve_router_requests_in_flight", "Generation calls open on the router.",
+            yield GaugeMetricFamily("splitserve_router_requests_in_flight", "Generation and embedding calls open on "
+                                    "the router.",
                                     value=self._in_flight())
 
 

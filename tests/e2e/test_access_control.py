@@ -30,10 +30,12 @@ def test_keys_and_cluster_token_guard_a_cluster(tmp_path, monkeypatch):
         for api_key in ("", "not-the-key"):
             with Client(address, api_key=api_key) as stranger:
                 _unauthenticated(lambda: list(stranger.generate_stream("Hi", timeout=30)), API_KEY_REFUSAL)
+                _unauthenticated(lambda: stranger.embed("Hi", timeout=30), API_KEY_REFUSAL)
                 _unauthenticated(stranger.cluster_status, API_KEY_REFUSAL)
         with Client(address, api_key=cluster.api_key) as client:
             token_ids, text, last = stream_tokens(client, "The capital of France is", max_tokens=8)
             assert len(token_ids) == 8 and text and last.usage.completion_tokens == 8
+            assert len(client.embed("The capital of France is", timeout=30)) == 576  # SmolLM2-135M's hidden size
 
             # The registry: Register and Drain without the token are refused and change nothing.
             with grpc.insecure_channel(address) as channel:

@@ -702,6 +702,7 @@ def test_random_generate_requests_get_only_documented_codes(stubs, client):
 RAW_METHODS = {  # method -> (streaming, the codes its proto comment allows besides OK)
     "Generate": (False, GENERATE_CODES),
     "GenerateStream": (True, GENERATE_CODES),
+    "Embed": (False, GENERATE_CODES | {Code.NOT_FOUND}),
     "Abort": (False, {Code.OK, Code.INVALID_ARGUMENT}),
     "Tokenize": (False, {Code.OK, Code.INVALID_ARGUMENT}),
     "Detokenize": (False, {Code.OK, Code.INVALID_ARGUMENT}),
@@ -711,6 +712,7 @@ RAW_METHODS = {  # method -> (streaming, the codes its proto comment allows besi
 VALID_BYTES = [  # requests to mutate: a random byte changed here and there often still parses
     generate_request(dict(text="Hi"), max_tokens=1).SerializeToString(),
     generate_request(ids(504, 3575), request_id="r-1", max_tokens=2, temperature=0.5, seed=7).SerializeToString(),
+    inference_pb2.EmbedRequest(token_ids=inference_pb2.TokenIds(ids=[504, 3575]), dimensions=8).SerializeToString(),
     inference_pb2.AbortRequest(request_id="r-1").SerializeToString(),
     inference_pb2.TokenizeRequest(**chat(("user", "hi"))).SerializeToString(),
     inference_pb2.DetokenizeRequest(token_ids=[504, 3575], skip_special_tokens=True).SerializeToString(),

@@ -35,6 +35,7 @@ EXPECTED_SERVICES = {
         "Inference": {
             "Generate": UNARY,
             "GenerateStream": SERVER_STREAMING,
+            "Embed": UNARY,
             "Abort": UNARY,
             "Tokenize": UNARY,
             "Detokenize": UNARY,
@@ -44,7 +45,7 @@ EXPECTED_SERVICES = {
     },
     worker_pb2: {
         "PrefillWorker": {"Prefill": UNARY, "Abort": UNARY, "GetStatus": UNARY},
-        "DecodeWorker": {"Decode": SERVER_STREAMING, "Abort": UNARY, "GetStatus": UNARY},
+        "DecodeWorker": {"Decode": SERVER_STREAMING, "Embed": UNARY, "Abort": UNARY, "GetStatus": UNARY},
         "WorkerRegistry": {
             "Register": UNARY,
             "Heartbeat": UNARY,
@@ -256,7 +257,7 @@ def test_every_element_has_a_leading_comment(descriptor_set):
                 undocumented.append(f"{kind} {name}")
     assert not undocumented, "no leading comment on: " + ", ".join(undocumented)
     # The walk really visited the contract (a walk that finds nothing cannot fail).
-    assert counts["service"] == 4 and counts["rpc"] == 17
+    assert counts["service"] == 4 and counts["rpc"] == 19
     assert counts["message"] > 40 and counts["field"] > 150
 
 
@@ -332,6 +333,9 @@ def test_explicit_zero_is_distinguishable_from_unset(name):
         (inference_pb2.ChatPrompt, "add_generation_prompt"),
         (worker_pb2.KVTransferHeader, "first_token_id"),
         (worker_pb2.DecodeRequest, "kv_timeout_seconds"),
+        (inference_pb2.EmbedRequest, "request_id"),
+        (inference_pb2.EmbedRequest, "normalize"),
+        (worker_pb2.EmbedPromptRequest, "normalize"),
     ],
 )
 def test_other_fields_whose_unset_state_matters_have_presence(message, name):
