@@ -199,6 +199,7 @@ class Gateway:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
@@ -320,6 +321,12 @@ class Gateway:
         from splitserve.gateway_responses import create_response  # it builds on this module's pieces
 
         return await create_response(self, request)
+
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's embeddings, through the router's Embed (``splitserve.gateway_embeddings``)."""
+        from splitserve.gateway_embeddings import create_embeddings  # it builds on this module's pieces
+
+        return await create_embeddings(self, request)
 
     # ---- one request's generations ----------------------------------------------------------------
 
@@ -929,7 +936,8 @@ def _event(payload: dict) -> str:
 
 async def _not_found(request: Request, error) -> Response:
     return APIError(404, f"No route {request.url.path[:200]}: this server offers /v1/completions, "
-                    "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize and /health.").response()
+                    "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, /tokenize, /detokenize and "
+                    "/health.").response()
 
 
 async def _not_allowed(request: Request, error) -> Response:

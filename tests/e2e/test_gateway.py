@@ -966,3 +966,38 @@ def test_a_response_with_a_reasoning_parser_has_a_reasoning_item_first(reasoning
     assert (reasoning, content) == (thought.content[0].text, response.output_text)
     assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
     assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
+def test_embeddings_are_the_grpc_paths(api, grpc_client, gateway, cluster):
+    """/v1/embeddings through the openai package (which asks for base64 and decodes it): each input's vector is
+    the router's Embed, in order, with the prompt tokens counted; floats, a Matryoshka cut and token ids as well;
+    bad requests get 400 with the field named, and the cluster serves on with every block free."""
+    import numpy
+
+    model = api.models.list().data[0].id
+    texts = ["The capital of France is Paris.", "def add(a, b):\n    return a + b"]
+    expected = [grpc_client.embed(text) for text in texts]
+    counts = [len(grpc_client.tokenize(text)) for text in texts]
+    reply = api.embeddings.create(model=model, input=texts)
+    assert [item.index for item in reply.data] == [0, 1] and reply.model == model
+    for item, vector in zip(reply.data, expected):
+        assert numpy.allclose(item.embedding, vector, atol=1e-5)
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(counts)
+    ids = grpc_client.tokenize(texts[0])
+    cut = api.embeddings.create(model=model, input=[ids], encoding_format="float", dimensions=64)
+    assert numpy.allclose(cut.data[0].embedding, grpc_client.embed(ids, dimensions=64), atol=1e-5)
+    assert len(cut.data[0].embedding) == 64
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    for body, param in (({"input": []}, "input"), ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+                        ({"input": "x", "dimensions": 0}, "dimensions"), ({"input": "x", "dimensions": 100000}, None),
+                        ({"input": ["x"] * 17}, "input"), ({"input": "x", "truncate_prompt_tokens": 8},
+                                                           "truncate_prompt_tokens")):
+        refused = httpx.post(f"{gateway}/v1/embeddings", headers=headers, json={"model": model, **body})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["message"] and (param is None or error["param"] == param), error
+    assert "hidden size" in httpx.post(f"{gateway}/v1/embeddings", headers=headers,
+                                       json={"input": "x", "dimensions": 100000}).json()["error"]["message"]
+    assert numpy.allclose(api.embeddings.create(model=model, input=texts[1]).data[0].embedding, expected[1],
+                          atol=1e-5)
+    wait_until(lambda: all_blocks_free(grpc_client), 15, message="all KV blocks free")

@@ -1,0 +1,85 @@
+"""OpenAI's ``/v1/embeddings`` in the gateway, as vLLM serves it for a decoder-only model: each input's
+embedding from the router's ``Embed`` (its last token's final hidden state, normalized; engine/pooling.py).
+
+``input`` is a string, a list of token ids, or a batch (a list of either), at most ``--max-choices`` inputs a
+request, embedded side by side (one ``Embed`` call each; all cancelled at the first failure or when the caller
+leaves). ``encoding_format`` ``float`` gives lists of numbers, ``base64`` the little-endian float32 bytes in
+base64 (what the ``openai`` package asks for by default, and decodes); ``dimensions`` keeps the first values
+(Matryoshka; the workers refuse more than the model's hidden size); vLLM's ``normalize`` false gives the raw
+vector. ``model`` may name a LoRA adapter, as on the other routes. ``user`` is taken and ignored (OpenAI's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import time
+import uuid
+
+import grpc
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+# vLLM's embeddings fields this gateway does not take: refused with a sentence rather than ignored (other unknown
+# fields are ignored, as vLLM ignores them).
+_REFUSED = {"truncate_prompt_tokens": "truncate_prompt_tokens is not supported: send prompts that fit the model",
+            "messages": "messages (a chat to embed) are not supported: send input"}
+
+
+async def create_embeddings(gateway, request: Request) -> Response:
+    """The ``/v1/embeddings`` answer for ``request`` through ``gateway``'s router client."""
+    from splitserve.gateway import APIError, _bearer, _cancel_on_disconnect, _completion_prompts, from_rpc_error
+
+    body = await gateway._body(request)
+    info, lora_name = await gateway._model_of(request, body)
+    for field, sentence in _REFUSED.items():
+        if body.get(field) is not None:
+            raise APIError(400, f"{sentence}.", field)
+    try:
+        inputs = _completion_prompts(body.get("input"))
+    except APIError:
+        raise APIError(400, "input must be a non-empty string, a list of token ids, or a batch: a list of non-empty "
+                       "strings or of lists of token ids.", "input") from None
+    limit = gateway.config.max_choices
+    if len(inputs) > limit:
+        raise APIError(400, f"input holds {len(inputs)} prompts; one request may embed at most {limit}.", "input")
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise APIError(400, "encoding_format must be 'float' or 'base64'.", "encoding_format")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1):
+        raise APIError(400, "dimensions must be a positive integer.", "dimensions")
+    normalize = body.get("normalize", True)
+    if not isinstance(normalize, bool):
+        raise APIError(400, "normalize must be true or false.", "normalize")
+
+    api_key = _bearer(request)
+    tasks = [asyncio.ensure_future(gateway.client.embed(prompt, normalize, dimensions, lora_name, api_key=api_key))
+             for prompt in inputs]
+    gateway.metrics.generations.inc(len(tasks))
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, tasks))
+    try:
+        answers = await asyncio.gather(*tasks)
+    except grpc.RpcError as error:
+        raise from_rpc_error(error) from None
+    finally:
+        watcher.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    prompt_tokens = sum(answer.prompt_tokens for answer in answers)
+    return JSONResponse({
+        "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "model": lora_name or gateway._model_name(info),
+        "data": [{"object": "embedding", "index": index, "embedding": _encoded(answer.embedding, encoding)}
+                 for index, answer in enumerate(answers)],
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    })
+
+
+def _encoded(embedding, encoding: str) -> list[float] | str:
+    values = list(embedding)
+    if encoding == "float":
+        return values
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
