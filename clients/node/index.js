@@ -101,6 +101,17 @@ class Client {
       this._metadata(), this._options(timeoutSeconds));
   }
 
+  /** The prompt's embedding (Embed): its last token's final hidden state, an array of numbers of unit length
+   * unless normalize is false, its first `dimensions` values where given. Rejects with a gRPC error as generate. */
+  async embed(prompt, { normalize = true, dimensions, loraName = '', requestId, timeoutSeconds } = {}) {
+    const request = { ...generateRequest(prompt, {}, requestId, false, 0, loraName), normalize };
+    delete request.samplingParams;
+    delete request.echo;
+    delete request.priority;
+    if (dimensions !== undefined) request.dimensions = dimensions;
+    return (await this._unary('embed', request, timeoutSeconds)).embedding;
+  }
+
   async abort(requestId) {
     return (await this._unary('abort', { requestId }, 10)).found;
   }

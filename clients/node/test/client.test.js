@@ -121,6 +121,29 @@ test('a chat carries tools and tool calls, a call is forced by its parameters sc
   }
 });
 
+test('embeddings: unit length, the same for text and its token ids, cut and raw on request', async () => {
+  const client = new Client(address, { apiKey, timeoutSeconds: 120 });
+  try {
+    const vector = await client.embed(PROMPT);
+    assert.ok(vector.length > 64);
+    const norm = Math.sqrt(vector.reduce((sum, value) => sum + value * value, 0));
+    assert.ok(Math.abs(norm - 1) < 1e-4, `norm ${norm}`);
+    const byIds = await client.embed(await client.tokenize(PROMPT));
+    assert.ok(byIds.every((value, index) => Math.abs(value - vector[index]) < 1e-4));
+    const raw = await client.embed(PROMPT, { normalize: false, dimensions: 64 });
+    assert.equal(raw.length, 64);
+    const rawNorm = Math.sqrt(raw.reduce((sum, value) => sum + value * value, 0));
+    assert.ok(rawNorm > 1.5, `raw norm ${rawNorm}`);  // the hidden state's own size, not scaled to 1
+    await assert.rejects(client.embed(PROMPT, { dimensions: 100000 }), (error) => {
+      assert.equal(error.code, status.INVALID_ARGUMENT);
+      assert.match(error.details, /hidden size/);
+      return true;
+    });
+  } finally {
+    client.close();
+  }
+});
+
 test('a refused request rejects with the status code and the router sentence', async () => {
   const client = new Client(address, { apiKey });
   try {
