@@ -326,7 +326,8 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face checkpoint tensors in, fusing q/k/v and gate/up.
 
         Args:
-            weights: iterable of (name, tensor) in Hugging Face naming.
+            weights: iterable of (name, tensor) in Hugging Face naming, a causal LM's (``model.layers...``,
+                ``lm_head``) or its base model's (``layers...``: transformers loads either into a causal LM).
         Raises:
             ValueError: a required tensor is missing or has the wrong shape.
         """
@@ -337,6 +338,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
+            if not name.startswith(("model.", "lm_head.")):  # a base model's checkpoint (an embedding model saved
+                name = f"model.{name}"                       # as Qwen3Model, say): its layers without "model."
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             target, shard = name, None

@@ -90,6 +90,9 @@ class ModelConfig:
         architectures = raw.get("architectures") or []
         supported = set(SUPPORTED_MODEL_TYPES.values())
         architecture = next((name for name in architectures if name in supported), None)
+        if architecture is None:  # a base model (embedding models are saved so): served as its causal LM
+            bases = {name.removesuffix("ForCausalLM") + "Model": name for name in supported}
+            architecture = next((bases[name] for name in architectures if name in bases), None)
         if architecture is None and not architectures:
             architecture = SUPPORTED_MODEL_TYPES.get(model_type)
         if architecture is None or model_type not in SUPPORTED_MODEL_TYPES:

@@ -6,6 +6,8 @@ Matryoshka cut and the raw vector, and the refusals. No token is generated and e
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -113,3 +115,26 @@ def test_bad_pooling_params_are_refused_with_nothing_queued(llm, params, words):
     with pytest.raises(ValueError, match=words):
         llm.engine.add_request("refused", "Hello", pooling_params=params)
     _assert_all_blocks_free(llm)
+
+
+def test_an_embedding_model_saved_as_its_base_model_loads_and_embeds(tmp_path, model_dir, tokenizer):
+    """Embedding models on these architectures are saved as their base model (Qwen3-Embedding: a Qwen3Model's
+    tensors without the "model." prefix, tied embeddings): such a checkpoint loads, and its embeddings are
+    transformers' last_hidden_state, normalized."""
+    from transformers import AutoModel
+
+    from tests.e2e.test_model_families import _qwen3_config, write_tiny_model
+
+    config = _qwen3_config()
+    config.tie_word_embeddings = True
+    write_tiny_model(config, tmp_path, model_dir, auto_class=AutoModel)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    llm = LLM(str(tmp_path), num_kv_blocks=32, max_model_len=256, max_num_batched_tokens=64)
+    reference = AutoModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "A long time ago " * 20)]
+    outputs = llm.embed([{"prompt_token_ids": ids} for ids in prompts], use_tqdm=False)
+    for ids, output in zip(prompts, outputs):
+        with torch.inference_mode():
+            expected = reference(torch.tensor([ids])).last_hidden_state[0, -1].float()
+        assert torch.allclose(torch.tensor(output.outputs.embedding), torch.nn.functional.normalize(expected, dim=-1),
+                              atol=ATOL)

@@ -80,11 +80,13 @@ FAMILIES = {"llama3": _llama3_config, "qwen2": _qwen2_config, "qwen3": _qwen3_co
             "granite": _granite_config, "phi3": _phi3_config}
 
 
-def write_tiny_model(config, directory, tokenizer_dir) -> None:
+def write_tiny_model(config, directory, tokenizer_dir, auto_class=None) -> None:
+    """A random-weight model of ``config`` saved by transformers (``auto_class``: AutoModelForCausalLM, or AutoModel
+    for the base model alone), with the default model's tokenizer."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = (auto_class or AutoModelForCausalLM).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for parameter in model.parameters():  # larger weights: decisive (tie-free) greedy choices
             parameter.normal_(0.0, 0.3)

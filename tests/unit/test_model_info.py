@@ -31,6 +31,10 @@ def test_each_family_takes_its_own_features_only():
     phi3 = _config("phi3", rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
                                             "partial_rotary_factor": 1.0})
     assert phi3.architecture == "Phi3ForCausalLM" and "partial_rotary_factor" not in phi3.rope_scaling
+    # A base model's checkpoint (embedding models are saved so) is served as its causal LM.
+    assert _config("qwen3", architectures=["Qwen3Model"]).architecture == "Qwen3ForCausalLM"
+    with pytest.raises(ValueError, match="Unsupported model architecture BertModel"):
+        _config("qwen3", architectures=["BertModel"])
 
 
 @pytest.mark.parametrize("raw,words", [
