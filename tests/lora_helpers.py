@@ -50,3 +50,13 @@ def peft_greedy(model_dir: str, adapter_dir: str, prompt_token_ids: list[int], m
         output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                 max_new_tokens=max_new_tokens, do_sample=False)
     return output[0, len(prompt_token_ids):].tolist()
+
+
+def peft_last_hidden_state(model_dir: str, adapter_dir: str, prompt_token_ids: list[int]):
+    """PEFT's final hidden state (after the model's last norm) of the prompt's last token with the adapter, float32:
+    what an embedding with the adapter is made of."""
+    import torch
+
+    model = _peft_model(str(model_dir), str(adapter_dir))
+    with torch.inference_mode():
+        return model.base_model.model.model(torch.tensor([prompt_token_ids])).last_hidden_state[0, -1].float()

@@ -67,6 +67,22 @@ def test_the_command_line_sends_an_adapters_name(cluster, tmp_path, prompt_token
     assert json.loads(out.read_text())["token_ids"] == lora_references["attention"][3]
 
 
+def test_embeddings_with_an_adapter_are_pefts(client, model_dir, prompt_token_ids, lora_adapters):
+    """The router's Embed with lora_name: PEFT's final hidden state of the prompt's last token with that adapter,
+    normalized (1e-4), on a worker serving it; the base model's differs from it."""
+    import torch
+
+    from tests.lora_helpers import peft_last_hidden_state
+
+    ids = prompt_token_ids[5]
+    for name in ("every", "attention"):
+        expected = torch.nn.functional.normalize(
+            peft_last_hidden_state(str(model_dir), lora_adapters[name].lora_path, ids), dim=-1)
+        vector = torch.tensor(client.embed(ids, lora_name=name))
+        assert torch.allclose(vector, expected, atol=1e-4), (vector - expected).abs().max()
+        assert not torch.allclose(torch.tensor(client.embed(ids)), expected, atol=1e-3)
+
+
 def test_an_adapter_no_worker_serves_is_not_found_and_a_bad_name_invalid(client):
     with pytest.raises(grpc.RpcError) as error:
         client.generate("Hi", lora_name="nowhere")
