@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.common.reasoning import check_reasoning_parser
 from splitserve.engine.request_queue import SCHEDULING_POLICIES
 from splitserve.engine.speculative import SpeculativeConfig
 
@@ -74,6 +75,9 @@ class EngineConfig:
         max_loras: LoRA adapters one step may run (vLLM's default, 1); requests of others wait.
         max_lora_rank: the highest adapter rank accepted (vLLM's default, 16).
         max_cpu_loras: adapters kept loaded once no request holds them (None: max_loras).
+        reasoning_parser: the model thinks in ``<think> ... </think>`` before it answers ("deepseek_r1" or
+            "qwen3", vLLM's ``--reasoning-parser`` names): a request's structured output constrains only the
+            tokens after its think block (``engine/structured_output.py``). None: from its first token.
     """
 
     model: str | None = None
@@ -98,8 +102,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        check_reasoning_parser(self.reasoning_parser)
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         _require_positive_int("max_loras", self.max_loras)
         _require_positive_int("max_lora_rank", self.max_lora_rank)

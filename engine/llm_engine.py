@@ -92,7 +92,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.stats = EngineStats()
         self.kv_transfers = KVTransfers(config.block_size)
-        self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                                    config.reasoning_parser)
 
     @staticmethod
     def _speculation(config: EngineConfig) -> tuple:

@@ -106,8 +106,8 @@ class Sampler:
 
     def _apply_grammars(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """-inf on each constrained row's tokens its grammar cannot take next ([num_rows, vocab]; a new tensor
-        when some row is constrained)."""
-        rows = [row for row, request in enumerate(requests) if request.grammar is not None]
+        when some row is constrained). A grammar waiting out its request's think block constrains nothing yet."""
+        rows = [row for row, request in enumerate(requests) if request.grammar is not None and request.grammar.active]
         if not rows:
             return logits
         num_words = -(-logits.shape[-1] // BITS_PER_WORD)  # the logits' width, in the bitmask's int32 words
@@ -240,7 +240,7 @@ def _all_plain_greedy(requests: list[Request]) -> bool:
             or params.logprobs is not None
             or params.needs_penalties
             or params.logit_bias
-            or request.grammar is not None
+            or (request.grammar is not None and request.grammar.active)
             or len(request.output_token_ids) < params.min_tokens
         ):
             return False

@@ -11,6 +11,11 @@ model's own. The engine then feeds the sampled token to the matcher
 finishes (``stop``), and a token the grammar refuses (one sampled elsewhere,
 e.g. a remote prefill's without the mask) ends it with an error.
 
+An engine started with a reasoning parser (``reasoning_parser``, vLLM's ``--reasoning-parser``) holds each
+grammar back while the request is in its think block, as vLLM does: no mask, and the tokens go past the grammar,
+until the one that ends ``</think>``; the grammar takes the tokens after it. A prompt that closed its block
+already (``splitserve/common/reasoning.py``) starts under its grammar.
+
 llguidance computes a mask lazily over the tokenizer's trie, in tens of
 microseconds for most JSON states; its parser limits bound the work a hostile
 grammar can ask for per step, and error messages never quote the grammar.
@@ -24,16 +29,25 @@ import threading
 import torch
 
 from splitserve.common.errors import InvalidRequest
+from splitserve.common.reasoning import THINK_END, THINK_START, ThinkEndWatch, check_reasoning_parser, reasoning_ended
 from splitserve.common.structured_outputs import StructuredOutputsParams, parser_limits, short_message
 
 BITS_PER_WORD = 32
 
 
 class GrammarMatcher:
-    """One request's grammar state: which tokens may come next, and the tokens taken so far."""
+    """One request's grammar state: which tokens may come next, and the tokens taken so far.
 
-    def __init__(self, matcher) -> None:
-        self._matcher = matcher  # llguidance.LLMatcher
+    Args:
+        matcher: the request's llguidance.LLMatcher.
+        think_end: with a reasoning parser, the watch for the end of the request's think block; the grammar
+            constrains nothing before it (:attr:`active`). None: the grammar takes every token.
+    """
+
+    def __init__(self, matcher, think_end: ThinkEndWatch | None = None) -> None:
+        self._matcher = matcher
+        self._think_end = think_end
+        self.active = think_end is None or think_end.ended  # whether the grammar masks the next token
 
     def fill_bitmask(self, words: torch.Tensor) -> None:
         """Write the allowed next tokens into ``words``: [num_words] int32, contiguous, on the host; bit j of
@@ -42,7 +56,11 @@ class GrammarMatcher:
 
     def accept(self, token_id: int) -> bool:
         """Feed the sampled token to the grammar; False when the grammar refuses it (the matcher is then in error
-        for good: :attr:`error` says why)."""
+        for good: :attr:`error` says why). Before the think block ends the token goes to the watch instead: the
+        one that ends ``</think>`` makes the grammar active from the next token on."""
+        if not self.active:
+            self.active = self._think_end.feed(token_id)
+            return True
         return self._matcher.consume_token(token_id)
 
     @property
@@ -64,14 +82,26 @@ class StructuredOutputs:
         tokenizer: the engine's Hugging Face tokenizer; it must have a fast (tokenizers) backend.
         vocab_size: the model's logits width (the masks cover it).
         eos_token_ids: the ids that end a request; the grammar allows them where the output may end.
+        reasoning_parser: a reasoning parser's name (``splitserve.common.reasoning.REASONING_PARSER_NAMES``):
+            grammars wait for the end of the think block. None: they constrain every token.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
+                 reasoning_parser: str | None = None) -> None:
+        check_reasoning_parser(reasoning_parser)
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer = None
         self._lock = threading.Lock()
+        self._think_tags = None if reasoning_parser is None else (self._tag_ids(THINK_START), self._tag_ids(THINK_END))
+
+    def _tag_ids(self, tag: str) -> tuple[int, ...]:
+        """The token ids of a think tag (one token in reasoning models' vocabularies)."""
+        ids = tuple(self._tokenizer.encode(tag, add_special_tokens=False))
+        if not ids:
+            raise ValueError(f"The tokenizer writes {tag} as no token at all: a reasoning parser cannot find it.")
+        return ids
 
     def matcher(self, params: StructuredOutputsParams, prompt_token_ids: list[int]) -> GrammarMatcher:
         """A new request's matcher, past the prompt's last ``params.num_resumed_tokens`` tokens.
@@ -88,10 +118,18 @@ class StructuredOutputs:
         if resumed > len(prompt_token_ids):
             raise InvalidRequest(f"structured outputs: num_resumed_tokens ({resumed}) exceeds the prompt's "
                                  f"{len(prompt_token_ids)} tokens.")
-        if resumed and not matcher.consume_tokens(prompt_token_ids[len(prompt_token_ids) - resumed:]):
-            raise InvalidRequest(f"structured outputs: the prompt's last {resumed} tokens do not follow the "
-                                 f"{params.kind}: {short_message(matcher.get_error())}")
-        return GrammarMatcher(matcher)
+        cut = len(prompt_token_ids) - resumed  # before it the prompt; after it tokens generated under the structure
+        prompt, generated = prompt_token_ids[:cut], prompt_token_ids[cut:]
+        think_end = None
+        if self._think_tags is not None:
+            start, end = self._think_tags
+            think_end = ThinkEndWatch(end, reasoning_ended(prompt, start, end))
+        grammar = GrammarMatcher(matcher, think_end)
+        for token_id in generated:
+            if not grammar.accept(token_id):
+                raise InvalidRequest(f"structured outputs: the prompt's last {resumed} tokens do not follow the "
+                                     f"{params.kind}: {grammar.error}")
+        return grammar
 
     def warm_up(self) -> bool:
         """Build llguidance's tokenizer now (a worker does it before it serves), so that the first constrained

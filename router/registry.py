@@ -40,6 +40,8 @@ from splitserve.router.worker import (
     check_kv_connector,
     check_kv_identity,
     check_kv_layout,
+    check_reasoning_parser,
+    check_reasoning_parser_name,
     check_registration,
     snapshot,
 )
@@ -105,7 +107,7 @@ class WorkerRegistry:
                  model_fingerprint: str = "", state: WorkerState = WorkerState.SERVING, worker_id: str = "",
                  kv_layout: KVCacheLayout | None = None, previous_lease_id: str = "",
                  identity: str | None = None, kv_connector: str | None = None,
-                 lora_names: frozenset[str] = frozenset()) -> Worker:
+                 lora_names: frozenset[str] = frozenset(), reasoning_parser: str = "") -> Worker:
         """Add a worker with a new lease and return a copy of it (serving the LoRA adapters ``lora_names``).
 
         A registration is bound to whoever made it: its lease id and, under mutual
@@ -119,7 +121,8 @@ class WorkerRegistry:
 
         A prefill or decode worker's ``kv_layout`` and ``kv_connector`` (how it moves
         KV: "p2p", "redis", "lmcache") must equal the other prefill and decode workers'
-        (the first one sets them; colocated workers exchange no KV and are not checked).
+        (the first one sets them; colocated workers exchange no KV and are not checked). Every worker's
+        ``reasoning_parser`` ("" for none) must equal the others'.
 
         Raises:
             InvalidRegistration: no address, a bad role or state; a prefill or decode worker without a fingerprint
@@ -129,9 +132,11 @@ class WorkerRegistry:
             FingerprintMismatch: it serves other weights than the cluster.
             KVLayoutMismatch: a prefill or decode worker with another KV layout than the cluster's.
             KVConnectorMismatch: a prefill or decode worker moving KV another way than the cluster's.
+            ReasoningParserMismatch: another reasoning parser than the cluster's workers'.
         """
         check_registration(role, address)
         check_kv_identity(role, model_fingerprint, kv_layout)
+        check_reasoning_parser_name(reasoning_parser)
         if not isinstance(state, WorkerState) or state == WorkerState.UNREACHABLE:
             raise InvalidRegistration(f"A worker registers as STARTING, SERVING or DRAINING, not {state!r}.")
         with self._lock:
@@ -144,6 +149,7 @@ class WorkerRegistry:
             self._check_fingerprint(address, model_fingerprint, excluding=previous)
             self._check_kv_layout(address, role, kv_layout, excluding=previous)
             self._check_kv_connector(address, role, kv_connector, excluding=previous)
+            check_reasoning_parser(address, reasoning_parser, self._cluster_reasoning_parser(excluding=previous))
             holder = self._workers.get(worker_id) if worker_id else None
             if holder is not None and holder is not previous:
                 if not self._may_replace(holder, previous_lease_id, identity):
@@ -163,13 +169,14 @@ class WorkerRegistry:
                             lease_id=uuid.uuid4().hex, registered_at=now,
                             last_heard=now, num_in_flight=num_in_flight, identity=identity,
                             kv_connector=kv_connector if role != WorkerRole.BOTH else None,
-                            lora_names=frozenset(lora_names))
+                            lora_names=frozenset(lora_names), reasoning_parser=reasoning_parser)
             self._workers[worker.worker_id] = worker
             self._leases[worker.lease_id] = worker.worker_id
             return snapshot(worker)
 
     def add_static(self, role: WorkerRole, address: str, worker_id: str | None = None, kv_endpoint: Any = None,
-                   capacity: Any = None, model_fingerprint: str = "", kv_layout: KVCacheLayout | None = None) -> Worker:
+                   capacity: Any = None, model_fingerprint: str = "", kv_layout: KVCacheLayout | None = None,
+                   reasoning_parser: str = "") -> Worker:
         """Add a worker named on the router's command line: no lease, never expires (polled instead).
 
         Idempotent per address: if a worker (static or registered) is already at
@@ -180,21 +187,25 @@ class WorkerRegistry:
             InvalidRegistration: no address or a bad role.
             FingerprintMismatch: it serves other weights than the cluster.
             KVLayoutMismatch: a prefill or decode worker with another KV layout than the cluster's.
+            ReasoningParserMismatch: another reasoning parser than the cluster's workers'.
         """
         check_registration(role, address)
+        check_reasoning_parser_name(reasoning_parser)
         with self._lock:
             existing = self._by_address(address)
             if existing is not None:
                 return snapshot(existing)
             self._check_fingerprint(address, model_fingerprint, excluding=None)
             self._check_kv_layout(address, role, kv_layout, excluding=None)
+            check_reasoning_parser(address, reasoning_parser, self._cluster_reasoning_parser(excluding=None))
             if not worker_id:
                 worker_id = self._new_id(role)
             elif worker_id in self._workers:
                 worker_id = f"{worker_id}-{next(self._ids)}"
             now = self._clock()
             worker = Worker(worker_id, role, address, kv_endpoint, capacity, model_fingerprint,
-                            _exchanged_layout(role, kv_layout), registered_at=now, last_heard=now, is_static=True)
+                            _exchanged_layout(role, kv_layout), registered_at=now, last_heard=now, is_static=True,
+                            reasoning_parser=reasoning_parser)
             self._workers[worker_id] = worker
             return snapshot(worker)
 
@@ -307,6 +318,12 @@ class WorkerRegistry:
         with self._lock:
             return sorted({name for w in self._workers.values() if w.role != WorkerRole.PREFILL for name in w.lora_names})
 
+    @property
+    def reasoning_parser(self) -> str:
+        """The reasoning parser every worker has ("": none, or no worker yet)."""
+        with self._lock:
+            return self._cluster_reasoning_parser(excluding=None) or ""
+
     def pools(self) -> dict[WorkerRole, list[Worker]]:
         """Copies of every worker by role (every role a key), in registration order."""
         with self._lock:
@@ -376,6 +393,10 @@ class WorkerRegistry:
         cluster = next((w.kv_layout for w in self._workers.values()
                         if w.kv_layout is not None and w is not excluding), None)
         check_kv_layout(address, layout, cluster)
+
+    def _cluster_reasoning_parser(self, excluding: Worker | None) -> str | None:
+        """The workers' reasoning parser ("": none); None with no worker but ``excluding``."""
+        return next((w.reasoning_parser for w in self._workers.values() if w is not excluding), None)
 
     def _check_kv_connector(self, address: str, role: WorkerRole, connector: str | None,
                             excluding: Worker | None) -> None:

@@ -44,7 +44,7 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
             kv_layout=KVCacheLayout.from_pb(request.kv_layout) if request.HasField("kv_layout") else None,
             previous_lease_id=request.previous_lease_id, identity=peer_identity(context),
             kv_connector=_connector_name(request.kv_endpoint.connector) if request.HasField("kv_endpoint") else None,
-            lora_names=_lora_names(request.lora_names),
+            lora_names=_lora_names(request.lora_names), reasoning_parser=request.reasoning_parser,
         )
         logger.info("Worker %s (%s) registered from %s", worker.worker_id, role.name.lower(), request.address)
         self._on_change()

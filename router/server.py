@@ -7,7 +7,7 @@ import threading
 
 import grpc
 
-from splitserve.common.errors import FailedPrecondition
+from splitserve.common.errors import FailedPrecondition, InvalidRequest
 from splitserve.common.types import WorkerRole, WorkerState
 from splitserve.router.channels import Channels
 from splitserve.router.config import RouterConfig
@@ -144,8 +144,9 @@ class Router:
                         kv_endpoint=status.kv_endpoint if status.HasField("kv_endpoint") else None,
                         capacity=status.capacity, model_fingerprint=status.model_fingerprint,
                         kv_layout=KVCacheLayout.from_pb(status.kv_layout) if status.HasField("kv_layout") else None,
+                        reasoning_parser=status.reasoning_parser,
                     )
-                except FailedPrecondition as error:  # other weights or KV layout: never routed to
+                except (FailedPrecondition, InvalidRequest) as error:  # other weights, KV layout, reasoning: left out
                     if address not in self._left_out:
                         logger.error("Static %s worker at %s is left out: %s", role.name.lower(), address, error)
                         self._left_out.add(address)

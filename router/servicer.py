@@ -413,6 +413,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         info.kv_block_size = self.block_size
         info.model_fingerprint = self.registry.model_fingerprint or ""
         info.lora_names.extend(self.registry.lora_names())
+        info.reasoning_parser = self.registry.reasoning_parser
         return info
 
     def _lora_name_of(self, request: inference_pb2.GenerateRequest | inference_pb2.EmbedRequest) -> str:

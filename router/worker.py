@@ -15,6 +15,7 @@ from typing import Any
 
 from splitserve.common.errors import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound
 from splitserve.common.load import WorkerLoad
+from splitserve.common.reasoning import REASONING_PARSER_NAMES
 from splitserve.common.types import WorkerRole, WorkerState
 
 # The proto's KVCacheDtype numbers -> dtype names.
@@ -71,6 +72,7 @@ class Worker:
     identity: str | None = None  # the client-certificate identity that registered it (mutual TLS), else None
     kv_connector: str | None = None  # how it moves KV ("p2p", "redis", "lmcache"); None: colocated or not given
     lora_names: frozenset[str] = frozenset()  # the LoRA adapters it serves (RegisterRequest.lora_names)
+    reasoning_parser: str = ""  # its --reasoning-parser ("": none): whether its grammars wait out think blocks
 
     def serves(self, lora_name: str) -> bool:
         """Whether it can run a request for LoRA adapter ``lora_name`` ("": the base model, which every worker serves)."""
@@ -110,6 +112,10 @@ class KVConnectorMismatch(FailedPrecondition):
     """A prefill or decode worker moving KV another way than the cluster's (FAILED_PRECONDITION)."""
 
 
+class ReasoningParserMismatch(FailedPrecondition):
+    """A worker whose --reasoning-parser differs from the cluster's workers' (FAILED_PRECONDITION)."""
+
+
 class UnknownLease(NotFound):
     """No live lease with this id: register again (NOT_FOUND)."""
 
@@ -137,6 +143,29 @@ def check_kv_identity(role: WorkerRole, model_fingerprint: str, kv_layout: KVCac
     if kv_layout is None:
         raise InvalidRegistration("kv_layout is required: a prefill or decode worker must give its KV cache "
                                   "layout, so that only workers whose KV fits each other's blocks are paired.")
+
+
+def check_reasoning_parser_name(name: str) -> str:
+    """A registration's reasoning parser: "" (none) or one of REASONING_PARSER_NAMES; raises InvalidRegistration
+    otherwise, quoting at most 64 characters of it."""
+    if name and name not in REASONING_PARSER_NAMES:
+        raise InvalidRegistration(f"reasoning_parser must be empty or one of {', '.join(REASONING_PARSER_NAMES)}, "
+                                  f"got {name[:64]!r}.")
+    return name
+
+
+def check_reasoning_parser(address: str, parser: str, cluster: str | None) -> None:
+    """Raises ReasoningParserMismatch when the cluster's workers have said theirs (``cluster``) and ``parser``
+    differs: a prefill worker would sample a first token the decode worker's grammar does not expect, and the
+    gateway could not tell whether answers start with a think block."""
+    if cluster is not None and parser != cluster:
+        def said(name: str) -> str:
+            return f"--reasoning-parser {name}" if name else "no --reasoning-parser"
+
+        raise ReasoningParserMismatch(
+            f"The worker at {address} has {said(parser)}, but this cluster's workers have {said(cluster)}: their "
+            "structured outputs would start at different tokens. Start it with the same flag as the rest."
+        )
 
 
 def check_kv_connector(address: str, connector: str | None, cluster: str | None) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from splitserve import __version__
 from splitserve.common.errors import SplitserveError
 from splitserve.common.lora_names import check_lora_name, parse_lora_modules
+from splitserve.common.reasoning import REASONING_PARSER_NAMES
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import (
     CUDA_GRAPH_MODES,
@@ -174,6 +175,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="LoRA adapters kept loaded once no request holds them (default: --max-loras, and on a "
                        "worker at least the number of --lora-modules)")
     group.add_argument(
+        "--reasoning-parser", choices=REASONING_PARSER_NAMES,
+        help="the model thinks in <think> ... </think> before it answers (vLLM's flag and names): a request's "
+        "structured output (JSON schema, regex, choice, grammar) constrains only the tokens after its think block, "
+        "which the model writes freely; a prompt that already closed its block (Qwen3's template with "
+        "enable_thinking false) is constrained from its first token; give every worker of a cluster the same "
+        "(`splitserve up` does; its HTTP gateway then splits the answers' reasoning out too) (default: none, "
+        "structured outputs constrain every token)")
+    group.add_argument(
         "--attention-backend", choices=("auto", "cpu", "torch", "triton"), default="auto",
         help="decode attention, KV writes and the fused layer operations (RMSNorm with the residual add, "
         "rotary, SiLU-and-multiply): the C++ CPU kernels (compiled on first use, float32), plain torch, "
@@ -266,6 +275,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras or _static_lora_count(args),
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -57,7 +57,8 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
                          "which alone is read for tool calls. deepseek_r1: everything before </think> is reasoning, "
                          "with or without <think> first (DeepSeek-R1 and its distills); qwen3: the same unless the "
                          "request's chat_template_kwargs set enable_thinking false, when all is content (Qwen3). "
-                         "/v1/completions is not split (default: off)")
+                         "/v1/completions is not split (default: the workers' --reasoning-parser, which the router "
+                         "reports; none when they have none)")
     gateway.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     add_client_tls_arguments(gateway)
     gateway.set_defaults(handler=_run_gateway)

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 from splitserve.common.tools import TOOL_CALL_PARSERS
-from splitserve.gateway_reasoning import REASONING_PARSERS
 
 DEFAULT_ROUTER_PORT = 50051
 
@@ -72,9 +71,6 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
                     "gateway --help` (needs --http-port and --tool-call-parser)")
     up.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                     help="how the model writes tool calls, for --enable-auto-tool-choice")
-    up.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
-                    help="the HTTP gateway splits chat answers' <think> blocks into the \"reasoning\" field, as "
-                    "vLLM's --reasoning-parser; see `splitserve gateway --help` (needs --http-port)")
     _add_chat_template_argument(up)
     up.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default: %(default)s)")
     up.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default: %(default)s)")
@@ -473,9 +469,7 @@ def _run_up(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and (not args.tool_call_parser or args.http_port is None):
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser and --http-port (the HTTP gateway reads "
                          "the calls).")
-    if args.reasoning_parser:
-        if args.http_port is None:
-            raise ValueError("--reasoning-parser needs --http-port (the HTTP gateway splits the answers).")
+    if args.reasoning_parser:  # the workers' engine flag (_engine_flags), and with --http-port the gateway's
         gateway_args += ["--reasoning-parser", args.reasoning_parser]
     roles = ["both"] * args.colocated if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     placement = _place_workers(args, roles)  # before anything starts
@@ -664,6 +658,8 @@ def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
         flags += ["--cuda-graph-mode", args.cuda_graph_mode]
     if args.speculative_config is not None:
         flags += ["--speculative-config", args.speculative_config.to_json()]
+    if args.reasoning_parser:
+        flags += ["--reasoning-parser", args.reasoning_parser]
     lora_modules = getattr(args, "lora_modules", [])  # up's flag (the engine group has the others)
     if args.enable_lora or lora_modules:
         flags += ["--enable-lora", "--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]

@@ -44,7 +44,7 @@ from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.common.tools import tool_call_parser
-from splitserve.gateway_reasoning import ReasoningReplies, reasoning_parser
+from splitserve.gateway_reasoning import REASONING_PARSERS, ReasoningReplies, ThinkTagParser, reasoning_parser
 from splitserve.gateway_tools import ToolReplies, chat_tools
 from splitserve.rpc.metrics import GatewayMetrics, serve_metrics
 from splitserve.v1 import inference_pb2
@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_CHOICES = 16
+# How long the router's model info is reused before it is asked again: the workers' LoRA adapters and reasoning
+# parser follow within this time after they register.
+MODEL_INFO_TTL_SECONDS = 5.0
 # A log probability of minus infinity (a token sampling can never pick) as vLLM's server writes it: JSON has no
 # infinities.
 LOWEST_LOGPROB = -9999.0
@@ -116,8 +119,8 @@ class GatewayConfig:
             which lets chat requests leave the choice of a call to the model (``tool_choice`` "auto"); None: such
             requests are refused, and calls are made only when forced.
         reasoning_parser: splits chat answers' ``<think>`` blocks into the message's ``reasoning`` (one of
-            ``splitserve.gateway_reasoning.REASONING_PARSERS``, as vLLM's ``--reasoning-parser``); None: answers
-            are content alone.
+            ``splitserve.gateway_reasoning.REASONING_PARSERS``, as vLLM's ``--reasoning-parser``); None: the
+            workers' parser when they have one (the router's model info), else answers are content alone.
     """
 
     router: str
@@ -307,13 +310,14 @@ class Gateway:
             param = "parallel_tool_calls" if str(error).startswith("parallel_tool_calls") else "tool_choice"
             raise APIError(400, str(error), param) from None
         params = dataclasses.replace(params, structured_outputs=constraint)
-        # A forced call's text is its JSON from the first token (its schema constrains the whole answer): no
-        # reasoning to split off.
-        splits = self._reasoning_parser is not None and not (tools is not None and tools.forces_a_call)
+        parser = self.reasoning_parser_of(info)
+        # A forced call's schema constrains the whole answer from its first token, think block included, unless
+        # the workers' grammars wait out the block (their --reasoning-parser): only then is there reasoning to
+        # split off before the call.
+        splits = parser is not None and (bool(info.reasoning_parser) or not (tools is not None and tools.forces_a_call))
         choice = functools.partial(_chat_choice, tools=tools,
-                                   reasoning=ReasoningReplies(self._reasoning_parser, chat.chat_template_kwargs)
-                                   if splits else None,
-                                   with_reasoning=self._reasoning_parser is not None)
+                                   reasoning=ReasoningReplies(parser, chat.chat_template_kwargs) if splits else None,
+                                   with_reasoning=parser is not None)
         return await self._respond(request, body, [chat], params, "chatcmpl", "chat.completion", choice, lora_name)
 
     async def responses(self, request: Request) -> Response:
@@ -487,10 +491,17 @@ class Gateway:
                            "best_of")
         return body
 
+    def reasoning_parser_of(self, info: inference_pb2.GetModelInfoResponse) -> type[ThinkTagParser] | None:
+        """The parser that splits chat answers: the gateway's --reasoning-parser, else the workers' (the router's
+        model info says it), else None."""
+        return self._reasoning_parser or REASONING_PARSERS.get(info.reasoning_parser)
+
     async def _info(self, request: Request, refresh: bool = False) -> inference_pb2.GetModelInfoResponse:
-        """The router's model info, fetched once, and again with ``refresh`` (the LoRA adapters served change as
-        workers come and go) at most once a second."""
-        stale = refresh and time.monotonic() - self._model_info_time >= 1.0
+        """The router's model info, fetched again once it is MODEL_INFO_TTL_SECONDS old (what the workers serve
+        changes as they come and go: their LoRA adapters, their reasoning parser), and with ``refresh`` (a LoRA
+        adapter not known yet) once it is a second old."""
+        age = time.monotonic() - self._model_info_time
+        stale = age >= (1.0 if refresh else MODEL_INFO_TTL_SECONDS)
         if self._model_info is None or stale:
             try:
                 self._model_info = await self.client.model_info(api_key=_bearer(request))

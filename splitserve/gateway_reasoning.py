@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import enum
 
-START_TAG = "<think>"
-END_TAG = "</think>"
+from splitserve.common.reasoning import THINK_END, THINK_START
+
+START_TAG, END_TAG = THINK_START, THINK_END
 
 
 class _Phase(enum.Enum):

@@ -91,11 +91,14 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
 
 
 def hf_greedy_constrained(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int, grammar: str,
-                          eos_token_ids: list[int]) -> list[int]:
+                          eos_token_ids: list[int], think_end: list[int] | None = None) -> list[int]:
     """transformers' greedy continuation, float32, under an llguidance grammar (its JSON form, e.g.
     ``StructuredOutputsParams.to_grammar()``): at each step every token the grammar's own matcher cannot take
     next gets -inf, from the tokenizer.json file as llguidance reads it. Ends once the grammar is complete (or
-    ``max_new_tokens``), as the engine does, without the end-of-sequence token the grammar would then allow."""
+    ``max_new_tokens``), as the engine does, without the end-of-sequence token the grammar would then allow.
+    With ``think_end`` (the token ids of ``</think>``) the grammar waits: no mask until the generated tokens have
+    spelled it, and the grammar takes the tokens after it (an engine with a reasoning parser, its prompt in an
+    open think block)."""
     import json
     from pathlib import Path
 
@@ -110,13 +113,21 @@ def hf_greedy_constrained(model_dir: str, prompt_token_ids: list[int], max_new_t
     assert not matcher.is_error(), matcher.get_error()
     from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+    active = [think_end is None]  # whether the grammar has started
+
     def mask(input_ids, scores):  # a LogitsProcessor: -inf where the grammar cannot go next
+        if not active[0]:
+            return scores
         allowed = torch.zeros(scores.shape[-1], dtype=torch.bool)
         allowed[torch.from_numpy(numpy_bits(matcher.compute_bitmask(), vocab_size))] = True
         return scores.masked_fill(~allowed, float("-inf"))
 
     class Complete(StoppingCriteria):  # after each token: the grammar takes it; stop once it is complete
         def __call__(self, input_ids, scores, **kwargs):
+            if not active[0]:  # the think block: does this token end </think>?
+                generated = input_ids[0, len(prompt_token_ids):].tolist()
+                active[0] = generated[-len(think_end):] == list(think_end)
+                return False
             assert matcher.consume_token(int(input_ids[0, -1])), matcher.get_error()
             return matcher.is_stopped()
 

@@ -279,7 +279,7 @@ class WorkerRuntime:
             worker_id=self.worker_id, role=ROLES[self.config.role], address=self.address,
             kv_endpoint=self.endpoint_pb(), capacity=self.capacity_pb(), model_fingerprint=self.model_fingerprint,
             kv_layout=self.layout_pb(), state=self.state, server_version=__version__,
-            lora_names=list(self.lora_requests),
+            lora_names=list(self.lora_requests), reasoning_parser=self.engine.config.reasoning_parser or "",
         )
 
     def status_pb(self) -> worker_pb2.GetWorkerStatusResponse:
@@ -290,6 +290,7 @@ class WorkerRuntime:
             ),
             capacity=self.capacity_pb(), model_fingerprint=self.model_fingerprint, kv_layout=self.layout_pb(),
             kv_endpoint=self.endpoint_pb(), server_version=__version__, counters=self.counters.to_pb(),
+            reasoning_parser=self.engine.config.reasoning_parser or "",
         )
 
 

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from splitserve.common.chat import FunctionTool
+from splitserve.common.reasoning import REASONING_PARSER_NAMES
 from splitserve.common.tools import tool_call_parser
 from splitserve.gateway import _chat_choice
 from splitserve.gateway_reasoning import (
@@ -147,6 +148,7 @@ def test_tool_calls_are_read_out_of_the_content_alone():
 
 def test_the_registry_names_vllms_parsers_and_refuses_others():
     assert sorted(REASONING_PARSERS) == ["deepseek_r1", "qwen3"]
+    assert tuple(REASONING_PARSERS) == REASONING_PARSER_NAMES  # the engines' --reasoning-parser takes the same
     assert reasoning_parser("qwen3") is Qwen3ReasoningParser
     with pytest.raises(ValueError, match="Unknown reasoning parser 'granite': choose one of deepseek_r1, qwen3."):
         reasoning_parser("granite")

@@ -466,3 +466,47 @@ def test_the_registry_servicer_converts_the_kv_layout_and_refuses_another(regist
         servicer.Register(request("h:6", 16, connector=worker_pb2.KV_CONNECTOR_TYPE_UNSPECIFIED), PlainContext())
     assert servicer.Register(request("h:7", 16, role=inference_pb2.WORKER_ROLE_PREFILL), PlainContext()).worker_id
     assert registry.by_address("h:7").kv_connector == "p2p"
+
+
+def test_every_worker_has_the_clusters_reasoning_parser(registry, clock):
+    """Grammars wait out think blocks on workers with --reasoning-parser: a prefill worker samples the first token
+    as its decode worker's grammar expects only when both have the same flag, so the registry pins the first
+    worker's (none included), for every role; the router's model info reports it."""
+    from splitserve.router.registry_servicer import RegistryServicer
+    from splitserve.router.worker import ReasoningParserMismatch
+    from splitserve.v1 import inference_pb2, worker_pb2
+
+    assert registry.reasoning_parser == ""
+    first = registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=LAYOUT, reasoning_parser="qwen3")
+    assert registry.reasoning_parser == "qwen3"
+    for role, address, parser, said in ((PREFILL, "h:2", "", "no --reasoning-parser"),
+                                        (BOTH, "h:3", "deepseek_r1", "--reasoning-parser deepseek_r1")):
+        with pytest.raises(ReasoningParserMismatch, match=f"The worker at {address} has {said}, but this cluster's "
+                                                          "workers have --reasoning-parser qwen3"):
+            registry.register(role, address, model_fingerprint="m", kv_layout=LAYOUT, reasoning_parser=parser)
+    with pytest.raises(ReasoningParserMismatch, match="has no --reasoning-parser"):
+        registry.add_static(DECODE, "h:4", model_fingerprint="m", kv_layout=LAYOUT)
+    registry.register(PREFILL, "h:5", model_fingerprint="m", kv_layout=LAYOUT, reasoning_parser="qwen3")
+    # The only worker may come back with another flag (it replaces itself); a name not known is refused unquoted.
+    registry.deregister(registry.by_address("h:5").lease_id)
+    again = registry.register(DECODE, "h:1", model_fingerprint="m", kv_layout=LAYOUT, previous_lease_id=first.lease_id)
+    assert again.reasoning_parser == "" and registry.reasoning_parser == ""
+    with pytest.raises(InvalidRegistration, match="reasoning_parser must be empty or one of deepseek_r1, qwen3, got "
+                                                  "'xxxx"):
+        registry.register(DECODE, "h:6", model_fingerprint="m", kv_layout=LAYOUT, reasoning_parser="x" * 10_000)
+
+    class PlainContext:
+        def peer_identities(self):
+            return None
+
+    message = worker_pb2.RegisterRequest(
+        role=inference_pb2.WORKER_ROLE_PREFILL, address="h:7",
+        kv_endpoint=worker_pb2.KVEndpoint(connector=worker_pb2.KV_CONNECTOR_TYPE_P2P, address="h:7"),
+        model_fingerprint="m", state=inference_pb2.WORKER_STATE_SERVING, reasoning_parser="deepseek_r1",
+        kv_layout=worker_pb2.KVCacheLayout(num_layers=30, num_kv_heads=3, head_size=64,
+                                           dtype=worker_pb2.KV_CACHE_DTYPE_FLOAT32, block_size=16))
+    with pytest.raises(ReasoningParserMismatch):
+        RegistryServicer(registry).Register(message, PlainContext())
+    message.reasoning_parser = ""
+    assert RegistryServicer(registry).Register(message, PlainContext()).worker_id
+    assert registry.by_address("h:7").reasoning_parser == ""

@@ -140,8 +140,9 @@ def test_the_bitmask_leaves_exactly_the_allowed_tokens_on_its_rows():
 class _OnlyToken:
     """A stand-in grammar state allowing one token (the sampler's side of GrammarMatcher)."""
 
-    def __init__(self, token: int) -> None:
+    def __init__(self, token: int, active: bool = True) -> None:
         self.token = token
+        self.active = active  # False: waiting out a think block
 
     def fill_bitmask(self, words: torch.Tensor) -> None:
         words.zero_()
@@ -158,10 +159,18 @@ def test_the_sampler_takes_the_grammar_over_greedy_and_random_rows_and_leaves_lo
     assert output.sampled_token_ids[2] == int(logits[2].argmax())
     raw = torch.log_softmax(logits[0], -1)
     assert output.logprobs[0][40] == pytest.approx(raw[40].item(), abs=1e-6)
+    # A grammar waiting out its request's think block masks nothing: the row is the model's own argmax.
+    for request in requests:
+        request.grammar = _OnlyToken(40, active=False)
+    assert 40 not in (int(logits[0].argmax()), int(logits[2].argmax()))  # else the mask would not show
+    output = Sampler()(logits[[0, 2]], [requests[0], requests[2]])
+    assert output.sampled_token_ids == [int(logits[0].argmax()), int(logits[2].argmax())]
 
 
 class _Nothing:
     """A grammar state in error: it allows no token."""
+
+    active = True
 
     def fill_bitmask(self, words: torch.Tensor) -> None:
         words.zero_()
