@@ -1,5 +1,7 @@
-"""Rotary position embeddings: the cos/sin tables (default, linear and llama3 scaling) and applying them.
+"""Rotary position embeddings: the cos/sin tables (default, linear, llama3 and YaRN scaling) and applying them.
 
+Every scaling is in the tables alone (the kernels rotate by whatever cos/sin they are given): its inverse
+frequencies, and YaRN's attention factor, which multiplies cos and sin as transformers applies it.
 ``apply_rotary`` is the plain-torch reference of ``cpu_ops.rotary_``.
 """
 
@@ -18,12 +20,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        inv_freq = _inverse_frequencies(config)
+        inv_freq, attention_factor = _inverse_frequencies(config)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [positions, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype, over_heads: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +46,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+def _inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies ([head_dim / 2]) and the factor cos and sin are multiplied by (1 but for YaRN)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
@@ -53,7 +56,42 @@ def _inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":
         inv_freq = _llama3_frequencies(inv_freq, scaling)
-    return inv_freq
+    elif rope_type == "yarn":
+        return _yarn_frequencies(config, scaling)
+    return inv_freq, 1.0
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_frequencies(config: ModelConfig, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071), as transformers computes it: each frequency's share of interpolation (divided by
+    ``factor``) ramps from none for the fast dimensions (more than ``beta_fast`` turns over the original context)
+    to all for the slow ones (fewer than ``beta_slow``), and cos/sin are scaled by the attention factor."""
+    dim, base = config.head_dim, config.rope_theta
+    original = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+
+    def correction_dim(turns: float) -> float:  # the dimension that turns ``turns`` times over the original context
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # each dimension's share kept as it is
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

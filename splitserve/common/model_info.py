@@ -31,7 +31,7 @@ SUPPORTED_MODEL_TYPES = {
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 # ---- config.json ------------------------------------------------------------------------
@@ -138,10 +138,16 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """The longest sequence the model computes exactly (sliding window included)."""
+        """The longest sequence the model computes exactly (sliding window included). With YaRN, the original
+        context times its factor, as vLLM derives it (Qwen2.5's configs keep the original 32,768 as
+        max_position_embeddings and say factor 4 for 131,072)."""
+        longest = self.max_position_embeddings
+        if self.rope_scaling.get("rope_type") == "yarn" and self.rope_scaling.get("factor"):
+            original = self.rope_scaling.get("original_max_position_embeddings") or longest
+            longest = int(original * self.rope_scaling["factor"])
         if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+            return min(longest, self.sliding_window)
+        return longest
 
 
 def _rope_parameters(raw: dict) -> tuple[float, dict]:

@@ -1,5 +1,5 @@
 """Other Llama-family architectures through --model: small random-weight checkpoints
-written by transformers itself (Qwen2 with q/k/v biases, Qwen3 with its per-head query and key norms and
+written by transformers itself (Qwen2 with q/k/v biases, and with YaRN rope scaling, Qwen3 with its per-head query and key norms and
 heads wider than hidden_size / heads, Mistral, Llama 3 rope scaling with an untied head, Granite with its four
 scalars, Phi-3 with its projections fused in the checkpoint), compared token for
 token with transformers' generate; Qwen3 through every attention backend (the C++ kernels, the torch references,
@@ -54,6 +54,15 @@ def _mistral_config():
     return MistralConfig(**SMALL, head_dim=16, sliding_window=None)
 
 
+def _qwen2_yarn_config():
+    from transformers import Qwen2Config
+
+    # YaRN as Qwen2.5's long-context configs set it (factor 4 over the original context), on a small scale: the
+    # second prompt runs past the original 128 positions.
+    return Qwen2Config(**SMALL, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128})
+
+
 def _qwen3_config():
     from transformers import Qwen3Config
 
@@ -76,7 +85,8 @@ def _phi3_config():
     return Phi3Config(**SMALL, tie_word_embeddings=False)
 
 
-FAMILIES = {"llama3": _llama3_config, "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config,
+FAMILIES = {"llama3": _llama3_config, "qwen2": _qwen2_config, "qwen2_yarn": _qwen2_yarn_config,
+            "qwen3": _qwen3_config, "mistral": _mistral_config,
             "granite": _granite_config, "phi3": _phi3_config}
 
 
