@@ -67,3 +67,17 @@ def test_a_parser_name_is_checked():
     check_reasoning_parser("qwen3")
     with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
         check_reasoning_parser("granite")
+
+
+def test_the_flag_reaches_every_workers_engine_through_up():
+    from splitserve.cli import build_parser, engine_options
+    from splitserve.cli_serve import _engine_flags
+
+    parser = build_parser()
+    up = parser.parse_args(["up", "--reasoning-parser", "qwen3", "--dtype", "float32"])
+    flags = _engine_flags(up, "/m")
+    assert flags[flags.index("--reasoning-parser") + 1] == "qwen3"
+    worker = parser.parse_args(["decode", *flags])
+    assert engine_options(worker)["reasoning_parser"] == "qwen3"
+    assert "--reasoning-parser" not in _engine_flags(parser.parse_args(["up", "--dtype", "float32"]), "/m")
+    assert engine_options(parser.parse_args(["generate", "hello"]))["reasoning_parser"] is None
