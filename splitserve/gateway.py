@@ -310,14 +310,8 @@ class Gateway:
             param = "parallel_tool_calls" if str(error).startswith("parallel_tool_calls") else "tool_choice"
             raise APIError(400, str(error), param) from None
         params = dataclasses.replace(params, structured_outputs=constraint)
-        parser = self.reasoning_parser_of(info)
-        # A forced call's schema constrains the whole answer from its first token, think block included, unless
-        # the workers' grammars wait out the block (their --reasoning-parser): only then is there reasoning to
-        # split off before the call.
-        splits = parser is not None and (bool(info.reasoning_parser) or not (tools is not None and tools.forces_a_call))
-        choice = functools.partial(_chat_choice, tools=tools,
-                                   reasoning=ReasoningReplies(parser, chat.chat_template_kwargs) if splits else None,
-                                   with_reasoning=parser is not None)
+        choice = functools.partial(_chat_choice, tools=tools, reasoning=self.reasoning_replies(info, chat, tools),
+                                   with_reasoning=self.reasoning_parser_of(info) is not None)
         return await self._respond(request, body, [chat], params, "chatcmpl", "chat.completion", choice, lora_name)
 
     async def responses(self, request: Request) -> Response:
@@ -496,6 +490,16 @@ class Gateway:
         model info says it), else None."""
         return self._reasoning_parser or REASONING_PARSERS.get(info.reasoning_parser)
 
+    def reasoning_replies(self, info: inference_pb2.GetModelInfoResponse, chat: Chat,
+                          tools: ToolReplies | None) -> ReasoningReplies | None:
+        """What splits a chat answer's think block off (None: nothing to split). A forced call's schema constrains
+        the whole answer from its first token, think block included, unless the workers' grammars wait out the
+        block (their --reasoning-parser): only then is there reasoning to split off before the call."""
+        parser = self.reasoning_parser_of(info)
+        if parser is None or (tools is not None and tools.forces_a_call and not info.reasoning_parser):
+            return None
+        return ReasoningReplies(parser, chat.chat_template_kwargs)
+
     async def _info(self, request: Request, refresh: bool = False) -> inference_pb2.GetModelInfoResponse:
         """The router's model info, fetched again once it is MODEL_INFO_TTL_SECONDS old (what the workers serve
         changes as they come and go: their LoRA adapters, their reasoning parser), and with ``refresh`` (a LoRA
@@ -659,6 +663,8 @@ def _one_prompt(prompt) -> str | list[int] | None:
     if isinstance(prompt, str) and prompt:
         return prompt
     if isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
+        if any(not 0 <= token < 2**32 for token in prompt):  # the proto's uint32; the router checks the vocabulary
+            raise APIError(400, "a token id in the prompt is outside the vocabulary (token ids are integers from 0).", "prompt")
         return [int(token) for token in prompt]
     return None
 

@@ -38,9 +38,8 @@ async def create_embeddings(gateway, request: Request) -> Response:
             raise APIError(400, f"{sentence}.", field)
     try:
         inputs = _completion_prompts(body.get("input"))
-    except APIError:
-        raise APIError(400, "input must be a non-empty string, a list of token ids, or a batch: a list of non-empty "
-                       "strings or of lists of token ids.", "input") from None
+    except APIError as error:  # the completions route's sentence, about this route's field
+        raise APIError(400, error.message.replace("prompt", "input"), "input") from None
     limit = gateway.config.max_choices
     if len(inputs) > limit:
         raise APIError(400, f"input holds {len(inputs)} prompts; one request may embed at most {limit}.", "input")

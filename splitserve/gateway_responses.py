@@ -1,15 +1,27 @@
 """OpenAI's Responses API (``POST /v1/responses``) on the gateway, as vLLM's OpenAI server serves it.
 
 A request is read into the chat request it stands for (``instructions`` a system message first, ``input`` the
-messages, ``max_output_tokens`` the limit, ``text.format`` the structured outputs), so the gateway's own checks,
-sampling, router calls and disconnect handling serve it as they serve ``/v1/chat/completions``; only the answer's
-shape is this module's: a ``response`` object, or its stream of named server-sent events (``event: TYPE`` and
-``data: JSON``, numbered by ``sequence_number``, no ``[DONE]``), the field names and the event order those of
-``openai.types.responses``.
+messages, ``max_output_tokens`` the limit, ``text.format`` the structured outputs, function ``tools`` and
+``tool_choice`` in the chat's nested form), so the gateway's own checks, sampling, tool calls, router calls and
+disconnect handling serve it as they serve ``/v1/chat/completions``; only the answer's shape is this module's: a
+``response`` object, or its stream of named server-sent events (``event: TYPE`` and ``data: JSON``, numbered by
+``sequence_number``, no ``[DONE]``), the field names and the event order those of ``openai.types.responses``.
+
+Function tools are the chat route's (``splitserve.gateway_tools``): a forced call ("required" or a named
+function) is a structured outputs constraint, and "auto" needs the gateway's ``--tool-call-parser``. Input takes
+``function_call`` items (an assistant message with tool calls; several in a row are one message) and
+``function_call_output`` items (a ``tool`` message answering an earlier call), so a client runs the loop call,
+output, answer without state. The answer's calls are ``function_call`` items after the reasoning item, if any,
+and after the message, which comes only when there is content besides the calls. Streamed, the calls come as the
+chat route's stream gives them: a named call's arguments as they are generated, each "required" call as soon as
+its object closes, an "auto" answer's calls at its end; each call is ``response.output_item.added`` (empty
+arguments), ``response.function_call_arguments.delta`` events, ``response.function_call_arguments.done`` and
+``response.output_item.done``.
 
 The gateway keeps no state, so what needs stored responses is refused with 400 and a sentence
 (``previous_response_id``, ``background``, ``conversation``); ``store`` is taken and nothing is stored, as vLLM
-does by default. Tools, ``include`` and ``top_logprobs`` are refused too (not in this slice).
+does by default. Tools the server would run itself (web search, file search, MCP, ...), ``include`` and
+``top_logprobs`` are refused too.
 """
 
 from __future__ import annotations
@@ -20,165 +32,22 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from splitserve.common.errors import InvalidRequest
-from splitserve.common.structured_outputs import StructuredOutputsParams
-from splitserve.gateway import APIError, Gateway, _chain, _chat, _flag, _is_int
+from splitserve.common.chat import FunctionTool
+from splitserve.gateway import APIError, Gateway, _chain, _chat, _finish
 from splitserve.gateway_reasoning import ReasoningReplies
+from splitserve.gateway_responses_request import parse_request, under_tool_choice
+from splitserve.gateway_tools import ToolReplies
 from splitserve.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)
 
-# Fields refused when set, with the sentence that says why.
-_REFUSED = {
-    "previous_response_id": "previous_response_id needs responses stored on the server, and this gateway keeps no "
-    "state: send the whole conversation as input instead.",
-    "previous_response": "previous_response is not supported: send the whole conversation as input instead.",
-    "conversation": "conversation needs conversations stored on the server, and this gateway keeps no state: send "
-    "the whole conversation as input instead.",
-    "background": "background needs responses stored on the server, and this gateway keeps no state (nor does vLLM "
-    "without VLLM_ENABLE_RESPONSES_API_STORE).",
-    "prompt": "prompt (a stored prompt template) is not supported, as in vLLM: send instructions and input.",
-    "tools": "tools are not supported on /v1/responses yet: use /v1/chat/completions for function calls.",
-    "include": "include is not supported on /v1/responses yet (no logprobs, encrypted reasoning or tool outputs).",
-    "top_logprobs": "top_logprobs is not supported on /v1/responses yet.",
-}
-# vLLM's sampling fields on its ResponsesRequest beyond OpenAI's, taken as chat requests take them.
-_VLLM_SAMPLING = ("top_k", "repetition_penalty", "seed", "stop", "ignore_eos", "logit_bias", "priority",
-                  "structured_outputs")
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _STATUS = {inference_pb2.FINISH_REASON_STOP: "completed", inference_pb2.FINISH_REASON_LENGTH: "incomplete",
            inference_pb2.FINISH_REASON_ERROR: "failed"}  # anything else (an abort): incomplete, no reason
-
-
-@dataclass
-class ResponsesRequest:
-    """A /v1/responses body read into what the gateway serves.
-
-    Attributes:
-        chat_body: the same request as a /v1/chat/completions body (``messages``, ``max_tokens``, sampling),
-            which the gateway's checks and sampling read.
-        text_format: ``text.format``'s constraint (json_schema, json_object); None for plain text.
-        stream: whether the answer is a stream of events.
-        echoed: the request's fields that every response object repeats, as vLLM repeats them.
-    """
-
-    chat_body: dict
-    text_format: StructuredOutputsParams | None
-    stream: bool
-    echoed: dict = field(default_factory=dict)
-
-
-def parse_request(body: dict) -> ResponsesRequest:
-    """Read a /v1/responses body; 400 naming the field for one that is malformed or refused."""
-    for name, sentence in _REFUSED.items():
-        if body.get(name):
-            raise APIError(400, sentence, name)
-    if body.get("tool_choice") not in (None, "auto", "none"):
-        raise APIError(400, "tool_choice must be auto or none: tools are not supported on /v1/responses yet.",
-                       "tool_choice")
-    if body.get("truncation") not in (None, "disabled"):
-        raise APIError(400, 'truncation must be "disabled": the gateway never cuts a conversation to fit.',
-                       "truncation")
-    instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise APIError(400, "instructions must be a string.", "instructions")
-    max_output_tokens = body.get("max_output_tokens")
-    if max_output_tokens is not None and (not _is_int(max_output_tokens) or max_output_tokens < 1):
-        raise APIError(400, "max_output_tokens must be a positive integer.", "max_output_tokens")
-    chat_body = {name: body[name] for name in ("model", "temperature", "top_p", *_VLLM_SAMPLING) if name in body}
-    chat_body.update(messages=_messages(instructions, body.get("input")), max_tokens=max_output_tokens,
-                     chat_template_kwargs=_template_kwargs(body))
-    text = body.get("text")
-    if text is not None and not isinstance(text, dict):
-        raise APIError(400, "text must be an object, such as {\"format\": {\"type\": \"json_schema\", ...}}.", "text")
-    echoed = {
-        "instructions": instructions, "metadata": body.get("metadata"), "parallel_tool_calls": True,
-        "tool_choice": body.get("tool_choice") or "auto", "tools": [], "background": False,
-        "max_output_tokens": max_output_tokens, "max_tool_calls": body.get("max_tool_calls"),
-        "previous_response_id": None, "reasoning": body.get("reasoning"),
-        "service_tier": body.get("service_tier") or "auto", "text": {"format": {"type": "text"}, **(text or {})},
-        "top_logprobs": None, "truncation": "disabled", "user": body.get("user"),
-    }
-    return ResponsesRequest(chat_body, _text_format((text or {}).get("format")), _flag(body, "stream"), echoed)
-
-
-def _messages(instructions: str | None, input_) -> list[dict]:
-    """The chat's messages: ``instructions`` as a system message first, then ``input`` (a string: one user
-    message; or message items, each ``role`` and ``content`` a string or a list of text parts)."""
-    messages = [{"role": "system", "content": instructions}] if instructions else []
-    if isinstance(input_, str):
-        return [*messages, {"role": "user", "content": input_}]
-    if not isinstance(input_, list) or not input_:
-        raise APIError(400, "input must be a string or a non-empty list of message items.", "input")
-    for item in input_:
-        if not isinstance(item, dict):
-            raise APIError(400, "each input item must be an object (a message with role and content).", "input")
-        kind = item.get("type", "message")
-        if kind != "message":
-            raise APIError(400, f"input items of type {str(kind)[:64]!r} are not supported: only messages (role "
-                           "and content) are.", "input")
-        role = _ROLES.get(item.get("role")) if isinstance(item.get("role"), str) else None
-        if role is None:
-            raise APIError(400, "an input message's role must be user, assistant, system or developer.", "input")
-        messages.append({"role": role, "content": _text_of(item.get("content"))})
-    return messages
-
-
-def _text_of(content) -> str:
-    """A message's content: a string, or its text parts (``input_text``, an assistant's ``output_text``) joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
-                raise APIError(400, f"content parts of type {str(kind)[:64]!r} are not supported: only input_text "
-                               "and output_text parts (with their text) are.", "input")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise APIError(400, "an input message's content must be a string or a non-empty list of input_text parts.",
-                   "input")
-
-
-def _template_kwargs(body: dict) -> dict | None:
-    """vLLM's chat_template_kwargs, with ``reasoning.effort`` as ``reasoning_effort`` (as vLLM renders it)."""
-    kwargs = body.get("chat_template_kwargs")
-    reasoning = body.get("reasoning")
-    if reasoning is not None and not isinstance(reasoning, dict):
-        raise APIError(400, "reasoning must be an object, such as {\"effort\": \"low\"}.", "reasoning")
-    effort = (reasoning or {}).get("effort")
-    if effort is None:
-        return kwargs
-    if not isinstance(kwargs, (dict, type(None))):
-        return kwargs  # the gateway's check refuses it with its sentence
-    return {**(kwargs or {}), "reasoning_effort": effort}
-
-
-def _text_format(text_format) -> StructuredOutputsParams | None:
-    """``text.format`` as a constraint: json_schema (``{"type", "name", "schema", "strict"}``, flat as the
-    Responses API writes it) or json_object; None for text."""
-    kind = text_format.get("type") if isinstance(text_format, dict) else None
-    if text_format is None or kind == "text":
-        return None
-    try:
-        if kind == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if kind == "json_schema" and isinstance(text_format.get("schema"), (dict, bool)):
-            return StructuredOutputsParams(json=text_format["schema"])
-    except InvalidRequest as error:
-        raise APIError(400, str(error), "text.format") from None
-    raise APIError(400, 'text.format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
-                   '"name": ..., "schema": {...}}.', "text.format")
-
-
-# ---- the answer --------------------------------------------------------------------------------
-
 
 @dataclass
 class ResponseHead:
@@ -219,20 +88,43 @@ class ResponseHead:
         content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
         return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
-    def output(self, reasoning: str | None, content: str | None) -> list:
-        """The output items: the reasoning item when there is a think block, then the message."""
-        return ([self.reasoning(reasoning)] if reasoning is not None else []) + [self.message(content or "")]
+    def output(self, reasoning: str | None, content: str | None, calls: list[dict] = ()) -> list:
+        """The output items: the reasoning item when there is a think block, the message (unless the answer is
+        calls alone), then the ``function_call`` items."""
+        message = [self.message(content or "")] if content or not calls else []
+        return ([self.reasoning(reasoning)] if reasoning is not None else []) + message + list(calls)
 
 
-def whole_response(head: ResponseHead, text: str, last, reasoning: ReasoningReplies | None) -> dict:
-    """The non-streamed response for a generation's whole ``text`` and its ``last`` router message."""
+def function_call(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    """A ``function_call`` output item (the SDK's ResponseFunctionToolCall) with a fresh ``fc_`` id."""
+    return {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def whole_response(head: ResponseHead, text: str, last, reasoning: ReasoningReplies | None,
+                   tools: ToolReplies | None = None) -> dict:
+    """The non-streamed response for a generation's whole ``text`` and its ``last`` router message; with
+    ``tools`` (a tool choice other than none) the text after the think block may be calls."""
     thought, content = reasoning.whole(text) if reasoning is not None else (None, text)
-    return head.response(response_status(last), head.output(thought, content), usage_object(last.usage), last)
+    status, calls = response_status(last), []
+    if tools is not None:
+        message, _ = tools.message(content or "", _finish(last))
+        call_status = _call_status(tools, status)
+        content = message["content"]
+        calls = [function_call(call["id"], call["function"]["name"], call["function"]["arguments"], call_status)
+                 for call in message.get("tool_calls", [])]
+    return head.response(status, head.output(thought, content, calls), usage_object(last.usage), last)
 
 
 def response_status(last) -> str:
     """completed (a stop), incomplete (cut by max_output_tokens, or aborted), failed (the workers failed)."""
     return _STATUS.get(last.finish_reason, "incomplete")
+
+
+def _call_status(tools: ToolReplies, status: str) -> str:
+    """A call item's status: a named call's arguments are the whole text, so a response cut short leaves it
+    incomplete; "required" and "auto" calls are read whole."""
+    return "incomplete" if isinstance(tools.choice, FunctionTool) and status != "completed" else "completed"
 
 
 def usage_object(usage: inference_pb2.Usage) -> dict:
@@ -245,15 +137,25 @@ def usage_object(usage: inference_pb2.Usage) -> dict:
 
 class ResponseEvents:
     """One streamed response's server-sent events, numbered in order: ``start()``, ``feed()`` for each router
-    message, then ``finish()`` (or ``error()``). Items open when their first text comes: the reasoning item (with
-    a parser, while the think block lasts), then the message, which always comes."""
+    message, then ``finish()`` (or ``error()``).
 
-    def __init__(self, head: ResponseHead, reasoning: ReasoningReplies | None = None) -> None:
-        self.head, self.reasoning_parser = head, reasoning
+    One item is open at a time, and opening the next closes it: the reasoning item (with a parser, while the
+    think block lasts), the message when its first text comes, each call as the tool replies give it (a named
+    call stays open while its arguments are generated; a whole call closes at once). The message always comes
+    when the answer makes no call.
+    """
+
+    def __init__(self, head: ResponseHead, reasoning: ReasoningReplies | None = None,
+                 tools: ToolReplies | None = None) -> None:
+        self.head, self.reasoning_parser, self.tools = head, reasoning, tools
         self.sequence_number = 0
+        self.output: list[dict] = []  # the items done, in order: the response's output
         self.reasoning: str | None = None  # the think block so far; None until it starts
         self.text: str | None = None  # the message's text so far; None until the message opens
-        self.reasoning_done = False
+        self.call: dict | None = None  # the call item open now, its arguments so far
+        self.num_calls = 0
+        self._open_kind: str | None = None  # "reasoning", "message" or "function_call": the item open now
+        self._fed_last = False
 
     def start(self) -> list[str]:
         response = self.head.response("in_progress", [])
@@ -261,40 +163,20 @@ class ResponseEvents:
                 self._event("response.in_progress", response=response)]
 
     def feed(self, message) -> list[str]:
-        """The events of one router message's text (held back while it may begin a think tag)."""
-        final = message.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED
-        thought, content = (self.reasoning_parser.delta(0, message.text, final) if self.reasoning_parser is not None
-                            else ("", message.text))
-        events = []
-        if thought:
-            if self.reasoning is None:
-                self.reasoning = ""
-                events += self._open(self.head.reasoning("", "in_progress"), {"type": "reasoning_text", "text": ""},
-                                     self._reasoning_place())
-            self.reasoning += thought
-            events.append(self._event("response.reasoning_text.delta", **self._reasoning_place(), delta=thought))
-        if content:
-            events += self._open_message()
-            self.text += content
-            events.append(self._event("response.output_text.delta", **self._message_place(), delta=content,
-                                      logprobs=[]))
-        return events
+        """The events of one router message's text (held back while it may begin a think tag or a call)."""
+        return self._take(message.text, _finish(message))
 
     def finish(self, last) -> list[str]:
         """The last events: every item done, then ``response.completed`` (or ``response.incomplete``); a failure
         on the workers is an ``error`` event instead."""
         if last.finish_reason == inference_pb2.FINISH_REASON_ERROR:
             return [self.error(_failure(last), "server_error")]
-        events = self._close_reasoning() + self._open_message()
-        part = _output_text(self.text)
-        place = self._message_place()
-        events += [self._event("response.output_text.done", **place, text=self.text, logprobs=[]),
-                   self._event("response.content_part.done", **place, part=part),
-                   self._event("response.output_item.done", output_index=place["output_index"],
-                               item=self.head.message(self.text))]
+        events = [] if self._fed_last else self._take("", _finish(last) or "abort")  # release what was held
+        if not self.num_calls:
+            events += self._open_message()
         status = response_status(last)
-        response = self.head.response(status, self.head.output(self.reasoning, self.text),
-                                      usage_object(last.usage), last)
+        events += self._close(_call_status(self.tools, status) if self.tools is not None else "completed")
+        response = self.head.response(status, self.output, usage_object(last.usage), last)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return events + [self._event(kind, response=response)]
 
@@ -302,36 +184,88 @@ class ResponseEvents:
         """OpenAI's ``error`` event (the SDK's ResponseErrorEvent): the stream's last."""
         return self._event("error", code=code, message=message, param=None)
 
-    def _open(self, item: dict, part: dict, place: dict) -> list[str]:
-        return [self._event("response.output_item.added", output_index=place["output_index"], item=item),
-                self._event("response.content_part.added", **place, part=part)]
+    def _take(self, text: str, finish: str | None) -> list[str]:
+        """The events of the answer's next ``text`` (``finish`` set on its last): its think block's part, then its
+        content, then the calls the tool replies read."""
+        self._fed_last = finish is not None
+        thought, content = (self.reasoning_parser.delta(0, text, finish is not None)
+                            if self.reasoning_parser is not None else ("", text))
+        calls = []
+        if self.tools is not None:
+            delta, _ = self.tools.delta(0, content, finish)
+            content, calls = delta.get("content", ""), delta.get("tool_calls", [])
+        events = []
+        if thought:
+            if self.reasoning is None:
+                self.reasoning = ""
+                events += self._open("reasoning", self.head.reasoning("", "in_progress"),
+                                     {"type": "reasoning_text", "text": ""})
+            self.reasoning += thought
+            events.append(self._event("response.reasoning_text.delta", **self._place(), delta=thought))
+        if content:
+            events += self._open_message()
+            self.text += content
+            events.append(self._event("response.output_text.delta", **self._place(), delta=content, logprobs=[]))
+        for call in calls:
+            events += self._call_events(call)
+        return events
+
+    def _call_events(self, call: dict) -> list[str]:
+        """A call's events from a chat stream's tool call delta: one with an id starts a call (its item added
+        with empty arguments), its arguments are a delta; a call that is not named is whole, and done at once."""
+        function = call.get("function", {})
+        events = []
+        if "id" in call:
+            self.call = function_call(call["id"], function["name"], "", "in_progress")
+            self.num_calls += 1
+            events += self._open("function_call", self.call)
+        if function.get("arguments"):
+            self.call["arguments"] += function["arguments"]
+            events.append(self._event("response.function_call_arguments.delta", item_id=self.call["id"],
+                                      output_index=len(self.output), delta=function["arguments"]))
+        if not isinstance(self.tools.choice, FunctionTool):
+            events += self._close("completed")
+        return events
+
+    def _open(self, kind: str, item: dict, part: dict | None = None) -> list[str]:
+        """Close the open item, then add ``item`` (and its first content ``part``) as the next output item."""
+        events = self._close("completed")
+        self._open_kind = kind
+        events.append(self._event("response.output_item.added", output_index=len(self.output), item=item))
+        if part is not None:
+            events.append(self._event("response.content_part.added", **self._place(), part=part))
+        return events
 
     def _open_message(self) -> list[str]:
         if self.text is not None:
             return []
-        events = self._close_reasoning()
         self.text = ""
-        return events + self._open(self.head.message("", "in_progress"), _output_text("", logprobs=[]),
-                                   self._message_place())
+        return self._open("message", self.head.message("", "in_progress"), _output_text("", logprobs=[]))
 
-    def _close_reasoning(self) -> list[str]:
-        if self.reasoning is None or self.reasoning_done:
+    def _close(self, call_status: str) -> list[str]:
+        """The open item's last events (a call item's status ``call_status``); it joins the output."""
+        kind, self._open_kind = self._open_kind, None
+        if kind is None:
             return []
-        self.reasoning_done = True
-        place = self._reasoning_place()
-        return [self._event("response.reasoning_text.done", **place, text=self.reasoning),
-                self._event("response.content_part.done", **place,
-                            part={"type": "reasoning_text", "text": self.reasoning}),
-                self._event("response.output_item.done", output_index=0, item=self.head.reasoning(self.reasoning))]
+        index = len(self.output)
+        if kind == "function_call":
+            item = {**self.call, "status": call_status}
+            events = [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  arguments=item["arguments"])]
+        else:
+            item = self.head.reasoning(self.reasoning) if kind == "reasoning" else self.head.message(self.text)
+            place = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            done = ("response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done")
+            text = {"text": item["content"][0]["text"]} | ({} if kind == "reasoning" else {"logprobs": []})
+            events = [self._event(done, **place, **text),
+                      self._event("response.content_part.done", **place, part=item["content"][0])]
+        self.output.append(item)
+        return events + [self._event("response.output_item.done", output_index=index, item=item)]
 
-    def _reasoning_place(self) -> dict:
-        """Where the reasoning item's events point: it is always the first item."""
-        return {"item_id": self.head.reasoning_id, "output_index": 0, "content_index": 0}
-
-    def _message_place(self) -> dict:
-        """Where the message's events point: after the reasoning item, when there is one."""
-        return {"item_id": self.head.message_id, "output_index": 0 if self.reasoning is None else 1,
-                "content_index": 0}
+    def _place(self) -> dict:
+        """Where the open reasoning item's or message's text events point: the next output item, first part."""
+        item_id = self.head.reasoning_id if self._open_kind == "reasoning" else self.head.message_id
+        return {"item_id": item_id, "output_index": len(self.output), "content_index": 0}
 
     def _event(self, kind: str, **fields) -> str:
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -367,16 +301,16 @@ async def create_response(gateway: Gateway, request: Request) -> Response:
         if params.structured_outputs is not None:
             raise APIError(400, "Send text.format or structured_outputs, not both.", "structured_outputs")
         params = dataclasses.replace(params, structured_outputs=parsed.text_format)
+    params, tools = under_tool_choice(gateway, parsed.chat_body, chat, params)
     echoed = {**parsed.echoed, "temperature": params.temperature, "top_p": params.top_p}
     head = ResponseHead.new(lora_name or gateway._model_name(info), echoed)
-    reasoning = (ReasoningReplies(gateway._reasoning_parser, chat.chat_template_kwargs)
-                 if gateway._reasoning_parser is not None else None)
+    reasoning = gateway.reasoning_replies(info, chat, tools)
     calls, streams, firsts = await gateway._start(request, parsed.chat_body, [(chat, 0)], params, head.id, lora_name)
     if not parsed.stream:
         [chunks] = await gateway._collect(request, calls, streams, firsts)
         last = chunks[-1] if chunks else inference_pb2.GenerateStreamResponse()
-        return JSONResponse(whole_response(head, "".join(chunk.text for chunk in chunks), last, reasoning))
-    events = _stream(ResponseEvents(head, reasoning), calls, firsts[0], streams[0])
+        return JSONResponse(whole_response(head, "".join(chunk.text for chunk in chunks), last, reasoning, tools))
+    events = _stream(ResponseEvents(head, reasoning, tools), calls, firsts[0], streams[0])
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 

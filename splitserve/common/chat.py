@@ -66,13 +66,23 @@ class FunctionTool:
                                                                                                        dict):
             raise InvalidRequest(f'{where} must be {{"type": "function", "function": {{"name": ..., '
                                  '"parameters": {...}}}: only function tools are supported.')
-        description = function.get("description") or ""
+        return cls.from_fields(function, f"{where}.function")
+
+    @classmethod
+    def from_fields(cls, fields: dict, where: str) -> FunctionTool:
+        """A tool from the ``name``, ``description`` and ``parameters`` of ``fields``: the chat API's ``function``
+        object, or a tool as the Responses API writes it (flat); ``where`` names it in errors.
+
+        Raises:
+            InvalidRequest: a bad name, a description that is not text, parameters not an object.
+        """
+        description = fields.get("description") or ""
         if not isinstance(description, str):
-            raise InvalidRequest(f"{where}.function.description must be a string.")
-        parameters = function.get("parameters")
+            raise InvalidRequest(f"{where}.description must be a string.")
+        parameters = fields.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
-            raise InvalidRequest(f"{where}.function.parameters must be a JSON Schema object.")
-        return cls(_tool_name(function.get("name"), f"{where}.function.name"), description, parameters or None)
+            raise InvalidRequest(f"{where}.parameters must be a JSON Schema object.")
+        return cls(_tool_name(fields.get("name"), f"{where}.name"), description, parameters or None)
 
     def to_openai(self) -> dict:
         function = {"name": self.name}

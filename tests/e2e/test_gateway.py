@@ -180,7 +180,13 @@ def test_tokenize_and_detokenize_are_vllms(gateway, cluster, grpc_client):
                       json={"tokens": tokenized["tokens"]}).json() == {"prompt": PROMPT}
     for route, body, words in (("/detokenize", {"tokens": [1, 10**9]}, "outside the vocabulary"),
                                ("/detokenize", {"tokens": "1 2"}, "tokens must be a list of token ids"),
-                               ("/tokenize", {"prompt": [1, 2]}, "prompt must be a string")):
+                               ("/tokenize", {"prompt": [1, 2]}, "prompt must be a string"),
+                               # Negative or past uint32: the gateway says so (it was a 500 before, found by the
+                               # random bodies below); ids past the vocabulary are the router's to refuse.
+                               ("/v1/completions", {"prompt": [-1], "max_tokens": 1}, "outside the vocabulary"),
+                               ("/v1/completions", {"prompt": [[5], [2**32]], "max_tokens": 1},
+                                "outside the vocabulary"),
+                               ("/v1/embeddings", {"input": [17, -5]}, "outside the vocabulary")):
         refused = httpx.post(f"{gateway}{route}", headers=headers, json=body)
         assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text
     stranger = httpx.post(f"{gateway}/detokenize", headers={"authorization": "Bearer not-the-key"},
@@ -966,6 +972,159 @@ def test_a_response_with_a_reasoning_parser_has_a_reasoning_item_first(reasoning
     assert (reasoning, content) == (thought.content[0].text, response.output_text)
     assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
     assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
+# Function tools as the Responses API writes them: flat, not nested under "function" (strict: the SDK's stream
+# helper then parses the arguments).
+RESPONSES_TOOLS = [{"type": "function", **WEATHER["function"], "strict": True}, {"type": "function", **CLOCK["function"]}]
+
+
+def _call_items(response) -> list[tuple[str, str]]:
+    """A response's function_call items as (name, arguments), after checking their ids and status."""
+    calls = [item for item in response.output if item.type == "function_call"]
+    for call in calls:
+        assert call.id.startswith("fc_") and call.call_id.startswith("call_") and call.status == "completed"
+    return [(call.name, call.arguments) for call in calls]
+
+
+def test_a_named_function_call_response_is_the_chat_routes_call_whole_and_streamed(api):
+    """tool_choice naming a function (the Responses API's flat form): the output is one function_call item whose
+    arguments are JSON under the tool's schema, the same greedy arguments the chat route gives for the same forced
+    call; streamed, the call's events come in the SDK's order and the SDK's stream helper puts the same call
+    together."""
+    model = api.models.list().data[0].id
+    request = {"model": model, "input": WEATHER_QUESTION[0]["content"], "tools": RESPONSES_TOOLS,
+               "tool_choice": {"type": "function", "name": "get_weather"}, "temperature": 0, "max_output_tokens": 40}
+    response = api.responses.create(**request)
+    assert response.status == "completed" and [item.type for item in response.output] == ["function_call"]
+    [(name, arguments)] = _call_items(response)
+    assert name == "get_weather" and set(json.loads(arguments)) == {"city"}
+    assert isinstance(json.loads(arguments)["city"], str) and len(json.loads(arguments)["city"]) <= 20
+    assert response.tool_choice.name == "get_weather" and [tool.name for tool in response.tools] == [
+        "get_weather", "get_time"]
+    chat = api.chat.completions.create(model=model, messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK], temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       max_tokens=40)
+    assert chat.choices[0].message.tool_calls[0].function.arguments == arguments
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                           chat.usage.completion_tokens)
+    events = list(api.responses.create(**request, stream=True))
+    assert _event_kinds(events) == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert (events[2].item.status, events[2].item.arguments) == ("in_progress", "")
+    assert "".join(event.delta for event in events if event.type == "response.function_call_arguments.delta") == \
+        arguments == events[-3].arguments
+    assert _call_items(events[-1].response) == [(name, arguments)]
+    with api.responses.stream(**request) as stream:
+        final = stream.get_final_response()
+    assert _call_items(final) == [(name, arguments)] and final.output[0].parsed_arguments == json.loads(arguments)
+
+
+def test_required_and_auto_calls_are_the_chat_routes_whole_and_streamed(api):
+    """tool_choice "required": the calls are function_call items, the chat route's calls in order, the same
+    streamed. "auto" with the hermes parser (the <tool_call> block forced by a regex, as in the chat test): the
+    text before it is a message item, then the call, whole and streamed, the chat route's call."""
+    model = api.models.list().data[0].id
+    question = WEATHER_QUESTION[0]["content"]
+    required = api.responses.create(model=model, input=question, tools=RESPONSES_TOOLS, tool_choice="required",
+                                    temperature=0, max_output_tokens=80)
+    chat = api.chat.completions.create(model=model, messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK],
+                                       tool_choice="required", temperature=0, max_tokens=80)
+    expected = [(call.function.name, call.function.arguments) for call in chat.choices[0].message.tool_calls]
+    assert _call_items(required) == expected and required.output_text == ""
+    events = list(api.responses.create(model=model, input=question, tools=RESPONSES_TOOLS, tool_choice="required",
+                                       temperature=0, max_output_tokens=80, stream=True))
+    assert _call_items(events[-1].response) == expected
+    assert [event.item.name for event in events if event.type == "response.output_item.done"] == [
+        name for name, _ in expected]
+    regex = r'Looking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}"\}\}\n</tool_call>'
+    forced = {"structured_outputs": {"regex": regex}}
+    auto = api.responses.create(model=model, input=question, tools=RESPONSES_TOOLS, temperature=0,
+                                max_output_tokens=60, extra_body=forced)
+    [choice] = api.chat.completions.create(model=model, messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK],
+                                           temperature=0, max_tokens=60, extra_body=forced).choices
+    assert [item.type for item in auto.output] == ["message", "function_call"] and auto.output_text == "Looking.\n"
+    assert _call_items(auto) == [("get_weather", choice.message.tool_calls[0].function.arguments)]
+    auto_events = list(api.responses.create(model=model, input=question, tools=RESPONSES_TOOLS, tool_choice="auto",
+                                            temperature=0, max_output_tokens=60, stream=True, extra_body=forced))
+    assert _event_kinds(auto_events) == [*RESPONSE_EVENTS, "response.output_item.added",
+                                         "response.function_call_arguments.delta",
+                                         "response.function_call_arguments.done", "response.output_item.done",
+                                         "response.completed"]
+    assert _call_items(auto_events[-1].response) == _call_items(auto)
+    assert auto_events[-1].response.output_text == "Looking.\n"
+
+
+def test_a_conversation_goes_on_with_the_function_call_and_its_output_sent_back(api, grpc_client):
+    """The usual loop, stateless: the call the model made and the caller's function_call_output go back as input
+    items, and the model answers with a message: greedy, the gRPC path's answer to the same conversation as chat
+    messages (an assistant message with the tool call, then a tool message), and the chat route's."""
+    model = api.models.list().data[0].id
+    named = {"type": "function", "name": "get_weather"}
+    first = api.responses.create(model=model, input=WEATHER_QUESTION[0]["content"], tools=RESPONSES_TOOLS,
+                                 tool_choice=named, temperature=0, max_output_tokens=40)
+    [call] = first.output
+    output = '{"celsius": 21, "sky": "clear"}'
+    items = [*WEATHER_QUESTION, *(item.model_dump(exclude_none=True) for item in first.output),
+             {"type": "function_call_output", "call_id": call.call_id, "output": output}]
+    answer = api.responses.create(model=model, input=items, tools=RESPONSES_TOOLS, tool_choice="none",
+                                  temperature=0, max_output_tokens=24)
+    assert [item.type for item in answer.output] == ["message"] and answer.output_text
+    conversation = [*WEATHER_QUESTION, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": output}]
+    assert answer.output_text == grpc_client.generate(_chat_of(conversation, [WEATHER, CLOCK]),
+                                                      SamplingParams(temperature=0, max_tokens=24)).text
+    chat = api.chat.completions.create(model=model, messages=conversation, tools=[WEATHER, CLOCK], tool_choice="none",
+                                       temperature=0, max_tokens=24)
+    assert chat.choices[0].message.content == answer.output_text
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens > first.usage.input_tokens
+
+
+def test_bad_function_tool_requests_get_openai_errors(api):
+    """Tools the gateway would have to run itself, a tool_choice it cannot honour, an output for a call never made:
+    400, OpenAI's error, the field named, a sentence saying what is wrong."""
+    model = api.models.list().data[0].id
+    question = WEATHER_QUESTION[0]["content"]
+    for fields, param, words in (
+            ({"tools": [{"type": "web_search"}]}, "tools", "tools[0] is a tool of type 'web_search'"),
+            ({"tools": [*RESPONSES_TOOLS, {"type": "code_interpreter", "container": {"type": "auto"}}]}, "tools",
+             "tools[2] is a tool of type 'code_interpreter'"),
+            ({"tools": [{"type": "function", "name": "get weather"}]}, "tools", "tools[0].name must be"),
+            ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "get_date"}}, "tool_choice",
+             "'get_date', which is not one of the tools"),
+            ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+            ({"tools": RESPONSES_TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+             "tool_choice", "not both"),
+            ({"input": [*WEATHER_QUESTION, {"type": "function_call_output", "call_id": "call_1", "output": "{}"}]},
+             "input", "no function_call item before it"),
+            ({"input": [{"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": {}}]},
+             "input", "input[0].arguments must be a string")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.responses.create(**{"model": model, "input": question, "max_output_tokens": 2, **fields})
+        assert refused.value.status_code == 400 and refused.value.param == param, fields
+        assert words in refused.value.message and refused.value.message.endswith("."), refused.value.message
+
+
+def test_a_response_with_a_reasoning_parser_has_its_reasoning_item_before_the_call(reasoning_api):
+    """With --reasoning-parser qwen3 and "auto": a think block then a <tool_call> (forced by a regex) is a
+    reasoning item, then the call, no message; streamed the same."""
+    model = reasoning_api.models.list().data[0].id
+    regex = (r'<think>[a-z ]{1,12}</think><tool_call>\n\{"name": "get_weather", "arguments": '
+             r'\{"city": "[A-Z][a-z]{2,8}"\}\}\n</tool_call>')
+    request = {"model": model, "input": WEATHER_QUESTION[0]["content"], "tools": RESPONSES_TOOLS, "temperature": 0,
+               "max_output_tokens": 60, "extra_body": {"structured_outputs": {"regex": regex}}}
+    response = reasoning_api.responses.create(**request)
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    [(name, arguments)] = _call_items(response)
+    assert name == "get_weather" and set(json.loads(arguments)) == {"city"}
+    events = list(reasoning_api.responses.create(**request, stream=True))
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "function_call"]
+    assert _call_items(events[-1].response) == [(name, arguments)]
+    assert events[-1].response.output[0].content[0].text == response.output[0].content[0].text
 
 
 def test_embeddings_are_the_grpc_paths(api, grpc_client, gateway, cluster):

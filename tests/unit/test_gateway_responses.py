@@ -8,17 +8,36 @@ import asyncio
 import json
 
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai import omit
+from openai.lib.streaming.responses import ResponseStreamState
+from openai.types.responses import Response, ResponseFunctionToolCall, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from splitserve.common.chat import Chat, FunctionTool
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
-from splitserve.gateway import APIError
+from splitserve.common.tools import tool_choice_constraint
+from splitserve.gateway import APIError, Gateway, GatewayConfig, _chat
 from splitserve.gateway_reasoning import Qwen3ReasoningParser, ReasoningReplies
-from splitserve.gateway_responses import ResponseEvents, ResponseHead, _stream, parse_request, whole_response
+from splitserve.gateway_responses import (
+    ResponseEvents,
+    ResponseHead,
+    _stream,
+    whole_response,
+)
+from splitserve.gateway_responses_request import parse_request, under_tool_choice
 from splitserve.v1 import inference_pb2
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+# Function tools as the Responses API writes them (flat), and as the chat API does (nested).
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather now in a city.",
+           "parameters": SCHEMA, "strict": True}
+CLOCK = {"type": "function", "name": "get_time"}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather now in a city.",
+                                                "parameters": SCHEMA}},
+              {"type": "function", "function": {"name": "get_time"}}]
+ASKED = "What is the weather in Paris?"
 
 
 def _message(text: str, finish=inference_pb2.FINISH_REASON_UNSPECIFIED, **usage) -> inference_pb2.GenerateStreamResponse:
@@ -82,11 +101,9 @@ def test_text_format_and_reasoning_effort_map_onto_the_gateways_own_fields():
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no state"),
     ({"input": "x", "background": True}, "background", "keeps no state"),
     ({"input": "x", "conversation": "conv_1"}, "conversation", "keeps no state"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "not supported"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "not supported"),
     ({"input": "x", "top_logprobs": 2}, "top_logprobs", "not supported"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "not supported"),
-    ({"input": "x", "tool_choice": "required"}, "tool_choice", "auto or none"),
     ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "positive integer"),
     ({"input": "x", "instructions": 3}, "instructions", "string"),
@@ -95,7 +112,7 @@ def test_text_format_and_reasoning_effort_map_onto_the_gateways_own_fields():
     ({"input": "x", "text": "json"}, "text", "object"),
     ({}, "input", "string or a non-empty list"),
     ({"input": []}, "input", "string or a non-empty list"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input", "function_call_output"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "input[0] is of type 'item_reference'"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input", "role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input", "input_image"),
 ])
@@ -217,3 +234,326 @@ def test_a_router_error_mid_stream_ends_it_with_an_error_event():
                                                      "error"]
     assert (parsed[-1].message, parsed[-1].code) == ("The router lost its decode worker.", "unavailable")
     assert [event.sequence_number for event in parsed] == list(range(len(parsed)))
+
+
+# ---- function tools ------------------------------------------------------------------------------------------
+
+
+def test_flat_function_tools_and_tool_choice_are_the_chats_nested_ones():
+    parsed = parse_request({"input": ASKED, "tools": [WEATHER, CLOCK], "parallel_tool_calls": False,
+                            "tool_choice": {"type": "function", "name": "get_weather"}})
+    assert parsed.chat_body["tools"] == CHAT_TOOLS
+    assert parsed.chat_body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert parsed.chat_body["parallel_tool_calls"] is False
+    assert parsed.echoed["tools"] == [WEATHER, {"type": "function", "name": "get_time", "description": None,
+                                                "parameters": None, "strict": None}]
+    assert parsed.echoed["tool_choice"] == {"type": "function", "name": "get_weather"}
+    assert parsed.echoed["parallel_tool_calls"] is False
+    assert _chat(parsed.chat_body) == Chat.from_openai([{"role": "user", "content": ASKED}], CHAT_TOOLS)
+    for choice in ("auto", "none", "required"):
+        assert parse_request({"input": "x", "tools": [CLOCK], "tool_choice": choice}).chat_body["tool_choice"] == choice
+    # "auto" is the default, with tools or without: without them it is not the chat's tool_choice.
+    assert "tool_choice" not in parse_request({"input": "x", "tool_choice": "auto"}).chat_body
+    assert "tools" not in parse_request({"input": "x", "tools": []}).chat_body
+
+
+def test_function_call_items_and_their_outputs_are_the_chats_tool_calls_and_tool_messages():
+    """The loop call, output, answer sent back whole: consecutive calls (and the text before them) are one
+    assistant message, each output a tool message; the same Chat as the chat route's messages make."""
+    parsed = parse_request({"tools": [WEATHER, CLOCK], "input": [
+        {"role": "user", "content": ASKED},
+        # An earlier answer's reasoning item, as input += response.output sends it back: dropped.
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "The user wants the weather."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}', "status": "completed"},
+        {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"celsius": 21}'},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "9:00"}]}]})
+    chat_messages = [
+        {"role": "user", "content": ASKED},
+        {"role": "assistant", "content": "Looking.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'},
+        {"role": "tool", "tool_call_id": "call_2", "content": "9:00"}]
+    assert parsed.chat_body["messages"] == chat_messages
+    assert _chat(parsed.chat_body) == Chat.from_openai(chat_messages, CHAT_TOOLS)
+    alone = parse_request({"input": [{"type": "function_call", "call_id": "c", "name": "get_time", "arguments": ""},
+                                     {"type": "function_call_output", "call_id": "c", "output": ""}]})
+    assert alone.chat_body["messages"] == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": ""}}]},
+        {"role": "tool", "tool_call_id": "c", "content": ""}]
+
+
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": "{}"}
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"tools": [{"type": "web_search"}]}, "tools", "tools[0] is a tool of type 'web_search', which is not supported"),
+    ({"tools": [WEATHER, {"type": "mcp", "server_label": "s"}]}, "tools", "tools[1] is a tool of type 'mcp'"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools", "'file_search'"),
+    ({"tools": [{"type": "code_interpreter", "container": "auto"}]}, "tools", "'code_interpreter'"),
+    ({"tools": [{"type": "computer_use_preview"}]}, "tools", "'computer_use_preview'"),
+    ({"tools": [{"name": "f"}]}, "tools", "tools[0] is a tool without a type"),
+    ({"tools": {"type": "function", "name": "f"}}, "tools", "must be a list"),
+    ({"tools": [{"type": "function", "name": "get weather"}]}, "tools", "tools[0].name must be 1 to 64 letters"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools[0].name must be"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools", "tools[0].parameters must be"),
+    ({"tools": [{"type": "function", "name": "f", "description": 3}]}, "tools", "tools[0].description must be"),
+    ({"tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools", "tools[0].strict must be true"),
+    ({"tools": [CLOCK, CLOCK]}, "tools", "Two tools are named 'get_time'"),
+    ({"tools": [CLOCK] * 129}, "tools", "129 tools are more than the 128"),
+    ({"tools": [CLOCK], "tool_choice": {"type": "web_search_preview"}}, "tool_choice",
+     "tool_choice of type 'web_search_preview' is not supported"),
+    ({"tools": [CLOCK], "tool_choice": {"type": "function"}}, "tool_choice", "needs the name"),
+    ({"tools": [CLOCK], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
+     "needs the name"),
+    ({"tools": [CLOCK], "tool_choice": "always"}, "tool_choice", '"auto", "none", "required" or'),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input",
+     "input[0].call_id must be a string of 1 to 128"),
+    ({"input": [{**CALL, "call_id": "c" * 129}]}, "input", "call_id must be a string of 1 to 128"),
+    ({"input": [{**CALL, "arguments": {"city": "Paris"}}]}, "input", "input[0].arguments must be a string"),
+    ({"input": [{**CALL, "name": 3}]}, "input", "input[0].name must be the function's name"),
+    ({"input": [{**CALL, "name": "f" * 65}]}, "input", "1 to 64 characters"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "1"}]}, "input",
+     "input[0] is the function_call_output of call_id 'call_1', which no function_call item before it has"),
+    ({"input": [CALL, {"type": "function_call_output", "call_id": "call_2", "output": "1"}]}, "input",
+     "call_id 'call_2'"),
+    ({"input": [CALL, {"type": "function_call_output", "call_id": "call_1", "output": 1}]}, "input",
+     "input[1].output must be a string"),
+    ({"input": [CALL, {"type": "function_call_output", "call_id": "call_1",
+                       "output": [{"type": "input_image", "image_url": "u"}]}]}, "input", "'input_image'"),
+    ({"input": [CALL, "x"]}, "input", "input[1] must be an object"),
+])
+def test_bad_tools_tool_choices_and_call_items_get_400_naming_the_field(body, param, words):
+    with pytest.raises(APIError) as refused:
+        parse_request({"input": "x", **body})
+    assert refused.value.status == 400 and refused.value.param == param and words in refused.value.message
+    assert refused.value.message.endswith(".")
+
+
+def test_a_long_type_or_call_id_is_quoted_64_characters_at_most():
+    for body in ({"tools": [{"type": "t" * 10_000}]}, {"tools": [CLOCK], "tool_choice": {"type": "t" * 10_000}},
+                 {"input": [{"type": "t" * 10_000}]},
+                 {"input": [{"type": "function_call_output", "call_id": "t" * 128, "output": ""}]}):
+        with pytest.raises(APIError) as refused:
+            parse_request({"input": "x", **body})
+        assert "t" * 64 in refused.value.message and "t" * 65 not in refused.value.message
+
+
+def _tool_request(**body) -> tuple[ResponseHead, SamplingParams, object]:
+    """A request with the weather and clock tools read as the route reads it, on a gateway with the hermes
+    parser: its head, its sampling parameters under the tool choice, and its tool replies."""
+    parsed = parse_request({"input": ASKED, "tools": [WEATHER, CLOCK], **body})
+    gateway = Gateway(GatewayConfig("127.0.0.1:1", tool_call_parser="hermes"))
+    params, tools = under_tool_choice(gateway, parsed.chat_body, _chat(parsed.chat_body), SamplingParams())
+    return _head(**parsed.echoed), params, tools
+
+
+def test_a_forced_call_is_the_chats_constraint_and_auto_needs_the_parser():
+    named = FunctionTool("get_weather", "The weather now in a city.", SCHEMA)
+    clock = FunctionTool("get_time")
+    _, params, tools = _tool_request(tool_choice={"type": "function", "name": "get_weather"})
+    assert params.structured_outputs == tool_choice_constraint(named, [named, clock]) and tools.forces_a_call
+    _, params, tools = _tool_request(tool_choice="required", parallel_tool_calls=False)
+    assert params.structured_outputs == tool_choice_constraint("required", [named, clock], parallel_tool_calls=False)
+    _, params, tools = _tool_request()
+    assert params.structured_outputs is None and tools.choice == "auto"
+    assert _tool_request(tool_choice="none")[2] is None
+    for body, gateway, param, words in (
+            ({"tool_choice": {"type": "function", "name": "get_date"}}, "hermes", "tool_choice",
+             "'get_date', which is not one of the tools"),
+            ({"tools": None, "tool_choice": "required"}, "hermes", "tool_choice", "needs tools"),
+            ({"parallel_tool_calls": "yes"}, "hermes", "parallel_tool_calls", "true or false"),
+            ({"tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "hermes", "tool_choice",
+             "not both"),
+            ({}, None, "tool_choice", "--enable-auto-tool-choice")):
+        parsed = parse_request({"input": ASKED, "tools": [WEATHER, CLOCK], **body})
+        params = SamplingParams(structured_outputs=parsed.text_format)
+        with pytest.raises(APIError) as refused:
+            under_tool_choice(Gateway(GatewayConfig("127.0.0.1:1", tool_call_parser=gateway)), parsed.chat_body,
+                               _chat(parsed.chat_body), params)
+        assert refused.value.status == 400 and refused.value.param == param and words in refused.value.message
+
+
+def _calls(response: Response) -> list[tuple[str, str]]:
+    """The response's calls as (name, arguments), after checking each is the SDK's ResponseFunctionToolCall with
+    OpenAI's ids."""
+    calls = [item for item in response.output if item.type == "function_call"]
+    for call in calls:
+        assert isinstance(call, ResponseFunctionToolCall) and call.id.startswith("fc_")
+        assert call.call_id.startswith("call_") and len(call.call_id) == 29
+    assert len({call.id for call in calls}) == len({call.call_id for call in calls}) == len(calls)
+    return [(call.name, call.arguments) for call in calls]
+
+
+STOP = inference_pb2.FINISH_REASON_STOP
+NAMED = {"tool_choice": {"type": "function", "name": "get_weather"}}
+TWO_CALLS = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+HERMES = 'Looking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_a_named_call_is_one_function_call_item_and_the_request_echoed():
+    head, _, tools = _tool_request(**NAMED)
+    response = Response.model_validate(whole_response(head, '{"city": "Paris"}', _message("", STOP), None, tools))
+    assert response.status == "completed" and _calls(response) == [("get_weather", '{"city": "Paris"}')]
+    assert [item.type for item in response.output] == ["function_call"] and response.output[0].status == "completed"
+    assert response.output_text == ""
+    assert [tool.name for tool in response.tools] == ["get_weather", "get_time"] and response.tools[0].strict
+    assert response.tools[0].parameters == SCHEMA and response.tool_choice.name == "get_weather"
+    cut = Response.model_validate(whole_response(head, '{"city": "Par', _message("", inference_pb2.FINISH_REASON_LENGTH),
+                                                 None, tools))
+    assert cut.status == "incomplete" and cut.output[0].status == "incomplete"
+    assert cut.output[0].arguments == '{"city": "Par'
+
+
+def test_required_calls_are_function_call_items_in_order():
+    head, _, tools = _tool_request(tool_choice="required")
+    response = Response.model_validate(whole_response(head, TWO_CALLS, _message("", STOP), None, tools))
+    assert _calls(response) == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    assert [item.type for item in response.output] == ["function_call", "function_call"]
+    assert response.tool_choice == "required"
+    # Cut short before a call was whole: no call, the JSON so far is the message.
+    cut = Response.model_validate(whole_response(head, '[{"name": "get_w', _message(
+        "", inference_pb2.FINISH_REASON_LENGTH), None, tools))
+    assert _calls(cut) == [] and cut.output_text == '[{"name": "get_w'
+
+
+def test_an_auto_answer_is_its_content_then_the_hermes_calls():
+    head, _, tools = _tool_request()
+    response = Response.model_validate(whole_response(head, HERMES, _message("", STOP), None, tools))
+    assert [item.type for item in response.output] == ["message", "function_call"]
+    assert response.output_text == "Looking.\n" and _calls(response) == [("get_weather", '{"city": "Paris"}')]
+    plain = Response.model_validate(whole_response(head, "Sunny.", _message("", STOP), None, tools))
+    assert [item.type for item in plain.output] == ["message"] and plain.output_text == "Sunny."
+
+
+def test_a_think_block_is_a_reasoning_item_before_the_call():
+    head, _, tools = _tool_request()
+    text = "<think>Weather.</think>" + HERMES[len("Looking.\n"):]
+    response = Response.model_validate(whole_response(head, text, _message("", STOP),
+                                                      ReasoningReplies(Qwen3ReasoningParser), tools))
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    assert response.output[0].content[0].text == "Weather." and _calls(response) == [
+        ("get_weather", '{"city": "Paris"}')]
+
+
+def _streamed(pieces: list[str], tools, reasoning=None, finish=STOP, head=None) -> list:
+    """The events of ``pieces`` streamed (the last with ``finish``), parsed as the SDK's, numbered from 0."""
+    events = ResponseEvents(head or _head(), reasoning, tools)
+    raw = events.start()
+    for piece in pieces[:-1]:
+        raw += events.feed(_message(piece))
+    last = _message(pieces[-1], finish, prompt_tokens=5, completion_tokens=7)
+    raw += events.feed(last) + events.finish(last)
+    parsed = _parsed_events(raw)
+    assert [event.sequence_number for event in parsed] == list(range(len(parsed)))
+    # The SDK's own stream accumulator (client.responses.stream) takes them: it raises on an item changed between
+    # added and done, a delta before its item, an item left unfinished.
+    state = ResponseStreamState(input_tools=[WEATHER, CLOCK], text_format=omit)
+    accumulated = [sdk_event for event in parsed for sdk_event in state.handle_event(event)]
+    for done in (event for event in parsed if event.type == "response.function_call_arguments.done"):
+        snapshots = [event.snapshot for event in accumulated
+                     if event.type == "response.function_call_arguments.delta" and event.item_id == done.item_id]
+        assert snapshots[-1:] == ([done.arguments] if done.arguments else [])
+    return parsed
+
+
+CALL_EVENTS = ["response.output_item.added", "response.function_call_arguments.delta",
+               "response.function_call_arguments.done", "response.output_item.done"]
+
+
+def _check_calls(parsed: list, whole: Response) -> None:
+    """Each call's events point at its item, its deltas add up to its arguments, and the last event's response
+    has the calls of the whole response (its ids fresh)."""
+    added = [event for event in parsed if event.type == "response.output_item.added"]
+    for event in added:
+        if event.item.type == "function_call":
+            assert (event.item.status, event.item.arguments) == ("in_progress", "")
+            mine = [other for other in parsed if getattr(other, "item_id", None) == event.item.id]
+            assert {other.output_index for other in mine} == {event.output_index}
+            done = next(other for other in parsed if other.type == "response.output_item.done"
+                        and other.item.id == event.item.id)
+            assert "".join(other.delta for other in mine if other.type.endswith(".delta")) == done.item.arguments
+            assert mine[-1].type == "response.function_call_arguments.done"
+            assert mine[-1].arguments == done.item.arguments and done.item.call_id == event.item.call_id
+            assert parsed[-1].response.output[event.output_index] == done.item
+    assert _calls(parsed[-1].response) == _calls(whole)
+    assert [item.type for item in parsed[-1].response.output] == [item.type for item in whole.output]
+    assert parsed[-1].response.output_text == whole.output_text
+
+
+def test_a_named_calls_arguments_stream_as_they_come():
+    head, _, tools = _tool_request(**NAMED)
+    parsed = _streamed(['{"city"', ': "Par', 'is"}', ""], tools, head=head)
+    assert [event.type for event in parsed] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        *["response.function_call_arguments.delta"] * 3, "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    assert [event.delta for event in parsed[3:6]] == ['{"city"', ': "Par', 'is"}']
+    assert parsed[-1].response.output[0].status == "completed" and parsed[-1].response.tool_choice.name == "get_weather"
+    _, _, whole_tools = _tool_request(**NAMED)
+    _check_calls(parsed, Response.model_validate(whole_response(head, '{"city": "Paris"}', _message("", STOP), None,
+                                                                 whole_tools)))
+    cut = _streamed(['{"city"', ': "Par'], _tool_request(**NAMED)[2], finish=inference_pb2.FINISH_REASON_LENGTH)
+    assert cut[-1].type == "response.incomplete" and cut[-1].response.output[0].status == "incomplete"
+
+
+def test_each_required_call_is_done_as_soon_as_its_object_closes():
+    head, _, tools = _tool_request(tool_choice="required")
+    first, second = TWO_CALLS[:TWO_CALLS.index(", {")], TWO_CALLS[TWO_CALLS.index(", {"):-1]
+    parsed = _streamed([first[:20], first[20:], second, "]"], tools, head=head)
+    assert [event.type for event in parsed] == [
+        "response.created", "response.in_progress", *CALL_EVENTS, *CALL_EVENTS, "response.completed"]
+    assert parsed[5].item.name == "get_weather" and parsed[6].item.name == "get_time"
+    _, _, whole_tools = _tool_request(tool_choice="required")
+    _check_calls(parsed, Response.model_validate(whole_response(head, TWO_CALLS, _message("", STOP), None,
+                                                                whole_tools)))
+
+
+def test_an_auto_answers_content_streams_then_its_calls_come_at_the_end():
+    head, _, tools = _tool_request()
+    pieces = ["Looking.", "\n<tool", HERMES[len("Looking.\n<tool"):]]
+    parsed = _streamed(pieces, tools, head=head)
+    assert [event.type for event in parsed] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", *CALL_EVENTS, "response.completed"]
+    assert [event.delta for event in parsed[4:6]] == ["Looking.", "\n"]
+    assert (parsed[2].item.type, parsed[2].output_index, parsed[9].output_index) == ("message", 0, 1)
+    _, _, whole_tools = _tool_request()
+    _check_calls(parsed, Response.model_validate(whole_response(head, HERMES, _message("", STOP), None, whole_tools)))
+    plain = _streamed(["Sun", "ny."], _tool_request()[2])
+    assert [event.type for event in plain][2:-1] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done"]
+
+
+def test_a_streamed_think_block_is_done_before_the_call_is_added():
+    head, _, tools = _tool_request()
+    call = HERMES[len("Looking.\n"):]
+    parsed = _streamed(["<think>Wea", "ther.</think>" + call[:15], call[15:]], tools,
+                       ReasoningReplies(Qwen3ReasoningParser), head=head)
+    assert [event.type for event in parsed] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.content_part.done", "response.output_item.done", *CALL_EVENTS, "response.completed"]
+    assert parsed[9].output_index == 1 and parsed[6].text == "Weather."
+    _, _, whole_tools = _tool_request()
+    _check_calls(parsed, Response.model_validate(whole_response(
+        head, "<think>Weather.</think>" + call, _message("", STOP), ReasoningReplies(Qwen3ReasoningParser),
+        whole_tools)))
+
+
+def test_a_required_answer_cut_before_a_call_streams_as_a_message():
+    parsed = _streamed(['[{"name"', ': "get_w'], _tool_request(tool_choice="required")[2],
+                       finish=inference_pb2.FINISH_REASON_LENGTH)
+    assert [event.type for event in parsed][2:] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.incomplete"]
+    assert parsed[-1].response.output_text == '[{"name": "get_w'
