@@ -85,6 +85,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = config.attention_multiplier or self.head_dim**-0.5
+        # A partial rotary (Phi-4-mini) turns each head's leading rotary_dim dimensions; None: the whole head.
+        self.rotary_dim = config.rotary_dim if config.rotary_dim != self.head_dim else None
         self.qkv_proj = _Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = _Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
         if config.qk_norm:  # Qwen3: an RMSNorm over each head of the queries, another over the keys'
@@ -111,10 +113,13 @@ class LlamaAttention(nn.Module):
         query_key = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             self._normalize_heads(query_key)
+        rotated = query_key if self.rotary_dim is None else query_key[..., : self.rotary_dim]  # a view, in place
         if self.kernels is not None:
-            self.kernels.rotary_(query_key, *rotary_tables)
-        else:
+            self.kernels.rotary_(rotated, *rotary_tables)
+        elif self.rotary_dim is None:
             query_key = apply_rotary(query_key, *rotary_tables)
+        else:
+            rotated.copy_(apply_rotary(rotated, *rotary_tables))
         query, key = query_key.split_with_sizes([self.num_heads, self.num_kv_heads], dim=1)
         value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(query, key, value, kv_cache[0], kv_cache[1], metadata, self.scale)

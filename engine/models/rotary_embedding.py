@@ -1,7 +1,8 @@
-"""Rotary position embeddings: the cos/sin tables (default, linear, llama3 and YaRN scaling) and applying them.
+"""Rotary position embeddings: the cos/sin tables (default, linear, llama3, YaRN and LongRoPE scaling) and applying
+them, to whole heads or to their leading ``rotary_dim`` dimensions (a partial rotary).
 
 Every scaling is in the tables alone (the kernels rotate by whatever cos/sin they are given): its inverse
-frequencies, and YaRN's attention factor, which multiplies cos and sin as transformers applies it.
+frequencies, and YaRN's or LongRoPE's attention factor, which multiplies cos and sin as transformers applies it.
 ``apply_rotary`` is the plain-torch reference of ``cpu_ops.rotary_``.
 """
 
@@ -22,7 +23,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, attention_factor = _inverse_frequencies(config)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [positions, head_dim / 2]
+        freqs = positions[:, None] * inv_freq[None, :]  # [positions, rotary_dim / 2]
+        if config.rope_scaling.get("rope_type") == "longrope":
+            # The long factors from the original context on (transformers switches a whole forward pass to them
+            # once its last position is past it: the same rotation for each token decoded past it).
+            original = config.rope_scaling["original_max_position_embeddings"]
+            long_inv_freq, _ = _longrope_frequencies(config, long=True)
+            freqs[original:] = positions[original:, None] * long_inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
@@ -47,8 +54,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """The inverse frequencies ([head_dim / 2]) and the factor cos and sin are multiplied by (1 but for YaRN)."""
-    dim = config.head_dim
+    """The inverse frequencies ([rotary_dim / 2]) and the factor cos and sin are multiplied by (1 but for YaRN and
+    longrope); longrope's are its short factors' (the long ones: :func:`_longrope_frequencies`)."""
+    dim = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
     rope_type = scaling.get("rope_type", "default")
@@ -58,7 +66,28 @@ def _inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
         inv_freq = _llama3_frequencies(inv_freq, scaling)
     elif rope_type == "yarn":
         return _yarn_frequencies(config, scaling)
+    elif rope_type == "longrope":
+        return _longrope_frequencies(config, long=False)
     return inv_freq, 1.0
+
+
+def _longrope_frequencies(config: ModelConfig, long: bool) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3.5, Phi-4-mini), as transformers computes it: each frequency divided by its own factor, the
+    short ones within the original context and the long ones past it; cos/sin scaled by
+    sqrt(1 + ln(factor) / ln(original)), factor the extended context over the original unless given."""
+    scaling = config.rope_scaling
+    dim = config.rotary_dim or config.head_dim
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if factors.shape != (dim // 2,):
+        raise ValueError(f"longrope's {'long' if long else 'short'}_factor has {factors.numel()} values; the rotary "
+                         f"dimensions need {dim // 2}.")
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (factors * config.rope_theta ** shape), float(attention_factor)
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -69,7 +98,7 @@ def _yarn_frequencies(config: ModelConfig, scaling: dict) -> tuple[torch.Tensor,
     """YaRN (arXiv 2309.00071), as transformers computes it: each frequency's share of interpolation (divided by
     ``factor``) ramps from none for the fast dimensions (more than ``beta_fast`` turns over the original context)
     to all for the slow ones (fewer than ``beta_slow``), and cos/sin are scaled by the attention factor."""
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotary_dim or config.head_dim, config.rope_theta
     original = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
     factor = scaling.get("factor") or config.max_position_embeddings / original
     attention_factor = scaling.get("attention_factor")

@@ -31,7 +31,7 @@ SUPPORTED_MODEL_TYPES = {
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 # ---- config.json ------------------------------------------------------------------------
@@ -54,6 +54,9 @@ class ModelConfig:
     max_position_embeddings: int
     rope_theta: float
     rope_scaling: dict = field(default_factory=dict)
+    # The leading dimensions of each head that rotary rotates (Phi-4-mini's partial_rotary_factor 0.75: 96 of 128);
+    # None: all of head_dim.
+    rotary_dim: int | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
@@ -102,7 +105,8 @@ class ModelConfig:
                 f"({', '.join(sorted(supported))}; model_type {', '.join(SUPPORTED_MODEL_TYPES)})."
             )
         num_heads = raw["num_attention_heads"]
-        rope_theta, rope_scaling = _rope_parameters(raw)
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        rope_theta, rope_scaling, partial = _rope_parameters(raw)
         activation = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
         if activation != "silu":
             raise ValueError(f"Unsupported activation {str(activation)[:32]!r}: splitserve's MLP is SiLU-and-multiply.")
@@ -115,7 +119,8 @@ class ModelConfig:
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=num_heads,
             num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            head_dim=head_dim,
+            rotary_dim=_rotary_dim(head_dim, partial),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rope_theta=rope_theta,
@@ -150,23 +155,38 @@ class ModelConfig:
         return longest
 
 
-def _rope_parameters(raw: dict) -> tuple[float, dict]:
+def _rope_parameters(raw: dict) -> tuple[float, dict, float]:
     # transformers 5 writes "rope_parameters"; older configs have rope_theta + rope_scaling.
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     theta = params.pop("rope_theta", raw.get("rope_theta", 10000.0))
     scaling.update(params)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first configs' name for it
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"Unsupported rope scaling {rope_type!r}: splitserve supports {', '.join(SUPPORTED_ROPE_TYPES)}."
+            f"Unsupported rope scaling {str(rope_type)[:32]!r}: splitserve supports {', '.join(SUPPORTED_ROPE_TYPES)}."
         )
-    # Phi-3's configs say how much of each head rotates; splitserve rotates whole heads.
+    if rope_type == "longrope":  # Phi-3's configs keep the original context beside the scaling
+        scaling.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+        if not all(isinstance(scaling.get(name), list) for name in ("short_factor", "long_factor")) \
+                or not scaling["original_max_position_embeddings"]:
+            raise ValueError("longrope scaling needs short_factor and long_factor lists and "
+                             "original_max_position_embeddings.")
     partial = scaling.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if float(partial) != 1.0:
-        raise ValueError(f"Unsupported partial_rotary_factor {partial!r}: splitserve rotates whole heads.")
     scaling["rope_type"] = rope_type
-    return float(theta), scaling
+    return float(theta), scaling, float(partial)
+
+
+def _rotary_dim(head_dim: int, partial: float) -> int | None:
+    """How many leading dimensions of each head rotary rotates (None: all), from the partial rotary factor."""
+    if partial == 1.0:
+        return None
+    rotary_dim = int(head_dim * partial)
+    if not 0 < partial < 1 or rotary_dim % 2:
+        raise ValueError(f"Unsupported partial_rotary_factor {partial!r}: it must be in (0, 1] and rotate an even "
+                         f"number of each head's {head_dim} dimensions.")
+    return rotary_dim
 
 
 def _granite_scalars(raw: dict, model_type: str) -> dict:

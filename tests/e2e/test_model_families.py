@@ -229,3 +229,52 @@ def test_bfloat16_generates_the_same_answer(model_dir):
     assert llm.engine.model_runner.kv_cache.dtype == torch.bfloat16
     (output,) = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert output.outputs[0].text.startswith(" Paris")
+
+
+def transformers_stepwise_greedy(directory, prompt_ids: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """transformers' greedy tokens decoded as an engine decodes them: the prompt in one pass, then one pass a token
+    with the cache (``generate`` differs for LongRoPE alone: it drops its cache and runs the whole sequence again
+    with the long factors once it passes the original context)."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    expected = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            out = reference(torch.tensor([ids]), use_cache=True)
+            tokens = [int(out.logits[0, -1].argmax())]
+            for position in range(len(ids), len(ids) + max_tokens - 1):
+                out = reference(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True,
+                                position_ids=torch.tensor([[position]]))
+                tokens.append(int(out.logits[0, -1].argmax()))
+            expected.append(tokens)
+    return expected
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_phi4_mini_partial_rotary_and_longrope_match_transformers(backend, tmp_path, model_dir, tokenizer):
+    """Phi-4-mini's rotary on a small scale: half of each head rotates (its factor is 0.75 of 128) and LongRoPE has
+    distinct short and long factors, through the C++ kernels (which rotate the heads' leading dimensions in place)
+    and the torch references. Within the original context the tokens are transformers' generate's; with an
+    original context the second prompt's decoding passes after 4 tokens, the tokens past it take the long factors,
+    as transformers' model gives them decoding a token a pass."""
+    from transformers import Phi3Config
+
+    prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
+    half = 16 // 2 // 2  # head_dim 16 (64 / 4 heads), half of it rotated: 4 frequencies
+    for original, reference in ((len(prompt_ids[1]) + MAX_TOKENS, transformers_greedy),
+                                (len(prompt_ids[1]) + 4, transformers_stepwise_greedy)):
+        directory = tmp_path / str(original)
+        config = Phi3Config(**SMALL, partial_rotary_factor=0.5, tie_word_embeddings=False,
+                            original_max_position_embeddings=original,
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                             "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                             "long_factor": [2.0 + 3.0 * i for i in range(half)]})
+        write_tiny_model(config, directory, model_dir)
+        expected = reference(directory, prompt_ids)
+        llm = LLM(str(directory), attention_backend=backend, **ENGINE_OPTIONS)
+        assert llm.engine.model_runner.model.model.layers[0].self_attn.rotary_dim == 8
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        assert [output.outputs[0].token_ids for output in outputs] == expected, original
+        assert llm.engine.free_block_count == llm.engine.num_kv_blocks

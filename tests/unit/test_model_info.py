@@ -1,5 +1,6 @@
 """``ModelConfig.from_dict``: what a ``config.json`` of each supported family gives, and the sentences for what the
-model code cannot compute (another architecture, a partial rotary, another activation)."""
+model code cannot compute (another architecture, a partial rotary that is not half-split, another rope scaling,
+another activation)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ def test_each_family_takes_its_own_features_only():
     phi3 = _config("phi3", rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
                                             "partial_rotary_factor": 1.0})
     assert phi3.architecture == "Phi3ForCausalLM" and "partial_rotary_factor" not in phi3.rope_scaling
+    assert phi3.rotary_dim is None
+    # Phi-4-mini's: 3/4 of each head rotates, LongRoPE with the original context beside the scaling.
+    phi4 = _config("phi3", partial_rotary_factor=0.75, original_max_position_embeddings=4096,
+                   rope_scaling={"type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6})
+    assert phi4.rotary_dim == 12 and phi4.rope_scaling["original_max_position_embeddings"] == 4096
+    assert _config("phi3", rope_scaling={"type": "su", "short_factor": [1.0], "long_factor": [1.0],
+                                         "original_max_position_embeddings": 8}).rope_scaling["rope_type"] == "longrope"
     # A base model's checkpoint (embedding models are saved so) is served as its causal LM.
     assert _config("qwen3", architectures=["Qwen3Model"]).architecture == "Qwen3ForCausalLM"
     with pytest.raises(ValueError, match="Unsupported model architecture BertModel"):
@@ -39,10 +47,13 @@ def test_each_family_takes_its_own_features_only():
 
 @pytest.mark.parametrize("raw,words", [
     ({"model_type": "gemma"}, "Unsupported model architecture gemma"),
-    ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "Unsupported partial_rotary_factor 0.75"),
-    ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
-     "Unsupported partial_rotary_factor 0.5"),
-    ({"model_type": "phi3", "rope_scaling": {"type": "longrope"}}, "Unsupported rope scaling 'longrope'"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.2}, "Unsupported partial_rotary_factor 0.2: it must be "
+     "in \\(0, 1\\] and rotate an even number of each head's 16 dimensions"),
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.5}},
+     "Unsupported partial_rotary_factor 1.5"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope"}}, "longrope scaling needs short_factor and "
+     "long_factor lists and original_max_position_embeddings"),
+    ({"model_type": "llama", "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "Unsupported rope scaling 'dynamic'"),
     ({"model_type": "llama", "hidden_act": "gelu"}, "Unsupported activation 'gelu'"),
 ])
 def test_what_the_model_code_cannot_compute_is_refused_with_a_sentence(raw, words):

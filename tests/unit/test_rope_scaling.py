@@ -53,3 +53,37 @@ def test_a_yarn_context_is_the_original_times_the_factor():
                                      "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 4096}})
     assert derived.max_model_len == 16384
     assert _inverse_frequencies(derived)[1] == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1.0)
+
+
+def test_longrope_tables_are_transformers_short_then_long_with_a_partial_rotary():
+    """Phi-4-mini's shape of config: 3/4 of each head rotates, LongRoPE's short factors within the original context
+    and its long ones past it (transformers' frequencies for a pass whose last position is within it, and past it),
+    both scaled by its attention factor."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim, original = 64, 32
+    rotary_dim = head_dim * 3 // 4
+    short = [1.0 + 0.05 * i for i in range(rotary_dim // 2)]
+    long = [1.5 + 0.5 * i for i in range(rotary_dim // 2)]
+    raw = {**SMALL, "model_type": "phi3", "max_position_embeddings": 256, "partial_rotary_factor": 0.75,
+           "original_max_position_embeddings": original,
+           "rope_scaling": {"type": "longrope", "short_factor": short, "long_factor": long}}
+    reference = Phi3Config(**{key: value for key, value in raw.items() if key != "model_type"})
+    short_inv_freq, expected_factor = ROPE_INIT_FUNCTIONS["longrope"](reference, "cpu")
+    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](reference, "cpu", seq_len=original + 1)
+    config = ModelConfig.from_dict(raw)
+    assert config.rotary_dim == rotary_dim
+    inv_freq, factor = _inverse_frequencies(config)
+    torch.testing.assert_close(inv_freq, short_inv_freq, rtol=1e-6, atol=0)
+    assert factor == pytest.approx(expected_factor) and factor > 1
+    positions = torch.arange(64)
+    cos, sin = RotaryEmbedding(config, 64).tables(positions, torch.float32, over_heads=False)
+    assert cos.shape == (64, rotary_dim)
+    expected = torch.where((positions < original)[:, None], positions[:, None] * short_inv_freq,
+                           positions[:, None] * long_inv_freq)
+    torch.testing.assert_close(cos, torch.cat((expected, expected), -1).cos() * expected_factor)
+    torch.testing.assert_close(sin, torch.cat((expected, expected), -1).sin() * expected_factor)
+    with pytest.raises(ValueError, match="longrope's short_factor has 3 values; the rotary dimensions need 24"):
+        _inverse_frequencies(ModelConfig.from_dict({**raw, "rope_scaling": {**raw["rope_scaling"],
+                                                                             "short_factor": [1.0] * 3}}))
