@@ -226,6 +226,23 @@ def test_rotary_rotates_a_strided_view_in_place_as_torch(dtype, q_heads, kv_head
         assert torch.equal(triton_result, cpp)
 
 
+def test_a_partial_rotary_turns_the_heads_leading_dimensions_and_leaves_the_rest():
+    """Phi-4-mini's partial rotary: the model passes a view of each head's leading rotary_dim dimensions (96 of 128
+    there; 24 of 32 here) and tables of that width."""
+    heads, head_dim, rotary_dim, positions = 5, 32, 24, [0, 3, 200]
+    cos, sin = _rotary_tables(rotary_dim, positions, torch.float32)
+    query_key = torch.randn(len(positions), heads, head_dim, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    before = query_key.clone()
+    triton_ops.rotary_(query_key[..., :rotary_dim], cos.squeeze(1), sin.squeeze(1))
+    assert torch.equal(query_key[..., :rotary_dim], apply_rotary(before[..., :rotary_dim], cos, sin))
+    assert torch.equal(query_key[..., rotary_dim:], before[..., rotary_dim:])
+    kernels = _cpu_kernels()
+    if kernels is not None:
+        cpp = before.clone()
+        kernels.rotary_(cpp[..., :rotary_dim], cos.squeeze(1), sin.squeeze(1))
+        assert torch.equal(cpp, query_key)
+
+
 def test_rotary_refuses_tables_of_another_shape():
     x = torch.zeros(2, 3, 8, device=DEVICE)
     with pytest.raises(ValueError, match="cos"):
