@@ -16,14 +16,13 @@ import json
 
 import openai
 import pytest
-import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.client import Client
 from splitserve.common.structured_outputs import StructuredOutputsParams
-from splitserve.engine.kv_connector import KVTransferParams
 from tests.cluster_helpers import all_blocks_free, running_gateway, start_cluster, wait_until
 from tests.e2e.test_llm_correctness import assert_all_blocks_free
+from tests.e2e.test_structured_outputs import assert_handover_is_one_engines
 from tests.reference import hf_greedy, hf_greedy_constrained
 
 ANIMAL = {"type": "object", "properties": {"animal": {"type": "string"}, "legs": {"type": "integer"}},
@@ -103,36 +102,15 @@ def test_resumed_tokens_cross_the_end_of_the_think_block(llm):
     assert_all_blocks_free(llm)
 
 
-def _run(engine) -> list:
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs.extend(engine.step())
-    return outputs
-
-
 def test_the_decode_side_takes_a_first_token_sampled_in_the_think_block(model_dir):
     """The prefill engine samples the first token, a thought's, without the mask; the decode engine's watch takes
     it and the grammar starts after </think>: the same tokens as one engine doing both. With a prompt that closed
     its block the first token is sampled under the grammar on both sides."""
     prefill, decode = (LLM(str(model_dir), num_kv_blocks=64, max_model_len=512, block_size=16,
                            reasoning_parser="qwen3").engine for _ in range(2))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=_schema())
     for text in (FEW_SHOT, FEW_SHOT + "The user likes dogs.</think>"):
-        prompt = prefill.tokenize(text)
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=_schema())
-        decode.add_request("whole", None, params, prompt_token_ids=prompt)
-        expected = _run(decode)[-1].outputs[0].token_ids
-
-        first = SamplingParams(temperature=0.0, max_tokens=1, structured_outputs=_schema())
-        prefill.add_request("p", None, first, prompt_token_ids=prompt, kv_transfer=KVTransferParams(save=True))
-        first_token = _run(prefill)[-1].outputs[0].token_ids[0]
-        assert first_token == expected[0]
-        decode.add_request("d", None, params, prompt_token_ids=prompt, kv_transfer=KVTransferParams(load=True))
-        source, target = torch.tensor(prefill.block_ids("p")), torch.tensor(decode.block_ids("d"))
-        decode.model_runner.kv_cache[target] = prefill.model_runner.kv_cache[source]
-        prefill.release_kv("p")
-        decode.finish_remote_kv("d", first_token_id=first_token)
-        output = _run(decode)[-1]
-        assert output.finished and output.outputs[0].token_ids == expected and output.outputs[0].finish_reason == "stop"
+        assert_handover_is_one_engines(prefill, decode, prefill.tokenize(text), params)
     assert decode.free_block_count == decode.num_kv_blocks
     assert prefill.free_block_count == prefill.num_kv_blocks
 

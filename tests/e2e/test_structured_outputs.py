@@ -8,6 +8,7 @@ decode handover and a migration's resumed tokens continue the grammar where it w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -205,17 +206,12 @@ def _run(engine) -> list:
     return outputs
 
 
-def test_the_decode_side_continues_the_prefill_sides_first_token_under_the_grammar(engines):
-    """The prefill engine samples the first token under the grammar; the decode engine's grammar takes it and
-    goes on: the same tokens as one engine doing both. A first token the grammar refuses ends the request
-    with an error, and frees its blocks."""
-    prefill, decode = engines
-    prompt = prefill.tokenize(CASES[0][0])
-    params = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON))
+def assert_handover_is_one_engines(prefill, decode, prompt: list[int], params: SamplingParams) -> None:
+    """The prefill engine samples the first token (max_tokens 1) and its KV goes to the decode engine, which goes
+    on from it: the same tokens as the decode engine doing both, and a normal finish."""
     decode.add_request("whole", None, params, prompt_token_ids=prompt)
     expected = _run(decode)[-1].outputs[0].token_ids
-
-    first = SamplingParams(temperature=0.0, max_tokens=1, structured_outputs=StructuredOutputsParams(json=PERSON))
+    first = dataclasses.replace(params, max_tokens=1)
     prefill.add_request("p", None, first, prompt_token_ids=prompt, kv_transfer=KVTransferParams(save=True))
     first_token = _run(prefill)[-1].outputs[0].token_ids[0]
     assert first_token == expected[0]
@@ -224,7 +220,19 @@ def test_the_decode_side_continues_the_prefill_sides_first_token_under_the_gramm
     decode.model_runner.kv_cache[target] = prefill.model_runner.kv_cache[source]
     prefill.release_kv("p")
     decode.finish_remote_kv("d", first_token_id=first_token)
-    assert _run(decode)[-1].outputs[0].token_ids == expected
+    output = _run(decode)[-1]
+    assert output.finished and output.outputs[0].token_ids == expected
+    assert output.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_the_decode_side_continues_the_prefill_sides_first_token_under_the_grammar(engines):
+    """The prefill engine samples the first token under the grammar; the decode engine's grammar takes it and
+    goes on: the same tokens as one engine doing both. A first token the grammar refuses ends the request
+    with an error, and frees its blocks."""
+    prefill, decode = engines
+    prompt = prefill.tokenize(CASES[0][0])
+    params = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON))
+    assert_handover_is_one_engines(prefill, decode, prompt, params)
 
     request = decode.add_request("refused", None, params, prompt_token_ids=prompt,
                                  kv_transfer=KVTransferParams(load=True))
