@@ -12,7 +12,7 @@ The engine reads token ids: :func:`reasoning_ended` says whether a prompt leaves
 (Qwen3's template with ``enable_thinking`` false writes an empty block into the prompt), and
 :class:`ThinkEndWatch` finds the block's end in the tokens generated after it. Reasoning models have ``<think>``
 and ``</think>`` as single tokens; a tokenizer without them is matched on the tags' own tokenization, which a
-model may spell otherwise (SmolLM2 splits ``</think>`` into four tokens; tests use that).
+model may spell otherwise (SmolLM2 writes ``</think>`` as three tokens; tests use that).
 """
 
 from __future__ import annotations
@@ -37,19 +37,28 @@ def _ends_with(token_ids: list[int], end: int, tag: tuple[int, ...]) -> bool:
     return end >= len(tag) and tuple(token_ids[end - len(tag):end]) == tag
 
 
+def _last_tag_end(token_ids: list[int], backwards: list[int], tag: tuple[int, ...]) -> int:
+    """Where the last ``tag`` in ``token_ids`` ends (0: nowhere); ``backwards`` is ``token_ids`` reversed, searched
+    by ``list.index`` (a prompt of 100,000 tokens in well under a millisecond)."""
+    found = 0
+    while True:
+        try:
+            found = backwards.index(tag[-1], found)
+        except ValueError:
+            return 0
+        position = len(token_ids) - found
+        if _ends_with(token_ids, position, tag):
+            return position
+        found += 1
+
+
 def reasoning_ended(token_ids: list[int], start: tuple[int, ...], end: tuple[int, ...]) -> bool:
     """Whether the text ``token_ids`` spell has closed its last think block: read from the end, an ``end`` tag
     comes before any ``start`` tag (vLLM's rule for its think-tag parsers). No tag at all: not ended, since a
     reasoning model starts in its block whether or not the prompt opens it (DeepSeek-R1's template writes
     ``<think>``, Qwen3's leaves it to the model)."""
-    last_start, last_end = start[-1], end[-1]
-    for position in range(len(token_ids), 0, -1):
-        token = token_ids[position - 1]
-        if token == last_end and _ends_with(token_ids, position, end):
-            return True
-        if token == last_start and _ends_with(token_ids, position, start):
-            return False
-    return False
+    backwards = token_ids[::-1]
+    return _last_tag_end(token_ids, backwards, end) > _last_tag_end(token_ids, backwards, start)
 
 
 class ThinkEndWatch:
