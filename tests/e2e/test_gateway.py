@@ -567,6 +567,89 @@ def _body_fields(model: str, chat: bool, wild: bool):
     return st.fixed_dictionaries(required, optional=fields)
 
 
+def _responses_and_embeddings_bodies(model: str, responses: bool, wild: bool):
+    """Bodies for /v1/responses (messages, flat function tools and tool choices, call items, formats) or
+    /v1/embeddings (texts, ids, batches, formats), valid values and with ``wild`` any JSON value too."""
+
+    def pick(*valid):
+        return st.one_of(st.sampled_from(valid), _WILD) if wild else st.sampled_from(valid)
+
+    if not responses:
+        fields = {"model": pick(model, "gpt-4"), "encoding_format": pick("float", "base64", "int8"),
+                  "dimensions": pick(8, 576, 0, 10_000), "normalize": pick(True, False), "user": pick("u")}
+        required = {"input": pick(PROMPT, [504, 1012, 17], [PROMPT, "Hi"], [[504], [17, 5]], "", [], [-1], [[]])}
+        return st.fixed_dictionaries(required, optional=fields)
+    weather = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "21 C"}
+    fields = {
+        "model": pick(model, "gpt-4"), "instructions": pick("Be brief.", ""), "temperature": pick(0, 0.7),
+        "top_p": pick(0.9, 1), "stream": pick(True, False), "store": pick(False, True),
+        "tools": pick([weather], [weather, {"type": "function", "name": "get_time"}], [{"type": "web_search"}], []),
+        "tool_choice": pick("auto", "none", "required", {"type": "function", "name": "get_weather"},
+                            {"type": "function", "name": "nowhere"}),
+        "parallel_tool_calls": pick(True, False),
+        "text": pick({"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                     {"format": {"type": "json_schema", "name": "w", "schema": WEATHER["function"]["parameters"]}}),
+        "include": pick([], ["message.output_text.logprobs"]), "reasoning": pick({"effort": "low"}),
+        "metadata": pick({"k": "v"}), "truncation": pick("disabled", "auto"),
+    }
+    required = {
+        "input": pick("What is the capital of France?", [{"role": "user", "content": "Hi"}],
+                      [{"role": "user", "content": "Weather?"}, call, output], [call], [output], [],
+                      [{"role": "tool", "content": "x"}], [{"type": "reasoning", "summary": []}]),
+        # Always present and small when valid: a default would generate to the end of the context.
+        "max_output_tokens": st.one_of(st.sampled_from([1, 3]), st.sampled_from([0, -1, 2.5, "2", True]))
+        if wild else st.sampled_from([1, 3]),
+    }
+    return st.fixed_dictionaries(required, optional=fields)
+
+
+def test_random_responses_and_embeddings_bodies_get_only_documented_statuses(api, gateway, cluster, grpc_client):
+    """Hypothesis sends random JSON bodies to /v1/responses and /v1/embeddings: every answer is 200 (a whole
+    response, a stream that ends with its last response event or an error event, embeddings) or a documented
+    refusal in OpenAI's error shape, never a 500; afterwards every block is free and the cluster serves."""
+    model = api.models.list().data[0].id
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    statuses: collections.Counter = collections.Counter()
+    stop_at = time.monotonic() + 40
+
+    @settings(max_examples=120, database=None, derandomize=True, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data(), responses=st.booleans())
+    def check(data, responses):
+        if time.monotonic() > stop_at:
+            statuses["skipped (time budget)"] += 1
+            return
+        body = data.draw(_responses_and_embeddings_bodies(model, responses, wild=data.draw(st.booleans())))
+        try:
+            content = json.dumps(body, allow_nan=True)
+        except (ValueError, OverflowError):
+            return
+        route = "/v1/responses" if responses else "/v1/embeddings"
+        response = httpx.post(f"{gateway}{route}", content=content, headers=headers, timeout=60)
+        statuses[(route, response.status_code)] += 1
+        if response.status_code != 200:
+            assert response.status_code in (400, 404, 413, 429), (response.status_code, response.text, body)
+            error = response.json()["error"]
+            assert error["message"] and error["type"], body
+        elif not responses:
+            assert response.json()["data"], body
+        elif body.get("stream") is True:
+            events = [json.loads(line[len("data: "):]) for line in response.text.splitlines()
+                      if line.startswith("data: ")]
+            assert events and events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed",
+                                                     "error"), (events[-2:], body)
+        else:
+            assert response.json()["object"] == "response" and response.json()["output"], body
+
+    check()
+    for route in ("/v1/responses", "/v1/embeddings"):
+        assert statuses[(route, 200)] >= 3 and statuses[(route, 400)] >= 3, statuses
+    wait_until(lambda: all_blocks_free(grpc_client), 30, message="every block free after the random bodies")
+    assert grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2)).token_ids
+
+
 def test_random_bodies_get_only_documented_statuses_and_lose_nothing(api, gateway, cluster, grpc_client):
     """Hypothesis sends random JSON bodies to both generation routes: every answer is 200 (a complete answer, or a
     stream that ends in [DONE] or an error event) or a documented refusal (400, 404, 413, 429) in OpenAI's error
