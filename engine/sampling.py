@@ -132,7 +132,7 @@ class Sampler:
         then one token of its own.
 
         logits: [len(drafts) + 1, vocab], row i the model's logits after the request's last token and drafts
-        0..i-1. The request takes no logit bias, penalties, logprobs or grammar (``may_speculate``). A greedy
+        0..i-1. The request takes no logit bias, penalties, logprobs or grammar mask (``may_speculate``). A greedy
         request accepts a draft while it equals the row's argmax, and the first argmax that differs is its own
         token. A sampling request accepts draft i with the probability its row gives it (after temperature,
         top-k, top-p and min-p), and on the first refusal samples its row without the draft; when every draft is

@@ -114,16 +114,22 @@ class SpeculativeConfig:
         count = min(max_drafts, self.num_speculative_tokens)
         if count <= 0 or not may_speculate(request):
             return []
-        return propose_ngram(request.all_token_ids, self.prompt_lookup_min, self.prompt_lookup_max, count)
+        drafts = propose_ngram(request.all_token_ids, self.prompt_lookup_min, self.prompt_lookup_max, count)
+        if request.grammar is not None:  # waiting out its think block: no draft may end it
+            drafts = request.grammar.thought_drafts(drafts)
+        return drafts
 
 
 def may_speculate(request: Request) -> bool:
     """Whether a request's next tokens may be verified several at a time: each row's distribution depends on the
-    model's logits alone (no logit bias, penalties, logprobs, grammar or pending min_tokens), so the tokens accepted
-    are distributed as one step at a time would give them (``Sampler.verify_drafts``), greedy or sampled."""
+    model's logits alone (no logit bias, penalties, logprobs, grammar mask or pending min_tokens), so the tokens
+    accepted are distributed as one step at a time would give them (``Sampler.verify_drafts``), greedy or sampled.
+    A grammar waiting out the request's think block masks nothing yet: its request drafts, short of any token that
+    could end the block (``GrammarMatcher.thought_drafts``), so that the grammar starts after a step."""
     params = request.sampling_params
     return (params.logprobs is None and not params.needs_penalties and not params.logit_bias
-            and request.grammar is None and request.num_output_tokens >= params.min_tokens)
+            and (request.grammar is None or not request.grammar.active)
+            and request.num_output_tokens >= params.min_tokens)
 
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, count: int) -> list[int]:

@@ -63,6 +63,13 @@ class GrammarMatcher:
             return True
         return self._matcher.consume_token(token_id)
 
+    def thought_drafts(self, drafts: list[int]) -> list[int]:
+        """The leading ``drafts`` of a request in its think block that cannot end it: those before the first that
+        could complete ``</think>``. A step that verifies drafts masks none of its tokens, so the block must end
+        on the step's own sampled token at the latest, and the grammar take over from the next step."""
+        last = self._think_end.last_token
+        return drafts[:drafts.index(last)] if last in drafts else drafts
+
     @property
     def is_complete(self) -> bool:
         """The grammar takes no more tokens: the output is whole."""

@@ -74,6 +74,11 @@ class ThinkEndWatch:
         self._recent: list[int] = []  # the last len(end) tokens seen
         self.ended = ended
 
+    @property
+    def last_token(self) -> int:
+        """The token that completes ``</think>``: no block ends on another."""
+        return self._end[-1]
+
     def feed(self, token_id: int) -> bool:
         """Take the next generated token; True when it completes ``</think>``, the first time only."""
         if self.ended:
