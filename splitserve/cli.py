@@ -162,7 +162,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "tokens are guessed from the earlier text that followed its last n tokens, and one step checks up to "
         "num_speculative_tokens of them (greedy: the same tokens; sampled: the same distributions; fewer steps "
         "when the output repeats its context); requests with a logit bias, penalties, logprobs or structured "
-        "outputs decode a token a step; \"disable_by_batch_size\": N drafts nothing in a step that starts with N "
+        "outputs decode a token a step (structured outputs waiting out a think block, --reasoning-parser, draft "
+        "while the model thinks); \"disable_by_batch_size\": N drafts nothing in a step that starts with N "
         "or more running requests (default: off)")
     group.add_argument("--enable-lora", action="store_true",
                        help="serve LoRA adapters beside the base model (vLLM's flag; --lora-modules implies it): "

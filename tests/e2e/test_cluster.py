@@ -378,6 +378,10 @@ def test_conditional_disaggregation_and_colocated_give_the_same_tokens(cluster, 
             with ThreadPoolExecutor(2) as pool:
                 outputs = list(pool.map(greedy_in_turn, [via_threshold, via_colocated]))
             assert outputs == [hf_reference, hf_reference]
+            # Embeddings on a colocated worker: the decode worker's vector (each computes the prompt itself).
+            text = "The capital of France is Paris."
+            on_colocated, on_decode = via_colocated.embed(text), client.embed(text)
+            assert len(on_colocated) == 576 and max(abs(a - b) for a, b in zip(on_colocated, on_decode)) < 1e-5
             # Back-pressure: the colocated router takes one request at a time.
             call = via_colocated.generate_stream("Tell me a long story.", SamplingParams(max_tokens=500, ignore_eos=True))
             next(iter(call))
