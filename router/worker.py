@@ -145,13 +145,12 @@ def check_kv_identity(role: WorkerRole, model_fingerprint: str, kv_layout: KVCac
                                   "layout, so that only workers whose KV fits each other's blocks are paired.")
 
 
-def check_reasoning_parser_name(name: str) -> str:
-    """A registration's reasoning parser: "" (none) or one of REASONING_PARSER_NAMES; raises InvalidRegistration
-    otherwise, quoting at most 64 characters of it."""
+def check_reasoning_parser_name(name: str) -> None:
+    """Raises InvalidRegistration, quoting at most 64 characters of ``name``, unless it is "" (none) or one of
+    REASONING_PARSER_NAMES."""
     if name and name not in REASONING_PARSER_NAMES:
         raise InvalidRegistration(f"reasoning_parser must be empty or one of {', '.join(REASONING_PARSER_NAMES)}, "
                                   f"got {name[:64]!r}.")
-    return name
 
 
 def check_reasoning_parser(address: str, parser: str, cluster: str | None) -> None:

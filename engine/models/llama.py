@@ -86,7 +86,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = config.attention_multiplier or self.head_dim**-0.5
         # A partial rotary (Phi-4-mini) turns each head's leading rotary_dim dimensions; None: the whole head.
-        self.rotary_dim = config.rotary_dim if config.rotary_dim != self.head_dim else None
+        self.rotary_dim = config.rotary_dim
         self.qkv_proj = _Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = _Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
         if config.qk_norm:  # Qwen3: an RMSNorm over each head of the queries, another over the keys'

@@ -190,24 +190,23 @@ def test_a_cluster_with_a_reasoning_parser_answers_in_json_after_the_thought(rea
         wait_until(lambda: all_blocks_free(client), 30, message="every block free")
 
 
-def test_a_thought_speculates_and_the_grammar_starts_after_it(model_dir):
+def test_a_thought_speculates_and_the_grammar_starts_after_it(model_dir, llm):
     """With n-gram speculation a request in its think block drafts (its grammar masks nothing yet), short of the
     token that would end ``</think>``: the same tokens as one token a step, with drafts accepted in the thought,
     and the grammar's answer after it."""
-    llm = LLM(str(model_dir), num_kv_blocks=128, max_model_len=512, reasoning_parser="deepseek_r1",
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})
-    prompt = llm.engine.tokenize(FEW_SHOT)
+    speculating = LLM(str(model_dir), num_kv_blocks=128, max_model_len=512, reasoning_parser="deepseek_r1",
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})
+    prompt = speculating.engine.tokenize(FEW_SHOT)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=_schema())
-    output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-    plain = LLM(str(model_dir), num_kv_blocks=128, max_model_len=512, reasoning_parser="deepseek_r1")
-    assert output.token_ids == plain.generate([{"prompt_token_ids": prompt}], params,
-                                              use_tqdm=False)[0].outputs[0].token_ids
-    assert llm.engine.stats.num_accepted_tokens > 0  # the thought repeats the examples': drafts were taken
+    output = speculating.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    assert output.token_ids == llm.generate([{"prompt_token_ids": prompt}], params,
+                                            use_tqdm=False)[0].outputs[0].token_ids
+    assert speculating.engine.stats.num_accepted_tokens > 0  # the thought repeats the examples': drafts were taken
     thought, answer = _split(output.text)
     assert thought and json.loads(answer).keys() == {"animal", "legs"}
-    assert_all_blocks_free(llm)
+    assert_all_blocks_free(speculating)
     # No draft that could end the block is kept: the step's own token ends it at the latest.
-    grammar = llm.engine.structured_outputs.matcher(_schema(), prompt)
-    end = _think_end(llm)
+    grammar = speculating.engine.structured_outputs.matcher(_schema(), prompt)
+    end = _think_end(speculating)
     assert grammar.thought_drafts([5, end[0], end[1], end[2], 7]) == [5, end[0], end[1]]
     assert grammar.thought_drafts([5, 6]) == [5, 6]
