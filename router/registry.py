@@ -234,8 +234,10 @@ class WorkerRegistry:
 
     # ---- liveness -----------------------------------------------------------------------
 
-    def heartbeat(self, lease_id: str, load: WorkerLoad, state: WorkerState) -> tuple[WorkerState, float]:
-        """Renew a lease: record the load, the time and the worker's own state.
+    def heartbeat(self, lease_id: str, load: WorkerLoad, state: WorkerState,
+                  lora_names: frozenset[str] | None = None) -> tuple[WorkerState, float]:
+        """Renew a lease: record the load, the time and the worker's own state, and the LoRA adapters it serves
+        now when it says them (``lora_names``; None: unchanged).
 
         DRAINING, once held, stays; an UNREACHABLE worker becomes SERVING (or the
         state it reports).
@@ -251,6 +253,8 @@ class WorkerRegistry:
                 self._remove(worker)
                 raise UnknownLease("This lease expired: register again.")
             self._heard(worker, load, state)
+            if lora_names is not None:
+                worker.lora_names = frozenset(lora_names)
             return worker.state, self.lease_duration_seconds
 
     def update_static(self, worker_id: str, load: WorkerLoad, state: WorkerState) -> None:

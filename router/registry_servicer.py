@@ -56,7 +56,8 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
 
     def Heartbeat(self, request: worker_pb2.HeartbeatRequest, context) -> worker_pb2.HeartbeatResponse:
         state, lease = self.registry.heartbeat(
-            request.lease_id, worker_load_from_pb(request.load), worker_state_from_pb(request.state)
+            request.lease_id, worker_load_from_pb(request.load), worker_state_from_pb(request.state),
+            lora_names=_lora_names(request.lora_names.names) if request.HasField("lora_names") else None,
         )
         self._on_change()
         return worker_pb2.HeartbeatResponse(state=state.value, lease_duration_seconds=lease)
@@ -75,7 +76,7 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
 
 
 def _lora_names(names) -> frozenset[str]:
-    """A registration's LoRA adapter names, checked (InvalidRequest: too many, or a bad name)."""
+    """A registration's (or a heartbeat's) LoRA adapter names, checked (InvalidRequest: too many, or a bad name)."""
     if len(names) > MAX_LORA_MODULES:
         raise InvalidRequest(f"A worker registers at most {MAX_LORA_MODULES} LoRA adapters, not {len(names)}.")
     return frozenset(check_lora_name(name) for name in names)

@@ -272,7 +272,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         cuda_graphs=True if args.cuda_graphs else False if args.enforce_eager else None,
         cuda_graph_mode=args.cuda_graph_mode,
         speculative_config=args.speculative_config,
-        enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None)),
+        enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None) or getattr(args, "lora_dir", None)),
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras or _static_lora_count(args),

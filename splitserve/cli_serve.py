@@ -127,6 +127,13 @@ def _add_lora_modules_argument(parser: argparse.ArgumentParser) -> None:
         "directory of its PEFT checkpoint (adapter_config.json, adapter_model.safetensors), loaded at start; a request "
         "names one as GenerateRequest.lora_name (the gateway: as its OpenAI model); implies --enable-lora; not with "
         "--kv-transfer lmcache (default: none)")
+    parser.add_argument(
+        "--lora-dir", metavar="DIR",
+        help="a directory of LoRA adapters served by name while the worker runs (vLLM's filesystem LoRA resolver): "
+        "each subdirectory named as an adapter (1-64 characters from [A-Za-z0-9._-], a letter or digit first) that "
+        "holds a PEFT checkpoint is checked, then served under that name within seconds; one that goes is served no "
+        "more, one whose files change is served no more until the worker restarts (copy under a .hidden name, then "
+        "rename); at most 64 adapters with --lora-modules; implies --enable-lora (default: none)")
 
 
 _POLICIES = ("round_robin", "least_loaded", "prefix_aware")
@@ -401,7 +408,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         kv_faults=KVFaults.from_environment(os.environ) if args.role == "prefill" else None,
         lmcache_chunk_size=args.lmcache_chunk_size, lmcache_local_cpu_mb=args.lmcache_local_cpu_mb,
         lmcache_ttl_seconds=args.lmcache_ttl, metrics_port=args.metrics_port,
-        lora_modules=parse_lora_modules(args.lora_modules),
+        lora_modules=parse_lora_modules(args.lora_modules), lora_dir=args.lora_dir,
     )
     status = run_worker(config)
     # The worker has drained and closed everything it serves. Leave now, without interpreter teardown:
@@ -660,8 +667,9 @@ def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
         flags += ["--speculative-config", args.speculative_config.to_json()]
     if args.reasoning_parser:
         flags += ["--reasoning-parser", args.reasoning_parser]
-    lora_modules = getattr(args, "lora_modules", [])  # up's flag (the engine group has the others)
-    if args.enable_lora or lora_modules:
+    lora_modules = getattr(args, "lora_modules", [])  # up's flags (the engine group has the others)
+    lora_dir = getattr(args, "lora_dir", None)
+    if args.enable_lora or lora_modules or lora_dir:
         flags += ["--enable-lora", "--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
     if args.max_cpu_loras:
         flags += ["--max-cpu-loras", str(args.max_cpu_loras)]
@@ -672,4 +680,8 @@ def _engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
                 raise ValueError(f"--lora-modules {name}={path}: no adapter_config.json there (a PEFT LoRA "
                                  "checkpoint's directory).")
         flags += ["--lora-modules", *(f"{name}={Path(path).resolve()}" for name, path in modules.items())]
+    if lora_dir:
+        if not Path(lora_dir).is_dir():
+            raise ValueError(f"--lora-dir {lora_dir}: no such directory (its subdirectories are the adapters served).")
+        flags += ["--lora-dir", str(Path(lora_dir).resolve())]
     return flags

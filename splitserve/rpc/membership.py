@@ -38,6 +38,8 @@ class Membership:
         tls: call the router over TLS, presenting this worker's certificate when it has one (the router
             requires it under mutual TLS, and ``splitserve.rpc.tls.peer_identity`` names it there); None:
             plaintext.
+        lora_names: the LoRA adapters the worker serves now, told on every heartbeat (HeartbeatRequest.lora_names),
+            for a worker whose adapters change while it runs (--lora-dir); None: its registration's hold.
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class Membership:
         state: Callable[[], int] = lambda: inference_pb2.WORKER_STATE_SERVING,
         cluster_token: str | None = None,
         tls: TLSConfig | None = None,
+        lora_names: Callable[[], list[str]] | None = None,
     ) -> None:
         self.router_address = router_address
         self._make_registration = make_registration
@@ -56,6 +59,7 @@ class Membership:
         self._on_state = on_state
         self._state = state
         self._tls = tls
+        self._lora_names = lora_names
         self._channel = open_channel(router_address, tls)
         self._stub = worker_pb2_grpc.WorkerRegistryStub(with_cluster_token(self._channel, cluster_token))
         self._stop = threading.Event()
@@ -63,6 +67,12 @@ class Membership:
         self.worker_id = ""
         self.lease_id = ""
         self.heartbeat_interval_seconds = 1.0
+
+    def _heartbeat(self) -> worker_pb2.HeartbeatRequest:
+        request = worker_pb2.HeartbeatRequest(lease_id=self.lease_id, load=self._make_load(), state=self._state())
+        if self._lora_names is not None:
+            request.lora_names.names.extend(self._lora_names())
+        return request
 
     def start(self, timeout: float = 30.0) -> Membership:
         """Register (retrying until the router answers or ``timeout``), then heartbeat in the background.
@@ -129,7 +139,7 @@ class Membership:
         while not self._stop.wait(self.heartbeat_interval_seconds):
             try:
                 response = self._stub.Heartbeat(
-                    worker_pb2.HeartbeatRequest(lease_id=self.lease_id, load=self._make_load(), state=self._state()),
+                    self._heartbeat(),
                     timeout=max(self.heartbeat_interval_seconds, 1.0),
                 )
                 self._on_state(response.state)

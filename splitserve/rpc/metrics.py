@@ -251,9 +251,9 @@ class _WorkerCollector(Collector):
         yield from self._lora_gauges(stats.lora_requests)
 
     def _lora_gauges(self, counts: dict[str, tuple[int, int]]) -> Iterable:
-        """Per LoRA adapter the worker serves (--lora-modules; at most 64), its requests running and waiting, as
-        vLLM's lora_requests_info tells in labels."""
-        names = list(self._runtime.lora_requests)
+        """Per LoRA adapter the worker serves (--lora-modules and --lora-dir; at most 64), its requests running and
+        waiting, as vLLM's lora_requests_info tells in labels."""
+        names = self._runtime.lora_names
         if not names:
             return
         for index, (name, documentation) in enumerate((

@@ -10,13 +10,13 @@ import time
 from collections.abc import Callable
 
 from splitserve import __version__
-from splitserve.common.errors import NotFound, Overloaded, Unavailable
-from splitserve.common.lora_names import check_lora_name
+from splitserve.common.errors import Overloaded, Unavailable
 from splitserve.common.types import KVConnectorKind
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.rpc.convert import worker_load_to_pb
 from splitserve.rpc.counters import Counters
+from splitserve.rpc.lora_catalog import LoRACatalog
 from splitserve.rpc.worker_config import ROLES, WorkerConfig, kv_transfer_problem
 from splitserve.v1 import inference_pb2, worker_pb2
 
@@ -80,7 +80,7 @@ class WorkerRuntime:
             raise ValueError(problem)
         logger.info("KV cache: %d blocks of %d tokens, %.2f GiB on %s", self.engine.num_kv_blocks,
                     config.engine.block_size, cache.numel() * cache.element_size() / 1024**3, cache.device.type)
-        self.lora_requests = self._load_lora_modules(config.lora_modules)
+        self.lora = self._lora_catalog(config).start()
         self.loop = EngineLoop(self.engine)
         self.model_fingerprint = model_fingerprint(self.engine.model_dir, self.engine.model_runner.dtype_name)
         self.counters = Counters()
@@ -100,19 +100,30 @@ class WorkerRuntime:
         self.metrics = WorkerMetrics("colocated" if colocated else config.role,
                                      "none" if colocated else str(config.kv_transfer), self)
 
-    def _load_lora_modules(self, modules: dict[str, str]) -> dict:
-        """{name: LoRARequest} of the adapters this worker serves, each loaded once now (a bad one stops the
-        worker at start, with the loader's sentence), ids in the order given."""
-        from splitserve.engine.lora import LoRARequest
-
-        requests = {name: LoRARequest(name, index + 1, str(path)) for index, (name, path) in enumerate(modules.items())}
+    def _lora_catalog(self, config: WorkerConfig) -> LoRACatalog:
+        """The adapters this worker serves: its --lora-modules, each loaded once now (a bad one stops the worker at
+        start, with the loader's sentence), and those its --lora-dir holds (each checked before it is served)."""
+        catalog = LoRACatalog(config.lora_modules, config.lora_dir, check=self._check_adapter)
         manager = self.engine.model_runner.lora
-        for request in requests.values():
+        for request in catalog.fixed_requests:
             manager.acquire(request)
             manager.release(request)
-        if requests:
-            logger.info("Serving %d LoRA adapters: %s", len(requests), ", ".join(requests))
-        return requests
+        if config.lora_modules:
+            logger.info("Serving %d LoRA adapters: %s", len(config.lora_modules), ", ".join(config.lora_modules))
+        return catalog
+
+    def _check_adapter(self, request) -> None:
+        """Read ``request``'s adapter in full on the CPU, as the engine will load it (InvalidRequest: what is wrong)."""
+        from splitserve.engine.lora import load_adapter, part_shapes
+
+        manager = self.engine.model_runner.lora
+        load_adapter(request, manager.config.num_hidden_layers, part_shapes(manager.config), manager.max_rank,
+                     manager.dtype, "cpu")
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters this worker serves now, by name."""
+        return self.lora.names()
 
     def lora_request(self, name: str):
         """The LoRARequest a request naming adapter ``name`` runs with; None for "" (the base model).
@@ -121,13 +132,7 @@ class WorkerRuntime:
             InvalidRequest: not a valid adapter name.
             NotFound: this worker serves no adapter of that name.
         """
-        if not name:
-            return None
-        request = self.lora_requests.get(check_lora_name(name))
-        if request is None:
-            raise NotFound(f"This worker serves no LoRA adapter {name[:64]!r} (it serves "
-                           f"{', '.join(self.lora_requests) or 'none'}).")
-        return request
+        return self.lora.request(name)
 
     # ---- life ------------------------------------------------------------------
 
@@ -151,6 +156,7 @@ class WorkerRuntime:
             self.membership = Membership(
                 self.config.router, self.registration, self.load_pb, on_state=self._on_router_state,
                 state=lambda: self.state, cluster_token=self.config.cluster_token, tls=self.config.tls,
+                lora_names=(lambda: self.lora_names) if self.config.lora_dir else None,
             ).start(timeout=self.config.register_timeout_seconds)
             self.worker_id = self.membership.worker_id
 
@@ -158,6 +164,7 @@ class WorkerRuntime:
         """Stop the loop (aborting what is in flight: no new step starts), leave the cluster, stop the connector."""
         self.state = inference_pb2.WORKER_STATE_DRAINING
         self.loop.stop()
+        self.lora.stop()
         if self.membership is not None:
             self.membership.stop()
         if hasattr(self.kv_connector, "stop"):
@@ -279,7 +286,7 @@ class WorkerRuntime:
             worker_id=self.worker_id, role=ROLES[self.config.role], address=self.address,
             kv_endpoint=self.endpoint_pb(), capacity=self.capacity_pb(), model_fingerprint=self.model_fingerprint,
             kv_layout=self.layout_pb(), state=self.state, server_version=__version__,
-            lora_names=list(self.lora_requests), reasoning_parser=self.engine.config.reasoning_parser or "",
+            lora_names=self.lora_names, reasoning_parser=self.engine.config.reasoning_parser or "",
         )
 
     def status_pb(self) -> worker_pb2.GetWorkerStatusResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from splitserve.common.lora_names import MAX_LORA_MODULES, check_lora_name
 from splitserve.common.types import KVConnectorKind, WorkerRole
@@ -69,6 +70,8 @@ class WorkerConfig:
         metrics_port: serve Prometheus metrics over HTTP on ``host``:this port (0: a free one; None: not served).
         lora_modules: the LoRA adapters this worker serves, {name: PEFT directory} (``--lora-modules``; needs
             ``engine.enable_lora``): loaded at start, requests name them (GenerateRequest.lora_name).
+        lora_dir: a directory whose adapter subdirectories the worker serves by their names, found while it runs
+            (``--lora-dir``; needs ``engine.enable_lora``; ``splitserve.rpc.lora_catalog``); None: none.
     """
 
     role: str = "decode"
@@ -95,6 +98,7 @@ class WorkerConfig:
     lmcache_ttl_seconds: float = 600.0
     metrics_port: int | None = None
     lora_modules: dict[str, str] = field(default_factory=dict)
+    lora_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -129,6 +133,12 @@ class WorkerConfig:
             check_lora_name(name)
         if self.lora_modules and not self.engine.enable_lora:
             raise ValueError("lora_modules needs an engine with enable_lora (--enable-lora).")
+        if self.lora_dir is not None:
+            if not self.engine.enable_lora:
+                raise ValueError("lora_dir needs an engine with enable_lora (--enable-lora).")
+            if not Path(self.lora_dir).is_dir():
+                raise ValueError(f"--lora-dir {self.lora_dir}: no such directory (the adapters it serves are its "
+                                 "subdirectories, one PEFT checkpoint each).")
         if self.engine.enable_lora and self.kv_transfer == KVConnectorKind.LMCACHE and self.role != "both":
             raise ValueError("LoRA adapters cannot share KV through LMCache yet: LMCache keys KV by the tokens alone, "
                              "so one adapter's KV would be served for another's prompt. Use --kv-transfer p2p or redis.")

@@ -2,11 +2,13 @@
 start and register their names, the router lists them (GetModelInfo) and routes requests naming one
 (GenerateRequest.lora_name) to workers that serve it, and greedy output is PEFT's token for token, prompts prefilled
 remotely (their KV over p2p) and locally; the OpenAI gateway takes an adapter as its ``model``. Unknown and malformed
-names are refused with NOT_FOUND and INVALID_ARGUMENT (404 and 400 over HTTP), and nothing is left behind."""
+names are refused with NOT_FOUND and INVALID_ARGUMENT (404 and 400 over HTTP), and nothing is left behind. An adapter
+put in the workers' --lora-dir while they run is served within seconds, and one taken out is served no more."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -27,11 +29,18 @@ LOCAL_PREFILL_THRESHOLD = 8  # shorter prompts prefill on the decode worker, lon
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, lora_adapters):
+def lora_dir(tmp_path_factory):
+    """The workers' --lora-dir: empty at start."""
+    return tmp_path_factory.mktemp("lora-dir")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, lora_adapters, lora_dir):
     modules = [f"{name}={adapter.lora_path}" for name, adapter in lora_adapters.items()]
     cluster = start_cluster("p2p", tmp_path_factory.mktemp("lora-logs"),
                             router_args=["--local-prefill-threshold", str(LOCAL_PREFILL_THRESHOLD)],
-                            worker_args=["--max-loras", "2", "--metrics-port", "0", "--lora-modules", *modules])
+                            worker_args=["--max-loras", "2", "--metrics-port", "0", "--lora-modules", *modules,
+                                         "--lora-dir", str(lora_dir)])
     yield cluster
     cluster.stop()
 
@@ -126,4 +135,34 @@ def test_the_decode_workers_metrics_count_each_adapters_requests(cluster, client
     assert running("attention") == 0
     stream.cancel()
     wait_until(lambda: running("every") == 0, timeout=30, message="no 'every' request running")
+    wait_until(lambda: all_blocks_free(client), timeout=30, message="every block free")
+
+
+def test_an_adapter_put_in_the_lora_dir_is_served_by_its_name_and_one_taken_out_is_not(
+        cluster, client, lora_dir, tmp_path, prompt_token_ids, lora_references, lora_adapters):
+    """The 'attention' adapter's files copied in under a hidden name, then renamed "late": every worker checks it and
+    heartbeats its name, the router lists it, and it gives PEFT's tokens prefilled remotely (KV over p2p, once the
+    prefill worker serves it) and locally. Taken out, it is refused with NOT_FOUND; the base model serves on."""
+    prefill = next(worker for worker in cluster.workers if worker.name.startswith("prefill"))
+
+    def prefill_serves(name: str) -> bool:  # its metrics have a gauge per adapter it serves
+        return f'lora_name="{name}"' in scrape(metrics_url(prefill))
+
+    shutil.copytree(lora_adapters["attention"].lora_path, lora_dir / ".copying")
+    (lora_dir / ".copying").rename(lora_dir / "late")
+    wait_until(lambda: "late" in client.model_info().lora_names, timeout=30, message="the router lists 'late'")
+    wait_until(lambda: prefill_serves("late"), timeout=30, message="the prefill worker serves 'late'")
+    assert list(client.model_info().lora_names) == ["attention", "every", "late"]
+    lengths = [len(ids) for ids in prompt_token_ids[:6]]
+    for index in (lengths.index(min(lengths)), lengths.index(max(lengths))):  # prefilled locally, then remotely
+        chunks = list(client.generate_stream(prompt_token_ids[index], GREEDY, lora_name="late", timeout=300))
+        assert [token for chunk in chunks for token in chunk.token_ids] == lora_references["attention"][index], index
+
+    shutil.rmtree(lora_dir / "late")
+    wait_until(lambda: "late" not in client.model_info().lora_names, timeout=30, message="'late' listed no more")
+    with pytest.raises(grpc.RpcError) as error:
+        client.generate("Hi", lora_name="late")
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    wait_until(lambda: not prefill_serves("late"), timeout=30, message="the prefill worker lets 'late' go")
+    assert client.generate("Hi").usage.completion_tokens > 0
     wait_until(lambda: all_blocks_free(client), timeout=30, message="every block free")
