@@ -127,6 +127,8 @@ class LoRACatalog:
     def scan(self) -> list[str]:
         """Look at the directory once: serve the adapters that appeared and pass their check, stop serving those that
         went or changed. Returns the names served after it."""
+        if self._directory is None:
+            return self.names()
         found = self._listing()
         with self._lock:
             gone = [name for name in self._requests if name not in self._fixed and name not in found]

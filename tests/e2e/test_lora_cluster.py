@@ -145,8 +145,10 @@ def test_an_adapter_put_in_the_lora_dir_is_served_by_its_name_and_one_taken_out_
     prefill worker serves it) and locally. Taken out, it is refused with NOT_FOUND; the base model serves on."""
     prefill = next(worker for worker in cluster.workers if worker.name.startswith("prefill"))
 
+    url = metrics_url(prefill)
+
     def prefill_serves(name: str) -> bool:  # its metrics have a gauge per adapter it serves
-        return f'lora_name="{name}"' in scrape(metrics_url(prefill))
+        return ("splitserve_worker_lora_requests_running", (("lora_name", name), ("role", "prefill"))) in scrape(url)
 
     shutil.copytree(lora_adapters["attention"].lora_path, lora_dir / ".copying")
     (lora_dir / ".copying").rename(lora_dir / "late")

@@ -74,7 +74,7 @@ def test_a_bad_adapter_is_not_served_until_its_files_change(tmp_path, caplog):
     os.utime(bad / "adapter_model.safetensors", ns=(1, 1))  # a new stamp even within the clock's resolution
     assert served.scan() == ["half"]
     with pytest.raises(NotFound):
-        catalog(tmp_path / "other").request("half")
+        catalog(tmp_path).request("half")  # a new catalog: served after its first scan only
 
 
 def test_an_adapter_that_goes_is_served_no_more_and_back_unchanged_is_served_again(tmp_path):
@@ -149,7 +149,8 @@ def test_an_unreadable_directory_serves_nothing_from_it_and_says_so(tmp_path, ca
 
 
 def test_a_heartbeat_that_says_its_adapters_replaces_them_and_one_that_does_not_keeps_them():
-    from splitserve.common.types import WorkerLoad, WorkerRole, WorkerState
+    from splitserve.common.load import WorkerLoad
+    from splitserve.common.types import WorkerRole, WorkerState
     from splitserve.router.registry import WorkerRegistry
     from splitserve.router.registry_servicer import RegistryServicer
     from splitserve.v1 import worker_pb2
