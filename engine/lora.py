@@ -13,8 +13,11 @@ The delta of one adapter over its rows is two small GEMMs per projection (``[row
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +59,43 @@ class LoRARequest:
             raise InvalidRequest(f"A LoRA adapter's lora_int_id must be a positive integer, got {self.lora_int_id!r}.")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise InvalidRequest("A LoRA adapter needs lora_path, the local directory of its PEFT checkpoint.")
+
+
+_cache_tags: dict[LoRARequest, str] = {}
+_cache_tags_lock = threading.Lock()
+
+
+def lora_cache_tag(request: LoRARequest | None) -> str | None:
+    """The tag a request's KV goes under outside its engine (LMCache, ``kvtransfer.lmcache_connector``): None for
+    the base model; for an adapter, its name and a SHA-256 digest of its files (adapter_config.json and its
+    safetensors), computed once per adapter. KV of a prompt under one adapter is then never found for the base model,
+    for another adapter, or for another version of the same name, on any worker that shares the store; two workers
+    whose copies of an adapter differ share none of its KV.
+
+    Raises:
+        InvalidRequest: the adapter's files cannot be read.
+    """
+    if request is None:
+        return None
+    with _cache_tags_lock:
+        tag = _cache_tags.get(request)
+    if tag is not None:
+        return tag
+    directory = Path(request.lora_path)
+    digest = hashlib.sha256()
+    try:
+        for path in [directory / "adapter_config.json", *sorted(directory.glob("*.safetensors"))]:
+            digest.update(path.name.encode() + b"\0")
+            with open(path, "rb") as file:
+                while block := file.read(1 << 20):
+                    digest.update(block)
+    except OSError as error:
+        raise InvalidRequest(f"LoRA adapter {request.lora_name[:64]!r}: its files cannot be read "
+                             f"({error.strerror or type(error).__name__}).") from None
+    tag = f"{re.sub(r'[^A-Za-z0-9._-]', '_', request.lora_name[:64])}.{digest.hexdigest()[:32]}"
+    with _cache_tags_lock:
+        _cache_tags[request] = tag
+    return tag
 
 
 @dataclass

@@ -33,6 +33,7 @@ import logging
 import math
 import multiprocessing
 import os
+import re
 import threading
 import uuid
 from array import array
@@ -126,6 +127,25 @@ def _chunk_hash(inputs: tuple) -> bytes:
     return digest.digest()
 
 
+_TAG = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def request_configs(tag: str | None) -> dict:
+    """LMCache's request configs for KV stored under ``tag``: LMCache puts an ``lmcache.tag.*`` config's value in
+    every chunk's key (its Redis key name too), so the same tokens under two tags (the base model and a LoRA
+    adapter, or two adapters: ``splitserve.engine.lora.lora_cache_tag``) are two keys, never one.
+
+    Raises:
+        ValueError: a tag that is not 1 to 128 characters from [A-Za-z0-9._-] (LMCache's key strings split on
+            '@' and '%').
+    """
+    if tag is None:
+        return {}
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag):
+        raise ValueError("An LMCache tag is 1 to 128 characters from [A-Za-z0-9._-].")
+    return {"lmcache.tag.lora": tag}
+
+
 class LMCacheKVStore:
     """A worker's KV store in LMCache over Redis, for one model (``model_fingerprint``) and cache layout.
 
@@ -215,9 +235,10 @@ class LMCacheKVStore:
     # ---- the store's API -----------------------------------------------------------------------
 
     def store(self, token_ids: list[int], kv_cache: torch.Tensor, block_ids: list[int], *,
-              first_position: int = 0) -> None:
+              first_position: int = 0, tag: str | None = None) -> None:
         """Store the KV of ``token_ids`` (positions 0..n-1, held in ``block_ids`` in order) in LMCache, from
-        ``first_position`` on (a multiple of the chunk size: the chunks before it are stored already).
+        ``first_position`` on (a multiple of the chunk size: the chunks before it are stored already), under
+        ``tag`` (a LoRA adapter's: see :func:`request_configs`; None: the base model's).
 
         Returns once the chunks are copied out of ``kv_cache`` (the blocks may then change); the writes
         to Redis land shortly after (``lookup`` tells when). Redis errors are logged once, not raised.
@@ -234,23 +255,26 @@ class LMCacheKVStore:
                              f"({self.chunk_size}) within the prompt ({num_tokens} tokens).")
         if num_tokens == first_position:
             return
+        configs = request_configs(tag)
         slots = slot_mapping(block_ids, num_tokens, self.layout.block_size, kv_cache.device)
         with self._lock:
             self._check_open()
             for start, end in self._windows(first_position, num_tokens, STORE_WINDOW_CHUNKS):
                 self._engine.store(list(token_ids[:end]), mask=self._mask(start, end), kvcaches=kv_cache,
-                                   slot_mapping=slots[:end])
+                                   slot_mapping=slots[:end], request_configs=configs)
 
-    def lookup(self, token_ids: list[int]) -> int:
-        """How many leading tokens of ``token_ids`` LMCache holds in Redis: a multiple of the chunk size, or
-        ``len(token_ids)`` when the whole prompt (its partial last chunk too) is there. 0 when Redis is down."""
+    def lookup(self, token_ids: list[int], tag: str | None = None) -> int:
+        """How many leading tokens of ``token_ids`` LMCache holds in Redis under ``tag``: a multiple of the chunk
+        size, or ``len(token_ids)`` when the whole prompt (its partial last chunk too) is there. 0 when Redis is
+        down."""
+        configs = request_configs(tag)
         self._check_open()
         if not token_ids:
             return 0
-        return int(self._engine.lookup(list(token_ids)))
+        return int(self._engine.lookup(list(token_ids), request_configs=configs))
 
     def retrieve(self, token_ids: list[int], kv_cache: torch.Tensor, block_ids: list[int],
-                 num_tokens: int | None = None, *, num_computed_tokens: int = 0) -> int:
+                 num_tokens: int | None = None, *, num_computed_tokens: int = 0, tag: str | None = None) -> int:
         """Load the KV of the first ``num_tokens`` tokens of ``token_ids`` (default: all LMCache holds) into
         ``block_ids`` (block i holds positions ``[i * block_size, (i + 1) * block_size)``), in place. Writes
         only those positions, never a block outside ``block_ids``, and not the first ``num_computed_tokens``
@@ -265,8 +289,9 @@ class LMCacheKVStore:
             ValueError: ``num_tokens`` or ``num_computed_tokens`` out of range, ``block_ids`` too few, or the
                 cache has another layout.
         """
+        configs = request_configs(tag)
         if num_tokens is None:
-            num_tokens = max(self.lookup(token_ids), num_computed_tokens)
+            num_tokens = max(self.lookup(token_ids, tag), num_computed_tokens)
         if not 0 <= num_computed_tokens <= num_tokens <= len(token_ids):
             raise ValueError(f"Need 0 <= num_computed_tokens ({num_computed_tokens}) <= num_tokens ({num_tokens}) "
                              f"<= len(token_ids) ({len(token_ids)}).")
@@ -284,7 +309,7 @@ class LMCacheKVStore:
             self._check_open()
             for start, end in self._windows(first_chunk_start, read_end):
                 found = self._engine.retrieve(list(token_ids[:end]), mask=self._mask(start, end),
-                                              kvcaches=kv_cache, slot_mapping=slots[:end])
+                                              kvcaches=kv_cache, slot_mapping=slots[:end], request_configs=configs)
                 found_end = start + _leading_true(found[start:end])
                 loaded = max(loaded, min(found_end, num_tokens))
                 if found_end < end:

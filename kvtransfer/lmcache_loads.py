@@ -51,6 +51,8 @@ class LMCacheLoad:
     prompt_token_ids: list[int]
     # How long the load may wait for LMCache to hold its tokens, from start_load (0: one lookup).
     timeout_seconds: float
+    # The tag its KV was stored under (a LoRA adapter's, ``lora_cache_tag``; None: the base model's).
+    cache_tag: str | None = None
     block_ids: tuple[int, ...] = ()
     # Leading prompt tokens this worker's prefix cache holds: not written.
     num_computed_tokens: int = 0
@@ -100,15 +102,16 @@ class LMCacheLoader(KVConnectorBase):
     # ---- the servicer's side ---------------------------------------------------------------
 
     def expect(self, request_id: str, transfer_id: str, num_prompt_tokens: int, timeout_seconds: float,
-               source=None, *, prompt_token_ids: list[int] | None = None) -> None:
-        """A request's prompt KV will be in LMCache (``source``, the prefill worker's endpoint, is not needed).
+               source=None, *, prompt_token_ids: list[int] | None = None, cache_tag: str | None = None) -> None:
+        """A request's prompt KV will be in LMCache under ``cache_tag`` (its LoRA adapter's; None: the base
+        model's); ``source``, the prefill worker's endpoint, is not needed.
 
         Raises:
             InvalidRequest: the request id already waits for KV here, or the prompt's token ids are missing.
         """
         if prompt_token_ids is None or len(prompt_token_ids) != num_prompt_tokens:
             raise InvalidRequest("An LMCache load needs the prompt's token ids (LMCache keys KV by them).")
-        load = LMCacheLoad(request_id, transfer_id, list(prompt_token_ids), timeout_seconds)
+        load = LMCacheLoad(request_id, transfer_id, list(prompt_token_ids), timeout_seconds, cache_tag)
         with self._lock:
             if request_id in self._loads:
                 raise InvalidRequest(f"Request id {request_id!r} already waits for KV on this worker.")
@@ -182,7 +185,7 @@ class LMCacheLoader(KVConnectorBase):
     def _check(self, load: LMCacheLoad) -> None:
         """One look at a load: retrieve it if LMCache holds its tokens, fail it if its time is up; report."""
         try:
-            covered = self.store.lookup(load.prompt_token_ids) >= load.num_tokens
+            covered = self.store.lookup(load.prompt_token_ids, load.cache_tag) >= load.num_tokens
             if covered:
                 failure = self._retrieve(load)
             elif time.monotonic() - load.started >= load.timeout_seconds:
@@ -212,7 +215,8 @@ class LMCacheLoader(KVConnectorBase):
             if load.closed:
                 return ""
             loaded = self.store.retrieve(load.prompt_token_ids, self._kv_cache, list(load.block_ids),
-                                         load.num_tokens, num_computed_tokens=load.num_computed_tokens)
+                                         load.num_tokens, num_computed_tokens=load.num_computed_tokens,
+                                         tag=load.cache_tag)
         if loaded < load.num_tokens:
             return (f"LMCache returned the KV of {loaded} of the prompt's first {load.num_tokens} tokens (Redis "
                     f"down, or its keys expired)")

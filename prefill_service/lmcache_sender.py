@@ -50,10 +50,13 @@ class LMCacheSave:
     Args:
         request_id, transfer_id, prompt_token_ids: what the servicer announced.
         token_num_bytes: KV bytes of one token in the worker's cache.
+        cache_tag: the LMCache tag its KV goes under (its LoRA adapter's; None: the base model's).
     """
 
-    def __init__(self, request_id: str, transfer_id: str, prompt_token_ids: list[int], token_num_bytes: int) -> None:
+    def __init__(self, request_id: str, transfer_id: str, prompt_token_ids: list[int], token_num_bytes: int,
+                 cache_tag: str | None = None) -> None:
         self.request_id = request_id
+        self.cache_tag = cache_tag
         self.transfer_id = transfer_id
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -115,8 +118,9 @@ class LMCacheSender(KVConnectorBase):
     # ---- the servicer's side ----------------------------------------------------------------
 
     def expect(self, request_id: str, transfer_id: str, destination, num_prompt_tokens: int, *,
-               prompt_token_ids: list[int] | None = None) -> LMCacheSave:
-        """A request's prompt KV goes into LMCache as ``transfer_id``; wait on the returned save.
+               prompt_token_ids: list[int] | None = None, cache_tag: str | None = None) -> LMCacheSave:
+        """A request's prompt KV goes into LMCache as ``transfer_id``, under ``cache_tag`` (its LoRA adapter's;
+        None: the base model's); wait on the returned save.
 
         Raises:
             InvalidRequest: the request id is being saved from here already, the destination does not load from
@@ -127,7 +131,7 @@ class LMCacheSender(KVConnectorBase):
                                  "stores it in LMCache: both pools must use the same --kv-transfer.")
         if prompt_token_ids is None or len(prompt_token_ids) != num_prompt_tokens:
             raise InvalidRequest("An LMCache store needs the prompt's token ids (LMCache keys KV by them).")
-        save = LMCacheSave(request_id, transfer_id, list(prompt_token_ids), self.token_num_bytes)
+        save = LMCacheSave(request_id, transfer_id, list(prompt_token_ids), self.token_num_bytes, cache_tag)
         with self._lock:
             if request_id in self._saves:
                 raise InvalidRequest(f"Request id {request_id!r} is already being prefilled here.")
@@ -139,7 +143,7 @@ class LMCacheSender(KVConnectorBase):
         """How many leading prompt tokens to load: what LMCache holds, cut to a block boundary short of the
         prompt's last token. Looked up here, on the RPC's thread, so the engine's thread does no I/O."""
         try:
-            held = self.store.lookup(save.prompt_token_ids)
+            held = self.store.lookup(save.prompt_token_ids, save.cache_tag)
         except RuntimeError:  # the store closed: the worker shuts down
             return 0
         return min(held, save.num_prompt_tokens - 1) // self.block_size * self.block_size
@@ -187,7 +191,7 @@ class LMCacheSender(KVConnectorBase):
             self._prefixes.start_load(load)  # reported failed: nothing was announced
             return
         self._prefixes.expect(load.request_id, save.transfer_id, save.num_prompt_tokens, 0.0,
-                              prompt_token_ids=save.prompt_token_ids)
+                              prompt_token_ids=save.prompt_token_ids, cache_tag=save.cache_tag)
         self._prefixes.start_load(load)
 
     def save(self, save: KVSave) -> None:
@@ -245,10 +249,11 @@ class LMCacheSender(KVConnectorBase):
         started = time.monotonic()
         try:
             # Looked up again: chunks stored since the request came (or gone since) are counted right.
-            held = self.store.lookup(save.prompt_token_ids)
+            held = self.store.lookup(save.prompt_token_ids, save.cache_tag)
             if held < save.num_prompt_tokens:
                 self.store.store(save.prompt_token_ids, self._kv_cache, save.block_ids,
-                                 first_position=held // self.store.chunk_size * self.store.chunk_size)
+                                 first_position=held // self.store.chunk_size * self.store.chunk_size,
+                                 tag=save.cache_tag)
         except Exception as error:  # reported to the engine (frees the blocks) and to the waiting Prefill call
             log.warning("Storing the prompt's KV in LMCache failed: %s", error)
             self._ended(save, f"storing the prompt's KV in LMCache failed: {error}")
@@ -277,7 +282,7 @@ class LMCacheSender(KVConnectorBase):
         # for up to the store's socket timeout, so the whole wait is bounded by the two together.
         while time.monotonic() < deadline:
             try:
-                if self.store.lookup(save.prompt_token_ids) >= save.num_prompt_tokens:
+                if self.store.lookup(save.prompt_token_ids, save.cache_tag) >= save.num_prompt_tokens:
                     return None
             except RuntimeError as error:  # the store closed: the worker shuts down
                 return f"LMCache closed before the prompt's KV reached Redis ({error})"

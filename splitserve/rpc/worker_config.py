@@ -139,9 +139,6 @@ class WorkerConfig:
             if not Path(self.lora_dir).is_dir():
                 raise ValueError(f"--lora-dir {self.lora_dir}: no such directory (the adapters it serves are its "
                                  "subdirectories, one PEFT checkpoint each).")
-        if self.engine.enable_lora and self.kv_transfer == KVConnectorKind.LMCACHE and self.role != "both":
-            raise ValueError("LoRA adapters cannot share KV through LMCache yet: LMCache keys KV by the tokens alone, "
-                             "so one adapter's KV would be served for another's prompt. Use --kv-transfer p2p or redis.")
 
     def _check_lmcache(self) -> None:
         """Raises ValueError on a bad LMCache setting, or when the extra is not installed (how to install it)."""

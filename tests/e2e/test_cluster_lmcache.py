@@ -2,7 +2,8 @@
 redis-server on a free loopback port as LMCache's backend. The prefill worker stores each prompt's KV in
 LMCache; the decode worker waits until Redis holds it, loads it into its reserved blocks and recomputes only
 the last prompt token. Greedy outputs must be token-identical to transformers on the reference prompts, from a
-couple of tokens to one of over a thousand (several 256-token chunks and a partial one).
+couple of tokens to one of over a thousand (several 256-token chunks and a partial one), and to PEFT's with a LoRA
+adapter, whose KV LMCache keeps under the adapter's own tag.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import redis
 
 from splitserve.client import Client
+from splitserve.common.sampling_params import SamplingParams
 from tests.cluster_helpers import all_blocks_free, start_cluster, stream_tokens, wait_until, worker_status
 from tests.reference import MAX_TOKENS
 
@@ -29,8 +31,10 @@ CHUNK_SIZE = 256
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cluster = start_cluster("lmcache", tmp_path_factory.mktemp("lmcache-cluster"))
+def cluster(tmp_path_factory, lora_adapters):
+    modules = [f"{name}={adapter.lora_path}" for name, adapter in lora_adapters.items()]
+    cluster = start_cluster("lmcache", tmp_path_factory.mktemp("lmcache-cluster"),
+                            worker_args=["--lora-modules", *modules, "--max-loras", "2"])
     yield cluster
     cluster.stop()
 
@@ -65,6 +69,31 @@ def test_lmcache_kv_transfer_is_token_identical_to_transformers(cluster, prompt_
         assert all(0 < ttl <= 600_000 for ttl in ttls), ttls
     finally:
         server.close()
+
+
+def test_an_adapters_kv_goes_under_its_own_tag_and_gives_pefts_tokens(cluster, prompt_token_ids, lora_references):
+    """After the base model's KV of every prompt is in LMCache (the test above), the same prompts under adapter
+    "every": had LMCache keyed them by tokens alone, the decode worker would load the base model's KV. Then the
+    base model again, whose KV must not be the adapter's."""
+    from tests.lora_helpers import LORA_MAX_TOKENS
+
+    decode = next(p for p in cluster.workers if p.name.startswith("decode"))
+    before = worker_status(decode.address, "decode").counters
+    indices = [1, max(range(len(prompt_token_ids)), key=lambda i: len(prompt_token_ids[i]))]  # short, longest
+    with Client(cluster.router.address) as client:
+        for index in indices:
+            chunks = list(client.generate_stream(prompt_token_ids[index], SamplingParams(
+                max_tokens=LORA_MAX_TOKENS, temperature=0.0), lora_name="every", timeout=300))
+            assert [t for chunk in chunks for t in chunk.token_ids] == lora_references["every"][index], index
+        chunks = list(client.generate_stream(prompt_token_ids[1], SamplingParams(max_tokens=LORA_MAX_TOKENS,
+                                                                                  temperature=0.0), timeout=300))
+        assert [t for chunk in chunks for t in chunk.token_ids] == lora_references[None][1]
+        after = worker_status(decode.address, "decode").counters
+        assert after.num_kv_transfers_received - before.num_kv_transfers_received == 3
+        assert after.num_kv_recomputes == before.num_kv_recomputes and after.num_local_prefills == 0
+        wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free")
+    keys = [key.decode() for key in redis.Redis.from_url(cluster.redis_url).scan_iter(match="*@lora%every.*")]
+    assert keys and all(re.search(r"@lora%every\.[0-9a-f]{32}", key) for key in keys), keys[:4]
 
 
 def test_a_prompt_lmcache_never_holds_is_recomputed_after_the_kv_timeout(cluster, tokenizer, model_dir):

@@ -207,6 +207,27 @@ def test_every_key_carries_the_fingerprint_and_a_ttl(stored, redis_url):
     assert all(0 < ttl <= TTL_SECONDS * 1000 for ttl in ttls), ttls
 
 
+def test_kv_stored_under_a_tag_is_found_under_that_tag_only(stored, reader, redis_url, tmp_path):
+    """A LoRA adapter's KV goes under its tag (``lora_cache_tag``): the same tokens under the base model (the
+    writer's, seed 11), under the tag (the reader's cache, seed 12) and under another tag are three things."""
+    tag, other = "sql.0123abcd", "chat.0123abcd"
+    assert reader.call("lookup", tokens=LONG, tag=tag)["found"] == 0  # the base model's KV is not the adapter's
+    reader.call("store", tokens=LONG, blocks=STORE_BLOCKS["long"], tag=tag)
+    assert reader.call("wait_for", tokens=LONG, expected=len(LONG), tag=tag)["found"] == len(LONG)
+    assert reader.call("lookup", tokens=LONG, tag=other)["found"] == 0
+    assert reader.call("lookup", tokens=LONG[:600], tag=tag)["found"] == 512  # prefixes too, under the tag
+    for loaded_tag, seed in ((tag, 12), (None, 11)):
+        reply = reader.call("retrieve", tokens=LONG, blocks=LOAD_BLOCKS["long"], save=str(tmp_path / "kv.pt"),
+                            tag=loaded_tag)
+        assert reply["loaded"] == len(LONG)
+        expected = expected_load(seeded_cache(seed), STORE_BLOCKS["long"], LOAD_BLOCKS["long"], len(LONG))
+        assert torch.equal(torch.load(tmp_path / "kv.pt"), expected), f"tag {loaded_tag} loaded another's KV"
+    keys = list(redis.Redis.from_url(redis_url).scan_iter(match=f"splitserve:lmcache:{stored['fingerprint']}@*"))
+    assert sum(f"@lora%{tag}".encode() in key for key in keys) == 8  # bytes and metadata of four chunks
+    for bad in ("a@b", "a%b", "", "x" * 129):
+        assert "1 to 128 characters" in reader.call("refusal", tag=bad)["refused"]
+
+
 def test_a_process_exits_within_5_s_of_close(stored):
     assert stored["exit_seconds"] < 5.0
 
@@ -376,28 +397,36 @@ def _open(state, url, fingerprint, seed, log_level, local_cpu_bytes=64 << 20, tt
             "track_usage": os.environ.get("LMCACHE_TRACK_USAGE")}
 
 
-def _store(state, tokens, blocks):
-    state["store"].store(tokens, state["source"], blocks)
+def _store(state, tokens, blocks, tag=None):
+    state["store"].store(tokens, state["source"], blocks, tag=tag)
     return {}
 
 
-def _wait_for(state, tokens, expected, timeout=20.0):
+def _wait_for(state, tokens, expected, timeout=20.0, tag=None):
     deadline = time.monotonic() + timeout
-    while (found := state["store"].lookup(tokens)) < expected and time.monotonic() < deadline:
+    while (found := state["store"].lookup(tokens, tag)) < expected and time.monotonic() < deadline:
         time.sleep(0.02)
     return {"found": found}
 
 
-def _lookup(state, tokens):
-    return {"found": state["store"].lookup(tokens)}
+def _lookup(state, tokens, tag=None):
+    return {"found": state["store"].lookup(tokens, tag)}
 
 
-def _retrieve(state, tokens, blocks, save, num_tokens=None, num_computed_tokens=0):
+def _retrieve(state, tokens, blocks, save, num_tokens=None, num_computed_tokens=0, tag=None):
     state["target"].fill_(SENTINEL)
     loaded = state["store"].retrieve(tokens, state["target"], blocks, num_tokens,
-                                     num_computed_tokens=num_computed_tokens)
+                                     num_computed_tokens=num_computed_tokens, tag=tag)
     torch.save(state["target"], save)
     return {"loaded": loaded}
+
+
+def _refusal(state, tag):
+    try:
+        state["store"].lookup(LONG, tag)
+    except ValueError as error:
+        return {"refused": str(error)}
+    return {"refused": None}
 
 
 def _close(state):
@@ -406,7 +435,7 @@ def _close(state):
 
 
 _HANDLERS = {"open": _open, "store": _store, "wait_for": _wait_for, "lookup": _lookup, "retrieve": _retrieve,
-             "close": _close}
+             "refusal": _refusal, "close": _close}
 
 if __name__ == "__main__":
     _serve()

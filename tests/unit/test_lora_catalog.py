@@ -201,3 +201,23 @@ def test_lora_dir_turns_lora_on_and_up_passes_it_to_every_worker_by_absolute_pat
         WorkerConfig(lora_dir="adapters")
     with pytest.raises(ValueError, match="--lora-dir nowhere: no such directory"):
         WorkerConfig(lora_dir="nowhere", engine=EngineConfig(enable_lora=True))
+
+
+# ---- the adapter's tag outside the engine (LMCache) ----------------------------------
+
+
+def test_an_adapters_cache_tag_is_its_name_and_a_digest_of_its_files(tmp_path):
+    from splitserve.engine.lora import LoRARequest, lora_cache_tag
+
+    first = adapter(tmp_path / "one")
+    shutil.copytree(first, tmp_path / "copy")
+    other = adapter(tmp_path / "two", seed=2)
+    tag = lora_cache_tag(LoRARequest("sql", 1, str(first)))
+    assert lora_cache_tag(None) is None
+    assert tag.startswith("sql.") and len(tag) == 4 + 32
+    assert lora_cache_tag(LoRARequest("sql", 7, str(tmp_path / "copy"))) == tag  # the same files elsewhere
+    assert lora_cache_tag(LoRARequest("chat", 1, str(first))) != tag  # another name
+    assert lora_cache_tag(LoRARequest("sql", 2, str(other))) not in (tag, None)  # other weights
+    assert lora_cache_tag(LoRARequest("a b/c", 3, str(first))).startswith("a_b_c.")  # only key-safe characters
+    with pytest.raises(InvalidRequest, match="'gone': its files cannot be read"):
+        lora_cache_tag(LoRARequest("gone", 4, str(tmp_path / "nowhere")))

@@ -87,16 +87,16 @@ def test_up_passes_its_adapters_to_every_worker_by_absolute_path(tmp_path, monke
         _engine_flags(_parse("--lora-modules", "chat=chat", "--dtype", "float32"), "/m")
 
 
-def test_a_worker_configuration_with_adapters_needs_lora_and_a_connector_that_keeps_them_apart():
+def test_a_worker_configuration_with_adapters_needs_lora_and_takes_any_connector():
     lora = EngineConfig(enable_lora=True)
     assert WorkerConfig(lora_modules={"sql": "/a"}, engine=lora).lora_modules == {"sql": "/a"}
     with pytest.raises(ValueError, match="needs an engine with enable_lora"):
         WorkerConfig(lora_modules={"sql": "/a"})
     with pytest.raises(InvalidRequest, match="characters"):
         WorkerConfig(lora_modules={"../sql": "/a"}, engine=lora)
-    with pytest.raises(ValueError, match="LMCache keys KV by the tokens alone"):
-        WorkerConfig(role="decode", kv_transfer="lmcache", kv_address="redis://127.0.0.1:1/0", engine=lora)
-    WorkerConfig(role="both", kv_transfer="lmcache", engine=lora)  # a colocated worker moves no KV
+    # LMCache keeps each adapter's KV under its own tag (lora_cache_tag): every connector takes adapters.
+    WorkerConfig(role="decode", kv_transfer="lmcache", kv_address="redis://127.0.0.1:1/0", engine=lora)
+    WorkerConfig(role="both", kv_transfer="lmcache", engine=lora)
 
 
 def test_a_registration_names_at_most_64_valid_adapters():
