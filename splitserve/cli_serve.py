@@ -125,8 +125,8 @@ def _add_lora_modules_argument(parser: argparse.ArgumentParser) -> None:
         "--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
         help="LoRA adapters to serve (vLLM's flag): each a name (1-64 characters from [A-Za-z0-9._-]) and the local "
         "directory of its PEFT checkpoint (adapter_config.json, adapter_model.safetensors), loaded at start; a request "
-        "names one as GenerateRequest.lora_name (the gateway: as its OpenAI model); implies --enable-lora; not with "
-        "--kv-transfer lmcache (default: none)")
+        "names one as GenerateRequest.lora_name (the gateway: as its OpenAI model); implies --enable-lora; with --kv-transfer "
+        "lmcache each adapter's KV goes under its own tag (default: none)")
     parser.add_argument(
         "--lora-dir", metavar="DIR",
         help="a directory of LoRA adapters served by name while the worker runs (vLLM's filesystem LoRA resolver): "
