@@ -20,8 +20,12 @@ arguments), ``response.function_call_arguments.delta`` events, ``response.functi
 
 The gateway keeps no state, so what needs stored responses is refused with 400 and a sentence
 (``previous_response_id``, ``background``, ``conversation``); ``store`` is taken and nothing is stored, as vLLM
-does by default. Tools the server would run itself (web search, file search, MCP, ...), ``include`` and
-``top_logprobs`` are refused too.
+does by default. Tools the server would run itself (web search, file search, MCP, ...) are refused too.
+
+``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` alternatives, 0 to 20) gives each token of
+the message its log probability, on the output text part and on each text delta event, as vLLM gives them. A
+reasoning parser's split or function tools would part the tokens from the text they make, so logprobs are refused
+with either (as OpenAI refuses logprobs for its reasoning models).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve.common.chat import FunctionTool
-from splitserve.gateway import APIError, Gateway, _chain, _chat, _finish
+from splitserve.gateway import APIError, Gateway, _chain, _chat, _chat_logprobs_object, _finish
 from splitserve.gateway_reasoning import ReasoningReplies
 from splitserve.gateway_responses_request import parse_request, under_tool_choice
 from splitserve.gateway_tools import ToolReplies
@@ -78,9 +82,10 @@ class ResponseHead:
             answer["error"] = {"code": "server_error", "message": _failure(last)}
         return answer
 
-    def message(self, text: str, status: str = "completed") -> dict:
-        """The assistant's message item (one ``output_text`` part; ``status`` "in_progress": no part yet)."""
-        content = [] if status == "in_progress" else [_output_text(text)]
+    def message(self, text: str, status: str = "completed", logprobs: list | None = None) -> dict:
+        """The assistant's message item (one ``output_text`` part, with ``logprobs`` when asked; ``status``
+        "in_progress": no part yet)."""
+        content = [] if status == "in_progress" else [_output_text(text, logprobs)]
         return {"id": self.message_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
     def reasoning(self, text: str, status: str = "completed") -> dict:
@@ -88,10 +93,11 @@ class ResponseHead:
         content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
         return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
-    def output(self, reasoning: str | None, content: str | None, calls: list[dict] = ()) -> list:
+    def output(self, reasoning: str | None, content: str | None, calls: list[dict] = (),
+               logprobs: list | None = None) -> list:
         """The output items: the reasoning item when there is a think block, the message (unless the answer is
-        calls alone), then the ``function_call`` items."""
-        message = [self.message(content or "")] if content or not calls else []
+        calls alone; ``logprobs`` on its text when asked), then the ``function_call`` items."""
+        message = [self.message(content or "", logprobs=logprobs)] if content or not calls else []
         return ([self.reasoning(reasoning)] if reasoning is not None else []) + message + list(calls)
 
 
@@ -102,9 +108,10 @@ def function_call(call_id: str, name: str, arguments: str, status: str = "comple
 
 
 def whole_response(head: ResponseHead, text: str, last, reasoning: ReasoningReplies | None,
-                   tools: ToolReplies | None = None) -> dict:
+                   tools: ToolReplies | None = None, logprobs: list | None = None) -> dict:
     """The non-streamed response for a generation's whole ``text`` and its ``last`` router message; with
-    ``tools`` (a tool choice other than none) the text after the think block may be calls."""
+    ``tools`` (a tool choice other than none) the text after the think block may be calls; ``logprobs`` (the
+    router's entries, when asked) go on the message's text."""
     thought, content = reasoning.whole(text) if reasoning is not None else (None, text)
     status, calls = response_status(last), []
     if tools is not None:
@@ -113,7 +120,14 @@ def whole_response(head: ResponseHead, text: str, last, reasoning: ReasoningRepl
         content = message["content"]
         calls = [function_call(call["id"], call["function"]["name"], call["function"]["arguments"], call_status)
                  for call in message.get("tool_calls", [])]
-    return head.response(status, head.output(thought, content, calls), usage_object(last.usage), last)
+    output = head.output(thought, content, calls, text_logprobs(logprobs) if logprobs is not None else None)
+    return head.response(status, output, usage_object(last.usage), last)
+
+
+def text_logprobs(entries: list) -> list[dict]:
+    """The Responses API's logprobs of text (``openai.types.responses``' Logprob): per token, its text, UTF-8
+    bytes, log probability and ``top_logprobs`` alternatives; the chat route's entries."""
+    return (_chat_logprobs_object(entries) or {"content": []})["content"]
 
 
 def response_status(last) -> str:
@@ -146,8 +160,11 @@ class ResponseEvents:
     """
 
     def __init__(self, head: ResponseHead, reasoning: ReasoningReplies | None = None,
-                 tools: ToolReplies | None = None) -> None:
+                 tools: ToolReplies | None = None, logprobs: bool = False) -> None:
         self.head, self.reasoning_parser, self.tools = head, reasoning, tools
+        # The message's token logprobs so far, when asked (then neither reasoning nor tools: text is tokens).
+        self.logprobs: list[dict] | None = [] if logprobs else None
+        self._held_logprobs: list[dict] = []  # of tokens whose text has not come yet
         self.sequence_number = 0
         self.output: list[dict] = []  # the items done, in order: the response's output
         self.reasoning: str | None = None  # the think block so far; None until it starts
@@ -164,7 +181,7 @@ class ResponseEvents:
 
     def feed(self, message) -> list[str]:
         """The events of one router message's text (held back while it may begin a think tag or a call)."""
-        return self._take(message.text, _finish(message))
+        return self._take(message.text, _finish(message), list(message.logprobs))
 
     def finish(self, last) -> list[str]:
         """The last events: every item done, then ``response.completed`` (or ``response.incomplete``); a failure
@@ -174,6 +191,8 @@ class ResponseEvents:
         events = [] if self._fed_last else self._take("", _finish(last) or "abort")  # release what was held
         if not self.num_calls:
             events += self._open_message()
+        if self.logprobs is not None:  # tokens whose text never came (cut at a stop string) still count
+            self.logprobs, self._held_logprobs = self.logprobs + self._held_logprobs, []
         status = response_status(last)
         events += self._close(_call_status(self.tools, status) if self.tools is not None else "completed")
         response = self.head.response(status, self.output, usage_object(last.usage), last)
@@ -184,7 +203,7 @@ class ResponseEvents:
         """OpenAI's ``error`` event (the SDK's ResponseErrorEvent): the stream's last."""
         return self._event("error", code=code, message=message, param=None)
 
-    def _take(self, text: str, finish: str | None) -> list[str]:
+    def _take(self, text: str, finish: str | None, entries: list = ()) -> list[str]:
         """The events of the answer's next ``text`` (``finish`` set on its last): its think block's part, then its
         content, then the calls the tool replies read."""
         self._fed_last = finish is not None
@@ -195,6 +214,8 @@ class ResponseEvents:
             delta, _ = self.tools.delta(0, content, finish)
             content, calls = delta.get("content", ""), delta.get("tool_calls", [])
         events = []
+        if not content and self.logprobs is not None:  # tokens whose text comes later (a possible stop string)
+            self._held_logprobs += text_logprobs(entries)
         if thought:
             if self.reasoning is None:
                 self.reasoning = ""
@@ -205,7 +226,11 @@ class ResponseEvents:
         if content:
             events += self._open_message()
             self.text += content
-            events.append(self._event("response.output_text.delta", **self._place(), delta=content, logprobs=[]))
+            logprobs, self._held_logprobs = self._held_logprobs + text_logprobs(entries), []
+            if self.logprobs is not None:
+                self.logprobs += logprobs
+            events.append(self._event("response.output_text.delta", **self._place(), delta=content,
+                                      logprobs=logprobs))
         for call in calls:
             events += self._call_events(call)
         return events
@@ -253,10 +278,12 @@ class ResponseEvents:
             events = [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   arguments=item["arguments"])]
         else:
-            item = self.head.reasoning(self.reasoning) if kind == "reasoning" else self.head.message(self.text)
+            item = (self.head.reasoning(self.reasoning) if kind == "reasoning"
+                    else self.head.message(self.text, logprobs=self.logprobs))
             place = {"item_id": item["id"], "output_index": index, "content_index": 0}
             done = ("response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done")
-            text = {"text": item["content"][0]["text"]} | ({} if kind == "reasoning" else {"logprobs": []})
+            text = {"text": item["content"][0]["text"]} | (
+                {} if kind == "reasoning" else {"logprobs": self.logprobs or []})
             events = [self._event(done, **place, **text),
                       self._event("response.content_part.done", **place, part=item["content"][0])]
         self.output.append(item)
@@ -296,7 +323,7 @@ async def create_response(gateway: Gateway, request: Request) -> Response:
         chat = _chat(parsed.chat_body)
     except APIError as error:
         raise APIError(error.status, error.message, "input" if error.param == "messages" else error.param) from None
-    params = gateway._params(parsed.chat_body, info, default_max_tokens=info.max_model_len)
+    params = gateway._params(parsed.chat_body, info, default_max_tokens=info.max_model_len, logprobs=parsed.logprobs)
     if parsed.text_format is not None:
         if params.structured_outputs is not None:
             raise APIError(400, "Send text.format or structured_outputs, not both.", "structured_outputs")
@@ -305,12 +332,19 @@ async def create_response(gateway: Gateway, request: Request) -> Response:
     echoed = {**parsed.echoed, "temperature": params.temperature, "top_p": params.top_p}
     head = ResponseHead.new(lora_name or gateway._model_name(info), echoed)
     reasoning = gateway.reasoning_replies(info, chat, tools)
+    if parsed.logprobs is not None and (reasoning is not None or tools is not None):
+        what = "a reasoning parser" if reasoning is not None else "function tools"
+        raise APIError(400, f"Logprobs are not available with {what}: the think block or the calls would part the "
+                       "tokens from the message's text. Ask /v1/chat/completions, whose logprobs cover every token.",
+                       "include")
     calls, streams, firsts = await gateway._start(request, parsed.chat_body, [(chat, 0)], params, head.id, lora_name)
     if not parsed.stream:
         [chunks] = await gateway._collect(request, calls, streams, firsts)
         last = chunks[-1] if chunks else inference_pb2.GenerateStreamResponse()
-        return JSONResponse(whole_response(head, "".join(chunk.text for chunk in chunks), last, reasoning, tools))
-    events = _stream(ResponseEvents(head, reasoning, tools), calls, firsts[0], streams[0])
+        logprobs = [entry for chunk in chunks for entry in chunk.logprobs] if parsed.logprobs is not None else None
+        return JSONResponse(whole_response(head, "".join(chunk.text for chunk in chunks), last, reasoning, tools,
+                                           logprobs))
+    events = _stream(ResponseEvents(head, reasoning, tools, parsed.logprobs is not None), calls, firsts[0], streams[0])
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from splitserve.common.chat import MAX_TOOLS, Chat, FunctionTool, openai_tools
 from splitserve.common.errors import InvalidRequest
-from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.gateway import APIError, Gateway, _flag, _is_int
 from splitserve.gateway_tools import ToolReplies, chat_tools
@@ -28,9 +28,10 @@ _REFUSED = {
     "background": "background needs responses stored on the server, and this gateway keeps no state (nor does vLLM "
     "without VLLM_ENABLE_RESPONSES_API_STORE).",
     "prompt": "prompt (a stored prompt template) is not supported, as in vLLM: send instructions and input.",
-    "include": "include is not supported on /v1/responses yet (no logprobs, encrypted reasoning or tool outputs).",
-    "top_logprobs": "top_logprobs is not supported on /v1/responses yet.",
 }
+# What ``include`` may ask for: the message's token logprobs (nothing else is produced here: no encrypted reasoning,
+# no server-side tool outputs).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # vLLM's sampling fields on its ResponsesRequest beyond OpenAI's, taken as chat requests take them.
 _VLLM_SAMPLING = ("top_k", "repetition_penalty", "seed", "stop", "ignore_eos", "logit_bias", "priority",
                   "structured_outputs")
@@ -51,12 +52,15 @@ class ResponsesRequest:
         text_format: ``text.format``'s constraint (json_schema, json_object); None for plain text.
         stream: whether the answer is a stream of events.
         echoed: the request's fields that every response object repeats, as vLLM repeats them.
+        logprobs: with ``include`` message.output_text.logprobs, the alternatives each token gets (``top_logprobs``,
+            0 by default); None: no logprobs.
     """
 
     chat_body: dict
     text_format: StructuredOutputsParams | None
     stream: bool
     echoed: dict = field(default_factory=dict)
+    logprobs: int | None = None
 
 
 def parse_request(body: dict) -> ResponsesRequest:
@@ -89,9 +93,27 @@ def parse_request(body: dict) -> ResponsesRequest:
         "max_output_tokens": max_output_tokens, "max_tool_calls": body.get("max_tool_calls"),
         "previous_response_id": None, "reasoning": body.get("reasoning"),
         "service_tier": body.get("service_tier") or "auto", "text": {"format": {"type": "text"}, **(text or {})},
-        "top_logprobs": None, "truncation": "disabled", "user": body.get("user"),
+        "truncation": "disabled", "user": body.get("user"),
     }
-    return ResponsesRequest(chat_body, _text_format((text or {}).get("format")), _flag(body, "stream"), echoed)
+    logprobs, top = _logprobs(body)
+    echoed["top_logprobs"] = top
+    return ResponsesRequest(chat_body, _text_format((text or {}).get("format")), _flag(body, "stream"), echoed,
+                            logprobs)
+
+
+def _logprobs(body: dict) -> tuple[int | None, int | None]:
+    """``include`` and ``top_logprobs``: (the alternatives per token when the message's logprobs are included, else
+    None; ``top_logprobs`` as given). As vLLM reads them, logprobs come only when ``include`` asks for them."""
+    include, top = body.get("include"), body.get("top_logprobs")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(item, str) for item in include)):
+        raise APIError(400, "include must be a list of strings.", "include")
+    for item in include or []:
+        if item != LOGPROBS_INCLUDE:
+            raise APIError(400, f"include {item[:_QUOTED]!r} is not supported: only {LOGPROBS_INCLUDE!r} is (this "
+                           "gateway runs no tools and keeps no encrypted reasoning).", "include")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+        raise APIError(400, f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}.", "top_logprobs")
+    return ((top or 0) if LOGPROBS_INCLUDE in (include or []) else None), top
 
 
 def _tools(tools) -> tuple[list[dict] | None, list[dict]]:

@@ -996,8 +996,8 @@ def test_a_response_is_the_grpc_paths_greedy_chat_whole_and_streamed(api, grpc_c
 
 def test_a_response_takes_a_json_schema_text_format_and_refuses_what_needs_state(api, gateway, cluster, grpc_client):
     """text.format json_schema is the structured outputs constraint (the gRPC path's tokens under the same
-    schema); what needs stored responses, tools and logprobs are refused with OpenAI's error, 400, the field
-    named."""
+    schema); what needs stored responses, server-side tools and encrypted reasoning are refused with OpenAI's
+    error, 400, the field named."""
     model = api.models.list().data[0].id
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
               "additionalProperties": False}
@@ -1008,7 +1008,7 @@ def test_a_response_takes_a_json_schema_text_format_and_refuses_what_needs_state
                                                              structured_outputs={"json": schema}))
     assert response.output_text == expected.text and set(json.loads(response.output_text)) == {"city"}
     refused = {"previous_response_id": "resp_123", "background": True, "tools": [{"type": "web_search"}],
-               "include": ["message.output_text.logprobs"], "truncation": "auto"}
+               "include": ["reasoning.encrypted_content"], "truncation": "auto"}
     for field, sent in refused.items():
         with pytest.raises(openai.BadRequestError) as bad:
             api.responses.create(model=model, input="Hi", **{field: sent})
@@ -1019,6 +1019,38 @@ def test_a_response_takes_a_json_schema_text_format_and_refuses_what_needs_state
     assert answer.status_code == 400 and error["type"] == "invalid_request_error" and error["param"] == "input"
     assert error["message"].endswith(".") and error["code"] is None
     assert api.responses.create(model=model, input="Hi", max_output_tokens=2, store=True).status == "incomplete"
+    wait_until(lambda: all_blocks_free(grpc_client), 20, message="every block free after the responses")
+
+
+def test_a_responses_logprobs_are_the_grpc_paths_whole_and_streamed(api, grpc_client):
+    """include message.output_text.logprobs with top_logprobs 2: the message's text part carries one entry per
+    generated token (the end of sequence last, as the chat route's), the gRPC path's logprobs and alternatives;
+    streamed, the deltas' entries add up to the same, and the done events carry them all. With function tools
+    they are refused (400 naming include)."""
+    model = api.models.list().data[0].id
+    expected = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=48, logprobs=2))
+    asked = dict(model=model, input=QUESTION[0]["content"], temperature=0, max_output_tokens=48,
+                 include=["message.output_text.logprobs"], top_logprobs=2)
+    response = api.responses.create(**asked)
+    assert response.output_text == expected.text and response.top_logprobs == 2
+    entries = response.output[0].content[0].logprobs
+    assert [entry.token for entry in entries] == [position.sampled.text for position in expected.logprobs]
+    assert [entry.logprob for entry in entries] == pytest.approx([p.sampled.logprob for p in expected.logprobs])
+    assert "".join(entry.token for entry in entries[:-1]) == expected.text
+    for entry, position in zip(entries, expected.logprobs):
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert [top.token for top in entry.top_logprobs] == [top.text for top in position.top]
+    events = list(api.responses.create(**asked, stream=True))
+    streamed = [entry for event in events if event.type == "response.output_text.delta" for entry in event.logprobs]
+    done = next(event for event in events if event.type == "response.output_text.done")
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [entry.token for entry in done.logprobs] == [entry.token for entry in final] == [e.token for e in entries]
+    assert [entry.token for entry in streamed] == [e.token for e in entries][:len(streamed)]
+    assert "".join(entry.token for entry in streamed) == expected.text  # the end of sequence has no delta of its own
+    assert api.responses.create(model=model, input="Hi", max_output_tokens=2).output[0].content[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.responses.create(**asked, tools=[{"type": "function", "name": "get_time"}])
+    assert bad.value.param == "include" and "not available with function tools" in bad.value.message
     wait_until(lambda: all_blocks_free(grpc_client), 20, message="every block free after the responses")
 
 

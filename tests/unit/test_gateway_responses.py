@@ -101,8 +101,11 @@ def test_text_format_and_reasoning_effort_map_onto_the_gateways_own_fields():
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no state"),
     ({"input": "x", "background": True}, "background", "keeps no state"),
     ({"input": "x", "conversation": "conv_1"}, "conversation", "keeps no state"),
-    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "not supported"),
-    ({"input": "x", "top_logprobs": 2}, "top_logprobs", "not supported"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "'reasoning.encrypted_content' is not "
+     "supported: only 'message.output_text.logprobs'"),
+    ({"input": "x", "include": "message.output_text.logprobs"}, "include", "list of strings"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs", "0 to 20"),
+    ({"input": "x", "top_logprobs": True}, "top_logprobs", "0 to 20"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "not supported"),
     ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "positive integer"),
@@ -557,3 +560,55 @@ def test_a_required_answer_cut_before_a_call_streams_as_a_message():
         "response.output_text.done", "response.content_part.done", "response.output_item.done",
         "response.incomplete"]
     assert parsed[-1].response.output_text == '[{"name": "get_w'
+
+
+# ---- logprobs ----------------------------------------------------------------------------------------
+
+
+def _scored(text: str, *entries: tuple[int, str, float]) -> inference_pb2.GenerateStreamResponse:
+    """A router message of ``text`` whose tokens are ``entries`` (id, text, logprob), each with one alternative."""
+    message = _message(text)
+    for token_id, token, logprob in entries:
+        message.logprobs.add(sampled=inference_pb2.TokenLogprob(token_id=token_id, text=token, logprob=logprob),
+                             top=[inference_pb2.TokenLogprob(token_id=9, text="!", logprob=-3.0)])
+    return message
+
+
+def test_logprobs_come_when_include_asks_with_top_logprobs_alternatives():
+    assert parse_request({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 3}).logprobs == 3
+    assert parse_request({"input": "x", "include": ["message.output_text.logprobs"]}).logprobs == 0
+    plain = parse_request({"input": "x", "top_logprobs": 3})  # as vLLM: alternatives alone give no logprobs
+    assert plain.logprobs is None and plain.echoed["top_logprobs"] == 3
+    assert parse_request({"input": "x"}).echoed["top_logprobs"] is None
+
+
+def test_a_whole_responses_text_carries_its_tokens_logprobs():
+    chunks = [_scored(" Paris", (1, " Par", -0.5), (2, "is", -0.25)), _scored(".", (3, ".", -1.0))]
+    last = _message("", inference_pb2.FINISH_REASON_STOP, prompt_tokens=4, completion_tokens=3)
+    entries = [entry for chunk in chunks for entry in chunk.logprobs]
+    response = Response.model_validate(whole_response(_head(), " Paris.", last, None, None, entries))
+    [part] = response.output[0].content
+    assert [(item.token, item.logprob, item.bytes) for item in part.logprobs] == [
+        (" Par", -0.5, list(b" Par")), ("is", -0.25, list(b"is")), (".", -1.0, [46])]
+    assert [[(top.token, top.logprob) for top in item.top_logprobs] for item in part.logprobs] == [[("!", -3.0)]] * 3
+    assert "".join(item.token for item in part.logprobs) == response.output_text
+    assert whole_response(_head(), " Paris.", last, None)["output"][0]["content"][0].get("logprobs") is None
+
+
+def test_streamed_deltas_carry_their_tokens_logprobs_and_the_done_events_all_of_them():
+    events = ResponseEvents(_head(), logprobs=True)
+    raw = events.start()
+    raw += events.feed(_scored(" Par", (1, " Par", -0.5)))
+    raw += events.feed(_scored("", (2, "is", -0.25)))  # its text held back (it might start a stop string)
+    last = _scored("is.", (3, ".", -1.0))
+    last.finish_reason = inference_pb2.FINISH_REASON_STOP
+    raw += events.feed(last) + events.finish(last)
+    parsed = _parsed_events(raw)
+    deltas = [event for event in parsed if event.type == "response.output_text.delta"]
+    assert [(event.delta, [item.token for item in event.logprobs]) for event in deltas] == [
+        (" Par", [" Par"]), ("is.", ["is", "."])]
+    done = next(event for event in parsed if event.type == "response.output_text.done")
+    assert [item.logprob for item in done.logprobs] == [-0.5, -0.25, -1.0]
+    final = parsed[-1].response.output[0].content[0]
+    assert [item.token for item in final.logprobs] == [" Par", "is", "."]
+    assert [top.token for top in final.logprobs[0].top_logprobs] == ["!"]
