@@ -104,7 +104,8 @@ class RendezvousServer:
     def close(self) -> None:
         """Stop listening and cut every rendezvous connection (pairs already built keep their groups)."""
         self._closed.set()
-        self._thread.join(2)
+        if self._thread.ident is not None:  # a sending worker's server is built (for its port) and never started
+            self._thread.join(2)
         self._listener.close()
         with self._lock:
             connections = [*self._pending, *self._pairs.values()]

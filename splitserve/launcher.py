@@ -132,6 +132,7 @@ class Process:
     log_path: Path
     address: str = ""
     worker_id: str = ""
+    terminated: bool = False  # SIGTERM sent: it drains, and a second one would kill it mid-drain
 
     @property
     def pid(self) -> int:
@@ -158,11 +159,18 @@ class Process:
         except FileNotFoundError:
             return ""
 
+    def terminate(self) -> None:
+        """SIGTERM once: the process drains and exits. A process restores SIGTERM's default action once it has
+        begun to drain, so a second one would end the drain."""
+        if not self.terminated and self.popen.poll() is None:
+            self.terminated = True
+            self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout``; waits for the exit."""
+        """SIGTERM (unless sent already), then SIGKILL after ``timeout``; waits for the exit."""
         if self.popen.poll() is not None:
             return
-        self.popen.send_signal(signal.SIGTERM)
+        self.terminate()
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -472,9 +480,8 @@ class LocalCluster:
         """Stop the gateway, the workers, then the router, then Redis; each SIGTERM first, SIGKILL if it hangs."""
         if self.gateway is not None:
             self.gateway.stop()
-        for process in self.workers:
-            if process.alive():
-                process.popen.send_signal(signal.SIGTERM)
+        for process in self.workers:  # all drain at once
+            process.terminate()
         for process in self.workers:
             process.stop()
         if self.router is not None:

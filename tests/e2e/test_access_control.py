@@ -66,5 +66,8 @@ def test_keys_and_cluster_token_guard_a_cluster(tmp_path, monkeypatch):
         assert log, process.name
         assert cluster.api_key not in log and cluster.cluster_token not in log, process.name
         assert "open to anyone" not in log, process.name
+        # A clean stop: each drained and exited 0 (a sending worker's rendezvous server, built for its port and
+        # never started, once raised on close).
+        assert process.popen.returncode == 0 and "Traceback" not in log, (process.name, log[-2000:])
         command_line = " ".join(process.popen.args)
         assert cluster.api_key not in command_line and cluster.cluster_token not in command_line

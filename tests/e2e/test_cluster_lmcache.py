@@ -9,7 +9,6 @@ adapter, whose KV LMCache keeps under the adapter's own tag.
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -142,7 +141,7 @@ def test_a_request_cancelled_while_waiting_for_lmcache_frees_its_blocks(cluster,
 def test_an_idle_decode_worker_exits_within_5_s_of_sigterm(cluster):
     decode = next(p for p in cluster.workers if p.name.startswith("decode"))
     started = time.monotonic()
-    decode.popen.send_signal(signal.SIGTERM)
+    decode.terminate()
     code = decode.popen.wait(15)
     seconds = time.monotonic() - started
     assert code == 0, decode.log()[-3000:]

@@ -7,8 +7,6 @@ ready once it serves, and not ready (still alive) while it drains.
 
 from __future__ import annotations
 
-import signal
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,7 +36,7 @@ def test_the_router_is_ready_only_with_a_serving_decode_worker(tmp_path, model_d
         [decode] = cluster.start_workers("decode", 1)
         assert health(decode.address, "splitserve.v1.DecodeWorker") == SERVING
         wait_until(lambda: health(router, "splitserve.v1.Inference") == SERVING, 10, message="router ready")
-        decode.popen.send_signal(signal.SIGTERM)  # drains, deregisters, exits
+        decode.terminate()  # drains, deregisters, exits
         wait_until(lambda: health(router, "splitserve.v1.Inference") == NOT_SERVING, 20,
                    message="router not ready once its only decode worker left")
         assert health(router) == SERVING

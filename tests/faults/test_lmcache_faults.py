@@ -154,7 +154,7 @@ def test_busy_prefill_worker_exits_within_5_s_of_sigterm(cluster, client, expect
     wait_until(lambda: busy(prefill, "prefill"), 30, interval=0.05, message="the prefill worker prefilling")
     in_flight = worker_status(prefill.address, "prefill").status.load
     started = time.monotonic()
-    prefill.popen.send_signal(signal.SIGTERM)
+    prefill.terminate()
     code = prefill.popen.wait(30)
     seconds = time.monotonic() - started
     print(f"prefill worker exited {prefill.exit_description()} {seconds:.2f} s after SIGTERM "
