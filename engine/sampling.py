@@ -132,7 +132,8 @@ class Sampler:
         then one token of its own.
 
         logits: [len(drafts) + 1, vocab], row i the model's logits after the request's last token and drafts
-        0..i-1. The request takes no logit bias, penalties, logprobs or grammar mask (``may_speculate``). A greedy
+        0..i-1. The request takes no logit bias, penalties or logprobs (``may_speculate``); its grammar, when it
+        has one past its think block, masks each row as of drafts 0..i-1 (``GrammarMatcher.draft_bitmask``). A greedy
         request accepts a draft while it equals the row's argmax, and the first argmax that differs is its own
         token. A sampling request accepts draft i with the probability its row gives it (after temperature,
         top-k, top-p and min-p), and on the first refusal samples its row without the draft; when every draft is
@@ -142,6 +143,10 @@ class Sampler:
 
         Returns: 1 to ``len(drafts) + 1`` token ids.
         """
+        if request.grammar is not None and request.grammar.active:
+            num_words = -(-logits.shape[-1] // BITS_PER_WORD)
+            bitmask = request.grammar.draft_bitmask(drafts, num_words)
+            logits = apply_token_bitmask(logits.float(), list(range(len(drafts) + 1)), bitmask, self.kernels)
         if _is_greedy(request):
             return accepted_tokens(drafts, greedy_token_ids(logits, self.kernels).tolist())
         probs = self._random_probs(logits.float(), [request] * logits.shape[0])  # [len(drafts) + 1, vocab]

@@ -12,8 +12,9 @@ row gives it and, at the first refusal, samples that row without the draft (spec
 certain of its drafts: every token keeps its distribution; ``Sampler.verify_drafts``). A step gives 1 to k + 1
 tokens. The KV of rejected drafts is left in slots past ``num_computed_tokens``, to be overwritten.
 
-Which requests speculate: those whose rows depend on the logits alone (no logit bias, penalties, logprobs,
-grammar or pending min_tokens); the others decode a token a step beside them. The scheduler asks the proposer
+Which requests speculate: those whose rows depend on the logits and at most a grammar (no logit bias, penalties,
+logprobs or pending min_tokens); the others decode a token a step beside them. A request under structured outputs
+drafts only what its grammar takes, and each of its rows is masked as that token's own step would be. The scheduler asks the proposer
 for drafts when it schedules a request's decode (``Scheduler.proposer``) and trims them to the step's budget
 and the request's remaining output tokens.
 
@@ -115,20 +116,22 @@ class SpeculativeConfig:
         if count <= 0 or not may_speculate(request):
             return []
         drafts = propose_ngram(request.all_token_ids, self.prompt_lookup_min, self.prompt_lookup_max, count)
-        if request.grammar is not None:  # waiting out its think block: no draft may end it
-            drafts = request.grammar.thought_drafts(drafts)
+        if request.grammar is not None:  # drafts its grammar takes (or, in the think block, that cannot end it)
+            drafts = request.grammar.draftable(drafts)
         return drafts
 
 
 def may_speculate(request: Request) -> bool:
     """Whether a request's next tokens may be verified several at a time: each row's distribution depends on the
-    model's logits alone (no logit bias, penalties, logprobs, grammar mask or pending min_tokens), so the tokens
-    accepted are distributed as one step at a time would give them (``Sampler.verify_drafts``), greedy or sampled.
-    A grammar waiting out the request's think block masks nothing yet: its request drafts, short of any token that
-    could end the block (``GrammarMatcher.thought_drafts``), so that the grammar starts after a step."""
+    model's logits and at most its grammar (no logit bias, penalties, logprobs or pending min_tokens), so the
+    tokens accepted are distributed as one step at a time would give them (``Sampler.verify_drafts``), greedy or
+    sampled. A grammar masks each row as it would mask that token one step at a time: the request drafts only
+    tokens its grammar takes (``GrammarMatcher.draftable``), and row i is masked after drafts 0..i-1
+    (``GrammarMatcher.draft_bitmask``, llguidance's rollback). In the think block it masks nothing: drafts stop
+    short of any token that could end the block (``GrammarMatcher.thought_drafts``), so that the grammar starts
+    after a step."""
     params = request.sampling_params
     return (params.logprobs is None and not params.needs_penalties and not params.logit_bias
-            and (request.grammar is None or not request.grammar.active)
             and request.num_output_tokens >= params.min_tokens)
 
 

@@ -63,6 +63,35 @@ class GrammarMatcher:
             return True
         return self._matcher.consume_token(token_id)
 
+    def draftable(self, drafts: list[int]) -> list[int]:
+        """The leading ``drafts`` a speculative step may verify: in the think block those that cannot end it
+        (:meth:`thought_drafts`); under the grammar, those it takes one after another (llguidance's
+        ``validate_tokens``, which changes nothing), each row then masked as one step at a time would mask it
+        (:meth:`draft_bitmask`)."""
+        if not self.active:
+            return self.thought_drafts(drafts)
+        return drafts[:self._matcher.validate_tokens(drafts)] if drafts else drafts
+
+    def draft_bitmask(self, drafts: list[int], num_words: int) -> torch.Tensor:
+        """The allowed tokens at each row of a speculative step: [len(drafts) + 1, num_words] int32, row i those
+        the grammar takes after drafts 0..i-1 (which :meth:`draftable` kept). The matcher is left as it was (the
+        drafts are consumed, then rolled back); a row after a draft it would not take allows every token, as
+        ``fill_token_bitmask`` does for a matcher in error (nothing after a refused draft is accepted)."""
+        bitmask = torch.full((len(drafts) + 1, num_words), -1, dtype=torch.int32)
+        consumed = 0
+        try:
+            for row in range(len(drafts) + 1):
+                bitmask[row] = 0
+                self.fill_bitmask(bitmask[row])
+                if row == len(drafts) or self._matcher.try_consume_tokens([drafts[row]]) != 1:
+                    break
+                consumed += 1
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
+        bitmask[~bitmask.any(dim=1)] = -1
+        return bitmask
+
     def thought_drafts(self, drafts: list[int]) -> list[int]:
         """The leading ``drafts`` of a request in its think block that cannot end it: those before the first that
         could complete ``</think>``. A step that verifies drafts masks none of its tokens, so the block must end

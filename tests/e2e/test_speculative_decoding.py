@@ -11,6 +11,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.client import Client
@@ -185,3 +186,82 @@ def test_a_speculating_cluster_streams_transformers_tokens_and_counts_its_drafts
             wait_until(lambda: all_blocks_free(client), 30, message="every block free on both workers")
     finally:
         cluster.stop()
+
+
+# ---- structured outputs ---------------------------------------------------------------------------
+
+COPY_JSON = [{"role": "user", "content": 'Answer in JSON with the field "text" holding this text, copied exactly: '
+              "The quick brown fox jumps over the lazy dog. The lazy dog sleeps under the old oak tree. The old "
+              "oak tree stands on the green hill."}]
+TEXT_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 200}}, "required": ["text"],
+               "additionalProperties": False}
+
+
+def test_a_grammar_speculates_with_each_row_masked_as_its_own_step_would_be(llm, plain, model_dir, tokenizer):
+    """Under a JSON schema a request drafts what its grammar takes, and row i of the step is masked after drafts
+    0..i-1: greedy tokens are transformers' under the same grammar and the engine's without drafts, in fewer
+    steps (drafts accepted), beside a plain request in the same batch. With a short maxLength the drafts (the
+    text's next words) stop where the string must close, and only the mask of the row after them makes the model
+    close it there."""
+    from splitserve.common.structured_outputs import StructuredOutputsParams
+    from tests.reference import hf_greedy_constrained
+
+    ids = tokenizer.encode(tokenizer.apply_chat_template(COPY_JSON, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)
+    eos = sorted(llm.engine.eos_token_ids)
+    for max_length in (200, 30):
+        constraint = StructuredOutputsParams(json={**TEXT_SCHEMA, "properties": {"text": {
+            "type": "string", "maxLength": max_length}}})
+        params = SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=constraint)
+        before = dataclasses.replace(llm.engine.stats)
+        outputs = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids}], [params, GREEDY],
+                               use_tqdm=False)
+        assert outputs[0].outputs[0].token_ids == hf_greedy_constrained(str(model_dir), ids, 80,
+                                                                        constraint.to_grammar(), eos), max_length
+        assert outputs[0].outputs[0].token_ids == plain.generate([{"prompt_token_ids": ids}], params,
+                                                                 use_tqdm=False)[0].outputs[0].token_ids
+        assert outputs[1].outputs[0].token_ids == plain.generate([{"prompt_token_ids": ids}], GREEDY,
+                                                                 use_tqdm=False)[0].outputs[0].token_ids
+        assert outputs[0].outputs[0].finish_reason == "stop"
+        assert len(json.loads(outputs[0].outputs[0].text)["text"]) <= max_length
+        assert llm.engine.stats.num_accepted_tokens - before.num_accepted_tokens > 5  # the copied text was drafted
+    assert_all_blocks_free(llm)
+
+
+def test_draft_masks_are_the_masks_of_one_step_at_a_time_and_leave_the_grammar_as_it_was(llm, tokenizer):
+    from splitserve.common.structured_outputs import StructuredOutputsParams
+    from splitserve.engine.structured_output import fill_token_bitmask
+
+    constraint = StructuredOutputsParams(json=TEXT_SCHEMA)
+    grammar = llm.engine.structured_outputs.matcher(constraint, [1, 2, 3])
+    stepped = llm.engine.structured_outputs.matcher(constraint, [1, 2, 3])
+    num_words = -(-llm.engine.model_config.vocab_size // 32)
+    answer = tokenizer.encode('{"text": "The quick brown fox"}', add_special_tokens=False)
+    masks = grammar.draft_bitmask(answer[:5], num_words)
+    assert masks.shape == (6, num_words)
+    for row in range(6):
+        assert torch.equal(masks[row], fill_token_bitmask([stepped], num_words)[0]), row
+        if row < 5:
+            assert stepped.accept(answer[row])
+    assert torch.equal(grammar.draft_bitmask([], num_words)[0], masks[0])  # rolled back: the first state again
+    assert grammar.draftable(answer) == answer
+    refused = tokenizer.encode("[", add_special_tokens=False)
+    assert grammar.draftable([*answer[:3], *refused, *answer[3:]]) == answer[:3]  # cut at the first it refuses
+    assert grammar.draftable([]) == []
+
+
+def test_a_seeded_sampling_request_under_a_grammar_speculates_with_its_seeds_tokens_whatever_the_batch(
+        llm, tokenizer, prompt_token_ids):
+    from splitserve.common.structured_outputs import StructuredOutputsParams
+
+    ids = tokenizer.encode(tokenizer.apply_chat_template(COPY_JSON, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)
+    params = SamplingParams(max_tokens=80, temperature=0.7, seed=11,
+                            structured_outputs=StructuredOutputsParams(json=TEXT_SCHEMA))
+    alone = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    batch = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": prompt_token_ids[2]}], [params, GREEDY],
+                         use_tqdm=False)[0].outputs[0]
+    assert alone.token_ids == batch.token_ids
+    if alone.finish_reason == "stop":
+        assert json.loads(alone.text).keys() == {"text"}
+    assert_all_blocks_free(llm)
