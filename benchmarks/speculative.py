@@ -1,11 +1,13 @@
 """Speculative decoding by n-gram prompt lookup: splitserve with and without it, and vLLM-CPU with it, on requests
-whose answers repeat their prompts.
+whose answers repeat their prompts; with ``--json-schema``, every answer under a JSON schema (structured outputs
+speculate: each row masked by its grammar).
 
 Workload (the same for every system, in the same run): ``--num-prompts`` chat prompts that ask for a text back
 with little changed (copy a paragraph, rename a function in a piece of code, turn a list into JSON, fix a
 paragraph's spelling), the model's chat template applied here so every system gets the same token ids, greedy
 (or sampled at ``--temperature``, request i with seed 1000 + i), at most ``--max-tokens`` tokens each. Requests run one at a time (batch 1: the latency speculation is for), or
-with ``--batched`` all in one ``generate``. The baseline measured beside it in the same process is the same
+with ``--batched`` all in one ``generate``. ``--json-schema`` constrains every answer to
+``{"answer": "..."}`` (``ANSWER_SCHEMA``) on every system: the copied text inside a JSON string. The baseline measured beside it in the same process is the same
 engine without speculation; the speculating engines take ``--speculative-config`` (vLLM's JSON, default
 ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``).
 
@@ -43,6 +45,9 @@ from benchmarks.offline_throughput import (  # noqa: E402
 
 DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                               "prompt_lookup_max": 4}
+# --json-schema: every answer a JSON object whose one field holds the text.
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+                 "additionalProperties": False}
 ANIMALS = ["fox", "owl", "whale", "tiger", "heron", "otter", "lynx", "crane"]
 PLACES = ["river", "forest", "desert", "harbor", "valley", "glacier", "meadow", "canyon"]
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi", "Ivan", "Judy"]
@@ -110,7 +115,13 @@ def main():
     llm = LLM(model=config["model"], dtype=config["dtype"], seed=0, max_model_len=config["max_model_len"],
               speculative_config=config["speculative_config"])
     prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in config["prompts"]]
-    params = [SamplingParams(temperature=config["temperature"], max_tokens=config["max_tokens"], seed=1000 + index)
+    constraint = {}
+    if config["json_schema"] is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        constraint = {"structured_outputs": StructuredOutputsParams(json=config["json_schema"])}
+    params = [SamplingParams(temperature=config["temperature"], max_tokens=config["max_tokens"], seed=1000 + index,
+                             **constraint)
               for index in range(len(prompts))]
 
     def run():
@@ -147,10 +158,12 @@ class Splitserve:
     """splitserve's offline engine, with ``speculative_config`` or without (None)."""
 
     def __init__(self, name: str, model: str, dtype: str, prompts: list[list[int]], max_tokens: int,
-                 max_model_len: int, speculative_config: dict | None, batched: bool, temperature: float) -> None:
+                 max_model_len: int, speculative_config: dict | None, batched: bool, temperature: float,
+                 json_schema: dict | None = None) -> None:
         from splitserve import LLM
 
         self.name = name
+        self.json_schema = json_schema
         self.llm = LLM(model, dtype=dtype, max_model_len=max_model_len, speculative_config=speculative_config)
         self.prompts = [{"prompt_token_ids": prompt} for prompt in prompts]
         self.max_tokens = max_tokens
@@ -161,7 +174,9 @@ class Splitserve:
     def run(self) -> tuple[float, list[list[int]]]:
         from splitserve import SamplingParams
 
-        params = [SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, seed=1000 + index)
+        constraint = {} if self.json_schema is None else {"structured_outputs": {"json": self.json_schema}}
+        params = [SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, seed=1000 + index,
+                                 **constraint)
                   for index in range(len(self.prompts))]
         start = time.perf_counter()
         if self.batched:
@@ -182,10 +197,10 @@ class VllmPeer:
 
     def __init__(self, python: str, model: str, dtype: str, prompts: list[list[int]], max_tokens: int,
                  max_model_len: int, speculative_config: dict, batched: bool, temperature: float,
-                 threads_bind: str) -> None:
+                 threads_bind: str, json_schema: dict | None = None) -> None:
         config = {"model": model, "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens,
                   "max_model_len": max_model_len, "speculative_config": speculative_config, "batched": batched,
-                  "temperature": temperature}
+                  "temperature": temperature, "json_schema": json_schema}
         self.peer = PeerProcess(python, VLLM_PEER_SCRIPT, config, VLLM_PEER_MARKER, threads_bind=threads_bind,
                                 kv_space_gib=4)
 
@@ -217,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "systems' tokens differ, as sampling with and without drafts does (default: %(default)s)")
     parser.add_argument("--batched", action="store_true",
                         help="all requests in one generate (default: one at a time, batch 1)")
+    parser.add_argument("--json-schema", action="store_true",
+                        help='every answer under the JSON schema {"answer": string} on every system (structured '
+                        "outputs with and without drafts; default: plain text)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per system (default: %(default)s)")
     add_vllm_peer_arguments(parser)
     parser.add_argument("--json", default=None, metavar="OUT", help="write the raw timings to this JSON file")
@@ -240,12 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = max(len(prompt) for prompt in prompts) + args.max_tokens + 16
     mode = "all at once" if args.batched else "one at a time"
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
+    schema = ANSWER_SCHEMA if args.json_schema else None
+    if schema is not None:
+        sampling += ", under a JSON schema"
     log(f"model {model}; {args.num_prompts} near-copy chat prompts {mode}, {sampling}, at most {args.max_tokens} "
         f"tokens, {args.dtype}; speculation {json.dumps(speculative)}")
     plain = Splitserve("splitserve", model, args.dtype, prompts, args.max_tokens, max_model_len, None, args.batched,
-                       args.temperature)
+                       args.temperature, schema)
     ngram = Splitserve("splitserve ngram", model, args.dtype, prompts, args.max_tokens, max_model_len, speculative,
-                       args.batched, args.temperature)
+                       args.batched, args.temperature, schema)
     systems = [plain, ngram]
     timings: dict[str, list[float]] = {}
     answers: dict[str, list[list[int]]] = {}
@@ -254,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             log("starting the vLLM peer (its first start compiles for minutes)")
             systems.append(VllmPeer(args.vllm_python, model, args.dtype, prompts, args.max_tokens, max_model_len,
                                     speculative, args.batched, args.temperature,
-                                    args.vllm_threads_bind or default_vllm_threads_bind()))
+                                    args.vllm_threads_bind or default_vllm_threads_bind(), schema))
         stats = ngram.llm.engine.stats
         drafts_before, accepted_before = stats.num_draft_tokens, stats.num_accepted_tokens
         for repeat in range(args.repeats):

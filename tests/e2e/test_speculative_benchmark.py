@@ -24,3 +24,14 @@ def test_the_benchmark_speculates_with_the_plain_engines_tokens(model_dir, tmp_p
     assert re.search(r"\| splitserve ngram \| [\d.]+ \| [\d.]+ \| \d+ \|", printed), printed
     assert re.search(r"splitserve ngram / splitserve: [\d.]+x .* greedy token ids identical for 2/2 requests",
                      printed), printed
+
+
+def test_under_a_json_schema_the_benchmark_speculates_with_the_plain_engines_tokens(model_dir, tmp_path, capsys):
+    out = tmp_path / "speculative.json"
+    assert speculative.main(["--model", str(model_dir), "--num-prompts", "1", "--max-tokens", "40", "--repeats", "1",
+                             "--json-schema", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["answers"]["splitserve"] == report["answers"]["splitserve ngram"]
+    assert 0 < report["accepted"] <= report["drafts"]
+    printed = capsys.readouterr().out
+    assert "greedy, under a JSON schema" in printed and "identical for 1/1 requests" in printed, printed
