@@ -28,7 +28,7 @@ from tests.cluster_helpers import start_cluster, wait_until
 from tests.e2e.test_metrics import scrape
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "lora")
 KUBERNETES_VERSION = "1.32.0"
 POD_IP = "10.1.2.3"
 WORKER_SERVICES = {"router": "splitserve.v1.Inference", "prefill": "splitserve.v1.PrefillWorker",
@@ -107,6 +107,14 @@ def test_every_container_command_parses_and_its_ports_and_probes_agree(rendered)
                 assert kv_transfer_problem(command, parsed.kv_transfer, cache_on_device=overlay == "gpu") is None
                 if parsed.kv_transfer == "p2p":  # the rendezvous binds the pod's address
                     assert parsed.kv_address in ("", POD_IP), (overlay, command)
+                # The lora overlay's workers serve the adapters' volume, mounted read-only where --lora-dir says.
+                assert parsed.lora_dir == ("/adapters" if overlay == "lora" else None), (overlay, command)
+                if parsed.lora_dir:
+                    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == parsed.lora_dir)
+                    volume = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])
+                    assert mount["readOnly"] and volume["persistentVolumeClaim"]["readOnly"]
+                    claim = volume["persistentVolumeClaim"]["claimName"]
+                    assert claim in [c["metadata"]["name"] for c in _of_kind(objects, "PersistentVolumeClaim")]
                 router_service = next(s for s in services if s["metadata"]["name"] == "splitserve-router")
                 assert 50051 in [port["port"] for port in router_service["spec"]["ports"]]
         for service in services:  # every Service's target port is a named port of the pods it selects
