@@ -7,7 +7,8 @@ with little changed (copy a paragraph, rename a function in a piece of code, tur
 paragraph's spelling), the model's chat template applied here so every system gets the same token ids, greedy
 (or sampled at ``--temperature``, request i with seed 1000 + i), at most ``--max-tokens`` tokens each. Requests run one at a time (batch 1: the latency speculation is for), or
 with ``--batched`` all in one ``generate``. ``--json-schema`` constrains every answer to
-``{"answer": "..."}`` (``ANSWER_SCHEMA``) on every system: the copied text inside a JSON string. The baseline measured beside it in the same process is the same
+``{"answer": "..."}`` (``ANSWER_SCHEMA``) on every system: the copied text inside a JSON string (vLLM with its
+llguidance backend, whose grammar is splitserve's). The baseline measured beside it in the same process is the same
 engine without speculation; the speculating engines take ``--speculative-config`` (vLLM's JSON, default
 ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``).
 
@@ -112,8 +113,11 @@ def main():
     config_path, marker = sys.argv[1], sys.argv[2]
     with open(config_path) as file:
         config = json.load(file)
+    # Under a JSON schema, vLLM's llguidance backend: the grammar splitserve builds (the same whitespace rules),
+    # where its default (xgrammar) would let greedy answers differ in their whitespace.
+    backend = {"structured_outputs_config": {"backend": "guidance"}} if config["json_schema"] is not None else {}
     llm = LLM(model=config["model"], dtype=config["dtype"], seed=0, max_model_len=config["max_model_len"],
-              speculative_config=config["speculative_config"])
+              speculative_config=config["speculative_config"], **backend)
     prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in config["prompts"]]
     constraint = {}
     if config["json_schema"] is not None:
@@ -199,8 +203,10 @@ class VllmPeer:
                  max_model_len: int, speculative_config: dict, batched: bool, temperature: float,
                  threads_bind: str, json_schema: dict | None = None) -> None:
         config = {"model": model, "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens,
-                  "max_model_len": max_model_len, "speculative_config": speculative_config, "batched": batched,
-                  "temperature": temperature, "json_schema": json_schema}
+                  "max_model_len": max_model_len, "batched": batched, "temperature": temperature,
+                  "json_schema": json_schema,
+                  # The fields set only: vLLM V1's config has no disable_by_batch_size, and refuses the key.
+                  "speculative_config": {key: value for key, value in speculative_config.items() if value is not None}}
         self.peer = PeerProcess(python, VLLM_PEER_SCRIPT, config, VLLM_PEER_MARKER, threads_bind=threads_bind,
                                 kv_space_gib=4)
 
