@@ -176,7 +176,7 @@ class WorkerRegistry:
 
     def add_static(self, role: WorkerRole, address: str, worker_id: str | None = None, kv_endpoint: Any = None,
                    capacity: Any = None, model_fingerprint: str = "", kv_layout: KVCacheLayout | None = None,
-                   reasoning_parser: str = "") -> Worker:
+                   reasoning_parser: str = "", lora_names: frozenset[str] = frozenset()) -> Worker:
         """Add a worker named on the router's command line: no lease, never expires (polled instead).
 
         Idempotent per address: if a worker (static or registered) is already at
@@ -205,7 +205,7 @@ class WorkerRegistry:
             now = self._clock()
             worker = Worker(worker_id, role, address, kv_endpoint, capacity, model_fingerprint,
                             _exchanged_layout(role, kv_layout), registered_at=now, last_heard=now, is_static=True,
-                            reasoning_parser=reasoning_parser)
+                            reasoning_parser=reasoning_parser, lora_names=frozenset(lora_names))
             self._workers[worker_id] = worker
             return snapshot(worker)
 
@@ -257,12 +257,16 @@ class WorkerRegistry:
                 worker.lora_names = frozenset(lora_names)
             return worker.state, self.lease_duration_seconds
 
-    def update_static(self, worker_id: str, load: WorkerLoad, state: WorkerState) -> None:
-        """Record a worker's polled status as a heartbeat would (no-op for an unknown id)."""
+    def update_static(self, worker_id: str, load: WorkerLoad, state: WorkerState,
+                      lora_names: frozenset[str] | None = None) -> None:
+        """Record a worker's polled status as a heartbeat would, its LoRA adapters too when given (no-op for an
+        unknown id)."""
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is not None:
                 self._heard(worker, load, state)
+                if lora_names is not None:
+                    worker.lora_names = frozenset(lora_names)
 
     def mark_unreachable(self, worker_id: str) -> None:
         """A call or poll failed: route nothing to the worker until it is heard from again.

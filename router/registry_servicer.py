@@ -44,7 +44,7 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
             kv_layout=KVCacheLayout.from_pb(request.kv_layout) if request.HasField("kv_layout") else None,
             previous_lease_id=request.previous_lease_id, identity=peer_identity(context),
             kv_connector=_connector_name(request.kv_endpoint.connector) if request.HasField("kv_endpoint") else None,
-            lora_names=_lora_names(request.lora_names), reasoning_parser=request.reasoning_parser,
+            lora_names=checked_lora_names(request.lora_names), reasoning_parser=request.reasoning_parser,
         )
         logger.info("Worker %s (%s) registered from %s", worker.worker_id, role.name.lower(), request.address)
         self._on_change()
@@ -57,7 +57,7 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
     def Heartbeat(self, request: worker_pb2.HeartbeatRequest, context) -> worker_pb2.HeartbeatResponse:
         state, lease = self.registry.heartbeat(
             request.lease_id, worker_load_from_pb(request.load), worker_state_from_pb(request.state),
-            lora_names=_lora_names(request.lora_names.names) if request.HasField("lora_names") else None,
+            lora_names=checked_lora_names(request.lora_names.names) if request.HasField("lora_names") else None,
         )
         self._on_change()
         return worker_pb2.HeartbeatResponse(state=state.value, lease_duration_seconds=lease)
@@ -75,7 +75,7 @@ class RegistryServicer(worker_pb2_grpc.WorkerRegistryServicer):
         return worker_pb2.DrainResponse(num_in_flight_requests=in_flight)
 
 
-def _lora_names(names) -> frozenset[str]:
+def checked_lora_names(names) -> frozenset[str]:
     """A registration's (or a heartbeat's) LoRA adapter names, checked (InvalidRequest: too many, or a bad name)."""
     if len(names) > MAX_LORA_MODULES:
         raise InvalidRequest(f"A worker registers at most {MAX_LORA_MODULES} LoRA adapters, not {len(names)}.")

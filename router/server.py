@@ -15,7 +15,7 @@ from splitserve.router.dispatch import Dispatcher
 from splitserve.router.frontend import Frontend
 from splitserve.router.policies import make_policy
 from splitserve.router.registry import WorkerRegistry
-from splitserve.router.registry_servicer import RegistryServicer
+from splitserve.router.registry_servicer import RegistryServicer, checked_lora_names
 from splitserve.router.servicer import MAX_CONCURRENT_SMALL_CALLS, InferenceServicer
 from splitserve.router.worker import KVCacheLayout
 from splitserve.rpc.convert import worker_load_from_pb, worker_state_from_pb
@@ -80,6 +80,7 @@ class Router:
                 raise
         self._static_ids: dict[str, str] = {}
         self._left_out: set[str] = set()  # static workers refused (their refusal logged once)
+        self._bad_lora_names: set[str] = set()  # static workers whose adapter names were refused (logged once)
         self._draining = False
         self._poll_static()
         self.update_readiness()
@@ -137,6 +138,14 @@ class Router:
                 if worker_id is not None:
                     self.registry.mark_unreachable(worker_id)
                 continue
+            try:
+                names = checked_lora_names(status.lora_names)
+            except InvalidRequest as error:  # its adapters are not routed to; the rest of it is
+                if address not in self._bad_lora_names:
+                    logger.error("Static %s worker at %s says bad LoRA adapter names: %s", role.name.lower(), address,
+                                 error)
+                    self._bad_lora_names.add(address)
+                names = frozenset()
             if worker_id is None or self.registry.get(worker_id) is None:
                 try:
                     worker = self.registry.add_static(
@@ -144,7 +153,7 @@ class Router:
                         kv_endpoint=status.kv_endpoint if status.HasField("kv_endpoint") else None,
                         capacity=status.capacity, model_fingerprint=status.model_fingerprint,
                         kv_layout=KVCacheLayout.from_pb(status.kv_layout) if status.HasField("kv_layout") else None,
-                        reasoning_parser=status.reasoning_parser,
+                        reasoning_parser=status.reasoning_parser, lora_names=names,
                     )
                 except (FailedPrecondition, InvalidRequest) as error:  # other weights, KV layout, reasoning: left out
                     if address not in self._left_out:
@@ -155,7 +164,8 @@ class Router:
                 logger.info("Static %s worker %s at %s is serving", role.name.lower(), worker.worker_id, address)
             else:
                 self.registry.update_static(worker_id, worker_load_from_pb(status.status.load),
-                                            worker_state_from_pb(status.status.state))
+                                            worker_state_from_pb(status.status.state),
+                                            lora_names=names)
 
 
 def run_router(config: RouterConfig) -> int:

@@ -297,7 +297,7 @@ class WorkerRuntime:
             ),
             capacity=self.capacity_pb(), model_fingerprint=self.model_fingerprint, kv_layout=self.layout_pb(),
             kv_endpoint=self.endpoint_pb(), server_version=__version__, counters=self.counters.to_pb(),
-            reasoning_parser=self.engine.config.reasoning_parser or "",
+            reasoning_parser=self.engine.config.reasoning_parser or "", lora_names=self.lora_names,
         )
 
 

@@ -168,3 +168,33 @@ def test_an_adapter_put_in_the_lora_dir_is_served_by_its_name_and_one_taken_out_
     wait_until(lambda: not prefill_serves("late"), timeout=30, message="the prefill worker lets 'late' go")
     assert client.generate("Hi").usage.completion_tokens > 0
     wait_until(lambda: all_blocks_free(client), timeout=30, message="every block free")
+
+
+def test_a_router_polling_static_workers_routes_their_adapters(cluster, lora_dir, lora_adapters, prompt_token_ids,
+                                                               lora_references, tmp_path):
+    """A second router given the same workers on its command line (static: polled, never registered) learns
+    their adapters from GetStatus, those of --lora-dir too, and routes requests naming them."""
+    from splitserve.launcher import LocalCluster
+    from tests.cluster_helpers import ROUTER_ARGS
+
+    prefill = next(worker for worker in cluster.workers if worker.name.startswith("prefill"))
+    decode = next(worker for worker in cluster.workers if worker.name.startswith("decode"))
+    static = LocalCluster(router_args=[*ROUTER_ARGS, "--prefill-worker", prefill.address, "--decode-worker",
+                                       decode.address], log_dir=tmp_path / "static")
+    try:
+        static.start_router()
+        with Client(static.router.address) as via_static:
+            wait_until(lambda: list(via_static.model_info().lora_names) == ["attention", "every"], 20,
+                       message="the static workers' adapters polled")
+            ids = prompt_token_ids[5]
+            chunks = list(via_static.generate_stream(ids, GREEDY, lora_name="every", timeout=300))
+            assert [token for chunk in chunks for token in chunk.token_ids] == lora_references["every"][5]
+            shutil.copytree(lora_adapters["attention"].lora_path, lora_dir / ".copying")
+            (lora_dir / ".copying").rename(lora_dir / "polled")
+            wait_until(lambda: "polled" in via_static.model_info().lora_names, 30, message="'polled' listed")
+            chunks = list(via_static.generate_stream(ids, GREEDY, lora_name="polled", timeout=300))
+            assert [token for chunk in chunks for token in chunk.token_ids] == lora_references["attention"][5]
+            shutil.rmtree(lora_dir / "polled")
+            wait_until(lambda: "polled" not in via_static.model_info().lora_names, 30, message="'polled' gone")
+    finally:
+        static.stop()

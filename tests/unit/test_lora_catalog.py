@@ -221,3 +221,19 @@ def test_an_adapters_cache_tag_is_its_name_and_a_digest_of_its_files(tmp_path):
     assert lora_cache_tag(LoRARequest("a b/c", 3, str(first))).startswith("a_b_c.")  # only key-safe characters
     with pytest.raises(InvalidRequest, match="'gone': its files cannot be read"):
         lora_cache_tag(LoRARequest("gone", 4, str(tmp_path / "nowhere")))
+
+
+def test_a_static_workers_polled_adapters_replace_its_own():
+    from splitserve.common.load import WorkerLoad
+    from splitserve.common.types import WorkerRole, WorkerState
+    from splitserve.router.registry import WorkerRegistry
+    from splitserve.v1 import worker_pb2
+
+    registry = WorkerRegistry()
+    worker = registry.add_static(WorkerRole.DECODE, "d:1", kv_endpoint=worker_pb2.KVEndpoint(address="d:2"),
+                                 lora_names=frozenset({"sql"}))
+    assert registry.lora_names() == ["sql"] and registry.get(worker.worker_id).serves("sql")
+    registry.update_static(worker.worker_id, WorkerLoad(), WorkerState.SERVING, lora_names=frozenset({"late"}))
+    assert registry.lora_names() == ["late"]
+    registry.update_static(worker.worker_id, WorkerLoad(), WorkerState.SERVING)  # not said: kept
+    assert registry.lora_names() == ["late"]

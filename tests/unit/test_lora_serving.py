@@ -20,7 +20,7 @@ from splitserve.router.dispatch import Dispatcher, RouterRequest
 from splitserve.router.frontend import Prompt
 from splitserve.router.policies import RoundRobin
 from splitserve.router.registry import WorkerRegistry
-from splitserve.router.registry_servicer import _lora_names
+from splitserve.router.registry_servicer import checked_lora_names
 from splitserve.router.worker import KVCacheLayout
 from splitserve.rpc.worker_config import WorkerConfig
 from splitserve.v1 import inference_pb2, worker_pb2
@@ -100,11 +100,11 @@ def test_a_worker_configuration_with_adapters_needs_lora_and_takes_any_connector
 
 
 def test_a_registration_names_at_most_64_valid_adapters():
-    assert _lora_names(["b", "a"]) == frozenset({"a", "b"})
+    assert checked_lora_names(["b", "a"]) == frozenset({"a", "b"})
     with pytest.raises(InvalidRequest, match="at most 64 LoRA adapters"):
-        _lora_names([f"a{index}" for index in range(65)])
+        checked_lora_names([f"a{index}" for index in range(65)])
     with pytest.raises(InvalidRequest, match="characters"):
-        _lora_names(["ok", "not ok"])
+        checked_lora_names(["ok", "not ok"])
 
 
 @pytest.fixture
