@@ -16,13 +16,18 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_LORA_MODULES = 64  # adapters one worker may serve
 
 
+def is_lora_name(name: object) -> bool:
+    """Whether ``name`` is a valid adapter name (what :func:`check_lora_name` takes)."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
 def check_lora_name(name: object) -> str:
     """``name`` when it is a valid adapter name: 1 to 64 characters from [A-Za-z0-9._-], a letter or digit first.
 
     Raises:
         InvalidRequest: a sentence saying what a name must be (the name itself cut short).
     """
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if not is_lora_name(name):
         shown = repr(name[:64]) if isinstance(name, str) else type(name).__name__
         raise InvalidRequest(f"A LoRA adapter's name is 1 to 64 characters from [A-Za-z0-9._-], starting with a letter "
                              f"or digit; got {shown}.")

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from splitserve.common.errors import InvalidRequest, NotFound
-from splitserve.common.lora_names import _NAME, MAX_LORA_MODULES, check_lora_name
+from splitserve.common.lora_names import MAX_LORA_MODULES, check_lora_name, is_lora_name
+from splitserve.engine.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,6 @@ class LoRACatalog:
 
     def __init__(self, modules: dict[str, str], directory: str | None = None,
                  check: Callable | None = None, scan_seconds: float = SCAN_SECONDS) -> None:
-        from splitserve.engine.lora import LoRARequest
-
-        self._request_type = LoRARequest
         self._lock = threading.Lock()
         self._requests = {name: LoRARequest(name, index + 1, str(path)) for index, (name, path) in enumerate(modules.items())}
         self._fixed = tuple(self._requests)
@@ -73,7 +71,7 @@ class LoRACatalog:
         self._thread: threading.Thread | None = None
 
     @property
-    def fixed_requests(self) -> list:
+    def fixed_requests(self) -> list[LoRARequest]:
         """The LoRARequests of ``--lora-modules``, in their order."""
         return [self._requests[name] for name in self._fixed]
 
@@ -82,7 +80,7 @@ class LoRACatalog:
         with self._lock:
             return list(self._requests)
 
-    def request(self, name: str):
+    def request(self, name: str) -> LoRARequest | None:
         """The LoRARequest a request naming adapter ``name`` runs with; None for "" (the base model).
 
         Raises:
@@ -162,7 +160,7 @@ class LoRACatalog:
         a worker may serve beside its --lora-modules, in name order."""
         try:
             entries = sorted(entry for entry in self._directory.iterdir()
-                             if _NAME.fullmatch(entry.name) and entry.is_dir() and entry.name not in self._fixed)
+                             if is_lora_name(entry.name) and entry.is_dir() and entry.name not in self._fixed)
         except OSError as error:
             logger.warning("Cannot read --lora-dir %s: %s", self._directory, error.strerror or type(error).__name__)
             return {}
@@ -195,8 +193,8 @@ class LoRACatalog:
         with self._lock:
             self._requests[name] = self._request(name, path)
 
-    def _request(self, name: str, path: Path):
+    def _request(self, name: str, path: Path) -> LoRARequest:
         if name not in self._ids:
             self._ids[name] = self._next_id
             self._next_id += 1
-        return self._request_type(name, self._ids[name], str(path))
+        return LoRARequest(name, self._ids[name], str(path))
