@@ -95,9 +95,9 @@ class KVReceiver(KVConnectorBase):
     # ---- the servicer's side ---------------------------------------------------------------
 
     def expect(self, request_id: str, transfer_id: str, num_prompt_tokens: int, timeout_seconds: float,
-               source=None, *, prompt_token_ids: list[int] | None = None, cache_tag: str | None = None) -> None:
+               source=None, *, prompt_token_ids: list[int] | None = None, lora_request=None) -> None:
         """A request's prompt KV will arrive as ``transfer_id`` (from ``source``, a hint; may be None).
-        ``prompt_token_ids`` and ``cache_tag`` are not needed here (the LMCache receiver's ``expect`` takes them).
+        ``prompt_token_ids`` and ``lora_request`` are not needed here (the LMCache receiver's ``expect`` takes them).
 
         Raises:
             InvalidRequest: the transfer id or the request id is in use on this worker.

@@ -30,7 +30,6 @@ from splitserve.common.types import FinishReason
 from splitserve.decode_service.lmcache_receiver import LMCacheReceiver
 from splitserve.decode_service.receiver import KVReceiver
 from splitserve.engine.kv_connector import KVLoadFailurePolicy, KVLoadOutcome, KVTransferParams
-from splitserve.engine.lora import lora_cache_tag
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.pooling import PoolingParams
 from splitserve.rpc.convert import (
@@ -134,7 +133,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 (request.on_kv_failure == worker_pb2.KV_FAILURE_POLICY_UNSPECIFIED and config.kv_load_failure == "fail"))
         policy = KVLoadFailurePolicy.FAIL if fail else KVLoadFailurePolicy.RECOMPUTE
         self.receiver.expect(request_id, request.transfer_id, len(prompt), timeout, _endpoint_or_none(request),
-                              prompt_token_ids=prompt, cache_tag=lora_cache_tag(lora))
+                              prompt_token_ids=prompt, lora_request=lora)
         try:
             stream = self.loop.submit(request_id, None, params, prompt, priority=request.priority,
                                       kv_transfer=KVTransferParams(load=True, on_load_failure=policy),

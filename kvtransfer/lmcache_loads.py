@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.log_fields import request_log
 from splitserve.engine.kv_connector import KVConnectorBase, KVConnectorEvents, KVLoad, KVSave
+from splitserve.engine.lora import lora_cache_tag
 
 logger = logging.getLogger(__name__)
 
@@ -102,16 +103,17 @@ class LMCacheLoader(KVConnectorBase):
     # ---- the servicer's side ---------------------------------------------------------------
 
     def expect(self, request_id: str, transfer_id: str, num_prompt_tokens: int, timeout_seconds: float,
-               source=None, *, prompt_token_ids: list[int] | None = None, cache_tag: str | None = None) -> None:
-        """A request's prompt KV will be in LMCache under ``cache_tag`` (its LoRA adapter's; None: the base
-        model's); ``source``, the prefill worker's endpoint, is not needed.
+               source=None, *, prompt_token_ids: list[int] | None = None, lora_request=None) -> None:
+        """A request's prompt KV will be in LMCache, under its LoRA adapter's tag (``lora_cache_tag``; no
+        ``lora_request``: the base model's); ``source``, the prefill worker's endpoint, is not needed.
 
         Raises:
             InvalidRequest: the request id already waits for KV here, or the prompt's token ids are missing.
         """
         if prompt_token_ids is None or len(prompt_token_ids) != num_prompt_tokens:
             raise InvalidRequest("An LMCache load needs the prompt's token ids (LMCache keys KV by them).")
-        load = LMCacheLoad(request_id, transfer_id, list(prompt_token_ids), timeout_seconds, cache_tag)
+        load = LMCacheLoad(request_id, transfer_id, list(prompt_token_ids), timeout_seconds,
+                           lora_cache_tag(lora_request))
         with self._lock:
             if request_id in self._loads:
                 raise InvalidRequest(f"Request id {request_id!r} already waits for KV on this worker.")

@@ -24,7 +24,6 @@ from splitserve.common.ids import MAX_WORKER_ID_LENGTH, check_id
 from splitserve.common.log_fields import request_log
 from splitserve.common.types import FinishReason
 from splitserve.engine.kv_connector import KVTransferParams
-from splitserve.engine.lora import lora_cache_tag
 from splitserve.prefill_service.lmcache_sender import LMCacheSender
 from splitserve.prefill_service.sender import KVSender, TransferSender
 from splitserve.rpc.convert import (
@@ -83,7 +82,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         lora = runtime.lora_request(request.lora_name)
         received = time.monotonic()
         sender = self.sender.expect(request_id, request.transfer_id, KVEndpointInfo.from_pb(request.destination),
-                                    len(prompt), prompt_token_ids=prompt, cache_tag=lora_cache_tag(lora))
+                                    len(prompt), prompt_token_ids=prompt, lora_request=lora)
         completed = False
         try:
             # The decode worker caches num_destination_cached_tokens already: the connector says what it skips.
