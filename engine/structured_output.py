@@ -29,7 +29,7 @@ import threading
 import torch
 
 from splitserve.common.errors import InvalidRequest
-from splitserve.common.reasoning import THINK_END, THINK_START, ThinkEndWatch, check_reasoning_parser, reasoning_ended
+from splitserve.common.reasoning import ThinkEndWatch, check_reasoning_parser, reasoning_ended, think_tag_ids
 from splitserve.common.structured_outputs import StructuredOutputsParams, parser_limits, short_message
 
 BITS_PER_WORD = 32
@@ -130,14 +130,7 @@ class StructuredOutputs:
         self._eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer = None
         self._lock = threading.Lock()
-        self._think_tags = None if reasoning_parser is None else (self._tag_ids(THINK_START), self._tag_ids(THINK_END))
-
-    def _tag_ids(self, tag: str) -> tuple[int, ...]:
-        """The token ids of a think tag (one token in reasoning models' vocabularies)."""
-        ids = tuple(self._tokenizer.encode(tag, add_special_tokens=False))
-        if not ids:
-            raise ValueError(f"The tokenizer writes {tag} as no token at all: a reasoning parser cannot find it.")
-        return ids
+        self._think_tags = None if reasoning_parser is None else think_tag_ids(tokenizer)
 
     def matcher(self, params: StructuredOutputsParams, prompt_token_ids: list[int]) -> GrammarMatcher:
         """A new request's matcher, past the prompt's last ``params.num_resumed_tokens`` tokens.

@@ -31,6 +31,7 @@ from splitserve.common import tokenizer_class
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.model_info import ModelConfig, find_model_dir, has_weights, model_fingerprint
 from splitserve.common.prompt import validate_prompt_token_ids
+from splitserve.common.reasoning import think_tag_ids
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.rpc.convert import chat_from_pb, sampling_params_from_pb
 from splitserve.v1 import inference_pb2
@@ -74,6 +75,10 @@ class Frontend:
             _check_chat_template(self.tokenizer)
         self.max_model_len = min(max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
         self.max_token_bytes = max_token_bytes(self.tokenizer)
+        try:  # for gateways that count reasoning tokens (GetModelInfo)
+            self.think_tag_ids = think_tag_ids(self.tokenizer)
+        except ValueError:
+            self.think_tag_ids = ((), ())
         # None for a directory without weights: the registered workers then say which weights the cluster serves.
         # With dtype auto: None, and the fingerprints a worker may serve are those of either dtype.
         fingerprints = ([model_fingerprint(self.model_dir, name) for name in
@@ -195,6 +200,7 @@ class Frontend:
             eos_token_ids=list(self.model_config.eos_token_ids),
             has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
             max_logprobs=MAX_LOGPROBS, server_version=__version__,
+            think_start_token_ids=self.think_tag_ids[0], think_end_token_ids=self.think_tag_ids[1],
         )
 
 

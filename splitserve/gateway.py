@@ -149,6 +149,10 @@ class _Reply:
     score_only: bool = False
     # vLLM's prompt_logprobs asked for: each completion choice (a chat answer once) gets them in vLLM's shape.
     with_prompt_logprobs: bool = False
+    # A chat answer under a reasoning parser: its usage has completion_tokens_details.reasoning_tokens, counted by
+    # ``reasoning`` (None: 0, no think block being split off).
+    with_reasoning: bool = False
+    reasoning: ReasoningReplies | None = None
 
     def head(self, kind: str) -> dict:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
@@ -173,12 +177,22 @@ class _Reply:
             finish, stop_reason = "length", None
         return {**self.choice(index, text, finish, logprobs, final, text_offset), "stop_reason": stop_reason}
 
+    def tally(self, index: int, message) -> None:
+        """Count choice ``index``'s reasoning tokens in its next router message."""
+        if self.reasoning is not None:
+            self.reasoning.count(index, message.token_ids)
+
     def usage(self, usages: list) -> dict:
-        """The request's usage (``_usage``), no completion tokens when ``score_only``."""
+        """The request's usage (``_usage``), no completion tokens when ``score_only``; under a reasoning parser
+        with the reasoning tokens (OpenAI's ``completion_tokens_details``) of the messages :meth:`tally` saw."""
         if self.score_only:
             usages = [inference_pb2.Usage(prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens)
                       for usage in usages]
-        return _usage(usages, self.num_choices)
+        usage = _usage(usages, self.num_choices)
+        if self.with_reasoning:
+            reasoning_tokens = self.reasoning.reasoning_tokens if self.reasoning is not None else 0
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
 
 
 @dataclass
@@ -310,9 +324,11 @@ class Gateway:
             param = "parallel_tool_calls" if str(error).startswith("parallel_tool_calls") else "tool_choice"
             raise APIError(400, str(error), param) from None
         params = dataclasses.replace(params, structured_outputs=constraint)
-        choice = functools.partial(_chat_choice, tools=tools, reasoning=self.reasoning_replies(info, chat, tools),
-                                   with_reasoning=self.reasoning_parser_of(info) is not None)
-        return await self._respond(request, body, [chat], params, "chatcmpl", "chat.completion", choice, lora_name)
+        reasoning = self.reasoning_replies(info, chat, tools)
+        with_reasoning = self.reasoning_parser_of(info) is not None
+        choice = functools.partial(_chat_choice, tools=tools, reasoning=reasoning, with_reasoning=with_reasoning)
+        return await self._respond(request, body, [chat], params, "chatcmpl", "chat.completion", choice, lora_name,
+                                   reasoning=reasoning, with_reasoning=with_reasoning)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, as vLLM serves it (``splitserve.gateway_responses``)."""
@@ -329,15 +345,18 @@ class Gateway:
     # ---- one request's generations ----------------------------------------------------------------
 
     async def _respond(self, request: Request, body: dict, prompts: list, params: SamplingParams, prefix: str,
-                       kind: str, choice, lora_name: str, echo: bool = False, score_only: bool = False) -> Response:
+                       kind: str, choice, lora_name: str, echo: bool = False, score_only: bool = False,
+                       reasoning: ReasoningReplies | None = None, with_reasoning: bool = False) -> Response:
         """Generate ``n`` choices for each of ``prompts`` (choice ``index`` of prompt ``p`` is the answer's choice
         ``p * n + index``, as OpenAI numbers a batch's choices), one router call each, with LoRA adapter
-        ``lora_name`` ("": the base model); with ``echo`` each choice starts with its prompt (``_Reply.score_only``)."""
+        ``lora_name`` ("": the base model); with ``echo`` each choice starts with its prompt (``_Reply.score_only``);
+        ``with_reasoning``: a chat answer under a reasoning parser, ``reasoning`` counting its reasoning tokens."""
         num_choices = _num_choices(body, len(prompts), self.config.max_choices)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         reply = _Reply(request_id, kind, lora_name or self._model_name(self._model_info), int(time.time()), choice,
                        num_choices,
-                       score_only, with_prompt_logprobs=body.get("prompt_logprobs") is not None)
+                       score_only, with_prompt_logprobs=body.get("prompt_logprobs") is not None,
+                       with_reasoning=with_reasoning, reasoning=reasoning)
         generations = [(prompt, index) for prompt in prompts for index in range(num_choices)]
         calls, streams, firsts = await self._start(request, body, generations, params, request_id, lora_name, echo)
         if not _flag(body, "stream"):
@@ -383,6 +402,8 @@ class Gateway:
         for index, chunks in enumerate(collected):
             last = chunks[-1] if chunks else inference_pb2.GenerateStreamResponse()
             shown = [reply.shown(chunk) for chunk in chunks]
+            for chunk in chunks:
+                reply.tally(index, chunk)
             text = "".join(text for text, _ in shown)
             logprobs = [entry for _, entries in shown for entry in entries]
             choices.append(reply.choice_of(index, text, last, logprobs, final=True))
@@ -437,6 +458,7 @@ class Gateway:
                     yield _event(error_body(message.status, message.message, code=message.code))
                     return
                 last[index] = message
+                reply.tally(index, message)
                 text, entries = reply.shown(message)
                 if text or message.finish_reason or entries:
                     choice = reply.choice_of(index, text, message, entries, False, text_offsets[index])
@@ -498,7 +520,8 @@ class Gateway:
         parser = self.reasoning_parser_of(info)
         if parser is None or (tools is not None and tools.forces_a_call and not info.reasoning_parser):
             return None
-        return ReasoningReplies(parser, chat.chat_template_kwargs)
+        think_tags = (tuple(info.think_start_token_ids), tuple(info.think_end_token_ids))
+        return ReasoningReplies(parser, chat.chat_template_kwargs, think_tags)
 
     async def _info(self, request: Request, refresh: bool = False) -> inference_pb2.GetModelInfoResponse:
         """The router's model info, fetched again once it is MODEL_INFO_TTL_SECONDS old (what the workers serve

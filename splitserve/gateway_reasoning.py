@@ -18,13 +18,16 @@ holds back a tail that could still be the start of a tag until the next text set
 :meth:`ThinkTagParser.finish` releases what is left. The text around the tags is kept as it is (the newlines
 after ``</think>`` stay at the start of the content, as vLLM keeps them), so reasoning + content, tags aside, is
 the answer's text, and a stream's deltas add up to the whole answer's split however the text is cut.
+
+The usage's ``reasoning_tokens`` are counted in token ids (:class:`ReasoningReplies` feeds each choice's to a
+``splitserve.common.reasoning.ReasoningTokenCount``), in the tags' spelling the router reports.
 """
 
 from __future__ import annotations
 
 import enum
 
-from splitserve.common.reasoning import THINK_END, THINK_START
+from splitserve.common.reasoning import THINK_END, THINK_START, ReasoningTokenCount
 
 START_TAG, END_TAG = THINK_START, THINK_END
 
@@ -130,11 +133,38 @@ def reasoning_parser(name: str) -> type[ThinkTagParser]:
 
 
 class ReasoningReplies:
-    """One chat request's choices split by a reasoning parser: whole answers, or each stream's parser by choice."""
+    """One chat request's choices split by a reasoning parser: whole answers, or each stream's parser by choice;
+    and each choice's reasoning tokens counted for the usage.
 
-    def __init__(self, parser: type[ThinkTagParser], chat_template_kwargs: dict | None = None) -> None:
+    Args:
+        parser: the reasoning parser's class.
+        chat_template_kwargs: the request's, for parsers that read them (:meth:`ThinkTagParser.thinking`).
+        think_tags: the token ids of ``<think>`` and ``</think>`` (the router's model info); None or an empty
+            tag: no reasoning tokens are counted (a router from before it reported them).
+    """
+
+    def __init__(self, parser: type[ThinkTagParser], chat_template_kwargs: dict | None = None,
+                 think_tags: tuple | None = None) -> None:
         self.parser, self.chat_template_kwargs = parser, chat_template_kwargs
         self._streams: dict[int, ThinkTagParser] = {}
+        self._think_tags = think_tags if think_tags is not None and all(think_tags) else None
+        self._counts: dict[int, ReasoningTokenCount] = {}
+
+    def count(self, index: int, token_ids) -> None:
+        """Take choice ``index``'s next generated token ids."""
+        if self._think_tags is None:
+            return
+        counter = self._counts.get(index)
+        if counter is None:
+            start, end = self._think_tags
+            thinking = self.parser.thinking(self.chat_template_kwargs or {})
+            counter = self._counts[index] = ReasoningTokenCount(start, end, thinking)
+        counter.feed(token_ids)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """The reasoning tokens of every choice so far (usage's ``reasoning_tokens``)."""
+        return sum(counter.count for counter in self._counts.values())
 
     def whole(self, text: str) -> tuple[str | None, str | None]:
         """A whole answer's (reasoning, content)."""

@@ -121,7 +121,7 @@ def whole_response(head: ResponseHead, text: str, last, reasoning: ReasoningRepl
         calls = [function_call(call["id"], call["function"]["name"], call["function"]["arguments"], call_status)
                  for call in message.get("tool_calls", [])]
     output = head.output(thought, content, calls, text_logprobs(logprobs) if logprobs is not None else None)
-    return head.response(status, output, usage_object(last.usage), last)
+    return head.response(status, output, usage_object(last.usage, reasoning), last)
 
 
 def text_logprobs(entries: list) -> list[dict]:
@@ -141,12 +141,13 @@ def _call_status(tools: ToolReplies, status: str) -> str:
     return "incomplete" if isinstance(tools.choice, FunctionTool) and status != "completed" else "completed"
 
 
-def usage_object(usage: inference_pb2.Usage) -> dict:
-    """The Responses API's usage, with the details objects the SDK requires (no reasoning tokens counted)."""
+def usage_object(usage: inference_pb2.Usage, reasoning: ReasoningReplies | None = None) -> dict:
+    """The Responses API's usage, with the details objects the SDK requires; the reasoning tokens are those
+    ``reasoning`` counted (0 without a reasoning parser)."""
     return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+            "output_tokens_details": {"reasoning_tokens": reasoning.reasoning_tokens if reasoning is not None else 0}}
 
 
 class ResponseEvents:
@@ -181,6 +182,8 @@ class ResponseEvents:
 
     def feed(self, message) -> list[str]:
         """The events of one router message's text (held back while it may begin a think tag or a call)."""
+        if self.reasoning_parser is not None:
+            self.reasoning_parser.count(0, message.token_ids)
         return self._take(message.text, _finish(message), list(message.logprobs))
 
     def finish(self, last) -> list[str]:
@@ -195,7 +198,7 @@ class ResponseEvents:
             self.logprobs, self._held_logprobs = self.logprobs + self._held_logprobs, []
         status = response_status(last)
         events += self._close(_call_status(self.tools, status) if self.tools is not None else "completed")
-        response = self.head.response(status, self.output, usage_object(last.usage), last)
+        response = self.head.response(status, self.output, usage_object(last.usage, self.reasoning_parser), last)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return events + [self._event(kind, response=response)]
 
@@ -341,6 +344,8 @@ async def create_response(gateway: Gateway, request: Request) -> Response:
     if not parsed.stream:
         [chunks] = await gateway._collect(request, calls, streams, firsts)
         last = chunks[-1] if chunks else inference_pb2.GenerateStreamResponse()
+        if reasoning is not None:
+            reasoning.count(0, [token_id for chunk in chunks for token_id in chunk.token_ids])
         logprobs = [entry for chunk in chunks for entry in chunk.logprobs] if parsed.logprobs is not None else None
         return JSONResponse(whole_response(head, "".join(chunk.text for chunk in chunks), last, reasoning, tools,
                                            logprobs))

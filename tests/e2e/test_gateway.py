@@ -916,6 +916,42 @@ def test_the_reasoning_parser_splits_the_think_block_from_the_answer(reasoning_a
     assert completion.choices[0].text.startswith("<think>")
 
 
+def test_the_usage_counts_the_think_blocks_tokens(reasoning_api, api, grpc_client, tokenizer):
+    """With a reasoning parser the usage's reasoning tokens are the think block's tokens, tags left out (chat's
+    completion_tokens_details, the Responses API's output_tokens_details), whole and streamed: here counted
+    independently, by decoding the gRPC path's tokens. A block that never ends is every token; none with
+    thinking off, and without a parser chat has no details and responses say 0."""
+    model = reasoning_api.models.list().data[0].id
+    regex = "<think>[a-z ]{1,12}</think>[A-Za-z ]{1,12}"
+    forced = {"structured_outputs": {"regex": regex}}
+    result = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=40, structured_outputs=forced[
+        "structured_outputs"]))
+    ids = list(result.token_ids)
+    opened = next(k for k in range(len(ids) + 1) if tokenizer.decode(ids[:k]) == "<think>")
+    closed = max(k for k in range(len(ids) + 1) if len(tokenizer.decode(ids[:k])) <= result.text.index("</think>"))
+    expected = closed - opened
+    assert 0 < expected < len(ids) - 6  # the tags and the answer are not reasoning
+    chat = {"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 40, "extra_body": forced}
+    usage = reasoning_api.chat.completions.create(**chat).usage
+    assert usage.completion_tokens == len(ids) and usage.completion_tokens_details.reasoning_tokens == expected
+    [last] = [chunk for chunk in reasoning_api.chat.completions.create(
+        **chat, stream=True, stream_options={"include_usage": True}) if chunk.usage is not None]
+    assert last.usage.completion_tokens_details.reasoning_tokens == expected
+    request = {"model": model, "input": QUESTION[0]["content"], "temperature": 0, "max_output_tokens": 40,
+               "extra_body": forced}
+    assert reasoning_api.responses.create(**request).usage.output_tokens_details.reasoning_tokens == expected
+    events = list(reasoning_api.responses.create(**request, stream=True))
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == expected
+    plain = reasoning_api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=6, n=2)
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 12  # no </think>: all of both choices
+    thinking_off = reasoning_api.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=6,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert thinking_off.usage.completion_tokens_details.reasoning_tokens == 0
+    assert api.chat.completions.create(**chat).usage.completion_tokens_details is None
+    assert api.responses.create(**request).usage.output_tokens_details.reasoning_tokens == 0
+
+
 def test_tool_calls_come_from_the_content_after_the_think_block(reasoning_api):
     """With a reasoning parser, the hermes parser reads calls out of the content only: a <tool_call> after
     </think> is a call, the think block the reasoning (whole and streamed)."""

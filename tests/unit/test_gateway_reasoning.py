@@ -152,3 +152,23 @@ def test_the_registry_names_vllms_parsers_and_refuses_others():
     assert reasoning_parser("qwen3") is Qwen3ReasoningParser
     with pytest.raises(ValueError, match="Unknown reasoning parser 'granite': choose one of deepseek_r1, qwen3."):
         reasoning_parser("granite")
+
+
+def test_each_choices_reasoning_tokens_are_counted_and_summed():
+    """The usage's reasoning tokens: each choice's think block in token ids, the tags left out; none with
+    thinking turned off (qwen3), and none counted without the router's tags."""
+    start, end = (5,), (6, 7)
+    replies = ReasoningReplies(Qwen3ReasoningParser, None, (start, end))
+    replies.count(0, [5, 1, 1])
+    replies.count(1, [1, 6, 7, 2])
+    replies.count(0, [1, 6])
+    assert replies.reasoning_tokens == 4 + 1  # choice 0's 6 may begin </think>: reasoning until it does
+    replies.count(0, [7, 9, 9])
+    assert replies.reasoning_tokens == 3 + 1
+    off = ReasoningReplies(Qwen3ReasoningParser, {"enable_thinking": False}, (start, end))
+    off.count(0, [1, 6, 7])
+    assert off.reasoning_tokens == 0
+    for tags in (None, ((), end)):
+        untagged = ReasoningReplies(DeepSeekR1ReasoningParser, None, tags)
+        untagged.count(0, [1, 2])
+        assert untagged.reasoning_tokens == 0
