@@ -18,7 +18,8 @@ full sequence.
 
 Stop strings are searched in the newly added text plus the ``len(stop) - 1``
 characters before it, so a stop string split across tokens is found; the text
-is cut before it.
+is cut before it, or after it with ``include_stop_str_in_output`` (vLLM's; no
+text is then held back while streaming, as vLLM holds none).
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop_strings: list[str] = list(params.stop)
-        # Characters that may be the start of a stop string: held back while streaming.
-        self.stop_buffer_length = max((len(stop) for stop in self.stop_strings), default=1) - 1
+        self.include_stop_string = params.include_stop_str_in_output
+        # Characters that may be the start of a stop string: held back while streaming (none when the stop string
+        # stays in the text).
+        self.stop_buffer_length = (0 if self.include_stop_string
+                                   else max((len(stop) for stop in self.stop_strings), default=1) - 1)
         # The stop string that ended the text, once one matched.
         self.matched_stop: str | None = None
         # Tail of prompt + output, from prefix_offset on (so prefix_offset is 0 here).
@@ -57,14 +61,15 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        """The text so far: complete characters only, cut before a matched stop string."""
+        """The text so far: complete characters only, cut before a matched stop string (after it with
+        ``include_stop_str_in_output``)."""
         return self._output_text
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append generated tokens and extend ``output_text``.
 
         Returns:
-            The stop string that matched (``output_text`` is then cut before it),
+            The stop string that matched (``output_text`` is then cut before it, or after it),
             else None. Once a stop string matched, further calls change nothing
             and return None.
         """
@@ -118,7 +123,8 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def _cut_at_stop_string(self, previous_length: int) -> str | None:
-        """Find the earliest stop string that ends in the new text; cut the text before it."""
+        """Find the earliest stop string that ends in the new text; cut the text before it (after it with
+        ``include_stop_str_in_output``)."""
         earliest_index = -1
         earliest_stop = None
         for stop in self.stop_strings:
@@ -128,6 +134,7 @@ class IncrementalDetokenizer:
                 earliest_index, earliest_stop = index, stop
         if earliest_stop is None:
             return None
-        self._output_text = self._output_text[:earliest_index]
+        end = earliest_index + len(earliest_stop) if self.include_stop_string else earliest_index
+        self._output_text = self._output_text[:end]
         self.matched_stop = earliest_stop
         return earliest_stop

@@ -1,4 +1,5 @@
-"""Logits processors: the request's logit bias, and what depends on what it has seen (penalties, the min_tokens mask).
+"""Logits processors: the request's allowed tokens, bad words and logit bias, and what depends on what it has seen
+(penalties, the min_tokens mask).
 
 Steps 1 to 3 of the sampler (``engine/sampling.py``). Plain functions over
 ``[num_rows, vocab]`` tensors, tested on their own; neither modifies its input.
@@ -12,7 +13,83 @@ from itertools import chain
 
 import torch
 
+from splitserve.common.errors import InvalidRequest
 from splitserve.engine.request import Request
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[tuple[int, ...]]:
+    """The token sequences ``words`` (SamplingParams.bad_words) are banned as: each word, leading spaces dropped,
+    tokenized alone (as at the start of a text) and after a space (as inside one: most tokenizers then fold the
+    space into its first token). The spaced form is left out where it is the plain form behind a token of its
+    own (the plain form already bans its end); vLLM leaves it out also where the space changes the number of
+    tokens, which would let " word" through when the space splits "word" differently, so this keeps it.
+
+    Raises:
+        InvalidRequest: a word the tokenizer writes as no token at all.
+    """
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise InvalidRequest(f"The bad word {word[:64]!r} is no token at all in this model's vocabulary.")
+        for sequence in (plain, spaced):
+            if sequence and sequence not in sequences and sequence[1:] != plain:
+                sequences.append(sequence)
+    return sequences
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """-inf on every token outside each row's ``sampling_params.allowed_token_ids`` (rows without it unchanged).
+
+    Args:
+        logits: [num_rows, vocab] float32; not modified.
+        requests: one per row.
+
+    Returns:
+        A new [num_rows, vocab] tensor (the input itself when no row limits its tokens).
+    """
+    rows = [row for row, request in enumerate(requests) if request.sampling_params.allowed_token_ids is not None]
+    if not rows:
+        return logits
+    vocab_size = logits.shape[-1]
+    banned = torch.ones(len(rows), vocab_size, dtype=torch.bool)
+    for index, row in enumerate(rows):
+        allowed = [token_id for token_id in requests[row].sampling_params.allowed_token_ids if token_id < vocab_size]
+        banned[index, allowed] = False
+    result = logits.clone()
+    row_index = torch.tensor(rows, device=logits.device)
+    result[row_index] = result[row_index].masked_fill(banned.to(logits.device), float("-inf"))
+    return result
+
+
+def apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """-inf on each bad word's last token wherever the row's output ends with the rest of the word's tokens
+    (``request.bad_words_token_ids``, from :func:`bad_words_token_ids`; a one-token word is banned everywhere).
+
+    Args:
+        logits: [num_rows, vocab] float32; not modified.
+        requests: one per row.
+
+    Returns:
+        A new [num_rows, vocab] tensor (the input itself when nothing is banned on this step).
+    """
+    vocab_size = logits.shape[-1]
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for row, request in enumerate(requests):
+        output = request.output_token_ids
+        for sequence in request.bad_words_token_ids:
+            before = len(sequence) - 1
+            if before <= len(output) and (before == 0 or output[-before:] == list(sequence[:-1])):
+                if 0 <= sequence[-1] < vocab_size:
+                    rows.append(row)
+                    token_ids.append(sequence[-1])
+    if not rows:
+        return logits
+    result = logits.clone()
+    result[torch.tensor(rows, device=logits.device), torch.tensor(token_ids, device=logits.device)] = float("-inf")
+    return result
 
 
 def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 The order of operations follows vLLM:
 
-1. ``logit_bias``: each row's biases added to its tokens' logits;
+1. ``allowed_token_ids`` and ``bad_words``: -inf on the tokens a row may not take (a bad word's last token
+   where the output ends with the rest of the word); ``logit_bias``: each row's biases added to its tokens'
+   logits;
 2. penalties (repetition over prompt and output, presence and frequency over
    the output) on every row that asks for them;
 3. ``min_tokens``: EOS and stop token ids are masked while a request is short;
@@ -34,7 +36,8 @@ import numpy
 import torch
 
 from splitserve.common.sampling_params import GREEDY_EPSILON
-from splitserve.engine.logits_processors import apply_logit_bias, apply_min_tokens, apply_penalties
+from splitserve.engine.logits_processors import (apply_allowed_token_ids, apply_bad_words, apply_logit_bias,
+                                                  apply_min_tokens, apply_penalties)
 from splitserve.engine.logprobs import compute_logprobs
 from splitserve.engine.request import Request
 from splitserve.engine.speculative import accepted_tokens
@@ -81,7 +84,9 @@ class Sampler:
             return SamplerOutput(greedy_token_ids(logits, self.kernels).tolist(), [None] * len(requests))
 
         raw_logits = logits.float()  # [num_rows, vocab]
-        logits = apply_logit_bias(raw_logits, requests)
+        logits = apply_allowed_token_ids(raw_logits, requests)
+        logits = apply_bad_words(logits, requests)
+        logits = apply_logit_bias(logits, requests)
         logits = apply_penalties(logits, requests)
         logits = apply_min_tokens(logits, requests)
         logits = self._apply_grammars(logits, requests)
@@ -237,7 +242,8 @@ def greedy_token_ids(logits: torch.Tensor, kernels=None) -> torch.Tensor:
 
 
 def _all_plain_greedy(requests: list[Request]) -> bool:
-    """True when every row is a bare argmax: no logit bias, penalties, min_tokens mask, grammar or logprobs."""
+    """True when every row is a bare argmax: no allowed tokens, bad words, logit bias, penalties, min_tokens mask,
+    grammar or logprobs."""
     for request in requests:
         params = request.sampling_params
         if (
@@ -245,6 +251,8 @@ def _all_plain_greedy(requests: list[Request]) -> bool:
             or params.logprobs is not None
             or params.needs_penalties
             or params.logit_bias
+            or params.allowed_token_ids is not None
+            or request.bad_words_token_ids
             or (request.grammar is not None and request.grammar.active)
             or len(request.output_token_ids) < params.min_tokens
         ):

@@ -123,7 +123,8 @@ class SpeculativeConfig:
 
 def may_speculate(request: Request) -> bool:
     """Whether a request's next tokens may be verified several at a time: each row's distribution depends on the
-    model's logits and at most its grammar (no logit bias, penalties, logprobs or pending min_tokens), so the
+    model's logits and at most its grammar (no allowed tokens, bad words, logit bias, penalties, logprobs or pending
+    min_tokens), so the
     tokens accepted are distributed as one step at a time would give them (``Sampler.verify_drafts``), greedy or
     sampled. A grammar masks each row as it would mask that token one step at a time: the request drafts only
     tokens its grammar takes (``GrammarMatcher.draftable``), and row i is masked after drafts 0..i-1
@@ -132,6 +133,7 @@ def may_speculate(request: Request) -> bool:
     after a step."""
     params = request.sampling_params
     return (params.logprobs is None and not params.needs_penalties and not params.logit_bias
+            and params.allowed_token_ids is None and not params.bad_words
             and request.num_output_tokens >= params.min_tokens)
 
 

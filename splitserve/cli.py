@@ -299,6 +299,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, help="per-request seed for reproducible sampling")
     group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     group.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID", help="stop token id (repeatable)")
+    group.add_argument("--include-stop-str-in-output", action="store_true",
+                       help="keep the stop string that matched at the end of the text")
+    group.add_argument("--allowed-token-id", action="append", type=int, default=[], metavar="ID",
+                       help="generate only these token ids (repeatable; default: any)")
+    group.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
+                       help="a word that must not be generated, at the start of the text or after a space "
+                       "(repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     group.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens (default: %(default)s)")
     group.add_argument("--logprobs", type=int, help="return the top-N log probabilities of each token")
@@ -353,6 +360,8 @@ def sampling_params_from_args(args: argparse.Namespace, overrides: dict | None =
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=list(args.stop),
         stop_token_ids=list(args.stop_token_id), ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
         logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, logit_bias=dict(args.logit_bias),
+        include_stop_str_in_output=args.include_stop_str_in_output,
+        allowed_token_ids=list(args.allowed_token_id) or None, bad_words=list(args.bad_word),
         structured_outputs=_structured_outputs_of(args),
     )
     known = {field.name for field in dataclasses.fields(SamplingParams)}

@@ -72,7 +72,8 @@ def sampling_params_to_pb(params: SamplingParams | None) -> inference_pb2.Sampli
         repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, skip_special_tokens=params.skip_special_tokens,
-        logit_bias=params.logit_bias,
+        logit_bias=params.logit_bias, include_stop_str_in_output=params.include_stop_str_in_output,
+        allowed_token_ids=params.allowed_token_ids or [], bad_words=params.bad_words,
     )
     if params.max_tokens is not None:
         message.max_tokens = params.max_tokens

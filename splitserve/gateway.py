@@ -577,6 +577,8 @@ class Gateway:
             "repetition_penalty": body.get("repetition_penalty", 1.0), "ignore_eos": body.get("ignore_eos", False),
             "min_tokens": body.get("min_tokens", 0), "stop_token_ids": body.get("stop_token_ids") or [],
             "logit_bias": _logit_bias(body.get("logit_bias")),
+            "include_stop_str_in_output": body.get("include_stop_str_in_output") or False,
+            "allowed_token_ids": body.get("allowed_token_ids"), "bad_words": body.get("bad_words") or [],
             "prompt_logprobs": _prompt_logprobs(body),
             "structured_outputs": _structured_outputs(body),
         }

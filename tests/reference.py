@@ -46,15 +46,17 @@ def hf_model(model_dir: str, dtype_name: str = "float32"):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype_name)).eval()
 
 
-def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' ``generate``, greedy, float32, one prompt at a time (no padding)."""
+def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """transformers' ``generate``, greedy, float32, one prompt at a time (no padding); ``generate_kwargs`` go to
+    ``generate`` (``bad_words_ids``, ``prefix_allowed_tokens_fn``, ...)."""
     import torch
 
     model = hf_model(model_dir)
     with torch.inference_mode():
         input_ids = torch.tensor([prompt_token_ids])
         output = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
+            **generate_kwargs,
         )
     return output[0, len(prompt_token_ids):].tolist()
 

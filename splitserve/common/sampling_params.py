@@ -25,6 +25,12 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 # The most prompt log probabilities one request may ask for (prompt tokens x (prompt_logprobs + 1)): they travel
 # in one gRPC message, of 64 MB at most, at some 17-40 bytes each. 8,192 tokens with 20 alternatives are 172,032.
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
+# The most allowed_token_ids one request may name (a vocabulary of 262,144 tokens is among the largest in use).
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+# The most bad_words one request may carry, and the longest: each is tokenized when the request is added and
+# compared with the output's end on every step.
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_CHARACTERS = 256
 
 
 @dataclass
@@ -43,7 +49,9 @@ class SamplingParams:
         frequency_penalty: subtracted per occurrence from the logit of generated tokens.
         seed: per-request 64-bit random seed, in [-2**63, 2**63 - 1], all 64 bits
             used; the same seed gives the same tokens whatever else is in the batch.
-        stop: strings that end generation; the matched string is not in the output.
+        stop: strings that end generation; the matched string is not in the output (unless
+            ``include_stop_str_in_output``).
+        include_stop_str_in_output: keep the stop string that matched at the end of the text (vLLM's).
         stop_token_ids: token ids that end generation (kept in the output ids).
         ignore_eos: keep generating after the end-of-sequence token.
         min_tokens: generate at least this many tokens before EOS or stop ids may end it.
@@ -57,6 +65,12 @@ class SamplingParams:
             and vLLM's logit_bias; at most 1,024 entries. Log probabilities stay the raw
             model's, as vLLM returns them.
         skip_special_tokens: leave special tokens out of the text.
+        allowed_token_ids: only these tokens may be generated (vLLM's; None: any). Every id must be in the
+            vocabulary; at most 262,144 of them.
+        bad_words: words that must not be generated (vLLM's): each is tokenized as it is and after a space
+            (the word's first token differs at the start of a text and inside it), and a word's last token is
+            banned whenever the output ends with the rest of its tokens. At most 256 words of at most 256
+            characters.
         structured_outputs: the shape the output must take (a JSON schema, any JSON object, a regex, one of
             some strings, or a grammar), as vLLM's; a dict of StructuredOutputsParams' fields is taken too.
             Each step masks the tokens the shape cannot take next; the request stops once it is complete.
@@ -79,6 +93,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -91,6 +108,15 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict):
             raise InvalidRequest("logit_bias must map token ids to bias values.")
         self.logit_bias = dict(self.logit_bias)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if not isinstance(self.bad_words, (list, tuple)):
+            raise InvalidRequest("bad_words must be a list of strings.")
+        self.bad_words = list(self.bad_words)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)):
+                raise InvalidRequest("allowed_token_ids must be a list of token ids.")
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
             unknown = sorted(set(self.structured_outputs) - StructuredOutputsParams.FIELDS)
             if unknown:
@@ -137,6 +163,30 @@ class SamplingParams:
         if any(token_id < 0 for token_id in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be non-negative token ids.")
         self._validate_logit_bias()
+        self._validate_allowed_and_bad_words()
+
+    def _validate_allowed_and_bad_words(self) -> None:
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidRequest(f"include_stop_str_in_output must be true or false, got "
+                                 f"{str(self.include_stop_str_in_output)[:32]!r}.")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not allowed:
+                raise InvalidRequest("allowed_token_ids must name at least one token id (leave it out to allow all).")
+            if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+                raise InvalidRequest(f"allowed_token_ids has {len(allowed)} entries; at most {MAX_ALLOWED_TOKEN_IDS} "
+                                     "are allowed.")
+            bad = next((token_id for token_id in allowed if not _is_int(token_id) or token_id < 0), None)
+            if bad is not None:
+                raise InvalidRequest(f"allowed_token_ids must be non-negative token ids, got {str(bad)[:32]!r}.")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidRequest(f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS} are allowed.")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip():
+                raise InvalidRequest("bad_words must be a list of strings that are not empty or only spaces.")
+            if len(word) > MAX_BAD_WORD_CHARACTERS:
+                raise InvalidRequest(f"A bad word has {len(word)} characters; at most {MAX_BAD_WORD_CHARACTERS} are "
+                                     "allowed.")
 
     def _validate_logit_bias(self) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
@@ -160,10 +210,12 @@ class SamplingParams:
                                  f"{MAX_PROMPT_LOGPROB_ENTRIES}: ask for fewer alternatives or score a shorter prompt.")
 
     def check_vocabulary(self, vocab_size: int) -> None:
-        """Raises InvalidRequest when a logit_bias token id is outside the model's vocabulary [0, vocab_size)."""
-        bad = next((token_id for token_id in self.logit_bias if token_id >= vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size}).")
+        """Raises InvalidRequest when a logit_bias or allowed_token_ids token id is outside the model's vocabulary
+        [0, vocab_size)."""
+        for name, token_ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = next((token_id for token_id in token_ids if token_id >= vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(f"{name} token id {bad} is outside the vocabulary [0, {vocab_size}).")
 
     @property
     def is_greedy(self) -> bool:

@@ -39,6 +39,9 @@ def sampling_params_from_pb(message: inference_pb2.SamplingParams) -> SamplingPa
         min_tokens=message.min_tokens,
         # float32 on the wire, rounded as the fields below are.
         logit_bias={token_id: round(float(bias), 6) for token_id, bias in message.logit_bias.items()},
+        include_stop_str_in_output=message.include_stop_str_in_output,
+        allowed_token_ids=list(message.allowed_token_ids) or None,
+        bad_words=list(message.bad_words),
     )
     for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "logprobs",
                  "prompt_logprobs", "skip_special_tokens"):

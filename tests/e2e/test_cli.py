@@ -30,6 +30,10 @@ def test_single_prompt_streams_text(model_dir, tokenizer):
                      *SMALL_ENGINE)
     assert banned.returncode == 0, banned.stderr
     assert banned.stdout and not banned.stdout.startswith(" Paris")
+    worded = run_cli("generate", "The capital of France is", "--max-tokens", "4", "--bad-word", "Paris",
+                     "--stop", ".", "--include-stop-str-in-output", "--allowed-token-id", str(paris),
+                     "--allowed-token-id", str(tokenizer.encode(".")[0]), *SMALL_ENGINE)
+    assert worded.returncode == 0 and worded.stdout.startswith(".") and "[stop" in worded.stderr, worded.stderr
     scored = run_cli("generate", "The capital of France is", "--max-tokens", "1", "--prompt-logprobs", "0",
                      *SMALL_ENGINE)
     assert scored.returncode == 0, scored.stderr

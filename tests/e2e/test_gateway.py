@@ -356,6 +356,49 @@ def test_logit_bias_bans_and_forces_tokens_on_both_workers(api, grpc_client):
         assert "logit_bias" in refused.value.message, logit_bias
 
 
+def test_bad_words_allowed_token_ids_and_kept_stop_strings_hold_on_both_workers(api, grpc_client, model_dir,
+                                                                               tokenizer):
+    """vLLM's bad_words, allowed_token_ids and include_stop_str_in_output, through gRPC and the gateway's JSON: the
+    prefill worker samples the first token and the decode worker the rest under the same bans, giving
+    transformers' greedy tokens; bad values are refused with 400 naming the field."""
+    from splitserve.engine.logits_processors import bad_words_token_ids
+    from tests.reference import hf_greedy
+
+    model = api.models.list().data[0].id
+    plain = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))  # " Paris.\n\nThe answer is:"
+    words = ["Paris", "answer is"]  # the first token (the prefill's), then two of the decode worker's
+    banned = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, bad_words=words))
+    prompt_ids = tokenizer.encode(PROMPT)
+    bans = [list(sequence) for sequence in bad_words_token_ids(tokenizer, words)]
+    assert list(banned.token_ids) == hf_greedy(str(model_dir), prompt_ids, 8, bad_words_ids=bans)
+    assert banned.token_ids[0] != plain.token_ids[0] and "Paris" not in banned.text
+    decode_only = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, bad_words=["answer is"]))
+    assert " answer is" in plain.text and " answer is" not in decode_only.text
+    assert decode_only.token_ids[:5] == plain.token_ids[:5]
+    allowed = sorted(set(plain.token_ids[1:]))
+    limited = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=allowed))
+    assert set(limited.token_ids) <= set(allowed) and limited.token_ids[0] != plain.token_ids[0]
+    assert list(limited.token_ids) == hf_greedy(str(model_dir), prompt_ids, 8,
+                                                prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+    extra = {"bad_words": words}
+    completion = api.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=extra)
+    assert completion.choices[0].text == banned.text
+    extra = {"allowed_token_ids": allowed}
+    completion = api.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=extra)
+    assert completion.choices[0].text == limited.text
+    kept = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stop": ["."],
+            "extra_body": {"include_stop_str_in_output": True}}
+    assert api.completions.create(**kept).choices[0].text == plain.text[:plain.text.index(".") + 1]
+    streamed = "".join(chunk.choices[0].text for chunk in api.completions.create(**kept, stream=True))
+    assert streamed == plain.text[:plain.text.index(".") + 1]
+    vocab_size = grpc_client.model_info().vocab_size
+    for field, value in (("allowed_token_ids", [vocab_size]), ("allowed_token_ids", []), ("bad_words", [" "]),
+                         ("bad_words", "x" * 300), ("include_stop_str_in_output", "yes")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={field: value})
+        assert field.split("_")[0] in refused.value.message, (field, value)
+
+
 def test_structured_outputs_are_the_grpc_paths_and_keep_their_shape(api, grpc_client):
     """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs (choice, regex, grammar):
     greedy, the gRPC path's tokens under the same constraint (the prefill worker's first token and the decode

@@ -45,6 +45,32 @@ def test_logit_bias_bans_a_token_in_a_batch_and_an_id_outside_the_vocabulary_is_
     assert_all_blocks_free(llm)
 
 
+def test_bad_words_and_allowed_token_ids_give_transformers_tokens(llm, model_dir):
+    """bad_words (one word of two tokens, one of one) and allowed_token_ids, each beside a plain request in one
+    batch, give transformers' greedy tokens under its own processors for the same bans (bad_words_ids, and
+    prefix_allowed_tokens_fn); each changes what the plain request would have said."""
+    from splitserve.engine.logits_processors import bad_words_token_ids
+    from tests.reference import hf_greedy
+
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    plain = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    tokenizer = llm.engine.tokenizer
+    allowed = sorted(set(plain[1]) - {plain[1][3]})  # the plain answer's own tokens, but for its fourth
+    cases = [(PROMPTS[2], ["fibonacci"], None), (PROMPTS[0], ["Paris"], None), (PROMPTS[1], [], allowed)]
+    params = [SamplingParams(temperature=0, max_tokens=24, bad_words=words, allowed_token_ids=allowed_ids)
+              for _, words, allowed_ids in cases]
+    outputs = llm.generate([prompt for prompt, _, _ in cases] + [PROMPTS[3]], params + [greedy], use_tqdm=False)
+    assert outputs[3].outputs[0].token_ids == plain[3]
+    for (prompt, words, allowed_ids), output, plain_ids in zip(cases, outputs, (plain[2], plain[0], plain[1])):
+        ours = output.outputs[0].token_ids
+        kwargs = ({"bad_words_ids": [list(sequence) for sequence in bad_words_token_ids(tokenizer, words)]} if words
+                  else {"prefix_allowed_tokens_fn": lambda batch, ids: allowed_ids})
+        assert ours == hf_greedy(str(model_dir), output.prompt_token_ids, 24, **kwargs) and ours != plain_ids
+    assert "fibonacci" not in outputs[0].outputs[0].text and "Paris" not in outputs[1].outputs[0].text
+    assert set(outputs[2].outputs[0].token_ids) <= set(allowed)
+    assert_all_blocks_free(llm)
+
+
 def test_top_k_one_equals_greedy(llm):
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     top1 = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=12), use_tqdm=False)
@@ -60,6 +86,10 @@ def test_stop_string_ends_generation_and_is_left_out(llm):
     assert completion.text == text[: text.index(".")]
     assert completion.finish_reason == "stop" and completion.stop_reason == "."
     assert len(completion.token_ids) < len(free_run.outputs[0].token_ids)
+    kept = SamplingParams(temperature=0, max_tokens=20, stop=["."], include_stop_str_in_output=True)
+    (included,) = llm.generate(PROMPTS[0], kept, use_tqdm=False)
+    assert included.outputs[0].text == text[: text.index(".") + 1] and included.outputs[0].stop_reason == "."
+    assert included.outputs[0].token_ids == completion.token_ids
 
 
 def test_stop_token_id_ends_generation_and_is_kept_in_ids(llm):

@@ -206,3 +206,22 @@ def test_stop_match_releases_held_back_text_before_finish(tokenizer, prompt_ids)
     assert detokenizer.get_next_output_text(finished=False, delta=True) == "The END is "
     assert detokenizer.update(encode(tokenizer, " more")) is None
     assert detokenizer.output_text == "The END is "
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_holds_nothing_back(tokenizer, prompt_ids):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string (what follows it in its token is cut
+    as before), and a stream holds no characters back: they stay in the text whatever comes."""
+    token_ids = encode(tokenizer, "The answer is 42. Then more")
+    params = SamplingParams(stop=["wer is 4", "Then"], include_stop_str_in_output=True)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params)
+    streamed = ""
+    for token_id in token_ids:
+        matched = detokenizer.update([token_id])
+        streamed += detokenizer.get_next_output_text(finished=False, delta=True)
+        assert streamed == detokenizer.output_text  # nothing held back
+        if matched:
+            break
+    assert matched == "wer is 4" and detokenizer.output_text == "The answer is 4" == streamed
+    assert detokenizer.update(encode(tokenizer, " Then")) is None and detokenizer.output_text == "The answer is 4"
+    cut = IncrementalDetokenizer(tokenizer, prompt_ids, SamplingParams(stop=["swe"], include_stop_str_in_output=True))
+    assert cut.update(encode(tokenizer, "The answer")) == "swe" and cut.output_text == "The answe"  # "r" is cut

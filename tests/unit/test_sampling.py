@@ -11,7 +11,8 @@ import torch
 
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.logits_processors import apply_logit_bias, apply_min_tokens, apply_penalties
+from splitserve.engine.logits_processors import (apply_allowed_token_ids, apply_bad_words, apply_logit_bias,
+                                                  apply_min_tokens, apply_penalties, bad_words_token_ids)
 from splitserve.engine.logprobs import compute_logprobs
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler, SamplerOutput, greedy_token_ids, seeded_generator
@@ -325,6 +326,92 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary():
     SamplingParams(logit_bias={9: 1.0}).check_vocabulary(10)
     with pytest.raises(InvalidRequest, match=re.escape("token id 10 is outside the vocabulary [0, 10)")):
         SamplingParams(logit_bias={3: 1.0, 10: 1.0}).check_vocabulary(10)
+
+
+# --- allowed tokens and bad words ----------------------------------------------
+
+
+def test_allowed_token_ids_leave_only_those_tokens_on_their_rows():
+    logits = torch.arange(12.0).reshape(2, 6)
+    requests = [make_request("a", allowed_token_ids=[1, 3, 40]), make_request("b")]  # 40: outside, ignored
+    result = apply_allowed_token_ids(logits, requests)
+    assert result[0].tolist() == [NEG_INF, 1.0, NEG_INF, 3.0, NEG_INF, NEG_INF]
+    assert torch.equal(result[1], logits[1]) and torch.equal(logits, torch.arange(12.0).reshape(2, 6))
+    assert apply_allowed_token_ids(logits, [make_request("c")] * 2) is logits
+    greedy = make_request(temperature=0.0, allowed_token_ids=[0, 2])
+    sampled = make_request(temperature=1.0, seed=5, allowed_token_ids=[4])
+    assert Sampler()(logits[:1], [greedy]).sampled_token_ids == [2]  # the fast path does not skip it
+    assert [Sampler()(logits[:1], [sampled]).sampled_token_ids[0] for _ in range(4)] == [4] * 4
+
+
+def _with_bad_words(request: Request, *sequences) -> Request:
+    request.bad_words_token_ids = [tuple(sequence) for sequence in sequences]
+    return request
+
+
+def test_a_bad_words_last_token_is_banned_where_the_output_ends_with_the_rest():
+    logits = torch.zeros(4, 8)
+    requests = [_with_bad_words(make_request("a", output=[1, 3]), (3, 5), (4,), (2, 3, 6)),
+                _with_bad_words(make_request("b", output=[]), (3, 5), (7, 1, 2)),  # too short for either prefix
+                _with_bad_words(make_request("c", prompt=[3]), (3, 5)),  # the prompt's end is no output
+                make_request("d", output=[3])]
+    result = apply_bad_words(logits, requests)
+    banned = [[column for column in range(8) if result[row, column] == NEG_INF] for row in range(4)]
+    assert banned == [[4, 5], [], [], []]
+    assert torch.equal(logits, torch.zeros(4, 8)) and apply_bad_words(logits, requests[1:]) is logits
+    greedy = _with_bad_words(make_request(temperature=0.0, output=[6]), (6, 7))
+    assert Sampler()(torch.arange(8.0).unsqueeze(0), [greedy]).sampled_token_ids == [6]
+
+
+class _CharacterTokenizer:
+    """One token per character (its code point), a space folded into the next character's token (+1000) as
+    byte-level BPE folds it into a word's first token; "#" after a space stays two tokens."""
+
+    def encode(self, text, add_special_tokens):
+        assert add_special_tokens is False
+        ids, space = [], False
+        for character in text:
+            if character == " " and not space:
+                space = True
+                continue
+            if space and character != "#":
+                ids.append(1000 + ord(character))
+            else:
+                ids += [ord(" ")] if space else []
+                ids.append(ord(character))
+            space = False
+        return ids + ([ord(" ")] if space else [])
+
+
+def test_bad_words_are_tokenized_alone_and_after_a_space():
+    tokenizer = _CharacterTokenizer()
+    assert bad_words_token_ids(tokenizer, ["ab", "  ab", "#x"]) == [
+        (97, 98), (1097, 98),  # alone and after a space; the same word twice (leading spaces dropped) once
+        (35, 120),  # after a space "#" is a space token before the word's own: nothing more to ban
+    ]
+    with pytest.raises(InvalidRequest, match="is no token at all"):
+        bad_words_token_ids(type("Empty", (), {"encode": lambda self, text, add_special_tokens: []})(), ["ab"])
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"allowed_token_ids": []}, "at least one token id"), ({"allowed_token_ids": [1, -2]}, "non-negative token ids"),
+    ({"allowed_token_ids": [1, True]}, "non-negative token ids"), ({"allowed_token_ids": 5}, "a list of token ids"),
+    ({"allowed_token_ids": list(range(262145))}, "at most 262144"),
+    ({"bad_words": ["ok", " "]}, "not empty or only spaces"), ({"bad_words": [3]}, "not empty or only spaces"),
+    ({"bad_words": {"a": 1}}, "a list of strings"), ({"bad_words": ["w"] * 257}, "at most 256 are allowed"),
+    ({"bad_words": ["w" * 257]}, "257 characters; at most 256"),
+    ({"include_stop_str_in_output": "yes"}, "must be true or false"),
+])
+def test_bad_allowed_token_ids_and_bad_words_are_refused_with_the_reason(fields, words):
+    with pytest.raises(InvalidRequest, match=re.escape(words)):
+        SamplingParams(**fields)
+
+
+def test_allowed_token_ids_are_checked_against_the_vocabulary():
+    assert SamplingParams(allowed_token_ids=(9,), bad_words="one").bad_words == ["one"]
+    SamplingParams(allowed_token_ids=[9]).check_vocabulary(10)
+    with pytest.raises(InvalidRequest, match=re.escape("allowed_token_ids token id 10 is outside the vocabulary")):
+        SamplingParams(allowed_token_ids=[3, 10]).check_vocabulary(10)
 
 
 # --- temperature, top-k, top-p, min-p ---------------------------------------
