@@ -36,8 +36,13 @@ import numpy
 import torch
 
 from splitserve.common.sampling_params import GREEDY_EPSILON
-from splitserve.engine.logits_processors import (apply_allowed_token_ids, apply_bad_words, apply_logit_bias,
-                                                  apply_min_tokens, apply_penalties)
+from splitserve.engine.logits_processors import (
+    apply_allowed_token_ids,
+    apply_bad_words,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+)
 from splitserve.engine.logprobs import compute_logprobs
 from splitserve.engine.request import Request
 from splitserve.engine.speculative import accepted_tokens

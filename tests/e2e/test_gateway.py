@@ -392,11 +392,11 @@ def test_bad_words_allowed_token_ids_and_kept_stop_strings_hold_on_both_workers(
     streamed = "".join(chunk.choices[0].text for chunk in api.completions.create(**kept, stream=True))
     assert streamed == plain.text[:plain.text.index(".") + 1]
     vocab_size = grpc_client.model_info().vocab_size
-    for field, value in (("allowed_token_ids", [vocab_size]), ("allowed_token_ids", []), ("bad_words", [" "]),
-                         ("bad_words", "x" * 300), ("include_stop_str_in_output", "yes")):
+    for field, bad in (("allowed_token_ids", [vocab_size]), ("allowed_token_ids", []), ("bad_words", [" "]),
+                       ("bad_words", "x" * 300), ("include_stop_str_in_output", "yes")):
         with pytest.raises(openai.BadRequestError) as refused:
-            api.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={field: value})
-        assert field.split("_")[0] in refused.value.message, (field, value)
+            api.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={field: bad})
+        assert field.split("_")[0] in refused.value.message, (field, bad)
 
 
 def test_structured_outputs_are_the_grpc_paths_and_keep_their_shape(api, grpc_client):

@@ -61,10 +61,10 @@ def test_bad_words_and_allowed_token_ids_give_transformers_tokens(llm, model_dir
               for _, words, allowed_ids in cases]
     outputs = llm.generate([prompt for prompt, _, _ in cases] + [PROMPTS[3]], params + [greedy], use_tqdm=False)
     assert outputs[3].outputs[0].token_ids == plain[3]
-    for (prompt, words, allowed_ids), output, plain_ids in zip(cases, outputs, (plain[2], plain[0], plain[1])):
+    for (_, words, allowed_ids), output, plain_ids in zip(cases, outputs, (plain[2], plain[0], plain[1])):
         ours = output.outputs[0].token_ids
         kwargs = ({"bad_words_ids": [list(sequence) for sequence in bad_words_token_ids(tokenizer, words)]} if words
-                  else {"prefix_allowed_tokens_fn": lambda batch, ids: allowed_ids})
+                  else {"prefix_allowed_tokens_fn": lambda batch, ids, allowed_ids=allowed_ids: allowed_ids})
         assert ours == hf_greedy(str(model_dir), output.prompt_token_ids, 24, **kwargs) and ours != plain_ids
     assert "fibonacci" not in outputs[0].outputs[0].text and "Paris" not in outputs[1].outputs[0].text
     assert set(outputs[2].outputs[0].token_ids) <= set(allowed)

@@ -7,8 +7,13 @@ import random
 
 import pytest
 
-from splitserve.common.reasoning import (ReasoningTokenCount, ThinkEndWatch, check_reasoning_parser, reasoning_ended,
-                                         think_tag_ids)
+from splitserve.common.reasoning import (
+    ReasoningTokenCount,
+    ThinkEndWatch,
+    check_reasoning_parser,
+    reasoning_ended,
+    think_tag_ids,
+)
 
 # (start, end) tags: one token each, as in Qwen3's vocabulary, and several, as SmolLM2 spells them.
 ONE_TOKEN = ((7,), (8,))

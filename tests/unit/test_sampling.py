@@ -11,8 +11,14 @@ import torch
 
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.logits_processors import (apply_allowed_token_ids, apply_bad_words, apply_logit_bias,
-                                                  apply_min_tokens, apply_penalties, bad_words_token_ids)
+from splitserve.engine.logits_processors import (
+    apply_allowed_token_ids,
+    apply_bad_words,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+    bad_words_token_ids,
+)
 from splitserve.engine.logprobs import compute_logprobs
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler, SamplerOutput, greedy_token_ids, seeded_generator
