@@ -185,9 +185,11 @@ class Frontend:
         try:
             return self.tokenizer.apply_chat_template(
                 conversation.template_messages(), tools=conversation.template_tools(), tokenize=False,
-                add_generation_prompt=conversation.add_generation_prompt, **conversation.chat_template_kwargs)
-        # The template's raise_exception(...), a value it cannot read, or one it adds to text (TypeError).
-        except (jinja2.TemplateError, TypeError) as error:
+                add_generation_prompt=conversation.add_generation_prompt,
+                continue_final_message=conversation.continue_final_message, **conversation.chat_template_kwargs)
+        # The template's raise_exception(...), a value it cannot read, or one it adds to text (TypeError); with
+        # continue_final_message, transformers' ValueError when the last message's text is not in the rendering.
+        except (jinja2.TemplateError, TypeError, ValueError) as error:
             reason = str(error).strip().rstrip(".")[:_ECHOED_TEMPLATE_ERROR_CHARACTERS] or type(error).__name__
             raise InvalidRequest(f"The model's chat template refused these messages: {reason}.") from None
 

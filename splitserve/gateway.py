@@ -306,7 +306,8 @@ class Gateway:
                               logprobs=logprobs)
         if params.prompt_logprobs is None and echo and logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=logprobs)  # the prompt scored, as vLLM's echo does
-        return await self._respond(request, body, prompts, params, "cmpl", "text_completion", _completion_choice,
+        choice = functools.partial(_completion_choice, as_ids=_flag(body, "return_tokens_as_token_ids"))
+        return await self._respond(request, body, prompts, params, "cmpl", "text_completion", choice,
                                    lora_name, echo=echo, score_only=score_only)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -326,7 +327,8 @@ class Gateway:
         params = dataclasses.replace(params, structured_outputs=constraint)
         reasoning = self.reasoning_replies(info, chat, tools)
         with_reasoning = self.reasoning_parser_of(info) is not None
-        choice = functools.partial(_chat_choice, tools=tools, reasoning=reasoning, with_reasoning=with_reasoning)
+        choice = functools.partial(_chat_choice, tools=tools, reasoning=reasoning, with_reasoning=with_reasoning,
+                                   as_ids=_flag(body, "return_tokens_as_token_ids"))
         return await self._respond(request, body, [chat], params, "chatcmpl", "chat.completion", choice, lora_name,
                                    reasoning=reasoning, with_reasoning=with_reasoning)
 
@@ -799,7 +801,8 @@ def _completion_logprobs(body: dict) -> int | None:
 
 def _chat(body: dict) -> Chat:
     """The request's ``messages`` (text content, or a list of text parts, joined; tool calls and tool answers),
-    ``tools`` and vLLM's ``chat_template_kwargs`` as a Chat; 400 naming the field for malformed ones."""
+    ``tools`` and vLLM's ``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message`` as a
+    Chat; 400 naming the field for malformed ones."""
     try:
         tools = openai_tools(body.get("tools"))
     except InvalidRequest as error:
@@ -808,8 +811,20 @@ def _chat(body: dict) -> Chat:
         kwargs = check_chat_template_kwargs(body.get("chat_template_kwargs"))
     except InvalidRequest as error:
         raise APIError(400, str(error), "chat_template_kwargs") from None
+    continue_final_message = body.get("continue_final_message", False)
+    # vLLM refuses continue_final_message beside its default add_generation_prompt true unless the request sets
+    # that false; here leaving add_generation_prompt out is enough.
+    add_generation_prompt = body.get("add_generation_prompt", continue_final_message is not True)
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if not isinstance(value, bool):
+            raise APIError(400, f"{name} must be true or false.", name)
+    if add_generation_prompt and continue_final_message:
+        raise APIError(400, "Set add_generation_prompt or continue_final_message, not both: the prompt either opens "
+                       "a new assistant turn or continues its last message.", "continue_final_message")
     try:
-        return Chat.from_openai(body.get("messages"), tools or None, chat_template_kwargs=kwargs)
+        return Chat.from_openai(body.get("messages"), tools or None, add_generation_prompt, kwargs,
+                                continue_final_message)
     except InvalidRequest as error:
         raise APIError(400, str(error), "messages") from None
 
@@ -887,25 +902,26 @@ def _usage(usages: list, num_choices: int) -> dict:
 
 
 def _completion_choice(index: int, text: str, finish: str | None, logprobs: list, final: bool,
-                       text_offset: int = 0) -> dict:
-    return {"index": index, "text": text, "logprobs": _openai_logprobs(logprobs, text_offset),
+                       text_offset: int = 0, as_ids: bool = False) -> dict:
+    """A completion choice (``as_ids``: vLLM's ``return_tokens_as_token_ids``, :func:`_token_name`)."""
+    return {"index": index, "text": text, "logprobs": _openai_logprobs(logprobs, text_offset, as_ids),
             "finish_reason": finish}
 
 
 def _chat_choice(index: int, text: str, finish: str | None, logprobs: list, final: bool,
                  text_offset: int = 0, tools: ToolReplies | None = None, reasoning: ReasoningReplies | None = None,
-                 with_reasoning: bool = False) -> dict:
+                 with_reasoning: bool = False, as_ids: bool = False) -> dict:
     """A chat choice: its message (``final``) or its stream delta; with ``tools`` (a tool choice other than none)
     the text may be tool calls; with ``reasoning`` its think block is the message's ``reasoning`` (the gateway's
     ``--reasoning-parser``: ``with_reasoning``, every message has the field, null when there is none) and only the
-    rest is content, read for tool calls."""
+    rest is content, read for tool calls; ``as_ids``: the logprobs name tokens by id (:func:`_token_name`)."""
     if final:
         thought, content = reasoning.whole(text) if reasoning is not None else (None, text)
         message, finish = (tools.message(content or "", finish) if tools is not None
                            else ({"role": "assistant", "content": content}, finish))
         if with_reasoning:
             message["reasoning"], message["content"] = thought, message["content"] or None
-        return {"index": index, "message": message, "logprobs": _chat_logprobs_object(logprobs),
+        return {"index": index, "message": message, "logprobs": _chat_logprobs_object(logprobs, as_ids),
                 "finish_reason": finish}
     thought = ""
     if reasoning is not None:
@@ -916,28 +932,36 @@ def _chat_choice(index: int, text: str, finish: str | None, logprobs: list, fina
         delta = {"content": text} if text else {}
     if thought:
         delta = {"reasoning": thought, **delta}
-    return {"index": index, "delta": delta, "logprobs": _chat_logprobs_object(logprobs), "finish_reason": finish}
+    return {"index": index, "delta": delta, "logprobs": _chat_logprobs_object(logprobs, as_ids),
+            "finish_reason": finish}
 
 
 def _logprob(entry) -> float:
     return max(entry.logprob, LOWEST_LOGPROB)
 
 
-def _openai_logprobs(entries: list, text_offset: int = 0) -> dict | None:
+def _token_name(token, as_ids: bool) -> str:
+    """How logprobs name a token: its text, or with vLLM's ``return_tokens_as_token_ids`` ``"token_id:N"`` (so a
+    client gets the exact ids, which texts cannot give where several tokens share one, or one is part of a
+    character)."""
+    return f"token_id:{token.token_id}" if as_ids else token.text
+
+
+def _openai_logprobs(entries: list, text_offset: int = 0, as_ids: bool = False) -> dict | None:
     """The legacy completions logprobs object from the router's per-position logprobs (an echoed prompt's first
     token ``_Unscored``: its logprob and alternatives null, as OpenAI writes them); each token's ``text_offset``
-    is where its text starts, counting from ``text_offset``."""
+    is where its text starts, counting from ``text_offset`` (in the text, also when tokens are named by id)."""
     if not entries:
         return None
-    tokens = [(entry.entry if isinstance(entry, _Unscored) else entry).sampled.text for entry in entries]
+    sampled = [(entry.entry if isinstance(entry, _Unscored) else entry).sampled for entry in entries]
     offsets = [text_offset]
-    for token in tokens[:-1]:
-        offsets.append(offsets[-1] + len(token))
+    for token in sampled[:-1]:
+        offsets.append(offsets[-1] + len(token.text))
     return {
-        "tokens": tokens,
+        "tokens": [_token_name(token, as_ids) for token in sampled],
         "token_logprobs": [None if isinstance(entry, _Unscored) else _logprob(entry.sampled) for entry in entries],
-        "top_logprobs": [None if isinstance(entry, _Unscored) else {top.text: _logprob(top) for top in entry.top}
-                         for entry in entries],
+        "top_logprobs": [None if isinstance(entry, _Unscored)
+                         else {_token_name(top, as_ids): _logprob(top) for top in entry.top} for entry in entries],
         "text_offset": offsets,
     }
 
@@ -959,14 +983,16 @@ def _vllm_prompt_logprobs(positions: list) -> list | None:
     return [None] + [tokens(position) for position in positions[1:]]
 
 
-def _chat_logprobs_object(entries: list) -> dict | None:
+def _chat_logprobs_object(entries: list, as_ids: bool = False) -> dict | None:
     """Chat's logprobs object (``content``: each generated token with its UTF-8 bytes, its log probability and
-    its ``top_logprobs`` alternatives) from the router's per-position logprobs."""
+    its ``top_logprobs`` alternatives) from the router's per-position logprobs; ``as_ids``: each token named by id
+    (:func:`_token_name`), its bytes still its text's."""
     if not entries:
         return None
 
     def token(entry) -> dict:
-        return {"token": entry.text, "logprob": _logprob(entry), "bytes": list(entry.text.encode("utf-8"))}
+        return {"token": _token_name(entry, as_ids), "logprob": _logprob(entry),
+                "bytes": list(entry.text.encode("utf-8"))}
 
     return {"content": [{**token(entry.sampled), "top_logprobs": [token(top) for top in entry.top]}
                         for entry in entries], "refusal": None}

@@ -132,16 +132,28 @@ class Chat:
         add_generation_prompt: end with the template's "the assistant answers" marker.
         chat_template_kwargs: more variables for the template by name (vLLM's ``chat_template_kwargs``, such as
             ``{"enable_thinking": False}``), as :func:`check_chat_template_kwargs` allows them.
+        continue_final_message: end the prompt inside the last message, which the model then continues (an
+            assistant's answer begun for it: transformers' and vLLM's ``continue_final_message``); the
+            template's end-of-turn after it is left out. Not with ``add_generation_prompt``.
+
+    Raises:
+        InvalidRequest: both ``add_generation_prompt`` and ``continue_final_message``.
     """
 
     messages: tuple[ChatMessage, ...]
     tools: tuple[FunctionTool, ...] = field(default=())
     add_generation_prompt: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)
+    continue_final_message: bool = False
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequest("Set add_generation_prompt or continue_final_message, not both: the prompt either "
+                                 "opens a new assistant turn or continues its last message.")
 
     @classmethod
     def from_openai(cls, messages, tools=None, add_generation_prompt: bool = True,
-                    chat_template_kwargs=None) -> Chat:
+                    chat_template_kwargs=None, continue_final_message: bool = False) -> Chat:
         """A chat from OpenAI's messages (content a string, a list of text parts, or null beside tool calls;
         ``tool_calls`` on assistant messages, ``tool_call_id`` on tool messages), tools and template variables.
 
@@ -153,7 +165,8 @@ class Chat:
             raise InvalidRequest("messages must be a non-empty list of {role, content} objects.")
         parsed_tools = openai_tools(tools)
         return cls(tuple(_openai_message(message, f"messages[{index}]") for index, message in enumerate(messages)),
-                   parsed_tools, add_generation_prompt, check_chat_template_kwargs(chat_template_kwargs))
+                   parsed_tools, add_generation_prompt, check_chat_template_kwargs(chat_template_kwargs),
+                   continue_final_message)
 
     def template_messages(self) -> list[dict]:
         """The messages as chat templates read them (each call's arguments an object where they parse)."""

@@ -92,7 +92,8 @@ def chat_to_pb(chat: Chat) -> inference_pb2.ChatPrompt:
 
     Raises:
         InvalidRequest: template variables ``check_chat_template_kwargs`` refuses."""
-    message = inference_pb2.ChatPrompt(add_generation_prompt=chat.add_generation_prompt)
+    message = inference_pb2.ChatPrompt(add_generation_prompt=chat.add_generation_prompt,
+                                       continue_final_message=chat.continue_final_message)
     for item in chat.messages:
         message.messages.append(inference_pb2.ChatMessage(
             role=item.role, content=item.content, tool_call_id=item.tool_call_id, name=item.name,
@@ -137,7 +138,8 @@ def chat_from_pb(message: inference_pb2.ChatPrompt) -> Chat:
     add_generation_prompt = message.add_generation_prompt if message.HasField("add_generation_prompt") else True
     kwargs = {name: getattr(value, value.WhichOneof("value")) if value.WhichOneof("value") else None
               for name, value in message.chat_template_kwargs.items()}
-    return Chat(tuple(messages), tools, add_generation_prompt, check_chat_template_kwargs(kwargs))
+    return Chat(tuple(messages), tools, add_generation_prompt, check_chat_template_kwargs(kwargs),
+                message.continue_final_message)
 
 
 def _tool_parameters(tool: inference_pb2.Tool, index: int) -> dict | None:

@@ -168,6 +168,34 @@ def test_vllms_prompt_logprobs_come_on_whole_answers(gateway, cluster, grpc_clie
     assert streamed.status_code == 400 and "not available with stream" in streamed.json()["error"]["message"]
 
 
+def test_continue_final_message_continues_the_assistants_answer(api, gateway, cluster, grpc_client, tokenizer):
+    """vLLM's continue_final_message (with add_generation_prompt false, as vLLM asks, or left out): the chat's
+    prompt ends inside the assistant's begun answer, as transformers renders it, and the model continues it
+    token for token as a completion of that prompt does; /tokenize renders the same; both flags, or a value that
+    is not a boolean, are refused naming the field."""
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    model = api.models.list().data[0].id
+    messages = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    expected = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) else list(expected)
+    tokenized = httpx.post(f"{gateway}/tokenize", headers=headers,
+                           json={"messages": messages, "continue_final_message": True}).json()
+    assert tokenized["tokens"] == expected
+    continued = grpc_client.generate(expected, SamplingParams(temperature=0, max_tokens=8)).text
+    for flags in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False}):
+        answer = api.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                             extra_body=flags)
+        assert answer.choices[0].message.content == continued
+    reopened = api.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+    assert reopened.choices[0].message.content != continued  # by default a new assistant turn opens
+    for flags, field in (({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+                         ({"continue_final_message": "yes"}, "continue_final_message"),
+                         ({"add_generation_prompt": 0}, "add_generation_prompt")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body=flags)
+        assert refused.value.body["param"] == field, flags
+
+
 def test_tokenize_and_detokenize_are_vllms(gateway, cluster, grpc_client):
     headers = {"authorization": f"Bearer {cluster.api_key}"}
     tokenized = httpx.post(f"{gateway}/tokenize", headers=headers, json={"prompt": PROMPT}).json()
@@ -240,6 +268,37 @@ def test_chat_is_the_grpc_paths_greedy_output(api, grpc_client):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(api, grpc_client):
+    """vLLM's return_tokens_as_token_ids: the logprobs name every token, sampled and alternatives, as
+    "token_id:N" (the gRPC path's ids), on completions and chats, whole and streamed; the text offsets, bytes and
+    log probabilities stay those of the tokens' text."""
+    model = api.models.list().data[0].id
+    expected = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, logprobs=2))
+    names = [f"token_id:{token_id}" for token_id in expected.token_ids]
+    by_id = {"return_tokens_as_token_ids": True}
+    request = {"model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": 12, "logprobs": 2}
+    plain = api.completions.create(**request).choices[0].logprobs
+    named = api.completions.create(**request, extra_body=by_id).choices[0].logprobs
+    assert named.tokens == names and named.text_offset == plain.text_offset
+    assert named.token_logprobs == plain.token_logprobs
+    assert [list(top) for top in named.top_logprobs] == [[f"token_id:{top.token_id}" for top in position.top]
+                                                         for position in expected.logprobs]
+    streamed = [token for chunk in api.completions.create(**request, stream=True, extra_body=by_id)
+                for token in (chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else [])]
+    assert streamed == names
+    chat_request = {"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 12, "logprobs": True,
+                    "top_logprobs": 2}
+    chat_ids = list(grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=12)).token_ids)
+    plain_chat = api.chat.completions.create(**chat_request).choices[0].logprobs.content
+    named_chat = api.chat.completions.create(**chat_request, extra_body=by_id).choices[0].logprobs.content
+    assert [entry.token for entry in named_chat] == [f"token_id:{token_id}" for token_id in chat_ids]
+    assert [entry.bytes for entry in named_chat] == [entry.bytes for entry in plain_chat]
+    assert all(top.token.startswith("token_id:") for entry in named_chat for top in entry.top_logprobs)
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(**request, extra_body={"return_tokens_as_token_ids": "yes"})
+    assert refused.value.body["param"] == "return_tokens_as_token_ids"
 
 
 def test_chat_logprobs_are_the_grpc_paths_and_spell_the_answer(api, grpc_client):

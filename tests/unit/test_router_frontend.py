@@ -195,3 +195,27 @@ def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_refused(fronte
         chat.chat_template_kwargs[name].CopyFrom(value)
         with pytest.raises(InvalidRequest, match=r"^chat_template_kwargs"):
             frontend.prompt_of(inference_pb2.GenerateRequest(chat=chat))
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_assistants_answer(frontend):
+    """vLLM's and transformers' continue_final_message: the model's own template rendered up to the last
+    message's text, its end of turn left out, as transformers renders it; with add_generation_prompt it is
+    refused, by the Chat and, from a proto no Python client checked, by the router."""
+    from splitserve.common.chat import Chat
+    from splitserve.rpc.convert import chat_from_pb, chat_to_pb
+
+    messages = [{"role": "user", "content": "Name a city."}, {"role": "assistant", "content": "The city of"}]
+    chat = Chat.from_openai(messages, add_generation_prompt=False, continue_final_message=True)
+    assert chat_from_pb(chat_to_pb(chat)) == chat
+    token_ids = frontend.tokenize(inference_pb2.TokenizeRequest(chat=chat_to_pb(chat))).token_ids
+    expected = frontend.tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert frontend.tokenizer.decode(token_ids) == expected and expected.endswith("assistant\nThe city of")
+    closed = chat_to_pb(Chat.from_openai(messages, add_generation_prompt=False))
+    assert frontend.tokenizer.decode(frontend.tokenize(inference_pb2.TokenizeRequest(chat=closed)).token_ids) \
+        .endswith("The city of<|im_end|>\n")
+    with pytest.raises(InvalidRequest, match="^Set add_generation_prompt or continue_final_message, not both"):
+        Chat.from_openai(messages, continue_final_message=True)
+    both = chat_to_pb(chat)
+    both.add_generation_prompt = True
+    with pytest.raises(InvalidRequest, match="not both"):
+        frontend.prompt_of(inference_pb2.GenerateRequest(chat=both))
