@@ -176,8 +176,8 @@ def test_continue_final_message_continues_the_assistants_answer(api, gateway, cl
     headers = {"authorization": f"Bearer {cluster.api_key}"}
     model = api.models.list().data[0].id
     messages = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
-    expected = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
-    expected = expected["input_ids"] if isinstance(expected, dict) else list(expected)
+    expected = list(tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
     tokenized = httpx.post(f"{gateway}/tokenize", headers=headers,
                            json={"messages": messages, "continue_final_message": True}).json()
     assert tokenized["tokens"] == expected
