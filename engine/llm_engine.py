@@ -33,7 +33,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.kv_connector import KVConnectorBase, KVLoadFailurePolicy, KVLoadOutcome, KVTransferParams
 from splitserve.engine.kv_transfers import KVTransfers
-from splitserve.engine.logits_processors import bad_words_token_ids
+from splitserve.engine.logits_processors import BadWordBans, bad_words_token_ids
 from splitserve.engine.lora import LoRARequest
 from splitserve.engine.model_runner import ModelRunner, SampledToken
 from splitserve.engine.model_store import load_tokenizer, resolve_model
@@ -179,7 +179,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             request.grammar = self.structured_outputs.matcher(params.structured_outputs, token_ids)
         if params.bad_words:
-            request.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            request.bad_word_bans = BadWordBans(bad_words_token_ids(self.tokenizer, params.bad_words))
         if lora_request is not None:
             self._acquire_lora(request, lora_request)
         try:

@@ -39,6 +39,33 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[tuple[int, ...]]:
     return sequences
 
 
+class BadWordBans:
+    """A request's bad words as the tokens they ban, indexed for each step's check: one-token words always, a
+    longer word's last token where the output ends with the rest of it, looked up by the output's last token (so a
+    step costs the words that could end there, not all of them).
+
+    Args:
+        sequences: the words' token sequences (:func:`bad_words_token_ids`).
+    """
+
+    def __init__(self, sequences: list[tuple[int, ...]]) -> None:
+        self.sequences = [tuple(sequence) for sequence in sequences]
+        self._always = [sequence[0] for sequence in self.sequences if len(sequence) == 1]
+        self._by_previous: dict[int, list[tuple[int, ...]]] = {}
+        for sequence in self.sequences:
+            if len(sequence) > 1:
+                self._by_previous.setdefault(sequence[-2], []).append(sequence)
+
+    def banned(self, output: list[int]) -> list[int]:
+        """The token ids banned after ``output`` (the request's generated tokens)."""
+        tokens = list(self._always)
+        for sequence in self._by_previous.get(output[-1], ()) if output else ():
+            before = len(sequence) - 1
+            if before <= len(output) and output[len(output) - before:] == list(sequence[:-1]):
+                tokens.append(sequence[-1])
+        return tokens
+
+
 def apply_allowed_token_ids(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """-inf on every token outside each row's ``sampling_params.allowed_token_ids`` (rows without it unchanged).
 
@@ -65,7 +92,7 @@ def apply_allowed_token_ids(logits: torch.Tensor, requests: list[Request]) -> to
 
 def apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """-inf on each bad word's last token wherever the row's output ends with the rest of the word's tokens
-    (``request.bad_words_token_ids``, from :func:`bad_words_token_ids`; a one-token word is banned everywhere).
+    (``request.bad_word_bans``, a :class:`BadWordBans`; a one-token word is banned everywhere).
 
     Args:
         logits: [num_rows, vocab] float32; not modified.
@@ -78,13 +105,12 @@ def apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     rows: list[int] = []
     token_ids: list[int] = []
     for row, request in enumerate(requests):
-        output = request.output_token_ids
-        for sequence in request.bad_words_token_ids:
-            before = len(sequence) - 1
-            if before <= len(output) and (before == 0 or output[-before:] == list(sequence[:-1])):
-                if 0 <= sequence[-1] < vocab_size:
-                    rows.append(row)
-                    token_ids.append(sequence[-1])
+        if request.bad_word_bans is None:
+            continue
+        for token_id in request.bad_word_bans.banned(request.output_token_ids):
+            if 0 <= token_id < vocab_size:
+                rows.append(row)
+                token_ids.append(token_id)
     if not rows:
         return logits
     result = logits.clone()

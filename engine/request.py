@@ -98,9 +98,9 @@ class Request:
     # With sampling_params.structured_outputs: its grammar's state (a structured_output.GrammarMatcher), owned by
     # the engine (which feeds it each token) and read by the sampler (which masks what it cannot take next).
     grammar: Any = None
-    # sampling_params.bad_words as the token sequences they ban (logits_processors.bad_words_token_ids), set by the
-    # engine when the request is added.
-    bad_words_token_ids: list = field(default_factory=list)
+    # sampling_params.bad_words as the tokens they ban (a logits_processors.BadWordBans), set by the engine when the
+    # request is added; None without bad words.
+    bad_word_bans: Any = None
     # An embedding request (LLM.embed; engine.pooling.PoolingParams): its prompt's pooled hidden state, set by the
     # model runner when the prompt's last token is computed, where a generation request samples its first token.
     pooling_params: Any = None

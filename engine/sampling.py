@@ -257,7 +257,7 @@ def _all_plain_greedy(requests: list[Request]) -> bool:
             or params.needs_penalties
             or params.logit_bias
             or params.allowed_token_ids is not None
-            or request.bad_words_token_ids
+            or request.bad_word_bans is not None
             or (request.grammar is not None and request.grammar.active)
             or len(request.output_token_ids) < params.min_tokens
         ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import re
 
 import numpy
@@ -12,6 +13,7 @@ import torch
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.logits_processors import (
+    BadWordBans,
     apply_allowed_token_ids,
     apply_bad_words,
     apply_logit_bias,
@@ -351,7 +353,7 @@ def test_allowed_token_ids_leave_only_those_tokens_on_their_rows():
 
 
 def _with_bad_words(request: Request, *sequences) -> Request:
-    request.bad_words_token_ids = [tuple(sequence) for sequence in sequences]
+    request.bad_word_bans = BadWordBans([tuple(sequence) for sequence in sequences])
     return request
 
 
@@ -387,6 +389,18 @@ class _CharacterTokenizer:
                 ids.append(ord(character))
             space = False
         return ids + ([ord(" ")] if space else [])
+
+
+def test_the_indexed_bans_are_every_word_checked_against_the_outputs_end():
+    """BadWordBans looks words up by the output's last token: the same bans as checking every word in full."""
+    rng = random.Random(4)
+    for _ in range(300):
+        sequences = [tuple(rng.choices(range(5), k=rng.randint(1, 4))) for _ in range(rng.randint(1, 6))]
+        output = rng.choices(range(5), k=rng.randint(0, 8))
+        expected = sorted(sequence[-1] for sequence in sequences
+                          if len(sequence) - 1 <= len(output)
+                          and output[len(output) - len(sequence) + 1:] == list(sequence[:-1]))
+        assert sorted(BadWordBans(sequences).banned(output)) == expected, (sequences, output)
 
 
 def test_bad_words_are_tokenized_alone_and_after_a_space():
