@@ -137,9 +137,9 @@ class EngineLoop:
             ValueError: the prompt or parameters are invalid (checked here, in the
                 caller's thread, so nothing reaches the engine).
         """
-        token_ids = self.engine.prompt_token_ids_of(prompt, prompt_token_ids)
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams.")
+        token_ids = self.engine.prompt_token_ids_of(prompt, prompt_token_ids, sampling_params)
         stream = RequestStream(request_id)
         self._commands.put(
             ("add", stream, (request_id, prompt, sampling_params, token_ids, kv_transfer, priority, lora_request,

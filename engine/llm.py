@@ -88,10 +88,10 @@ class LLM:
             raise ValueError(f"Got {len(adapters)} lora_requests for {len(prompt_list)} prompts.")
         requests = []
         for prompt, params, value in zip(prompt_list, params_list, priorities):  # validate (and tokenize) all first
-            text, token_ids = self._token_ids_of(prompt)
-            requests.append((text, self.engine.prompt_token_ids_of(text, token_ids)))
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}.")
+            text, token_ids = self._token_ids_of(prompt)
+            requests.append((text, self.engine.prompt_token_ids_of(text, token_ids, params)))
             self.engine.check_priority(value)
         request_ids = []
         try:

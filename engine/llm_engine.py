@@ -159,7 +159,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         params.check_vocabulary(self.model_config.vocab_size)
-        token_ids = self.prompt_token_ids_of(prompt, prompt_token_ids)
+        token_ids = self.prompt_token_ids_of(prompt, prompt_token_ids, params)
         params.check_prompt_length(len(token_ids))
         room = self.max_model_len - len(token_ids)
         request = Request(
@@ -214,12 +214,16 @@ class LLMEngine:
                                  "priority); this engine serves requests first come, first served.")
         return priority
 
-    def prompt_token_ids_of(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
-        """The validated token ids of a prompt (text is tokenized). Raises ValueError with the reason."""
+    def prompt_token_ids_of(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                            params: SamplingParams | None = None) -> list[int]:
+        """The validated token ids of a prompt (text is tokenized), cut to ``params.truncate_prompt_tokens`` when
+        set. Raises ValueError with the reason."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError("A prompt must be a string or a list of token ids.")
             prompt_token_ids = self.tokenize(prompt)
+        if params is not None:
+            prompt_token_ids = params.truncated(list(prompt_token_ids), self.max_model_len)
         return validate_prompt_token_ids(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
 
     def abort_request(self, request_id: str) -> bool:

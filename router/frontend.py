@@ -88,14 +88,19 @@ class Frontend:
         self.model_fingerprint = fingerprints[0] if fingerprints and dtype != "auto" else None
         self.model_name = self.model_dir.name
 
-    def prompt_of(self, request) -> Prompt:
-        """The validated token ids of a GenerateRequest's prompt: what the workers will continue.
+    def prompt_of(self, request, params: SamplingParams | None = None) -> Prompt:
+        """The validated token ids of a GenerateRequest's prompt: what the workers will continue; cut to its last
+        ``params.truncate_prompt_tokens`` when set (its text then dropped: the echo decodes the ids kept).
 
         Raises:
             InvalidRequest: what :meth:`tokenize` refuses, an empty prompt, ids outside the
                 vocabulary, or one that leaves no room to generate within max_model_len.
         """
         prompt = self.tokenize(request)
+        if params is not None and params.truncate_prompt_tokens is not None:
+            kept = params.truncated(prompt.token_ids, self.max_model_len)
+            if len(kept) < len(prompt.token_ids):
+                prompt = Prompt(kept, None)
         prompt.token_ids = validate_prompt_token_ids(prompt.token_ids, self.model_config.vocab_size,
                                                      self.max_model_len)
         return prompt

@@ -157,10 +157,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_id = uuid.uuid4().hex
         if request.HasField("request_id"):
             request_id = check_id(request.request_id, "request_id")
-        prompt = self.frontend.prompt_of(request)
-        # Validated here; the workers get the message.
-        self.frontend.sampling_params_of(request).check_prompt_length(len(prompt.token_ids))
-        job = RouterRequest(request_id, prompt, request.sampling_params, priority=request.priority,
+        params = self.frontend.sampling_params_of(request)  # validated here; the workers get the message
+        prompt = self.frontend.prompt_of(request, params)
+        params.check_prompt_length(len(prompt.token_ids))
+        sampling = request.sampling_params
+        if sampling.HasField("truncate_prompt_tokens"):  # the prompt is cut here: a migration's longer one must not be
+            sampling = inference_pb2.SamplingParams()
+            sampling.CopyFrom(request.sampling_params)
+            sampling.ClearField("truncate_prompt_tokens")
+        job = RouterRequest(request_id, prompt, sampling, priority=request.priority,
                             lora_name=self._lora_name_of(request))
         if request.echo:
             job.echo_text = prompt.text if prompt.text is not None else self.frontend.detokenize(prompt.token_ids)

@@ -83,6 +83,8 @@ def sampling_params_to_pb(params: SamplingParams | None) -> inference_pb2.Sampli
         message.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         message.prompt_logprobs = params.prompt_logprobs
+    if params.truncate_prompt_tokens is not None:
+        message.truncate_prompt_tokens = params.truncate_prompt_tokens
     if params.structured_outputs is not None:
         message.structured_outputs.CopyFrom(structured_outputs_to_pb(params.structured_outputs))
     return message

@@ -581,6 +581,7 @@ class Gateway:
             "logit_bias": _logit_bias(body.get("logit_bias")),
             "include_stop_str_in_output": body.get("include_stop_str_in_output") or False,
             "allowed_token_ids": body.get("allowed_token_ids"), "bad_words": body.get("bad_words") or [],
+            "truncate_prompt_tokens": body.get("truncate_prompt_tokens"),
             "prompt_logprobs": _prompt_logprobs(body),
             "structured_outputs": _structured_outputs(body),
         }

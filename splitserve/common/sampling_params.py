@@ -67,6 +67,8 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the text.
         allowed_token_ids: only these tokens may be generated (vLLM's; None: any). Every id must be in the
             vocabulary; at most 262,144 of them.
+        truncate_prompt_tokens: keep only the prompt's last this-many tokens (vLLM's left truncation; -1: the
+            model's context length, max_model_len); None: the whole prompt, refused when it does not fit.
         bad_words: words that must not be generated (vLLM's): each is tokenized as it is and after a space
             (the word's first token differs at the start of a text and inside it), and a word's last token is
             banned whenever the output ends with the rest of its tokens. At most 256 words of at most 256
@@ -96,6 +98,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
+    truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -165,7 +168,19 @@ class SamplingParams:
         self._validate_logit_bias()
         self._validate_allowed_and_bad_words()
 
+    def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """``token_ids`` cut to their last ``truncate_prompt_tokens`` (max_model_len for -1); as they are when
+        that is None or they are no longer."""
+        if self.truncate_prompt_tokens is None:
+            return token_ids
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return token_ids[len(token_ids) - keep:] if len(token_ids) > keep else token_ids
+
     def _validate_allowed_and_bad_words(self) -> None:
+        value = self.truncate_prompt_tokens
+        if value is not None and (not _is_int(value) or (value < 1 and value != -1) or value >= 2**31):
+            raise InvalidRequest(f"truncate_prompt_tokens must be -1 (the model's context length) or an integer "
+                                 f">= 1, got {str(value)[:32]!r}.")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise InvalidRequest(f"include_stop_str_in_output must be true or false, got "
                                  f"{str(self.include_stop_str_in_output)[:32]!r}.")

@@ -44,7 +44,7 @@ def sampling_params_from_pb(message: inference_pb2.SamplingParams) -> SamplingPa
         bad_words=list(message.bad_words),
     )
     for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "logprobs",
-                 "prompt_logprobs", "skip_special_tokens"):
+                 "prompt_logprobs", "skip_special_tokens", "truncate_prompt_tokens"):
         if message.HasField(name):
             values[name] = getattr(message, name)
     # float32 on the wire: 0.7 arrives as 0.699999988; round to what the client meant.

@@ -168,6 +168,27 @@ def test_vllms_prompt_logprobs_come_on_whole_answers(gateway, cluster, grpc_clie
     assert streamed.status_code == 400 and "not available with stream" in streamed.json()["error"]["message"]
 
 
+def test_truncate_prompt_tokens_serves_the_prompts_last_tokens(api, grpc_client, tokenizer):
+    """vLLM's truncate_prompt_tokens on completions and chats: the router keeps the prompt's (or rendered chat's)
+    last tokens, counted as the usage's prompt tokens, and the answer is the one those tokens alone get."""
+    model = api.models.list().data[0].id
+    prompt = "Once upon a time, in a land far away, there lived a king who loved to count. The capital of France is"
+    token_ids = grpc_client.tokenize(prompt)
+    expected = grpc_client.generate(token_ids[-6:], SamplingParams(temperature=0, max_tokens=6)).text
+    cut = {"truncate_prompt_tokens": 6}
+    answer = api.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body=cut)
+    assert answer.usage.prompt_tokens == 6 and answer.choices[0].text == expected
+    chat_ids = list(tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+    chat_expected = grpc_client.generate(chat_ids[-9:], SamplingParams(temperature=0, max_tokens=6)).text
+    chat = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=6, temperature=0,
+                                       extra_body={"truncate_prompt_tokens": 9})
+    assert chat.usage.prompt_tokens == 9 and chat.choices[0].message.content == chat_expected
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model=model, prompt=prompt, max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
+    assert "truncate_prompt_tokens" in refused.value.message
+
+
 def test_continue_final_message_continues_the_assistants_answer(api, gateway, cluster, grpc_client, tokenizer):
     """vLLM's continue_final_message (with add_generation_prompt false, as vLLM asks, or left out): the chat's
     prompt ends inside the assistant's begun answer, as transformers renders it, and the model continues it

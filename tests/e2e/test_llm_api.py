@@ -71,6 +71,21 @@ def test_bad_words_and_allowed_token_ids_give_transformers_tokens(llm, model_dir
     assert_all_blocks_free(llm)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    """vLLM's truncate_prompt_tokens: a prompt longer than max_model_len (1,024 here) is served as its last
+    tokens, the same tokens as those last tokens sent alone; without it the prompt is refused."""
+    token_ids = (llm.engine.tokenizer.encode(" ".join(["The capital of France is Paris."] * 200)))
+    assert len(token_ids) > 1024
+    cut = SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=100)
+    (truncated,) = llm.generate({"prompt_token_ids": token_ids}, cut, use_tqdm=False)
+    (alone,) = llm.generate({"prompt_token_ids": token_ids[-100:]}, SamplingParams(temperature=0, max_tokens=6),
+                            use_tqdm=False)
+    assert truncated.prompt_token_ids == token_ids[-100:] and truncated.outputs[0].token_ids == alone.outputs[0].token_ids
+    with pytest.raises(ValueError, match="1024"):
+        llm.generate({"prompt_token_ids": token_ids}, SamplingParams(max_tokens=6), use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
 def test_top_k_one_equals_greedy(llm):
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     top1 = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=12), use_tqdm=False)

@@ -232,8 +232,9 @@ class FakeContext:
 
 
 class FakeFrontend:
-    def prompt_of(self, request) -> Prompt:
-        return Prompt(list(range(40)), None)
+    def prompt_of(self, request, params=None) -> Prompt:
+        token_ids = list(range(40))
+        return Prompt(params.truncated(token_ids, 64) if params is not None else token_ids, None)
 
     def sampling_params_of(self, request) -> SamplingParams:
         return sampling_params_from_pb(request.sampling_params)
@@ -345,6 +346,20 @@ def test_a_unary_generate_failing_after_tokens_returns_what_it_has_with_the_erro
     assert response.finish_reason == inference_pb2.FINISH_REASON_ERROR
     assert "decode-1 failed mid-stream after 3 tokens: INTERNAL: boom" in response.error_message
     assert response.usage.completion_tokens == 3
+
+
+def test_a_truncated_prompt_reaches_the_workers_cut_and_without_the_field(cluster):
+    """truncate_prompt_tokens is the router's to apply: the job's prompt is the last tokens, and the sampling
+    params the workers get no longer ask for a cut (a migration resends the cut prompt plus the tokens sent, which
+    a worker must not cut again)."""
+    dispatcher, registry, channels = cluster
+    servicer = servicer_of(dispatcher, registry)
+    params = inference_pb2.SamplingParams(truncate_prompt_tokens=7, max_tokens=3)
+    job_ = servicer._admit(inference_pb2.GenerateRequest(text="x", sampling_params=params), FakeContext())
+    assert job_.prompt.token_ids == list(range(33, 40)) and job_.prompt.text is None
+    assert not job_.sampling_params.HasField("truncate_prompt_tokens") and job_.sampling_params.max_tokens == 3
+    assert params.HasField("truncate_prompt_tokens")  # the client's message is left as it came
+    servicer._release(job_)
 
 
 def test_a_draining_router_refuses_new_requests_and_waits_for_those_in_flight(cluster):

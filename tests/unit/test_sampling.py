@@ -427,6 +427,16 @@ def test_bad_allowed_token_ids_and_bad_words_are_refused_with_the_reason(fields,
         SamplingParams(**fields)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens_and_is_checked():
+    ids = list(range(10))
+    assert SamplingParams(truncate_prompt_tokens=3).truncated(ids, 8) == [7, 8, 9]
+    assert SamplingParams(truncate_prompt_tokens=-1).truncated(ids, 8) == ids[2:]  # -1: max_model_len
+    assert SamplingParams(truncate_prompt_tokens=20).truncated(ids, 8) == ids == SamplingParams().truncated(ids, 8)
+    for value in (0, -2, 1.5, True, 2**31):
+        with pytest.raises(InvalidRequest, match="truncate_prompt_tokens must be -1"):
+            SamplingParams(truncate_prompt_tokens=value)
+
+
 def test_allowed_token_ids_are_checked_against_the_vocabulary():
     assert SamplingParams(allowed_token_ids=(9,), bad_words="one").bad_words == ["one"]
     SamplingParams(allowed_token_ids=[9]).check_vocabulary(10)
