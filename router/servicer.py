@@ -19,6 +19,7 @@ from splitserve.common.errors import InvalidRequest, NotFound, Overloaded, Split
 from splitserve.common.ids import check_id
 from splitserve.common.log_fields import request_log
 from splitserve.common.lora_names import check_lora_name
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.dispatch import DecodeStreamFailed, Dispatcher, RequestCancelled, RouterRequest
 from splitserve.router.frontend import Frontend
 from splitserve.router.registry import WorkerRegistry
@@ -112,7 +113,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """The router's request for an EmbedRequest: its id and prompt validated as Generate's, its adapter served.
         Dimensions are the workers' to check (PoolingParams.check: 1 to the model's hidden size)."""
         request_id = check_id(request.request_id, "request_id") if request.HasField("request_id") else uuid.uuid4().hex
-        prompt = self.frontend.prompt_of(request)
+        truncate = request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
+        prompt = self.frontend.prompt_of(request, SamplingParams(truncate_prompt_tokens=truncate))
         return RouterRequest(request_id, prompt, inference_pb2.SamplingParams(), lora_name=self._lora_name_of(request))
 
     # ---- draining ------------------------------------------------------------------------

@@ -119,12 +119,15 @@ def generate_request(prompt, params: SamplingParams | None = None, request_id: s
 
 
 def embed_request(prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
-                  request_id: str | None = None) -> inference_pb2.EmbedRequest:
+                  request_id: str | None = None, truncate_prompt_tokens: int | None = None) -> inference_pb2.EmbedRequest:
     """An EmbedRequest for a text prompt, a list of token ids, or a chat (as :func:`generate_request`'s);
-    ``dimensions``: keep only the first this-many values (None: all); ``normalize``: to unit L2 norm, after the cut."""
+    ``dimensions``: keep only the first this-many values (None: all); ``normalize``: to unit L2 norm, after the cut;
+    ``truncate_prompt_tokens``: embed only the prompt's last this-many tokens (-1: max_model_len)."""
     request = inference_pb2.EmbedRequest(normalize=normalize, dimensions=dimensions or 0, lora_name=lora_name)
     if request_id is not None:
         request.request_id = request_id
+    if truncate_prompt_tokens is not None:
+        request.truncate_prompt_tokens = truncate_prompt_tokens
     if isinstance(prompt, str):
         request.text = prompt
     elif isinstance(prompt, Chat) or (prompt and isinstance(prompt[0], dict)):
@@ -177,10 +180,12 @@ class Client:
                                         timeout=timeout or self.timeout)
 
     def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
-              request_id: str | None = None, timeout: float | None = None) -> list[float]:
+              request_id: str | None = None, timeout: float | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[float]:
         """The prompt's embedding (Embed): its last token's final hidden state, its first ``dimensions`` values
-        (None: all), of unit length unless ``normalize`` is False; ``lora_name`` embeds with that adapter."""
-        request = embed_request(prompt, normalize, dimensions, lora_name, request_id)
+        (None: all), of unit length unless ``normalize`` is False; ``lora_name`` embeds with that adapter;
+        ``truncate_prompt_tokens`` embeds only the prompt's last tokens."""
+        request = embed_request(prompt, normalize, dimensions, lora_name, request_id, truncate_prompt_tokens)
         return list(self.stub.Embed(request, timeout=timeout or self.timeout).embedding)
 
     def abort(self, request_id: str) -> bool:
@@ -264,9 +269,9 @@ class AsyncClient:
 
     async def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
                     request_id: str | None = None, timeout: float | None = None,
-                    api_key: str | None = None) -> inference_pb2.EmbedResponse:
+                    api_key: str | None = None, truncate_prompt_tokens: int | None = None) -> inference_pb2.EmbedResponse:
         """The Embed response (its ``embedding`` and ``prompt_tokens``), as :meth:`Client.embed` asks."""
-        request = embed_request(prompt, normalize, dimensions, lora_name, request_id)
+        request = embed_request(prompt, normalize, dimensions, lora_name, request_id, truncate_prompt_tokens)
         return await self.stub.Embed(request, timeout=timeout or self.timeout, metadata=self._metadata(api_key))
 
     async def abort(self, request_id: str, api_key: str | None = None) -> bool:

@@ -6,7 +6,8 @@ request, embedded side by side (one ``Embed`` call each; all cancelled at the fi
 leaves). ``encoding_format`` ``float`` gives lists of numbers, ``base64`` the little-endian float32 bytes in
 base64 (what the ``openai`` package asks for by default, and decodes); ``dimensions`` keeps the first values
 (Matryoshka; the workers refuse more than the model's hidden size); vLLM's ``normalize`` false gives the raw
-vector. ``model`` may name a LoRA adapter, as on the other routes. ``user`` is taken and ignored (OpenAI's).
+vector; vLLM's ``truncate_prompt_tokens`` embeds only the last tokens of each input. ``model`` may name a LoRA
+adapter, as on the other routes. ``user`` is taken and ignored (OpenAI's).
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 # vLLM's embeddings fields this gateway does not take: refused with a sentence rather than ignored (other unknown
 # fields are ignored, as vLLM ignores them).
-_REFUSED = {"truncate_prompt_tokens": "truncate_prompt_tokens is not supported: send prompts that fit the model",
-            "messages": "messages (a chat to embed) are not supported: send input"}
+_REFUSED = {"messages": "messages (a chat to embed) are not supported: send input"}
 
 
 async def create_embeddings(gateway, request: Request) -> Response:
@@ -52,9 +52,15 @@ async def create_embeddings(gateway, request: Request) -> Response:
     normalize = body.get("normalize", True)
     if not isinstance(normalize, bool):
         raise APIError(400, "normalize must be true or false.", "normalize")
+    truncate = body.get("truncate_prompt_tokens")
+    if truncate is not None and (isinstance(truncate, bool) or not isinstance(truncate, int)
+                                 or not (truncate == -1 or 1 <= truncate < 2**31)):
+        raise APIError(400, "truncate_prompt_tokens must be -1 (the model's context length) or an integer >= 1.",
+                       "truncate_prompt_tokens")
 
     api_key = _bearer(request)
-    tasks = [asyncio.ensure_future(gateway.client.embed(prompt, normalize, dimensions, lora_name, api_key=api_key))
+    tasks = [asyncio.ensure_future(gateway.client.embed(prompt, normalize, dimensions, lora_name, api_key=api_key,
+                                                        truncate_prompt_tokens=truncate))
              for prompt in inputs]
     gateway.metrics.generations.inc(len(tasks))
     watcher = asyncio.ensure_future(_cancel_on_disconnect(request, tasks))

@@ -1420,10 +1420,16 @@ def test_embeddings_are_the_grpc_paths(api, grpc_client, gateway, cluster):
     cut = api.embeddings.create(model=model, input=[ids], encoding_format="float", dimensions=64)
     assert numpy.allclose(cut.data[0].embedding, grpc_client.embed(ids, dimensions=64), atol=1e-5)
     assert len(cut.data[0].embedding) == 64
+    last = api.embeddings.create(model=model, input=texts, encoding_format="float",
+                                 extra_body={"truncate_prompt_tokens": 4})  # vLLM's: each input's last 4 tokens
+    assert last.usage.prompt_tokens == 8
+    for item, text in zip(last.data, texts):
+        assert numpy.allclose(item.embedding, grpc_client.embed(grpc_client.tokenize(text)[-4:]), atol=1e-5)
+    assert numpy.allclose(grpc_client.embed(texts[1], truncate_prompt_tokens=4), last.data[1].embedding, atol=1e-5)
     headers = {"authorization": f"Bearer {cluster.api_key}"}
     for body, param in (({"input": []}, "input"), ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
                         ({"input": "x", "dimensions": 0}, "dimensions"), ({"input": "x", "dimensions": 100000}, None),
-                        ({"input": ["x"] * 17}, "input"), ({"input": "x", "truncate_prompt_tokens": 8},
+                        ({"input": ["x"] * 17}, "input"), ({"input": "x", "truncate_prompt_tokens": 0},
                                                            "truncate_prompt_tokens")):
         refused = httpx.post(f"{gateway}/v1/embeddings", headers=headers, json={"model": model, **body})
         assert refused.status_code == 400, refused.text
