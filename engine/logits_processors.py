@@ -80,14 +80,23 @@ def apply_allowed_token_ids(logits: torch.Tensor, requests: list[Request]) -> to
     if not rows:
         return logits
     vocab_size = logits.shape[-1]
-    banned = torch.ones(len(rows), vocab_size, dtype=torch.bool)
-    for index, row in enumerate(rows):
-        allowed = [token_id for token_id in requests[row].sampling_params.allowed_token_ids if token_id < vocab_size]
-        banned[index, allowed] = False
+    banned = torch.stack([_banned_outside_allowed(requests[row], vocab_size) for row in rows])
     result = logits.clone()
     row_index = torch.tensor(rows, device=logits.device)
     result[row_index] = result[row_index].masked_fill(banned.to(logits.device), float("-inf"))
     return result
+
+
+def _banned_outside_allowed(request: Request, vocab_size: int) -> torch.Tensor:
+    """[vocab] bool: the tokens outside the request's allowed_token_ids, built on its first step and kept on the
+    request (a list of many ids is not walked again on every step)."""
+    mask = request.allowed_token_mask
+    if mask is None or mask.shape[0] != vocab_size:
+        mask = torch.ones(vocab_size, dtype=torch.bool)
+        allowed = torch.tensor(request.sampling_params.allowed_token_ids, dtype=torch.long)
+        mask[allowed[allowed < vocab_size]] = False
+        request.allowed_token_mask = mask
+    return mask
 
 
 def apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -101,6 +101,9 @@ class Request:
     # sampling_params.bad_words as the tokens they ban (a logits_processors.BadWordBans), set by the engine when the
     # request is added; None without bad words.
     bad_word_bans: Any = None
+    # With sampling_params.allowed_token_ids: a [vocab] bool tensor of the tokens outside them, built by the sampler
+    # on the request's first step (logits_processors.apply_allowed_token_ids).
+    allowed_token_mask: Any = None
     # An embedding request (LLM.embed; engine.pooling.PoolingParams): its prompt's pooled hidden state, set by the
     # model runner when the prompt's last token is computed, where a generation request samples its first token.
     pooling_params: Any = None
