@@ -120,6 +120,11 @@ def apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
             if 0 <= token_id < vocab_size:
                 rows.append(row)
                 token_ids.append(token_id)
+    return _with_entries_masked(logits, rows, token_ids)
+
+
+def _with_entries_masked(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> torch.Tensor:
+    """A copy of ``logits`` with -inf at each (rows[i], token_ids[i]); ``logits`` itself when there are none."""
     if not rows:
         return logits
     result = logits.clone()
@@ -259,8 +264,4 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
             if 0 <= token_id < vocab_size:
                 masked_rows.append(row)
                 masked_token_ids.append(token_id)
-    if not masked_rows:
-        return logits
-    result = logits.clone()
-    result[torch.tensor(masked_rows), torch.tensor(masked_token_ids)] = float("-inf")
-    return result
+    return _with_entries_masked(logits, masked_rows, masked_token_ids)
