@@ -97,7 +97,7 @@ class Frontend:
                 vocabulary, or one that leaves no room to generate within max_model_len.
         """
         prompt = self.tokenize(request)
-        if params is not None and params.truncate_prompt_tokens is not None:
+        if params is not None:
             kept = params.truncated(prompt.token_ids, self.max_model_len)
             if len(kept) < len(prompt.token_ids):
                 prompt = Prompt(kept, None)

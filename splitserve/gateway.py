@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve.client import AsyncClient
-from splitserve.common.chat import Chat, check_chat_template_kwargs, openai_tools
+from splitserve.common.chat import BOTH_TURN_FLAGS, Chat, check_chat_template_kwargs, openai_tools
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
@@ -821,8 +821,7 @@ def _chat(body: dict) -> Chat:
         if not isinstance(value, bool):
             raise APIError(400, f"{name} must be true or false.", name)
     if add_generation_prompt and continue_final_message:
-        raise APIError(400, "Set add_generation_prompt or continue_final_message, not both: the prompt either opens "
-                       "a new assistant turn or continues its last message.", "continue_final_message")
+        raise APIError(400, BOTH_TURN_FLAGS, "continue_final_message")
     try:
         return Chat.from_openai(body.get("messages"), tools or None, add_generation_prompt, kwargs,
                                 continue_final_message)

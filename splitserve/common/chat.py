@@ -122,6 +122,11 @@ class ChatMessage:
     name: str = ""
 
 
+# Why a chat may not both open a new assistant turn and continue its last message.
+BOTH_TURN_FLAGS = ("Set add_generation_prompt or continue_final_message, not both: the prompt either opens a new "
+                   "assistant turn or continues its last message.")
+
+
 @dataclass(frozen=True)
 class Chat:
     """A conversation for the model's chat template.
@@ -148,8 +153,7 @@ class Chat:
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
-            raise InvalidRequest("Set add_generation_prompt or continue_final_message, not both: the prompt either "
-                                 "opens a new assistant turn or continues its last message.")
+            raise InvalidRequest(BOTH_TURN_FLAGS)
 
     @classmethod
     def from_openai(cls, messages, tools=None, add_generation_prompt: bool = True,
