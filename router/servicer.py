@@ -255,7 +255,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             except RequestCancelled:
                 yield inference_pb2.GenerateStreamResponse(
                     request_id=job.request_id, finish_reason=inference_pb2.FINISH_REASON_ABORT,
-                    timing=self._timing(job, progress.first_token_time),
+                    usage=_usage_so_far(job, progress), timing=self._timing(job, progress.first_token_time),
                 )
                 return
             except DecodeStreamFailed as error:
@@ -291,14 +291,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         kind = message.WhichOneof("stop_reason")
         if kind:
             setattr(chunk, kind, getattr(message, kind))
+        # Every message counts the client's prompt and the tokens sent so far, its own included (the gateway's
+        # continuous usage needs them before the end; after a migration the workers count the continuation, not
+        # the client's request). The last message adds the cached tokens.
+        chunk.usage.CopyFrom(_usage_so_far(job, progress, len(message.token_ids)))
         if message.finish_reason:
-            chunk.usage.CopyFrom(message.usage)
             if job.prefill is not None and not message.kv_recomputed:  # the prefill worker computed the prompt
                 chunk.usage.cached_tokens = job.prefill.num_cached_tokens + job.prefill.num_loaded_tokens
                 chunk.usage.loaded_tokens = job.prefill.num_loaded_tokens
-            if job.num_migrations:  # the workers saw the continuation: report the client's request
-                chunk.usage.prompt_tokens = len(job.original_prompt.token_ids)
-                chunk.usage.completion_tokens = len(progress.sent_token_ids) + len(message.token_ids)
+            else:
+                chunk.usage.cached_tokens = message.usage.cached_tokens
+                chunk.usage.loaded_tokens = message.usage.loaded_tokens
             chunk.timing.CopyFrom(self._timing(job, progress.first_token_time))
         if not (chunk.text or chunk.token_ids or chunk.finish_reason):
             return None
@@ -343,8 +346,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         logger.warning("Request %s: %s", job.request_id, message)
         return inference_pb2.GenerateStreamResponse(
             request_id=job.request_id, finish_reason=inference_pb2.FINISH_REASON_ERROR, error_message=message,
-            usage=inference_pb2.Usage(prompt_tokens=len(job.original_prompt.token_ids),
-                                      completion_tokens=num_sent_tokens),
+            usage=_usage_so_far(job, progress),
             timing=self._timing(job, progress.first_token_time),
         )
 
@@ -461,6 +463,12 @@ class _StreamProgress:
     first_token_time: float | None = None
     num_attempt_tokens: int = 0  # tokens relayed from the current decode worker
     decode_failure: DecodeStreamFailed | None = None  # the first decode worker failure, if any
+
+
+def _usage_so_far(job: RouterRequest, progress: _StreamProgress, num_new_tokens: int = 0) -> inference_pb2.Usage:
+    """The client's prompt tokens and the tokens it was sent, with ``num_new_tokens`` about to be."""
+    return inference_pb2.Usage(prompt_tokens=len(job.original_prompt.token_ids),
+                               completion_tokens=len(progress.sent_token_ids) + num_new_tokens)
 
 
 def _worker_embed_request(job: RouterRequest, request: inference_pb2.EmbedRequest) -> worker_pb2.EmbedPromptRequest:

@@ -182,6 +182,16 @@ class _Reply:
         if self.reasoning is not None:
             self.reasoning.count(index, message.token_ids)
 
+    def usage_so_far(self, message, started: bool = True) -> dict:
+        """vLLM's continuous usage of one choice: its prompt's tokens and the tokens it was sent so far (none
+        before it ``started``, or when ``score_only``), read off its latest router message (None: nothing came)."""
+        prompt_tokens = message.usage.prompt_tokens if message is not None else 0
+        completion_tokens = message.usage.completion_tokens if message is not None and started else 0
+        if self.score_only:
+            completion_tokens = 0
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
     def usage(self, usages: list) -> dict:
         """The request's usage (``_usage``), no completion tokens when ``score_only``; under a reasoning parser
         with the reasoning tokens (OpenAI's ``completion_tokens_details``) of the messages :meth:`tally` saw."""
@@ -354,6 +364,7 @@ class Gateway:
         ``lora_name`` ("": the base model); with ``echo`` each choice starts with its prompt (``_Reply.score_only``);
         ``with_reasoning``: a chat answer under a reasoning parser, ``reasoning`` counting its reasoning tokens."""
         num_choices = _num_choices(body, len(prompts), self.config.max_choices)
+        include_usage, continuous_usage = _stream_options(body)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         reply = _Reply(request_id, kind, lora_name or self._model_name(self._model_info), int(time.time()), choice,
                        num_choices,
@@ -363,8 +374,7 @@ class Gateway:
         calls, streams, firsts = await self._start(request, body, generations, params, request_id, lora_name, echo)
         if not _flag(body, "stream"):
             return await self._whole(request, calls, streams, firsts, reply)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        events = self._events(calls, streams, firsts, reply, include_usage)
+        events = self._events(calls, streams, firsts, reply, include_usage, continuous_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _start(self, request: Request, body: dict, generations: list, params: SamplingParams,
@@ -420,11 +430,12 @@ class Gateway:
                     choice["prompt_logprobs"] = choice_prompt_logprobs
         return JSONResponse(answer)
 
-    async def _events(self, calls: list, streams: list, firsts: list, reply: _Reply,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, calls: list, streams: list, firsts: list, reply: _Reply, include_usage: bool,
+                      continuous_usage: bool = False) -> AsyncIterator[str]:
         """Server-sent events: a chunk per router message of any choice (each says its choice's index), in the
-        order they come, each choice's finish, the usage if asked, ``[DONE]``. Starlette stops iterating when
-        the client disconnects; the ``finally`` then cancels every call."""
+        order they come, each choice's finish, the usage if asked, ``[DONE]``; with ``continuous_usage`` every
+        chunk carries its choice's usage so far (vLLM's). Starlette stops iterating when the client disconnects;
+        the ``finally`` then cancels every call."""
         head = reply.head(f"{reply.kind}.chunk")
         messages: asyncio.Queue = asyncio.Queue()
 
@@ -446,8 +457,11 @@ class Gateway:
         try:
             if reply.kind == "chat.completion":
                 for index in range(len(calls)):
-                    yield _event({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                       "logprobs": None, "finish_reason": None}]})
+                    chunk = {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]}
+                    if continuous_usage:
+                        chunk["usage"] = reply.usage_so_far(firsts[index], started=False)
+                    yield _event(chunk)
             last: list = [None] * len(calls)
             text_offsets = [0] * len(calls)
             running = len(calls)
@@ -466,7 +480,10 @@ class Gateway:
                     choice = reply.choice_of(index, text, message, entries, False, text_offsets[index])
                     text_offsets[index] += len(text)
                     if choice.get("delta") != {} or choice["finish_reason"] or entries:  # not text a tool call holds
-                        yield _event({**head, "choices": [choice]})
+                        chunk = {**head, "choices": [choice]}
+                        if continuous_usage:
+                            chunk["usage"] = reply.usage_so_far(message)
+                        yield _event(chunk)
             if include_usage and any(chunk is not None for chunk in last):
                 usages = [chunk.usage if chunk is not None else inference_pb2.Usage() for chunk in last]
                 yield _event({**head, "choices": [], "usage": reply.usage(usages)})
@@ -776,6 +793,26 @@ def _flag(body: dict, name: str) -> bool:
     if value is not None and not isinstance(value, bool):
         raise APIError(400, f"{name} must be true or false.", name)
     return bool(value)
+
+
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    """OpenAI's ``stream_options``: whether the stream ends with the request's usage (``include_usage``) and, with
+    vLLM's ``continuous_usage_stats`` beside it, every chunk carries its choice's usage so far. Only with
+    ``stream``, as OpenAI and vLLM take it; other fields (OpenAI's ``include_obfuscation``) are ignored."""
+    options = body.get("stream_options")
+    if options is None:
+        return False, False
+    if not isinstance(options, dict):
+        raise APIError(400, 'stream_options must be an object, such as {"include_usage": true}.', "stream_options")
+    if not _flag(body, "stream"):
+        raise APIError(400, "stream_options is only allowed when stream is true.", "stream_options")
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            raise APIError(400, f"stream_options.{name} must be true or false.", "stream_options")
+        flags.append(bool(options.get(name)))
+    include_usage, continuous = flags
+    return include_usage, include_usage and continuous  # vLLM's continuous usage needs include_usage too
 
 
 def _prompt_logprobs(body: dict) -> int | None:

@@ -391,6 +391,49 @@ def test_n_choices_are_generations_of_their_own(api, grpc_client):
         assert refused.value.param in ("n", "best_of"), fields
 
 
+def test_continuous_usage_counts_each_choices_tokens_in_every_chunk(api, grpc_client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk (a chat's role chunks too) carries its choice's
+    prompt tokens and the tokens it was sent so far, here counted off the chunks' logprobs; the usage chunk at the
+    end stays the request's. Without include_usage, or without the flag, chunks carry none."""
+    model = api.models.list().data[0].id
+    expected = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10))
+    prompt_tokens = expected.usage.prompt_tokens
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(api.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, n=2, logprobs=0,
+                                         stream=True, stream_options=options))
+    sent: collections.Counter = collections.Counter()
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        sent[choice.index] += len(choice.logprobs.tokens) if choice.logprobs else 0
+        usage = chunk.usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, sent[choice.index]), chunk
+        assert usage.total_tokens == prompt_tokens + sent[choice.index]
+    assert sent == {0: 10, 1: 10}
+    last = chunks[-1]
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (prompt_tokens, 20)
+    # A chat: its role chunk counts the prompt and nothing sent yet.
+    chat = grpc_client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=8))
+    chunks = list(api.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0,
+                                              logprobs=True, stream=True, stream_options=options))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (chunks[0].usage.prompt_tokens, chunks[0].usage.completion_tokens) == (chat.usage.prompt_tokens, 0)
+    num_sent = 0
+    for chunk in chunks[1:-1]:
+        num_sent += len(chunk.choices[0].logprobs.content) if chunk.choices[0].logprobs else 0
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (chat.usage.prompt_tokens, num_sent)
+    assert num_sent == len(chat.token_ids) and chunks[-1].usage.completion_tokens == num_sent
+    # Continuous usage needs include_usage (as in vLLM); include_usage alone puts the usage in the last chunk only.
+    for options in ({"continuous_usage_stats": True}, {"include_usage": True}):
+        chunks = list(api.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, stream=True,
+                                             stream_options=options))
+        assert all(chunk.usage is None for chunk in chunks[:-1]), options
+    for fields in ({"stream_options": {"include_usage": True}}, {"stream": True, "stream_options": "usage"},
+                   {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "yes"}}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model=model, prompt=PROMPT, max_tokens=2, **fields)
+        assert refused.value.param == "stream_options", fields
+
+
 def test_a_batch_of_prompts_gets_n_choices_each_numbered_prompt_by_prompt(api, grpc_client):
     model = api.models.list().data[0].id
     token_ids = grpc_client.tokenize("Water boils at")
@@ -671,7 +714,7 @@ def _body_fields(model: str, chat: bool, wild: bool):
         "model": pick(model, "gpt-4"), "n": pick(1, 2), "temperature": pick(0, 0.7), "top_p": pick(0.9, 1),
         "top_k": pick(-1, 5), "seed": pick(3, -1), "stop": pick(".", [" Paris", "\n"]), "stream": pick(True, False),
         "logit_bias": pick({"504": -100}, {"17": 5.5}), "stop_token_ids": pick([2], []),
-        "stream_options": pick({"include_usage": True}),
+        "stream_options": pick({"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True}),
         "response_format": pick({"type": "text"}, {"type": "json_object"}),
         "structured_outputs": pick({"choice": [" Paris", " Lyon"]}, {"regex": " [0-9]+"}),
         "best_of": pick(1),

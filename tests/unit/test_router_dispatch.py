@@ -258,6 +258,7 @@ def test_a_decode_worker_failing_after_tokens_ends_the_stream_with_an_error_mess
     assert last.error_message == ("The decode worker decode-1 failed mid-stream after 3 tokens: UNAVAILABLE: "
                                   "Socket closed; the text so far is complete up to here.")
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 3)
+    assert [c.usage.completion_tokens for c in chunks] == [2, 3, 3]
     assert in_flight(registry) == {"prefill-1": 0, "decode-1": 0}
 
 
@@ -299,6 +300,8 @@ def test_a_stream_whose_decode_worker_fails_migrates_to_another_one(cluster):
     last = chunks[-1]
     assert (last.finish_reason, last.error_message) == (inference_pb2.FINISH_REASON_LENGTH, "")
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 5)
+    # Every message counts the client's prompt and the tokens sent so far, across the migration (continuous usage).
+    assert [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in chunks] == [(40, 2), (40, 3), (40, 4), (40, 5)]
     [(first_address, first), (second_address, second)] = channels.decode_requests
     assert (first_address, second_address) == ("d:1", "d:3")  # the failed worker is not chosen again
     assert list(second.prompt_token_ids) == [*range(40), 5, 6, 7]
