@@ -95,9 +95,11 @@ class KVReceiver(KVConnectorBase):
     # ---- the servicer's side ---------------------------------------------------------------
 
     def expect(self, request_id: str, transfer_id: str, num_prompt_tokens: int, timeout_seconds: float,
-               source=None, *, prompt_token_ids: list[int] | None = None, lora_request=None) -> None:
+               source=None, *, prompt_token_ids: list[int] | None = None, lora_request=None,
+               cache_salt: str | None = None) -> None:
         """A request's prompt KV will arrive as ``transfer_id`` (from ``source``, a hint; may be None).
-        ``prompt_token_ids`` and ``lora_request`` are not needed here (the LMCache receiver's ``expect`` takes them).
+        ``prompt_token_ids``, ``lora_request`` and ``cache_salt`` are not needed here (the LMCache receiver's
+        ``expect`` takes them).
 
         Raises:
             InvalidRequest: the transfer id or the request id is in use on this worker.

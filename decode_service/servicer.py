@@ -34,6 +34,7 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.pooling import PoolingParams
 from splitserve.rpc.convert import (
     FINISH_REASONS,
+    cache_salt_from_pb,
     position_logprobs_to_pb,
     prompt_logprobs_to_pb,
     sampling_params_from_pb,
@@ -120,10 +121,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _submit(self, request, params, remote: bool):
         """Announce the request's transfer (remote KV) and hand the request to the engine."""
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
-        lora = self.runtime.lora_request(request.lora_name)
+        lora, salt = self.runtime.lora_request(request.lora_name), cache_salt_from_pb(request)
         if not remote:
             self.runtime.counters.add(num_local_prefills=1)
-            stream = self.loop.submit(request_id, None, params, prompt, priority=request.priority, lora_request=lora)
+            stream = self.loop.submit(request_id, None, params, prompt, priority=request.priority, lora_request=lora,
+                                      cache_salt=salt)
             return stream, wait_accepted(stream)
         config = self.runtime.config
         timeout = request.kv_timeout_seconds if request.HasField("kv_timeout_seconds") else config.kv_timeout_seconds
@@ -133,11 +135,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 (request.on_kv_failure == worker_pb2.KV_FAILURE_POLICY_UNSPECIFIED and config.kv_load_failure == "fail"))
         policy = KVLoadFailurePolicy.FAIL if fail else KVLoadFailurePolicy.RECOMPUTE
         self.receiver.expect(request_id, request.transfer_id, len(prompt), timeout, _endpoint_or_none(request),
-                              prompt_token_ids=prompt, lora_request=lora)
+                              prompt_token_ids=prompt, lora_request=lora, cache_salt=salt)
         try:
             stream = self.loop.submit(request_id, None, params, prompt, priority=request.priority,
                                       kv_transfer=KVTransferParams(load=True, on_load_failure=policy),
-                                      lora_request=lora)
+                                      lora_request=lora, cache_salt=salt)
             return stream, wait_accepted(stream)
         except BaseException:
             self.receiver.discard(request_id)  # refused (no room, bad prompt): nothing will be loaded
@@ -209,11 +211,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         request_id = check_id(request.request_id, "request_id", MAX_WORKER_ID_LENGTH)
         pooling = _pooling_params_of(request)
         pooling.check(self.runtime.engine.model_config.hidden_size)
-        lora = self.runtime.lora_request(request.lora_name)
+        lora, salt = self.runtime.lora_request(request.lora_name), cache_salt_from_pb(request)
         self.runtime.admit()
         try:
             with self._tracked(request_id):
-                output = self._embed(request_id, list(request.prompt_token_ids), pooling, lora, context)
+                output = self._embed(request_id, list(request.prompt_token_ids), pooling, lora, salt, context)
         finally:
             self.runtime.release()
         if output is None:  # cancelled: the caller is gone and reads no answer
@@ -223,7 +225,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                               prompt_tokens=len(output.prompt_token_ids),
                                               cached_tokens=output.num_cached_tokens)
 
-    def _embed(self, request_id: str, prompt: list[int], pooling: PoolingParams, lora, context) -> RequestOutput | None:
+    def _embed(self, request_id: str, prompt: list[int], pooling: PoolingParams, lora, salt: str | None,
+               context) -> RequestOutput | None:
         """The finished output of the embedding request, its embedding set; None when the call was cancelled
         (the request aborted in the engine, its blocks freed).
 
@@ -236,7 +239,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         completed = False
         try:
             stream = self.loop.submit(request_id, None, SamplingParams(max_tokens=1), prompt, lora_request=lora,
-                                      pooling_params=pooling)
+                                      pooling_params=pooling, cache_salt=salt)
             wait_accepted(stream)
             if not context.add_callback(lambda: self._abort(request_id)):
                 return None  # already cancelled: the finally clause aborts it

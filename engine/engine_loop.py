@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.engine.llm_engine import LLMEngine
@@ -126,11 +127,13 @@ class EngineLoop:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream.
 
-        ``kv_transfer``, ``priority``, ``lora_request`` and ``pooling_params`` (an embedding request, whose one
-        output is the finished one with its ``embedding``) are passed to ``LLMEngine.add_request``;
+        ``kv_transfer``, ``priority``, ``lora_request``, ``pooling_params`` (an embedding request, whose one
+        output is the finished one with its ``embedding``) and ``cache_salt`` are passed to
+        ``LLMEngine.add_request``;
         ``stream.wait_accepted()`` says when the engine has taken it.
 
         Raises:
@@ -140,11 +143,11 @@ class EngineLoop:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams.")
         token_ids = self.engine.prompt_token_ids_of(prompt, prompt_token_ids, sampling_params)
+        check_cache_salt(cache_salt)
         stream = RequestStream(request_id)
-        self._commands.put(
-            ("add", stream, (request_id, prompt, sampling_params, token_ids, kv_transfer, priority, lora_request,
-                             pooling_params))
-        )
+        options = {"prompt_token_ids": token_ids, "kv_transfer": kv_transfer, "priority": priority,
+                   "lora_request": lora_request, "pooling_params": pooling_params, "cache_salt": cache_salt}
+        self._commands.put(("add", stream, (request_id, prompt, sampling_params, options)))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -195,10 +198,9 @@ class EngineLoop:
     def _apply(self, command) -> None:
         kind, target, payload = command
         if kind == "add":
-            request_id, prompt, params, token_ids, kv_transfer, priority, lora_request, pooling_params = payload
+            request_id, prompt, params, options = payload
             try:
-                self.engine.add_request(request_id, prompt, params, prompt_token_ids=token_ids, kv_transfer=kv_transfer,
-                                        priority=priority, lora_request=lora_request, pooling_params=pooling_params)
+                self.engine.add_request(request_id, prompt, params, **options)
             except Exception as error:  # duplicate id, no room for remote KV: the caller hears of it
                 target.accepted.set_exception(error)
                 target.put(error)

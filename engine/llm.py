@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat import Chat
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import DEFAULT_STEP_LIMITS, EngineConfig, likely_device, resolve_device, resolve_dtype
@@ -15,7 +16,8 @@ from splitserve.engine.lora import LoRARequest
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 
-# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
+# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text), or {"prompt": text}; a dict may
+# carry vLLM's "cache_salt" (its blocks in the prefix cache are then found only by prompts with the same salt).
 PromptType = str | dict[str, Any]
 
 # The offline step budget, where nobody waits on a token: twice a server's (EngineConfig's 2,048), as
@@ -91,14 +93,14 @@ class LLM:
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}.")
             text, token_ids = self._token_ids_of(prompt)
-            requests.append((text, self.engine.prompt_token_ids_of(text, token_ids, params)))
+            requests.append((text, self.engine.prompt_token_ids_of(text, token_ids, params), _cache_salt_of(prompt)))
             self.engine.check_priority(value)
         request_ids = []
         try:
-            for (text, token_ids), params, value, adapter in zip(requests, params_list, priorities, adapters):
+            for (text, token_ids, salt), params, value, adapter in zip(requests, params_list, priorities, adapters):
                 request_id = self.engine.next_request_id()
                 self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids, priority=value,
-                                        lora_request=adapter)
+                                        lora_request=adapter, cache_salt=salt)
                 request_ids.append(request_id)
         except ValueError:  # an adapter that cannot load: nothing of this call stays queued
             self._abort_all(request_ids)
@@ -128,13 +130,13 @@ class LLM:
         requests = []
         for prompt in prompt_list:
             text, token_ids = self._token_ids_of(prompt)
-            requests.append((text, self.engine.prompt_token_ids_of(text, token_ids)))
+            requests.append((text, self.engine.prompt_token_ids_of(text, token_ids), _cache_salt_of(prompt)))
         request_ids = []
         try:
-            for (text, token_ids), adapter in zip(requests, adapters):
+            for (text, token_ids, salt), adapter in zip(requests, adapters):
                 request_id = self.engine.next_request_id()
                 self.engine.add_request(request_id, text, prompt_token_ids=token_ids, lora_request=adapter,
-                                        pooling_params=params)
+                                        pooling_params=params, cache_salt=salt)
                 request_ids.append(request_id)
         except ValueError:
             self._abort_all(request_ids)
@@ -250,3 +252,8 @@ def _attends_in_cpu_kernels(engine_options: dict[str, Any]) -> bool:
     device = resolve_device(engine_options.get("device", "auto"), torch.cuda.is_available())
     return (device == "cpu" and resolve_dtype(engine_options.get("dtype", "auto"), device) in ("float32", "bfloat16")
             and engine_options.get("attention_backend", "auto") in ("auto", "cpu"))
+
+
+def _cache_salt_of(prompt: PromptType) -> str | None:
+    """A dict prompt's ``cache_salt`` (vLLM's), checked; None for text or a dict without one."""
+    return check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None

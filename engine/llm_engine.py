@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.common.block_hash import lora_root_hash
+from splitserve.common.block_hash import check_cache_salt, lora_root_hash, salted_root_hash
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.load import WorkerLoad
 from splitserve.common.log_fields import request_log
@@ -127,6 +127,7 @@ class LLMEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and queue a request (text ``prompt`` or ``prompt_token_ids``).
 
@@ -141,6 +142,8 @@ class LLMEngine:
         ``lora_request`` runs it with that LoRA adapter (``enable_lora`` engines; loaded now if it is not).
         ``pooling_params`` makes it an embedding request (engine/pooling.py): once its prompt is computed it
         finishes with its embedding (``RequestOutput.embedding``) and no token; ``sampling_params`` is then unused.
+        ``cache_salt`` (vLLM's) keeps its prompt's blocks in the prefix cache apart: only requests with the same
+        salt (and adapter) find them, and it finds only theirs.
 
         Raises:
             ValueError: empty or too long prompt, token ids out of range (the prompt's or logit_bias's), bad
@@ -149,6 +152,7 @@ class LLMEngine:
             KVCacheFullError: no room to reserve the blocks of KV that comes from outside.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
+        cache_salt = check_cache_salt(cache_salt)
         if pooling_params is not None:
             if not isinstance(pooling_params, PoolingParams):
                 raise ValueError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}.")
@@ -182,6 +186,8 @@ class LLMEngine:
             request.bad_word_bans = BadWordBans(bad_words_token_ids(self.tokenizer, params.bad_words))
         if lora_request is not None:
             self._acquire_lora(request, lora_request)
+        request.cache_salt = cache_salt
+        request.block_hash_root = salted_root_hash(request.block_hash_root, cache_salt)
         try:
             num_external_tokens = self.kv_transfers.num_external_tokens(request, kv_transfer)
             self.scheduler.add_request(request, num_external_tokens)

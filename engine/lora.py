@@ -65,6 +65,22 @@ _cache_tags: dict[LoRARequest, str] = {}
 _cache_tags_lock = threading.Lock()
 
 
+def kv_store_tag(request: LoRARequest | None, cache_salt: str | None) -> str | None:
+    """The tag a request's KV goes under outside its engine (LMCache): its adapter's (:func:`lora_cache_tag`; None
+    for the base model) without a cache salt; with one, ``salted.`` and a SHA-256 digest of the adapter's tag and
+    the salt (never the salt itself: Redis key names are readable by whoever reads Redis), so only requests with
+    the same salt and adapter share the KV.
+
+    Raises:
+        InvalidRequest: the adapter's files cannot be read.
+    """
+    tag = lora_cache_tag(request)
+    if cache_salt is None:
+        return tag
+    digest = hashlib.sha256(f"splitserve-cache-salt/{tag or ''}/".encode() + cache_salt.encode("utf-8", "surrogatepass"))
+    return f"salted.{digest.hexdigest()[:48]}"
+
+
 def lora_cache_tag(request: LoRARequest | None) -> str | None:
     """The tag a request's KV goes under outside its engine (LMCache, ``kvtransfer.lmcache_connector``): None for
     the base model; for an adapter, its name and a SHA-256 digest of its files (adapter_config.json and its

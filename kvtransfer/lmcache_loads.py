@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.log_fields import request_log
 from splitserve.engine.kv_connector import KVConnectorBase, KVConnectorEvents, KVLoad, KVSave
-from splitserve.engine.lora import lora_cache_tag
+from splitserve.engine.lora import kv_store_tag
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class LMCacheLoad:
     prompt_token_ids: list[int]
     # How long the load may wait for LMCache to hold its tokens, from start_load (0: one lookup).
     timeout_seconds: float
-    # The tag its KV was stored under (a LoRA adapter's, ``lora_cache_tag``; None: the base model's).
+    # The tag its KV was stored under (its adapter's and cache salt's, ``kv_store_tag``; None: the base model's).
     cache_tag: str | None = None
     block_ids: tuple[int, ...] = ()
     # Leading prompt tokens this worker's prefix cache holds: not written.
@@ -103,9 +103,10 @@ class LMCacheLoader(KVConnectorBase):
     # ---- the servicer's side ---------------------------------------------------------------
 
     def expect(self, request_id: str, transfer_id: str, num_prompt_tokens: int, timeout_seconds: float,
-               source=None, *, prompt_token_ids: list[int] | None = None, lora_request=None) -> None:
-        """A request's prompt KV will be in LMCache, under its LoRA adapter's tag (``lora_cache_tag``; no
-        ``lora_request``: the base model's); ``source``, the prefill worker's endpoint, is not needed.
+               source=None, *, prompt_token_ids: list[int] | None = None, lora_request=None,
+               cache_salt: str | None = None) -> None:
+        """A request's prompt KV will be in LMCache, under the tag of its LoRA adapter and cache salt
+        (``kv_store_tag``; neither: the base model's); ``source``, the prefill worker's endpoint, is not needed.
 
         Raises:
             InvalidRequest: the request id already waits for KV here, or the prompt's token ids are missing.
@@ -113,7 +114,7 @@ class LMCacheLoader(KVConnectorBase):
         if prompt_token_ids is None or len(prompt_token_ids) != num_prompt_tokens:
             raise InvalidRequest("An LMCache load needs the prompt's token ids (LMCache keys KV by them).")
         load = LMCacheLoad(request_id, transfer_id, list(prompt_token_ids), timeout_seconds,
-                           lora_cache_tag(lora_request))
+                           kv_store_tag(lora_request, cache_salt))
         with self._lock:
             if request_id in self._loads:
                 raise InvalidRequest(f"Request id {request_id!r} already waits for KV on this worker.")

@@ -34,7 +34,7 @@ from splitserve.common.errors import InvalidRequest
 from splitserve.common.log_fields import request_log
 from splitserve.common.types import KVConnectorKind
 from splitserve.engine.kv_connector import KVConnectorBase, KVConnectorEvents, KVLoad, KVSave
-from splitserve.engine.lora import lora_cache_tag
+from splitserve.engine.lora import kv_store_tag
 from splitserve.kvtransfer.lmcache_loads import LMCacheLoader
 
 logger = logging.getLogger(__name__)
@@ -51,14 +51,15 @@ class LMCacheSave:
     Args:
         request_id, transfer_id, prompt_token_ids: what the servicer announced.
         token_num_bytes: KV bytes of one token in the worker's cache.
-        lora_request: its LoRA adapter (None: the base model), whose tag its KV goes under (``lora_cache_tag``).
+        lora_request: its LoRA adapter (None: the base model); cache_salt: its cache salt (None: none). Its KV
+            goes under their tag (``kv_store_tag``).
     """
 
     def __init__(self, request_id: str, transfer_id: str, prompt_token_ids: list[int], token_num_bytes: int,
-                 lora_request=None) -> None:
+                 lora_request=None, cache_salt: str | None = None) -> None:
         self.request_id = request_id
-        self.lora_request = lora_request
-        self.cache_tag = lora_cache_tag(lora_request)
+        self.lora_request, self.cache_salt = lora_request, cache_salt
+        self.cache_tag = kv_store_tag(lora_request, cache_salt)
         self.transfer_id = transfer_id
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -120,9 +121,10 @@ class LMCacheSender(KVConnectorBase):
     # ---- the servicer's side ----------------------------------------------------------------
 
     def expect(self, request_id: str, transfer_id: str, destination, num_prompt_tokens: int, *,
-               prompt_token_ids: list[int] | None = None, lora_request=None) -> LMCacheSave:
-        """A request's prompt KV goes into LMCache as ``transfer_id``, under its LoRA adapter's tag (no
-        ``lora_request``: the base model's); wait on the returned save.
+               prompt_token_ids: list[int] | None = None, lora_request=None,
+               cache_salt: str | None = None) -> LMCacheSave:
+        """A request's prompt KV goes into LMCache as ``transfer_id``, under the tag of its LoRA adapter and cache
+        salt (``kv_store_tag``; neither: the base model's); wait on the returned save.
 
         Raises:
             InvalidRequest: the request id is being saved from here already, the destination does not load from
@@ -133,7 +135,8 @@ class LMCacheSender(KVConnectorBase):
                                  "stores it in LMCache: both pools must use the same --kv-transfer.")
         if prompt_token_ids is None or len(prompt_token_ids) != num_prompt_tokens:
             raise InvalidRequest("An LMCache store needs the prompt's token ids (LMCache keys KV by them).")
-        save = LMCacheSave(request_id, transfer_id, list(prompt_token_ids), self.token_num_bytes, lora_request)
+        save = LMCacheSave(request_id, transfer_id, list(prompt_token_ids), self.token_num_bytes, lora_request,
+                           cache_salt)
         with self._lock:
             if request_id in self._saves:
                 raise InvalidRequest(f"Request id {request_id!r} is already being prefilled here.")
@@ -193,7 +196,8 @@ class LMCacheSender(KVConnectorBase):
             self._prefixes.start_load(load)  # reported failed: nothing was announced
             return
         self._prefixes.expect(load.request_id, save.transfer_id, save.num_prompt_tokens, 0.0,
-                              prompt_token_ids=save.prompt_token_ids, lora_request=save.lora_request)
+                              prompt_token_ids=save.prompt_token_ids, lora_request=save.lora_request,
+                              cache_salt=save.cache_salt)
         self._prefixes.start_load(load)
 
     def save(self, save: KVSave) -> None:

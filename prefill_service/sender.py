@@ -173,9 +173,11 @@ class KVSender(KVConnectorBase):
     # ---- the servicer's side ----------------------------------------------------------------
 
     def expect(self, request_id: str, transfer_id: str, destination, num_prompt_tokens: int, *,
-               prompt_token_ids: list[int] | None = None, lora_request=None) -> TransferSender:
+               prompt_token_ids: list[int] | None = None, lora_request=None,
+               cache_salt: str | None = None) -> TransferSender:
         """A request's prompt KV goes to ``destination`` as ``transfer_id``; wait on the returned sender.
-        ``prompt_token_ids`` and ``lora_request`` are not needed here (the LMCache sender's ``expect`` takes them).
+        ``prompt_token_ids``, ``lora_request`` and ``cache_salt`` are not needed here (the LMCache sender's ``expect``
+        takes them).
 
         Raises:
             InvalidRequest: the request id is being sent from here already.

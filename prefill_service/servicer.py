@@ -27,6 +27,7 @@ from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.prefill_service.lmcache_sender import LMCacheSender
 from splitserve.prefill_service.sender import KVSender, TransferSender
 from splitserve.rpc.convert import (
+    cache_salt_from_pb,
     position_logprobs_to_pb,
     prompt_logprobs_to_pb,
     sampling_params_from_pb,
@@ -79,10 +80,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
         runtime, request_id = self.runtime, request.request_id
         prompt = list(request.prompt_token_ids)
-        lora = runtime.lora_request(request.lora_name)
+        lora, salt = runtime.lora_request(request.lora_name), cache_salt_from_pb(request)
         received = time.monotonic()
         sender = self.sender.expect(request_id, request.transfer_id, KVEndpointInfo.from_pb(request.destination),
-                                    len(prompt), prompt_token_ids=prompt, lora_request=lora)
+                                    len(prompt), prompt_token_ids=prompt, lora_request=lora, cache_salt=salt)
         completed = False
         try:
             # The decode worker caches num_destination_cached_tokens already: the connector says what it skips.
@@ -90,7 +91,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             kv_transfer = KVTransferParams(save=True, num_skip_tokens=skip)
             try:
                 stream = runtime.loop.submit(request_id, None, engine_params, prompt, kv_transfer=kv_transfer,
-                                             priority=request.priority, lora_request=lora)
+                                             priority=request.priority, lora_request=lora, cache_salt=salt)
                 wait_accepted(stream)
             except BaseException:
                 self.sender.discard(request_id)

@@ -81,6 +81,7 @@ class RouterRequest:
     sampling_params: inference_pb2.SamplingParams
     priority: int = 0  # GenerateRequest.priority, passed to every worker call (continuations too)
     lora_name: str = ""  # GenerateRequest.lora_name: the LoRA adapter of every worker call ("" none)
+    cache_salt: str | None = None  # GenerateRequest.cache_salt, on every worker call (None: none); never logged
     accepted: float = field(default_factory=time.monotonic)
     aborted: bool = False
     prefill: worker_pb2.PrefillResponse | None = None
@@ -329,7 +330,7 @@ class Dispatcher:
         request = worker_pb2.DecodeRequest(
             request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
             sampling_params=job.sampling_params, prefill_locally=prefill_worker is None, priority=job.priority,
-            lora_name=job.lora_name,
+            lora_name=job.lora_name, cache_salt=job.cache_salt,
         )
         if prefill_worker is not None:  # the prefill worker computes the prompt, and its logprobs if asked
             request.sampling_params.ClearField("prompt_logprobs")
@@ -374,7 +375,7 @@ class Dispatcher:
             request_id=attempt_id, transfer_id=transfer_id, prompt_token_ids=job.prompt.token_ids,
             sampling_params=job.sampling_params, destination=decode_worker.kv_endpoint,
             num_destination_cached_tokens=num_destination_cached_tokens, priority=job.priority,
-            lora_name=job.lora_name,
+            lora_name=job.lora_name, cache_salt=job.cache_salt,
         )
         future = self.channels.prefill(prefill_worker.address).Prefill.future(request, timeout=timeout())
         self.registry.begin_request(prefill_worker.worker_id)

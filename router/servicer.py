@@ -24,6 +24,7 @@ from splitserve.router.dispatch import DecodeStreamFailed, Dispatcher, RequestCa
 from splitserve.router.frontend import Frontend
 from splitserve.router.registry import WorkerRegistry
 from splitserve.rpc.convert import (
+    cache_salt_from_pb,
     sampling_params_from_pb,
     worker_load_to_pb,
 )
@@ -115,7 +116,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_id = check_id(request.request_id, "request_id") if request.HasField("request_id") else uuid.uuid4().hex
         truncate = request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
         prompt = self.frontend.prompt_of(request, SamplingParams(truncate_prompt_tokens=truncate))
-        return RouterRequest(request_id, prompt, inference_pb2.SamplingParams(), lora_name=self._lora_name_of(request))
+        return RouterRequest(request_id, prompt, inference_pb2.SamplingParams(), lora_name=self._lora_name_of(request),
+                             cache_salt=cache_salt_from_pb(request))
 
     # ---- draining ------------------------------------------------------------------------
 
@@ -168,7 +170,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             sampling.CopyFrom(request.sampling_params)
             sampling.ClearField("truncate_prompt_tokens")
         job = RouterRequest(request_id, prompt, sampling, priority=request.priority,
-                            lora_name=self._lora_name_of(request))
+                            lora_name=self._lora_name_of(request), cache_salt=cache_salt_from_pb(request))
         if request.echo:
             job.echo_text = prompt.text if prompt.text is not None else self.frontend.detokenize(prompt.token_ids)
         return self._enter(job, context)
@@ -474,7 +476,8 @@ def _usage_so_far(job: RouterRequest, progress: _StreamProgress, num_new_tokens:
 def _worker_embed_request(job: RouterRequest, request: inference_pb2.EmbedRequest) -> worker_pb2.EmbedPromptRequest:
     """The worker's request for an admitted EmbedRequest (its request_id set per attempt by the dispatcher)."""
     worker_request = worker_pb2.EmbedPromptRequest(prompt_token_ids=job.prompt.token_ids,
-                                                   dimensions=request.dimensions, lora_name=job.lora_name)
+                                                   dimensions=request.dimensions, lora_name=job.lora_name,
+                                                   cache_salt=job.cache_salt)
     if request.HasField("normalize"):
         worker_request.normalize = request.normalize
     return worker_request

@@ -100,13 +100,14 @@ def chat_prompt(chat) -> inference_pb2.ChatPrompt:
 
 
 def generate_request(prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     echo: bool = False, priority: int = 0, lora_name: str = ""):
+                     echo: bool = False, priority: int = 0, lora_name: str = "", cache_salt: str | None = None):
     """A GenerateRequest for a text prompt, a list of token ids, or a chat (a ``Chat``, or a list of OpenAI message
     dicts, tool calls and answers included: ``chat_prompt``); with ``echo``
     the first token's message carries the prompt's text; ``priority`` orders it on workers that serve by priority
-    (lower first); ``lora_name`` runs it with that LoRA adapter of the workers ("": the base model)."""
+    (lower first); ``lora_name`` runs it with that LoRA adapter of the workers ("": the base model); ``cache_salt``
+    keeps its prompt's cached KV apart from other salts' (GenerateRequest.cache_salt)."""
     request = inference_pb2.GenerateRequest(sampling_params=sampling_params_to_pb(params), echo=echo,
-                                            priority=priority, lora_name=lora_name)
+                                            priority=priority, lora_name=lora_name, cache_salt=cache_salt)
     if request_id is not None:
         request.request_id = request_id
     if isinstance(prompt, str):
@@ -119,11 +120,13 @@ def generate_request(prompt, params: SamplingParams | None = None, request_id: s
 
 
 def embed_request(prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
-                  request_id: str | None = None, truncate_prompt_tokens: int | None = None) -> inference_pb2.EmbedRequest:
+                  request_id: str | None = None, truncate_prompt_tokens: int | None = None,
+                  cache_salt: str | None = None) -> inference_pb2.EmbedRequest:
     """An EmbedRequest for a text prompt, a list of token ids, or a chat (as :func:`generate_request`'s);
     ``dimensions``: keep only the first this-many values (None: all); ``normalize``: to unit L2 norm, after the cut;
     ``truncate_prompt_tokens``: embed only the prompt's last this-many tokens (-1: max_model_len)."""
-    request = inference_pb2.EmbedRequest(normalize=normalize, dimensions=dimensions or 0, lora_name=lora_name)
+    request = inference_pb2.EmbedRequest(normalize=normalize, dimensions=dimensions or 0, lora_name=lora_name,
+                                         cache_salt=cache_salt)
     if request_id is not None:
         request.request_id = request_id
     if truncate_prompt_tokens is not None:
@@ -168,24 +171,25 @@ class Client:
 
     def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                  timeout: float | None = None, echo: bool = False, priority: int = 0,
-                 lora_name: str = "") -> inference_pb2.GenerateResponse:
-        return self.stub.Generate(generate_request(prompt, params, request_id, echo, priority, lora_name),
+                 lora_name: str = "", cache_salt: str | None = None) -> inference_pb2.GenerateResponse:
+        return self.stub.Generate(generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt),
                                   timeout=timeout or self.timeout)
 
     def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                         timeout: float | None = None, echo: bool = False, priority: int = 0,
-                        lora_name: str = "") -> Iterator[inference_pb2.GenerateStreamResponse]:
+                        lora_name: str = "", cache_salt: str | None = None) -> Iterator[inference_pb2.GenerateStreamResponse]:
         """The streamed chunks; cancel early with ``.cancel()`` on the returned call."""
-        return self.stub.GenerateStream(generate_request(prompt, params, request_id, echo, priority, lora_name),
-                                        timeout=timeout or self.timeout)
+        request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt)
+        return self.stub.GenerateStream(request, timeout=timeout or self.timeout)
 
     def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
               request_id: str | None = None, timeout: float | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[float]:
+              truncate_prompt_tokens: int | None = None, cache_salt: str | None = None) -> list[float]:
         """The prompt's embedding (Embed): its last token's final hidden state, its first ``dimensions`` values
         (None: all), of unit length unless ``normalize`` is False; ``lora_name`` embeds with that adapter;
-        ``truncate_prompt_tokens`` embeds only the prompt's last tokens."""
-        request = embed_request(prompt, normalize, dimensions, lora_name, request_id, truncate_prompt_tokens)
+        ``truncate_prompt_tokens`` embeds only the prompt's last tokens; ``cache_salt`` as :func:`generate_request`."""
+        request = embed_request(prompt, normalize, dimensions, lora_name, request_id, truncate_prompt_tokens,
+                                cache_salt)
         return list(self.stub.Embed(request, timeout=timeout or self.timeout).embedding)
 
     def abort(self, request_id: str) -> bool:
@@ -255,23 +259,26 @@ class AsyncClient:
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        timeout: float | None = None, api_key: str | None = None,
-                       echo: bool = False, priority: int = 0, lora_name: str = "") -> inference_pb2.GenerateResponse:
-        return await self.stub.Generate(generate_request(prompt, params, request_id, echo, priority, lora_name),
-                                        timeout=timeout or self.timeout, metadata=self._metadata(api_key))
+                       echo: bool = False, priority: int = 0, lora_name: str = "",
+                       cache_salt: str | None = None) -> inference_pb2.GenerateResponse:
+        request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt)
+        return await self.stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata(api_key))
 
     def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                         timeout: float | None = None, api_key: str | None = None, echo: bool = False,
-                        priority: int = 0, lora_name: str = ""):
+                        priority: int = 0, lora_name: str = "", cache_salt: str | None = None):
         """The call, an async iterator of the streamed chunks; ``.cancel()`` on it ends the request on the
         workers (its blocks freed)."""
-        return self.stub.GenerateStream(generate_request(prompt, params, request_id, echo, priority, lora_name),
-                                        timeout=timeout or self.timeout, metadata=self._metadata(api_key))
+        request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt)
+        return self.stub.GenerateStream(request, timeout=timeout or self.timeout, metadata=self._metadata(api_key))
 
     async def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
                     request_id: str | None = None, timeout: float | None = None,
-                    api_key: str | None = None, truncate_prompt_tokens: int | None = None) -> inference_pb2.EmbedResponse:
+                    api_key: str | None = None, truncate_prompt_tokens: int | None = None,
+                    cache_salt: str | None = None) -> inference_pb2.EmbedResponse:
         """The Embed response (its ``embedding`` and ``prompt_tokens``), as :meth:`Client.embed` asks."""
-        request = embed_request(prompt, normalize, dimensions, lora_name, request_id, truncate_prompt_tokens)
+        request = embed_request(prompt, normalize, dimensions, lora_name, request_id, truncate_prompt_tokens,
+                                cache_salt)
         return await self.stub.Embed(request, timeout=timeout or self.timeout, metadata=self._metadata(api_key))
 
     async def abort(self, request_id: str, api_key: str | None = None) -> bool:

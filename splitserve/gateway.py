@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve.client import AsyncClient
+from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat import BOTH_TURN_FLAGS, Chat, check_chat_template_kwargs, openai_tools
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -380,17 +381,18 @@ class Gateway:
     async def _start(self, request: Request, body: dict, generations: list, params: SamplingParams,
                      request_id: str, lora_name: str, echo: bool = False) -> tuple[list, list, list]:
         """One router call for each (prompt, choice index) of ``generations``, side by side (``request_id`` for a
-        single one, ``request_id-N`` for several), with the caller's key and the body's ``priority``; counted in
-        the metrics' generations.
+        single one, ``request_id-N`` for several), with the caller's key and the body's ``priority`` and
+        ``cache_salt``; counted in the metrics' generations.
 
         Returns:
             The calls, their streams (gRPC errors as APIError) and each stream's first message (None for an empty
             stream); errors before every first message are raised, all calls cancelled, as HTTP errors.
         """
-        api_key, priority = _bearer(request), _priority(body)
+        api_key, priority, cache_salt = _bearer(request), _priority(body), _cache_salt(body)
         calls = [self.client.generate_stream(prompt, _choice_params(params, index),
                                              request_id if len(generations) == 1 else f"{request_id}-{number}",
-                                             api_key=api_key, echo=echo, priority=priority, lora_name=lora_name)
+                                             api_key=api_key, echo=echo, priority=priority, lora_name=lora_name,
+                                             cache_salt=cache_salt)
                  for number, (prompt, index) in enumerate(generations)]
         self.metrics.generations.inc(len(calls))
         streams = [_chunks(call) for call in calls]
@@ -785,6 +787,14 @@ def _priority(body: dict) -> int:
     if not _is_int(priority) or not -2**31 <= priority < 2**31:
         raise APIError(400, "priority must be an integer (a signed 32-bit one; lower is served first).", "priority")
     return int(priority)
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's ``cache_salt``: the prompt's cached KV is shared only with requests that send the same salt."""
+    try:
+        return check_cache_salt(body.get("cache_salt"))
+    except InvalidRequest as error:
+        raise APIError(400, str(error), "cache_salt") from None
 
 
 def _flag(body: dict, name: str) -> bool:

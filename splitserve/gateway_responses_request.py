@@ -32,9 +32,9 @@ _REFUSED = {
 # What ``include`` may ask for: the message's token logprobs (nothing else is produced here: no encrypted reasoning,
 # no server-side tool outputs).
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-# vLLM's sampling fields on its ResponsesRequest beyond OpenAI's, taken as chat requests take them.
+# vLLM's fields on its ResponsesRequest beyond OpenAI's (sampling, priority, cache salt), taken as chats take them.
 _VLLM_SAMPLING = ("top_k", "repetition_penalty", "seed", "stop", "ignore_eos", "logit_bias", "priority",
-                  "structured_outputs")
+                  "structured_outputs", "cache_salt")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 # A quoted client string (a type, an id) in an error: at most this many characters of it.
 _QUOTED = 64

@@ -5,7 +5,10 @@ ids as 64-bit integers (``array("q")``), so a prefill worker, a decode worker an
 the router (prefix-aware routing) agree on it without sharing state. A request
 that runs a LoRA adapter chains its first block from the adapter's own root
 (:func:`lora_root_hash`), as vLLM puts the adapter in its block hashes: its KV
-differs from the base model's for the same tokens.
+differs from the base model's for the same tokens. A request with a cache salt
+(vLLM's ``cache_salt``) chains from a root mixed with it (:func:`salted_root_hash`):
+only requests with the same salt find its blocks, so a tenant cannot learn from
+prefix-cache hits what another one's prompts held.
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+from splitserve.common.errors import InvalidRequest
+
 _ROOT_HASH = b"splitserve-kv-v1"
+# vLLM recommends 43 characters (256 random bits in base64); anything longer than this is not a salt.
+MAX_CACHE_SALT_CHARS = 256
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
@@ -34,3 +41,28 @@ def lora_root_hash(lora_name: str) -> bytes:
     """The hash a LoRA adapter's requests chain their first block from (``parent_hash`` of
     :func:`hash_block_tokens`): by the adapter's name, which every worker of a cluster serves it under."""
     return hashlib.sha256(_ROOT_HASH + b"/lora/" + lora_name.encode()).digest()
+
+
+def check_cache_salt(salt) -> str | None:
+    """A request's cache salt as given: None (no salt) or a string of 1 to :data:`MAX_CACHE_SALT_CHARS` characters.
+
+    Raises:
+        InvalidRequest: anything else (as vLLM refuses an empty salt).
+    """
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters (a secret of "
+                             "the caller's, such as 32 random bytes in base64).")
+    return salt
+
+
+def salted_root_hash(root: bytes | None, salt: str | None) -> bytes | None:
+    """The hash a request with cache salt ``salt`` chains its first block from: ``root`` (None: the base model's;
+    a LoRA adapter's) mixed with the salt; ``root`` unchanged without a salt."""
+    if salt is None:
+        return root
+    digest = hashlib.sha256(root if root is not None else _ROOT_HASH)
+    digest.update(b"/salt/" + salt.encode("utf-8", "surrogatepass"))
+    return digest.digest()
+

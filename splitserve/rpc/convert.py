@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat import Chat, ChatMessage, FunctionTool, ToolCall, check_chat_template_kwargs, check_tools
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.load import WorkerLoad
@@ -21,6 +22,16 @@ FINISH_REASONS = {
     FinishReason.ABORT: inference_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: inference_pb2.FINISH_REASON_ERROR,
 }
+
+
+def cache_salt_from_pb(message) -> str | None:
+    """A request message's ``cache_salt`` (GenerateRequest, EmbedRequest, the workers' requests), checked: 1 to 256
+    characters; None when unset.
+
+    Raises:
+        InvalidRequest: an empty or longer salt.
+    """
+    return check_cache_salt(message.cache_salt) if message.HasField("cache_salt") else None
 
 
 def sampling_params_from_pb(message: inference_pb2.SamplingParams) -> SamplingParams:

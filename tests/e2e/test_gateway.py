@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -432,6 +433,39 @@ def test_continuous_usage_counts_each_choices_tokens_in_every_chunk(api, grpc_cl
         with pytest.raises(openai.BadRequestError) as refused:
             api.completions.create(model=model, prompt=PROMPT, max_tokens=2, **fields)
         assert refused.value.param == "stream_options", fields
+
+
+def test_a_cache_salt_keeps_cached_prefixes_among_its_own_requests(api, grpc_client):
+    """vLLM's cache_salt, through the gateway and gRPC: a prompt's cached blocks are found again by requests with
+    the same salt only (none by other salts or unsalted ones, and a salted request finds none of theirs); the
+    answers stay the unsalted greedy ones; bad salts are refused."""
+    model = api.models.list().data[0].id
+    prompt = "A ledger of salted requests: " + " ".join(f"entry {number} balanced." for number in range(60))
+    expected = grpc_client.generate(prompt, SamplingParams(temperature=0, max_tokens=4))  # now cached unsalted
+
+    def cached_tokens(salt: str | None, route: str = "completions") -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        if route == "completions":
+            answer = api.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
+            assert answer.choices[0].text == expected.text, salt
+        else:
+            answer = api.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=4, temperature=0, extra_body=extra)
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    assert cached_tokens(None) > 0
+    assert cached_tokens("tenant-a") == 0 and cached_tokens("tenant-b") == 0
+    assert cached_tokens("tenant-a") > 0
+    assert cached_tokens("tenant-c", "chat") == 0 and cached_tokens("tenant-c", "chat") > 0
+    answer = grpc_client.generate(prompt, SamplingParams(temperature=0, max_tokens=4), cache_salt="tenant-b")
+    assert answer.usage.cached_tokens > 0 and answer.text == expected.text
+    for salt in ("", 7, "x" * 257):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={"cache_salt": salt})
+        assert refused.value.param == "cache_salt" and "cache_salt" in refused.value.message, salt
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_client.generate(PROMPT, SamplingParams(max_tokens=2), cache_salt="")
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in refused.value.details()
 
 
 def test_a_batch_of_prompts_gets_n_choices_each_numbered_prompt_by_prompt(api, grpc_client):

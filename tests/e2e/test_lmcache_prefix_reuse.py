@@ -101,3 +101,33 @@ def test_a_prompt_whose_stored_prefix_is_gone_from_redis_is_computed_whole(clust
         assert last.usage.loaded_tokens == 0 and last.usage.cached_tokens == 0, last.usage
         assert last.timing.prefix_load_seconds == 0
         wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free")
+
+
+def test_a_salted_prompts_kv_in_lmcache_is_found_only_under_its_salt(cluster, tokenizer, model_dir):
+    """vLLM's cache_salt through LMCache: chunks stored under one salt are loaded by the other prefill worker for
+    that salt only, never for another salt or for an unsalted request; every output stays transformers'."""
+    from splitserve.common.sampling_params import SamplingParams
+
+    prefix = tokenizer.encode("Letters from the lighthouse keeper. " + _long_story(40))[:SHARED]
+    first = prefix + tokenizer.encode("\nThe keeper counted", add_special_tokens=False)
+    last_prompt = prefix + tokenizer.encode("\nIn the spring,", add_special_tokens=False)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    with Client(cluster.router.address) as client:
+        before = sent_by_worker(cluster)
+
+        def run(prompt, salt):
+            return client.generate(prompt, greedy, timeout=300, cache_salt=salt)
+
+        # Round robin: the workers take turns; the first one stores the prefix under tenant-a.
+        reference = hf_greedy(str(model_dir), first, MAX_TOKENS)
+        assert list(run(first, "tenant-a").token_ids) == reference
+        for salt in ("tenant-b", None):  # the other worker, then the first: nothing found under either
+            answer = run(first, salt)
+            assert list(answer.token_ids) == reference
+            assert answer.usage.loaded_tokens == 0 and answer.usage.cached_tokens == 0, (salt, answer.usage)
+        answer = run(last_prompt, "tenant-a")  # the other worker, tenant-a's chunks
+        assert list(answer.token_ids) == hf_greedy(str(model_dir), last_prompt, MAX_TOKENS)
+        assert answer.usage.loaded_tokens == SHARED // CHUNK_SIZE * CHUNK_SIZE, answer.usage
+        after = sent_by_worker(cluster)
+        assert sorted(after[name] - before[name] for name in after) == [2, 2], "the workers took turns"
+        wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free")
