@@ -37,9 +37,10 @@ const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 // { grammar }, { jsonObject: true }), ... }. A chat with function tools is { messages, tools: [{ name, description,
 // parameters: '<JSON schema text>' }] }, its messages carrying toolCalls: [{ id, name, arguments: '<JSON text>' }]
 // (an assistant's) and toolCallId (a tool's answer); a call is forced with structuredOutputs: { json: parameters }. With echo, the message with the first token carries the prompt's text (promptText).
-function generateRequest(prompt, params = {}, requestId, echo = false, priority = 0, loraName = '') {
+function generateRequest(prompt, params = {}, requestId, echo = false, priority = 0, loraName = '', cacheSalt) {
   const request = { samplingParams: params, echo, priority, loraName };
   if (requestId !== undefined) request.requestId = requestId;
+  if (cacheSalt !== undefined) request.cacheSalt = cacheSalt;
   if (typeof prompt === 'string') request.text = prompt;
   else if (Array.isArray(prompt) && prompt.length && typeof prompt[0] === 'object') request.chat = { messages: prompt };
   else if (Array.isArray(prompt)) request.tokenIds = { ids: prompt };
@@ -90,21 +91,21 @@ class Client {
 
   /** The whole completion: { text, tokenIds, finishReason, usage, timing, promptLogprobs, promptText, ... }.
    * Rejects with a gRPC error ({ code, details }) for a refused request. */
-  generate(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName } = {}) {
-    return this._unary('generate', generateRequest(prompt, params, requestId, echo, priority, loraName),
+  generate(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName, cacheSalt } = {}) {
+    return this._unary('generate', generateRequest(prompt, params, requestId, echo, priority, loraName, cacheSalt),
       timeoutSeconds);
   }
 
   /** The streamed chunks, an async iterator; `.cancel()` on it ends the request on the workers. */
-  generateStream(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName } = {}) {
-    return this.stub.generateStream(generateRequest(prompt, params, requestId, echo, priority, loraName),
+  generateStream(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName, cacheSalt } = {}) {
+    return this.stub.generateStream(generateRequest(prompt, params, requestId, echo, priority, loraName, cacheSalt),
       this._metadata(), this._options(timeoutSeconds));
   }
 
   /** The prompt's embedding (Embed): its last token's final hidden state, an array of numbers of unit length
    * unless normalize is false, its first `dimensions` values where given. Rejects with a gRPC error as generate. */
-  async embed(prompt, { normalize = true, dimensions, loraName = '', requestId, timeoutSeconds } = {}) {
-    const request = { ...generateRequest(prompt, {}, requestId, false, 0, loraName), normalize };
+  async embed(prompt, { normalize = true, dimensions, loraName = '', requestId, timeoutSeconds, cacheSalt } = {}) {
+    const request = { ...generateRequest(prompt, {}, requestId, false, 0, loraName, cacheSalt), normalize };
     delete request.samplingParams;
     delete request.echo;
     delete request.priority;

@@ -83,7 +83,7 @@ test('structured outputs shape the reply: a JSON schema, a choice', async () => 
   }
 });
 
-test('a chat carries tools and tool calls, a call is forced by its parameters schema, a priority and an adapter are sent', async () => {
+test('a chat carries tools and tool calls, a call is forced by its parameters schema, a priority, an adapter and a cache salt are sent', async () => {
   const client = new Client(address, { apiKey, timeoutSeconds: 120 });
   try {
     const parameters = JSON.stringify({ type: 'object', properties: { city: { type: 'string', maxLength: 20 } },
@@ -109,6 +109,16 @@ test('a chat carries tools and tool calls, a call is forced by its parameters sc
     await assert.rejects(client.generate(PROMPT, { maxTokens: 1 }, { loraName: 'sql' }), (error) => {
       assert.equal(error.code, status.NOT_FOUND);
       assert.match(error.details, /No worker serves LoRA adapter 'sql'/);
+      return true;
+    });
+    // A cache salt is sent: a salted prompt finds its own salt's cached blocks (the router checks the salt).
+    const long = `${PROMPT} ${'and the capital of Spain is Madrid, '.repeat(8)}`;
+    await client.generate(long, { maxTokens: 1 }, { cacheSalt: 'node-tenant' });
+    const again = await client.generate(long, { maxTokens: 1 }, { cacheSalt: 'node-tenant' });
+    assert.ok(again.usage.cachedTokens > 0, JSON.stringify(again.usage));
+    await assert.rejects(client.generate(PROMPT, { maxTokens: 1 }, { cacheSalt: '' }), (error) => {
+      assert.equal(error.code, status.INVALID_ARGUMENT);
+      assert.match(error.details, /cache_salt must be a string of 1 to 256 characters/);
       return true;
     });
     await assert.rejects(client.generate({ messages, tools: [{ name: 'get weather' }] }), (error) => {
