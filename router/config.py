@@ -45,6 +45,8 @@ class RouterConfig:
             CA: workers and clients must present certificates signed by it) and for its calls to workers
             (None: plaintext).
         metrics_port: serve Prometheus metrics over HTTP on ``host``:this port (0: a free one; None: not served).
+        otlp_traces_endpoint: export a span of every generation request to this OTLP/gRPC collector
+            (``splitserve.rpc.tracing``; None: no traces).
     """
 
     host: str = "127.0.0.1"
@@ -68,6 +70,7 @@ class RouterConfig:
     block_size: int = 16
     migration_limit: int = 3
     metrics_port: int | None = None
+    otlp_traces_endpoint: str | None = None
     credentials: Credentials = field(default_factory=Credentials)
     tls: TLSConfig | None = None
 

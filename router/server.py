@@ -21,6 +21,7 @@ from splitserve.router.worker import KVCacheLayout
 from splitserve.rpc.convert import worker_load_from_pb, worker_state_from_pb
 from splitserve.rpc.metrics import RouterMetrics, serve_metrics
 from splitserve.rpc.server import start_server
+from splitserve.rpc.tracing import RequestTracer
 from splitserve.v1 import inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -47,9 +48,11 @@ class Router:
             self.channels,
         )
         self.metrics = RouterMetrics(self.registry.pools, lambda: self.inference.num_in_flight)
+        self.tracer = (RequestTracer("splitserve-router", config.otlp_traces_endpoint)
+                       if config.otlp_traces_endpoint else None)
         self.inference = InferenceServicer(self.frontend, self.dispatcher, self.registry,
                                            config.max_in_flight_requests, config.block_size,
-                                           config.migration_limit, self.metrics)
+                                           config.migration_limit, self.metrics, self.tracer)
         self._static: list[tuple[WorkerRole, str]] = (
             [(WorkerRole.PREFILL, a) for a in config.prefill_workers]
             + [(WorkerRole.DECODE, a) for a in config.decode_workers]
@@ -116,6 +119,8 @@ class Router:
         self.server.stop(2.0)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+        if self.tracer is not None:
+            self.tracer.close()
         self.channels.close()
 
     def _maintain(self) -> None:

@@ -30,6 +30,7 @@ from splitserve.rpc.convert import (
 )
 from splitserve.rpc.errors import status_of
 from splitserve.rpc.metrics import RouterMetrics
+from splitserve.rpc.tracing import RequestTracer
 from splitserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -44,9 +45,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def __init__(self, frontend: Frontend, dispatcher: Dispatcher, registry: WorkerRegistry,
                  max_in_flight_requests: int, block_size: int, migration_limit: int = 3,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, tracer: RequestTracer | None = None) -> None:
         self.frontend = frontend
         self.metrics = metrics or RouterMetrics()
+        self.tracer = tracer  # None: no spans
         self.dispatcher = dispatcher
         self.registry = registry
         self.max_in_flight_requests = max_in_flight_requests
@@ -63,7 +65,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def GenerateStream(self, request: inference_pb2.GenerateRequest, context: grpc.ServicerContext):
         job = self._counted_admit(request, context)
         try:
-            yield from self._observed(job, self._generate(job, context))
+            yield from self._observed(job, self._generate(job, context), context)
         finally:
             self._release(job)
 
@@ -71,7 +73,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         job = self._counted_admit(request, context)
         try:
             response = inference_pb2.GenerateResponse(request_id=job.request_id)
-            for chunk in self._observed(job, self._generate(job, context)):
+            for chunk in self._observed(job, self._generate(job, context), context):
                 response.text += chunk.text
                 response.token_ids.extend(chunk.token_ids)
                 response.logprobs.extend(chunk.logprobs)
@@ -202,11 +204,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if not self._in_flight:
                 self._idle.notify_all()
 
-    def _observed(self, job: RouterRequest, chunks):
+    def _observed(self, job: RouterRequest, chunks, context):
         """``chunks`` passed through, timed for the metrics: time to first token, the intervals between tokens,
-        end to end and queue time, and the request's outcome (its finish reason, or the status it ended with)."""
+        end to end and queue time, and the request's outcome (its finish reason, or the status it ended with);
+        and, with a tracer, the request's span (a child of the caller's, from ``context``'s metadata)."""
         metrics, last_token_time, finish = self.metrics, None, None
         outcome = ("abort", grpc.StatusCode.CANCELLED.name)  # the client went away (GeneratorExit)
+        first_token_seconds = None
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_request(context.invocation_metadata() or (), time.monotonic() - job.accepted)
         try:
             for chunk in chunks:
                 if chunk.token_ids:
@@ -233,6 +240,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             seconds = time.monotonic() - job.accepted
             metrics.requests.labels(*outcome).inc()
             metrics.e2e_latency.observe(seconds)
+            if span is not None:
+                self.tracer.end(span, _span_attributes(job, finish, outcome, seconds, first_token_seconds),
+                                None if outcome[1] == grpc.StatusCode.OK.name and outcome[0] != "error"
+                                else f"{outcome[0]} ({outcome[1]})")
             request_log(logger, job.request_id).info(
                 "Request ended: %s (%s) after %.3f s; %d prompt tokens, %s", outcome[0], outcome[1], seconds,
                 len(job.original_prompt.token_ids),
@@ -465,6 +476,33 @@ class _StreamProgress:
     first_token_time: float | None = None
     num_attempt_tokens: int = 0  # tokens relayed from the current decode worker
     decode_failure: DecodeStreamFailed | None = None  # the first decode worker failure, if any
+
+
+def _span_attributes(job: RouterRequest, finish: inference_pb2.GenerateStreamResponse | None,
+                     outcome: tuple[str, str], seconds: float, first_token_seconds: float | None) -> dict:
+    """A request's span attributes: vLLM's ``gen_ai.*`` names where it has one, ``splitserve.*`` for the rest
+    (counts and times only: never a prompt, a token or a key)."""
+    params, usage, timing = job.original_sampling_params, finish.usage if finish else None, finish.timing if finish else None
+    return {
+        "gen_ai.request.id": job.request_id,
+        "gen_ai.request.max_tokens": params.max_tokens if params.HasField("max_tokens") else None,
+        "gen_ai.request.temperature": params.temperature if params.HasField("temperature") else None,
+        "gen_ai.request.top_p": params.top_p if params.HasField("top_p") else None,
+        "gen_ai.usage.prompt_tokens": len(job.original_prompt.token_ids),
+        "gen_ai.usage.completion_tokens": usage.completion_tokens if usage is not None else None,
+        "gen_ai.response.finish_reasons": [outcome[0]],
+        "gen_ai.latency.time_in_queue": timing.queue_seconds if timing is not None else None,
+        "gen_ai.latency.time_to_first_token": first_token_seconds,
+        "gen_ai.latency.e2e": seconds,
+        "rpc.grpc.status_code": outcome[1],
+        "splitserve.cached_tokens": usage.cached_tokens if usage is not None else None,
+        "splitserve.loaded_tokens": usage.loaded_tokens if usage is not None else None,
+        "splitserve.kv_transfer_seconds": timing.kv_transfer_seconds if timing is not None else None,
+        "splitserve.prefix_load_seconds": timing.prefix_load_seconds if timing is not None else None,
+        "splitserve.prefilled_remotely": job.prefilled_remotely,
+        "splitserve.migrations": job.num_migrations,
+        "splitserve.lora_name": job.lora_name or None,
+    }
 
 
 def _usage_so_far(job: RouterRequest, progress: _StreamProgress, num_new_tokens: int = 0) -> inference_pb2.Usage:

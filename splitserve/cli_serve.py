@@ -108,6 +108,9 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
                     "ends where the model ends its turn (repeatable; `make demo` asks one)")
     up.add_argument("--max-tokens", type=int, default=32,
                     help="most tokens to generate for --prompt and --chat (default: %(default)s)")
+    up.add_argument("--otlp-traces-endpoint", metavar="URL",
+                    help="the router exports a span of every generation request to this OTLP/gRPC collector; see "
+                    "`splitserve router --help` (needs the tracing extra; default: no traces)")
     up.add_argument("--prefill-policy", choices=_POLICIES, default="prefix_aware",
                     help="how the prefill pool is chosen from: prefix_aware sends prompts with the same first blocks to "
                     "the same worker (its prefix cache) unless it is overloaded (default: %(default)s)")
@@ -201,6 +204,12 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics over HTTP at http://HOST:PORT/metrics, on --host only (0: a free port, "
                         "logged at start; default: not served). Read-only and unauthenticated: keep the port inside "
                         "the cluster's network")
+    parser.add_argument("--otlp-traces-endpoint", metavar="URL",
+                        help="export an OpenTelemetry span of every generation request (vLLM's llm_request: token "
+                        "counts, queue time, time to first token, end to end, KV transfer time, finish reason; "
+                        "never a prompt or a token) to this OTLP/gRPC collector, http://HOST:PORT or "
+                        "https://HOST:PORT; a caller's W3C traceparent makes it a child of the caller's span. "
+                        "Needs the tracing extra: pip install 'splitserve[tracing]' (default: no traces)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="text lines, or one JSON object a line; both carry the request id and the KV transfer id "
@@ -353,6 +362,7 @@ def _run_router(args: argparse.Namespace) -> int:
         heartbeat_seconds=args.heartbeat_seconds, prefill_attempts=args.prefill_attempts,
         kv_timeout_seconds=args.kv_timeout, drain_timeout_seconds=args.drain_timeout, block_size=args.block_size,
         migration_limit=args.migration_limit, metrics_port=args.metrics_port,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         credentials=load_credentials(args.api_key_file, args.cluster_token_file, os.environ),
         tls=_tls_from_args(args),
     )
@@ -425,6 +435,7 @@ def _run_up(args: argparse.Namespace) -> int:
     from splitserve.engine.model_store import resolve_model
     from splitserve.launcher import LocalCluster, threads_per_worker
     from splitserve.rpc.server import bind_problem
+    from splitserve.rpc.tracing import check_endpoint
 
     if args.colocated < 0 or args.prefill < 0 or args.decode < 0:
         raise ValueError("Worker counts must be >= 0.")
@@ -468,6 +479,8 @@ def _run_up(args: argparse.Namespace) -> int:
                    "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
     if args.max_model_len:
         router_args += ["--max-model-len", str(args.max_model_len)]
+    if args.otlp_traces_endpoint:
+        router_args += ["--otlp-traces-endpoint", check_endpoint(args.otlp_traces_endpoint)]
     if args.chat_template:
         _chat_template(args.chat_template)  # read now: a missing file is said before anything starts
         router_args += ["--chat-template", str(Path(args.chat_template).resolve())]

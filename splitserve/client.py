@@ -266,11 +266,14 @@ class AsyncClient:
 
     def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                         timeout: float | None = None, api_key: str | None = None, echo: bool = False,
-                        priority: int = 0, lora_name: str = "", cache_salt: str | None = None):
+                        priority: int = 0, lora_name: str = "", cache_salt: str | None = None,
+                        trace: tuple[tuple[str, str], ...] = ()):
         """The call, an async iterator of the streamed chunks; ``.cancel()`` on it ends the request on the
-        workers (its blocks freed)."""
+        workers (its blocks freed). ``trace``: W3C trace context (``traceparent``, ``tracestate``) to send, so the
+        router's span of the request joins the caller's trace."""
         request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt)
-        return self.stub.GenerateStream(request, timeout=timeout or self.timeout, metadata=self._metadata(api_key))
+        return self.stub.GenerateStream(request, timeout=timeout or self.timeout,
+                                        metadata=self._metadata(api_key) + tuple(trace))
 
     async def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
                     request_id: str | None = None, timeout: float | None = None,

@@ -48,6 +48,7 @@ from splitserve.common.tools import tool_call_parser
 from splitserve.gateway_reasoning import REASONING_PARSERS, ReasoningReplies, ThinkTagParser, reasoning_parser
 from splitserve.gateway_tools import ToolReplies, chat_tools
 from splitserve.rpc.metrics import GatewayMetrics, serve_metrics
+from splitserve.rpc.tracing import trace_headers
 from splitserve.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)
@@ -381,18 +382,19 @@ class Gateway:
     async def _start(self, request: Request, body: dict, generations: list, params: SamplingParams,
                      request_id: str, lora_name: str, echo: bool = False) -> tuple[list, list, list]:
         """One router call for each (prompt, choice index) of ``generations``, side by side (``request_id`` for a
-        single one, ``request_id-N`` for several), with the caller's key and the body's ``priority`` and
-        ``cache_salt``; counted in the metrics' generations.
+        single one, ``request_id-N`` for several), with the caller's key and W3C trace context and the body's
+        ``priority`` and ``cache_salt``; counted in the metrics' generations.
 
         Returns:
             The calls, their streams (gRPC errors as APIError) and each stream's first message (None for an empty
             stream); errors before every first message are raised, all calls cancelled, as HTTP errors.
         """
         api_key, priority, cache_salt = _bearer(request), _priority(body), _cache_salt(body)
+        trace = trace_headers(request.headers.items())  # the router's span of each call joins the caller's trace
         calls = [self.client.generate_stream(prompt, _choice_params(params, index),
                                              request_id if len(generations) == 1 else f"{request_id}-{number}",
                                              api_key=api_key, echo=echo, priority=priority, lora_name=lora_name,
-                                             cache_salt=cache_salt)
+                                             cache_salt=cache_salt, trace=trace)
                  for number, (prompt, index) in enumerate(generations)]
         self.metrics.generations.inc(len(calls))
         streams = [_chunks(call) for call in calls]

@@ -1,0 +1,145 @@
+"""OpenTelemetry traces: a p2p cluster whose router exports a span of every generation request
+(``--otlp-traces-endpoint``) to a real OTLP/gRPC collector run here (OpenTelemetry's own service definition, on a
+loopback port), reached directly and through the HTTP gateway.
+
+The spans must carry the request's counts and times (equal to what the client was told), join the caller's trace
+where the call carries a W3C ``traceparent`` (gRPC metadata, or the gateway's HTTP header), start a trace of their
+own where it does not, hold no prompt text, and a collector that goes away must cost no request.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+
+import grpc
+import httpx
+import pytest
+
+from splitserve.client import Client, generate_request
+from splitserve.common.sampling_params import SamplingParams
+from tests.cluster_helpers import all_blocks_free, running_gateway, start_cluster, wait_until
+
+trace_service = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc",
+                                    reason="the tracing extra is not installed (make install-test installs it)")
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = "The capital of France is"
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+
+
+class Collector(trace_service.TraceServiceServicer):
+    """An OTLP/gRPC trace collector: it keeps every span it is sent, with its resource's attributes."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[dict, object]] = []
+        self._lock = threading.Lock()
+
+    def Export(self, request, context):  # noqa: N802 (the service's method name)
+        with self._lock:
+            for resource_spans in request.resource_spans:
+                resource = {kv.key: kv.value.string_value for kv in resource_spans.resource.attributes}
+                for scope_spans in resource_spans.scope_spans:
+                    self.spans.extend((resource, span) for span in scope_spans.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def span_of(self, request_id: str):
+        with self._lock:
+            return next((span for _, span in self.spans if attributes(span).get("gen_ai.request.id") == request_id),
+                        None)
+
+
+def attributes(span) -> dict:
+    values = {}
+    for kv in span.attributes:
+        value = kv.value
+        kind = value.WhichOneof("value")
+        values[kv.key] = ([item.string_value for item in value.array_value.values] if kind == "array_value"
+                          else getattr(value, kind))
+    return values
+
+
+@pytest.fixture(scope="module")
+def collector():
+    servicer = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service.add_TraceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, server, port
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, collector):
+    _, _, port = collector
+    cluster = start_cluster("p2p", tmp_path_factory.mktemp("tracing-logs"),
+                            router_args=["--otlp-traces-endpoint", f"http://127.0.0.1:{port}"])
+    yield cluster
+    cluster.stop()
+
+
+def test_a_request_with_trace_context_gets_a_span_in_the_callers_trace(cluster, collector):
+    servicer = collector[0]
+    with Client(cluster.router.address) as client:
+        request = generate_request(PROMPT, SamplingParams(temperature=0, max_tokens=6), request_id="traced-1")
+        chunks = list(client.stub.GenerateStream(request, timeout=120,
+                                                 metadata=[("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01")]))
+        answer = client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3), request_id="untraced-1")
+    last = chunks[-1]
+    span = wait_until(lambda: servicer.span_of("traced-1"), 30, message="the traced request's span")
+    assert span.name == "llm_request" and span.kind == span.SPAN_KIND_SERVER
+    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
+    values = attributes(span)
+    assert values["gen_ai.usage.prompt_tokens"] == last.usage.prompt_tokens
+    assert values["gen_ai.usage.completion_tokens"] == 6 == sum(len(chunk.token_ids) for chunk in chunks)
+    assert values["gen_ai.request.max_tokens"] == 6 and values["gen_ai.request.temperature"] == 0
+    assert values["gen_ai.response.finish_reasons"] == ["length"] and values["rpc.grpc.status_code"] == "OK"
+    assert 0 < values["gen_ai.latency.time_to_first_token"] <= values["gen_ai.latency.e2e"]
+    assert values["splitserve.prefilled_remotely"] is True and values["splitserve.kv_transfer_seconds"] > 0
+    assert values["splitserve.migrations"] == 0
+    assert (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9 == pytest.approx(
+        values["gen_ai.latency.e2e"], abs=0.05)
+    assert not any(PROMPT in str(value) or "France" in str(value) for value in values.values())  # no prompt text
+    resource = next(resource for resource, candidate in servicer.spans if candidate is span)
+    assert resource["service.name"] == "splitserve-router"
+    # Without trace context: a trace of its own, no parent.
+    untraced = wait_until(lambda: servicer.span_of("untraced-1"), 30, message="the untraced request's span")
+    assert untraced.trace_id.hex() != TRACE_ID and not untraced.parent_span_id
+    assert attributes(untraced)["gen_ai.usage.completion_tokens"] == len(answer.token_ids) == 3
+
+
+def test_the_gateway_passes_the_callers_trace_context_on(cluster, collector, tmp_path):
+    servicer = collector[0]
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    with running_gateway(cluster.router.address, tmp_path / "gateway.log") as url:
+        headers = {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01", "tracestate": "vendor=splitserve-test"}
+        body = {"model": "any", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "n": 2}
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        response = httpx.post(f"{url}/v1/completions", json={**body, "model": model}, headers=headers, timeout=120)
+        assert response.status_code == 200, response.text
+    request_id = response.json()["id"]
+
+    def spans():  # one a choice, each under the caller's span
+        with servicer._lock:
+            found = [span for _, span in servicer.spans if span.trace_id.hex() == trace_id]
+        return found if len(found) == 2 else None
+
+    found = wait_until(spans, 30, message="both choices' spans")
+    assert sorted(attributes(span)["gen_ai.request.id"] for span in found) == [f"{request_id}-0", f"{request_id}-1"]
+    assert all(span.parent_span_id.hex() == "b7ad6b7169203331" for span in found)
+    assert all(span.trace_state == "vendor=splitserve-test" for span in found)
+
+
+def test_a_collector_that_goes_away_costs_no_request(cluster, collector):
+    _, server, _ = collector
+    server.stop(0)  # spans now fail to leave, in the SDK's thread
+    with Client(cluster.router.address) as client:
+        for number in range(3):
+            answer = client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4), request_id=f"lost-{number}")
+            assert len(answer.token_ids) == 4
+        wait_until(lambda: all_blocks_free(client), 20, message="every block free")
+    assert cluster.router.alive()  # the router serves on
