@@ -77,10 +77,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                   "set prefill_locally.")
         params = sampling_params_from_pb(request.sampling_params)
         self.runtime.admit()
+        span, last, error = self.runtime.start_span("decode", context), None, None
         try:
-            yield from self._decode(request, params, remote, context)
+            for message in self._decode(request, params, remote, context):
+                last = message
+                yield message
+        except BaseException as failure:
+            error = failure
+            raise
         finally:
             self.runtime.release()
+            self.runtime.end_span(span, _span_attributes(request, last), error)
 
     def _decode(self, request, params, remote: bool, context):
         request_id = request.request_id
@@ -292,3 +299,20 @@ def _endpoint_or_none(request: worker_pb2.DecodeRequest):
 
     return KVEndpointInfo.from_pb(request.source)
 
+
+def _span_attributes(request: worker_pb2.DecodeRequest, last: worker_pb2.DecodeResponse | None) -> dict:
+    """A decode call's span attributes (``splitserve.rpc.tracing``), read off its last message: counts and
+    times, never a token."""
+    attributes = {"gen_ai.request.id": request.request_id, "gen_ai.usage.prompt_tokens": len(request.prompt_token_ids),
+                  "splitserve.prefill_locally": request.prefill_locally}
+    if last is not None and last.finish_reason:
+        attributes.update({
+            "gen_ai.usage.completion_tokens": last.usage.completion_tokens,
+            "gen_ai.response.finish_reasons": [
+                inference_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()],
+            "splitserve.cached_tokens": last.usage.cached_tokens,
+            "splitserve.kv_wait_seconds": last.kv_wait_seconds,
+            "splitserve.kv_recomputed": last.kv_recomputed,
+            "splitserve.preemptions": last.num_preemptions,
+        })
+    return attributes

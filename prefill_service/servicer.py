@@ -56,6 +56,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     # ---- RPCs ----------------------------------------------------------------------
 
     def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext) -> worker_pb2.PrefillResponse:
+        span = self.runtime.start_span("prefill", context)
+        response, error = None, None
+        try:
+            response = self._checked_prefill(request, context)
+            return response
+        except BaseException as failure:
+            error = failure
+            raise
+        finally:
+            self.runtime.end_span(span, _span_attributes(request, response), error)
+
+    def _checked_prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
         check_id(request.request_id, "request_id", MAX_WORKER_ID_LENGTH)
         check_id(request.transfer_id, "transfer_id", MAX_WORKER_ID_LENGTH)
         if not request.HasField("destination") or not request.destination.address:
@@ -167,3 +179,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def GetStatus(self, request, context) -> worker_pb2.GetWorkerStatusResponse:
         return self.runtime.status_pb()
+
+
+def _span_attributes(request: worker_pb2.PrefillRequest, response: worker_pb2.PrefillResponse | None) -> dict:
+    """A prefill call's span attributes (``splitserve.rpc.tracing``): counts and times, never a token."""
+    attributes = {"gen_ai.request.id": request.request_id, "splitserve.transfer_id": request.transfer_id,
+                  "gen_ai.usage.prompt_tokens": len(request.prompt_token_ids),
+                  "splitserve.destination_cached_tokens": request.num_destination_cached_tokens}
+    if response is not None:
+        attributes.update({
+            "gen_ai.latency.time_in_queue": response.queue_seconds,
+            "splitserve.prefill_seconds": response.prefill_seconds,
+            "splitserve.kv_send_seconds": response.kv_send_seconds,
+            "splitserve.prefix_load_seconds": response.prefix_load_seconds,
+            "splitserve.cached_tokens": response.num_cached_tokens,
+            "splitserve.loaded_tokens": response.num_loaded_tokens,
+            "splitserve.sent_blocks": response.num_sent_blocks,
+        })
+    return attributes

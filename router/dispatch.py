@@ -82,6 +82,7 @@ class RouterRequest:
     priority: int = 0  # GenerateRequest.priority, passed to every worker call (continuations too)
     lora_name: str = ""  # GenerateRequest.lora_name: the LoRA adapter of every worker call ("" none)
     cache_salt: str | None = None  # GenerateRequest.cache_salt, on every worker call (None: none); never logged
+    trace_metadata: tuple[tuple[str, str], ...] = ()  # W3C trace context of the router's span, sent to the workers
     accepted: float = field(default_factory=time.monotonic)
     aborted: bool = False
     prefill: worker_pb2.PrefillResponse | None = None
@@ -338,7 +339,8 @@ class Dispatcher:
             request.source.CopyFrom(prefill_worker.kv_endpoint)
         if self.config.kv_timeout_seconds is not None:
             request.kv_timeout_seconds = self.config.kv_timeout_seconds
-        call = self.channels.decode(decode_worker.address).Decode(request, timeout=timeout())
+        call = self.channels.decode(decode_worker.address).Decode(request, timeout=timeout(),
+                                                                  metadata=job.trace_metadata or None)
         self.registry.begin_request(decode_worker.worker_id)
         acknowledged = False
         try:
@@ -377,7 +379,8 @@ class Dispatcher:
             num_destination_cached_tokens=num_destination_cached_tokens, priority=job.priority,
             lora_name=job.lora_name, cache_salt=job.cache_salt,
         )
-        future = self.channels.prefill(prefill_worker.address).Prefill.future(request, timeout=timeout())
+        future = self.channels.prefill(prefill_worker.address).Prefill.future(request, timeout=timeout(),
+                                                                              metadata=job.trace_metadata or None)
         self.registry.begin_request(prefill_worker.worker_id)
         try:
             job.on_cancel(future.cancel)

@@ -213,7 +213,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         first_token_seconds = None
         span = None
         if self.tracer is not None:
-            span = self.tracer.start_request(context.invocation_metadata() or (), time.monotonic() - job.accepted)
+            span = self.tracer.start_span("llm_request", context.invocation_metadata() or (),
+                                          time.monotonic() - job.accepted)
+            job.trace_metadata = self.tracer.headers(span)  # the workers' spans are its children
         try:
             for chunk in chunks:
                 if chunk.token_ids:

@@ -109,8 +109,9 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
     up.add_argument("--max-tokens", type=int, default=32,
                     help="most tokens to generate for --prompt and --chat (default: %(default)s)")
     up.add_argument("--otlp-traces-endpoint", metavar="URL",
-                    help="the router exports a span of every generation request to this OTLP/gRPC collector; see "
-                    "`splitserve router --help` (needs the tracing extra; default: no traces)")
+                    help="the router exports a span of every generation request, and the workers one of every prefill "
+                    "and decode call, to this OTLP/gRPC collector; see `splitserve router --help` (needs the tracing "
+                    "extra; default: no traces)")
     up.add_argument("--prefill-policy", choices=_POLICIES, default="prefix_aware",
                     help="how the prefill pool is chosen from: prefix_aware sends prompts with the same first blocks to "
                     "the same worker (its prefix cache) unless it is overloaded (default: %(default)s)")
@@ -246,6 +247,12 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                        help="serve Prometheus metrics over HTTP at http://HOST:PORT/metrics, on --host only (0: a free port, "
                        "logged at start; default: not served). Read-only and unauthenticated: keep the port inside "
                        "the cluster's network")
+    group.add_argument("--otlp-traces-endpoint", metavar="URL",
+                       help="export an OpenTelemetry span of every prefill or decode call (its queue, compute and KV "
+                       "transfer times, token counts; never a prompt or a token) to this OTLP/gRPC collector, "
+                       "http://HOST:PORT or https://HOST:PORT, each a child of the router's span of the request when "
+                       "the router traces too. Needs the tracing extra: pip install 'splitserve[tracing]' (default: "
+                       "no traces)")
     group.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     group.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="text lines, or one JSON object a line; both carry the request id and the KV transfer id "
@@ -418,6 +425,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         kv_faults=KVFaults.from_environment(os.environ) if args.role == "prefill" else None,
         lmcache_chunk_size=args.lmcache_chunk_size, lmcache_local_cpu_mb=args.lmcache_local_cpu_mb,
         lmcache_ttl_seconds=args.lmcache_ttl, metrics_port=args.metrics_port,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         lora_modules=parse_lora_modules(args.lora_modules), lora_dir=args.lora_dir,
     )
     status = run_worker(config)
@@ -481,6 +489,7 @@ def _run_up(args: argparse.Namespace) -> int:
         router_args += ["--max-model-len", str(args.max_model_len)]
     if args.otlp_traces_endpoint:
         router_args += ["--otlp-traces-endpoint", check_endpoint(args.otlp_traces_endpoint)]
+        worker_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     if args.chat_template:
         _chat_template(args.chat_template)  # read now: a missing file is said before anything starts
         router_args += ["--chat-template", str(Path(args.chat_template).resolve())]

@@ -5,7 +5,8 @@ token counts, time in queue, to the first token, end to end, the finish reason; 
 KV transfer's time, prefix tokens cached and loaded, migrations), from the moment it accepted the request to its
 last message. Its parent is the caller's span where the call carries W3C trace context (``traceparent`` and
 ``tracestate`` gRPC metadata; the HTTP gateway passes its caller's headers on), so the request joins the
-caller's trace; else it starts a trace of its own.
+caller's trace; else it starts a trace of its own. The router sends its span's context with its calls to the
+workers, whose ``prefill`` and ``decode`` spans (their own tracers) are its children.
 
 Spans leave in batches, over OTLP/gRPC, from a thread of the SDK's: a collector that is slow or down loses spans
 (the SDK logs it), never a request. Spans carry counts and times, never a prompt, a token or a key.
@@ -81,14 +82,22 @@ class RequestTracer:
         self._tracer = self._provider.get_tracer("splitserve")
         self._propagator = TraceContextTextMapPropagator()
 
-    def start_request(self, metadata: Iterable[tuple[str, str]], seconds_ago: float = 0.0):
-        """A server span, ``llm_request``, begun ``seconds_ago`` (when the request was accepted), the child of the
-        caller's span where ``metadata`` carries trace context. The caller sets its attributes and ends it."""
+    def start_span(self, name: str, metadata: Iterable[tuple[str, str]], seconds_ago: float = 0.0):
+        """A server span begun ``seconds_ago`` (when the request was accepted), the child of the caller's span
+        where ``metadata`` carries trace context. The caller sets its attributes and ends it (:meth:`end`)."""
         from opentelemetry.trace import SpanKind
 
         context = self._propagator.extract(dict(trace_headers(metadata)))
         start_ns = time.time_ns() - int(max(seconds_ago, 0.0) * 1e9)
-        return self._tracer.start_span("llm_request", context=context, kind=SpanKind.SERVER, start_time=start_ns)
+        return self._tracer.start_span(name, context=context, kind=SpanKind.SERVER, start_time=start_ns)
+
+    def headers(self, span) -> tuple[tuple[str, str], ...]:
+        """W3C trace context naming ``span`` as the parent: metadata for the calls made on its behalf."""
+        from opentelemetry.trace import set_span_in_context
+
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier, context=set_span_in_context(span))
+        return tuple(carrier.items())
 
     @staticmethod
     def end(span, attributes: dict, error: str | None = None) -> None:

@@ -99,6 +99,32 @@ class WorkerRuntime:
         colocated = config.role == "both"
         self.metrics = WorkerMetrics("colocated" if colocated else config.role,
                                      "none" if colocated else str(config.kv_transfer), self)
+        self.tracer = None  # spans of its calls, with --otlp-traces-endpoint (splitserve.rpc.tracing)
+        if config.otlp_traces_endpoint:
+            from splitserve.rpc.tracing import RequestTracer
+
+            self.tracer = RequestTracer(f"splitserve-{'colocated' if colocated else config.role}",
+                                        config.otlp_traces_endpoint)
+
+    def start_span(self, name: str, context):
+        """A span of one call (``prefill``, ``decode``), the child of the router's span where the call's metadata
+        carries its trace context; None without a tracer."""
+        if self.tracer is None:
+            return None
+        return self.tracer.start_span(name, context.invocation_metadata() or ())
+
+    def end_span(self, span, attributes: dict, error: BaseException | None) -> None:
+        """End ``span`` (None: nothing) with ``attributes``; ``error``: what ended the call, as its status."""
+        if span is None:
+            return
+        failure = None
+        if error is not None:
+            from splitserve.rpc.errors import status_of
+
+            code, message = (("CANCELLED", "the caller went away") if isinstance(error, GeneratorExit)
+                             else (status_of(error)[0].name, status_of(error)[1]))
+            failure = f"{code}: {message[:200]}"
+        self.tracer.end(span, {"worker.id": self.worker_id, **attributes}, failure)
 
     def _lora_catalog(self, config: WorkerConfig) -> LoRACatalog:
         """The adapters this worker serves: its --lora-modules, each loaded once now (a bad one stops the worker at
@@ -173,6 +199,8 @@ class WorkerRuntime:
             self.kv_transport.close()
         if getattr(self, "metrics_server", None) is not None:
             self.metrics_server.shutdown()
+        if self.tracer is not None:
+            self.tracer.close()
 
     def _warm_up(self) -> None:
         """One short request through the engine before serving, so the first client does not pay for

@@ -68,6 +68,8 @@ class WorkerConfig:
         kv_faults: prefill: faults injected into the KV payloads sent, for fault-injection tests only
             (``SPLITSERVE_INJECT_KV_FAULTS``, ``splitserve.prefill_service.faults``); None: none.
         metrics_port: serve Prometheus metrics over HTTP on ``host``:this port (0: a free one; None: not served).
+        otlp_traces_endpoint: export a span of every prefill or decode call to this OTLP/gRPC collector
+            (``splitserve.rpc.tracing``; None: no traces).
         lora_modules: the LoRA adapters this worker serves, {name: PEFT directory} (``--lora-modules``; needs
             ``engine.enable_lora``): loaded at start, requests name them (GenerateRequest.lora_name).
         lora_dir: a directory whose adapter subdirectories the worker serves by their names, found while it runs
@@ -97,6 +99,7 @@ class WorkerConfig:
     lmcache_local_cpu_mb: int = 64
     lmcache_ttl_seconds: float = 600.0
     metrics_port: int | None = None
+    otlp_traces_endpoint: str | None = None
     lora_modules: dict[str, str] = field(default_factory=dict)
     lora_dir: str | None = None
 

@@ -1,10 +1,11 @@
-"""OpenTelemetry traces: a p2p cluster whose router exports a span of every generation request
-(``--otlp-traces-endpoint``) to a real OTLP/gRPC collector run here (OpenTelemetry's own service definition, on a
-loopback port), reached directly and through the HTTP gateway.
+"""OpenTelemetry traces: a p2p cluster whose router exports a span of every generation request, and whose workers
+one of every prefill and decode call (``--otlp-traces-endpoint``), to a real OTLP/gRPC collector run here
+(OpenTelemetry's own service definition, on a loopback port), reached directly and through the HTTP gateway.
 
 The spans must carry the request's counts and times (equal to what the client was told), join the caller's trace
-where the call carries a W3C ``traceparent`` (gRPC metadata, or the gateway's HTTP header), start a trace of their
-own where it does not, hold no prompt text, and a collector that goes away must cost no request.
+where the call carries a W3C ``traceparent`` (gRPC metadata, or the gateway's HTTP header), the workers' ones as
+children of the router's, start a trace of their own where it does not, hold no prompt text, and a collector that
+goes away must cost no request.
 """
 
 from __future__ import annotations
@@ -76,13 +77,13 @@ def collector():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, collector):
     _, _, port = collector
-    cluster = start_cluster("p2p", tmp_path_factory.mktemp("tracing-logs"),
-                            router_args=["--otlp-traces-endpoint", f"http://127.0.0.1:{port}"])
+    endpoint = ["--otlp-traces-endpoint", f"http://127.0.0.1:{port}"]
+    cluster = start_cluster("p2p", tmp_path_factory.mktemp("tracing-logs"), router_args=endpoint, worker_args=endpoint)
     yield cluster
     cluster.stop()
 
 
-def test_a_request_with_trace_context_gets_a_span_in_the_callers_trace(cluster, collector):
+def test_a_request_with_trace_context_gets_spans_in_the_callers_trace(cluster, collector):
     servicer = collector[0]
     with Client(cluster.router.address) as client:
         request = generate_request(PROMPT, SamplingParams(temperature=0, max_tokens=6), request_id="traced-1")
@@ -106,6 +107,27 @@ def test_a_request_with_trace_context_gets_a_span_in_the_callers_trace(cluster, 
     assert not any(PROMPT in str(value) or "France" in str(value) for value in values.values())  # no prompt text
     resource = next(resource for resource, candidate in servicer.spans if candidate is span)
     assert resource["service.name"] == "splitserve-router"
+    # The workers' spans of the same request: children of the router's, in its trace.
+    def children():
+        with servicer._lock:
+            found = {resource["service.name"]: candidate for resource, candidate in servicer.spans
+                     if candidate.parent_span_id == span.span_id}
+        return found if len(found) == 2 else None
+
+    workers = wait_until(children, 30, message="the prefill and decode spans")
+    prefill, decode = workers["splitserve-prefill"], workers["splitserve-decode"]
+    assert prefill.name == "prefill" and decode.name == "decode"
+    assert prefill.trace_id == decode.trace_id == span.trace_id
+    assert span.start_time_unix_nano <= prefill.start_time_unix_nano <= prefill.end_time_unix_nano
+    assert decode.end_time_unix_nano <= span.end_time_unix_nano
+    prefill_values, decode_values = attributes(prefill), attributes(decode)
+    assert prefill_values["gen_ai.usage.prompt_tokens"] == last.usage.prompt_tokens
+    assert prefill_values["splitserve.prefill_seconds"] > 0 and prefill_values["splitserve.sent_blocks"] > 0
+    assert prefill_values["gen_ai.request.id"].startswith("traced-1#")  # the router's attempt id
+    assert decode_values["gen_ai.usage.completion_tokens"] == 6
+    assert decode_values["gen_ai.response.finish_reasons"] == ["length"]
+    assert decode_values["splitserve.prefill_locally"] is False and decode_values["splitserve.kv_recomputed"] is False
+    assert decode_values["worker.id"] and prefill_values["worker.id"] != decode_values["worker.id"]
     # Without trace context: a trace of its own, no parent.
     untraced = wait_until(lambda: servicer.span_of("untraced-1"), 30, message="the untraced request's span")
     assert untraced.trace_id.hex() != TRACE_ID and not untraced.parent_span_id
@@ -125,7 +147,7 @@ def test_the_gateway_passes_the_callers_trace_context_on(cluster, collector, tmp
 
     def spans():  # one a choice, each under the caller's span
         with servicer._lock:
-            found = [span for _, span in servicer.spans if span.trace_id.hex() == trace_id]
+            found = [span for _, span in servicer.spans if span.trace_id.hex() == trace_id and span.name == "llm_request"]
         return found if len(found) == 2 else None
 
     found = wait_until(spans, 30, message="both choices' spans")
