@@ -72,7 +72,8 @@ def test_cpu_gemm_benchmark_times_each_k_block_against_the_first():
     row = next(line for line in result.stdout.splitlines() if line.strip().startswith("300x70"))
     blocks = re.findall(r"block (\d+): (\d+) GFLOP/s \((\d+\.\d+)x\)", row)
     assert [steps for steps, _, _ in blocks] == ["128", "7", "0"]
-    assert float(blocks[0][2]) == 1.0 and all(float(gflops) > 0 and float(ratio) > 0 for _, gflops, ratio in blocks)
+    # The ratios are of times; the GFLOP/s of so small a shape print as whole numbers, 0 on a loaded host.
+    assert float(blocks[0][2]) == 1.0 and all(float(ratio) > 0 for _, _, ratio in blocks), row
     refused = _run("--block-steps", "-3")
     assert refused.returncode == 2 and "--block-steps takes zero or positive" in refused.stderr
 
