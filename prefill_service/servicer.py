@@ -56,18 +56,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     # ---- RPCs ----------------------------------------------------------------------
 
     def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.ServicerContext) -> worker_pb2.PrefillResponse:
-        span = self.runtime.start_span("prefill", context)
-        response, error = None, None
-        try:
-            response = self._checked_prefill(request, context)
-            return response
-        except BaseException as failure:
-            error = failure
-            raise
-        finally:
-            self.runtime.end_span(span, _span_attributes(request, response), error)
-
-    def _checked_prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
         check_id(request.request_id, "request_id", MAX_WORKER_ID_LENGTH)
         check_id(request.transfer_id, "transfer_id", MAX_WORKER_ID_LENGTH)
         if not request.HasField("destination") or not request.destination.address:
@@ -82,10 +70,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # The prefill computes the prompt and samples exactly one token.
         engine_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         self.runtime.admit()
+        span, response, error = self.runtime.start_span("prefill", context), None, None
         try:
-            return self._prefill(request, params, engine_params, context)
+            response = self._prefill(request, params, engine_params, context)
+            return response
+        except BaseException as failure:
+            error = failure
+            raise
         finally:
             self.runtime.release()
+            self.runtime.end_span(span, _span_attributes(request, response), error)
 
     def _prefill(self, request, params, engine_params, context) -> worker_pb2.PrefillResponse:
         from splitserve.kvtransfer.connector import KVEndpointInfo

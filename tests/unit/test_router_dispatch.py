@@ -84,24 +84,27 @@ class FakeChannels:
         self.decode_calls: list[FakeDecodeCall] = []
         self.prefill_outcomes: list = []
         self.decode_requests: list[tuple[str, worker_pb2.DecodeRequest]] = []  # (address, request) per call
+        self.metadata: list = []  # each worker call's metadata, in order
 
     def decode(self, address: str):
-        calls, requests = self.decode_calls, self.decode_requests
+        calls, requests, metadata_seen = self.decode_calls, self.decode_requests, self.metadata
 
         class Stub:
             @staticmethod
-            def Decode(request, timeout=None):
+            def Decode(request, timeout=None, metadata=None):
                 requests.append((address, request))
+                metadata_seen.append(metadata)
                 return calls.pop(0)
 
         return Stub()
 
     def prefill(self, address: str):
-        outcomes = self.prefill_outcomes
+        outcomes, metadata_seen = self.prefill_outcomes, self.metadata
 
         class Prefill:
             @staticmethod
-            def future(request, timeout=None):
+            def future(request, timeout=None, metadata=None):
+                metadata_seen.append(metadata)
                 return FakePrefillFuture(outcomes.pop(0))
 
         class Stub:
@@ -243,6 +246,19 @@ class FakeFrontend:
 def servicer_of(dispatcher, registry, migration_limit: int = 3) -> InferenceServicer:
     return InferenceServicer(FakeFrontend(), dispatcher, registry, max_in_flight_requests=4, block_size=16,
                              migration_limit=migration_limit)
+
+
+def test_the_router_spans_trace_context_goes_with_both_worker_calls(cluster):
+    """A traced request (``job.trace_metadata``, the router span's context) sends it with the prefill and the
+    decode call, so the workers' spans are its children; an untraced one sends no metadata of its own."""
+    dispatcher, registry, channels = cluster
+    traced = job()
+    traced.trace_metadata = (("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),)
+    for request in (traced, job()):
+        channels.decode_calls.append(FakeDecodeCall([FINISHED]))
+        channels.prefill_outcomes.append(worker_pb2.PrefillResponse(first_token_id=7))
+        assert list(servicer_of(dispatcher, registry)._generate(request, FakeContext()))[-1].finish_reason
+    assert channels.metadata == [traced.trace_metadata] * 2 + [None] * 2
 
 
 def test_a_decode_worker_failing_after_tokens_ends_the_stream_with_an_error_message(cluster):
