@@ -57,7 +57,7 @@ def test_prefix_cache_hits_do_not_change_outputs(llm, prompt_token_ids, hf_refer
 def test_a_cache_salt_keeps_prefix_cache_hits_among_its_own_prompts(llm, prompt_token_ids, hf_reference):
     """vLLM's cache_salt: a salted prompt finds none of the blocks the same prompt left unsalted or under another
     salt, finds those of its own salt, and its tokens stay transformers'; a bad salt queues nothing."""
-    ids, reference = prompt_token_ids[-1], hf_reference[-1]  # over a thousand tokens, run unsalted before
+    ids, reference = prompt_token_ids[-2], hf_reference[-2]  # 343 tokens, run unsalted before
 
     def num_cached_tokens(salt: str | None) -> int:
         prompt = {"prompt_token_ids": ids} if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
@@ -65,9 +65,10 @@ def test_a_cache_salt_keeps_prefix_cache_hits_among_its_own_prompts(llm, prompt_
         assert output.outputs[0].token_ids == reference, salt
         return output.num_cached_tokens
 
-    assert num_cached_tokens(None) >= 1024
+    whole_blocks = len(ids) // llm.engine.config.block_size * llm.engine.config.block_size
+    assert num_cached_tokens(None) >= whole_blocks - llm.engine.config.block_size > 0
     assert num_cached_tokens("tenant-a") == 0 and num_cached_tokens("tenant-b") == 0
-    assert num_cached_tokens("tenant-a") >= 1024 and num_cached_tokens(None) >= 1024
+    assert num_cached_tokens("tenant-a") == num_cached_tokens(None) > 0
     for salt in ("", 7, "x" * 257):
         with pytest.raises(ValueError, match="cache_salt"):
             llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids, "cache_salt": salt}], GREEDY,

@@ -108,7 +108,8 @@ def test_a_salted_prompts_kv_in_lmcache_is_found_only_under_its_salt(cluster, to
     that salt only, never for another salt or for an unsalted request; every output stays transformers'."""
     from splitserve.common.sampling_params import SamplingParams
 
-    prefix = tokenizer.encode("Letters from the lighthouse keeper. " + _long_story(40))[:SHARED]
+    shared = 2 * CHUNK_SIZE + 40  # two whole chunks, and a part of a third
+    prefix = tokenizer.encode("Letters from the lighthouse keeper. " + _long_story(40))[:shared]
     first = prefix + tokenizer.encode("\nThe keeper counted", add_special_tokens=False)
     last_prompt = prefix + tokenizer.encode("\nIn the spring,", add_special_tokens=False)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -127,7 +128,7 @@ def test_a_salted_prompts_kv_in_lmcache_is_found_only_under_its_salt(cluster, to
             assert answer.usage.loaded_tokens == 0 and answer.usage.cached_tokens == 0, (salt, answer.usage)
         answer = run(last_prompt, "tenant-a")  # the other worker, tenant-a's chunks
         assert list(answer.token_ids) == hf_greedy(str(model_dir), last_prompt, MAX_TOKENS)
-        assert answer.usage.loaded_tokens == SHARED // CHUNK_SIZE * CHUNK_SIZE, answer.usage
+        assert answer.usage.loaded_tokens == 2 * CHUNK_SIZE, answer.usage
         after = sent_by_worker(cluster)
         assert sorted(after[name] - before[name] for name in after) == [2, 2], "the workers took turns"
         wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free")
