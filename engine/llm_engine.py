@@ -186,7 +186,6 @@ class LLMEngine:
             request.bad_word_bans = BadWordBans(bad_words_token_ids(self.tokenizer, params.bad_words))
         if lora_request is not None:
             self._acquire_lora(request, lora_request)
-        request.cache_salt = cache_salt
         request.block_hash_root = salted_root_hash(request.block_hash_root, cache_salt)
         try:
             num_external_tokens = self.kv_transfers.num_external_tokens(request, kv_transfer)

@@ -81,12 +81,10 @@ class Request:
     # Chained hashes of the request's full blocks, in order (see kv_cache_manager).
     block_hashes: list[bytes] = field(default_factory=list)
     # With a LoRA adapter (engine/lora.py): its LoRARequest, and the hash its first block chains from (its KV is the
-    # adapter's: no other adapter's request may share it); None: the base model, chaining from the common root.
+    # adapter's: no other adapter's request may share it; a cache salt is mixed in after it,
+    # block_hash.salted_root_hash); None: the base model without a salt, chaining from the common root.
     lora_request: Any = None
     block_hash_root: bytes | None = None
-    # vLLM's cache_salt: its root above is mixed with it (block_hash.salted_root_hash), and KV it leaves outside the
-    # engine (LMCache) goes under the salt's tag; None: no salt.
-    cache_salt: str | None = None
     # The token id or stop string that finished it; an error message for FINISHED_ERROR.
     stop_reason: int | str | None = None
     # Per-request random generator (a numpy.random.Generator on PCG64, all 64 bits of the seed), owned by the sampler.
