@@ -220,11 +220,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         pooling.check(self.runtime.engine.model_config.hidden_size)
         lora, salt = self.runtime.lora_request(request.lora_name), cache_salt_from_pb(request)
         self.runtime.admit()
+        span, output, error = self.runtime.start_span("embed", context), None, None
         try:
             with self._tracked(request_id):
                 output = self._embed(request_id, list(request.prompt_token_ids), pooling, lora, salt, context)
+        except BaseException as failure:
+            error = failure
+            raise
         finally:
             self.runtime.release()
+            self.runtime.end_span(span, {"gen_ai.request.id": request_id,
+                                         "gen_ai.usage.prompt_tokens": len(request.prompt_token_ids),
+                                         "splitserve.cached_tokens": output.num_cached_tokens if output else None},
+                                  error)
         if output is None:  # cancelled: the caller is gone and reads no answer
             return worker_pb2.EmbedPromptResponse(request_id=request_id)
         self.runtime.metrics.observe_prompt(len(output.prompt_token_ids), output.num_cached_tokens)

@@ -239,7 +239,8 @@ class Dispatcher:
             except Unavailable as error:
                 raise _all_full(tried, refusals) or error from None
             request.request_id = f"{job.request_id}#{uuid.uuid4().hex[:8]}"
-            future = self.channels.decode(worker.address).Embed.future(request, timeout=timeout())
+            future = self.channels.decode(worker.address).Embed.future(request, timeout=timeout(),
+                                                                       metadata=job.trace_metadata or None)
             self.registry.begin_request(worker.worker_id)
             try:
                 job.on_cancel(future.cancel)

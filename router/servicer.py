@@ -96,10 +96,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def Embed(self, request: inference_pb2.EmbedRequest, context) -> inference_pb2.EmbedResponse:
         """One decode or colocated worker computes the prompt and returns its embedding (``Dispatcher.embed``).
         It counts among the requests in flight (its thread, the router's limit, draining, Abort by its id)."""
-        code = grpc.StatusCode.UNKNOWN.name
+        code, job, span, answer = grpc.StatusCode.UNKNOWN.name, None, None, None
         try:
             job = self._enter(self._embedding_job(request), context)
             try:
+                if self.tracer is not None:  # a span of the admitted request, the worker's its child
+                    span = self.tracer.start_span("embedding_request", context.invocation_metadata() or (),
+                                                  time.monotonic() - job.accepted)
+                    job.trace_metadata = self.tracer.headers(span)
                 answer = self.dispatcher.embed(job, _worker_embed_request(job, request), lambda: _seconds_left(context))
             finally:
                 self._release(job)
@@ -111,6 +115,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise
         finally:
             self.metrics.embeddings.labels(code).inc()
+            if span is not None:
+                self.tracer.end(span, _embedding_span_attributes(job, answer, code),
+                                None if code == grpc.StatusCode.OK.name else code)
 
     def _embedding_job(self, request: inference_pb2.EmbedRequest) -> RouterRequest:
         """The router's request for an EmbedRequest: its id and prompt validated as Generate's, its adapter served.
@@ -503,6 +510,20 @@ def _span_attributes(job: RouterRequest, finish: inference_pb2.GenerateStreamRes
         "splitserve.prefix_load_seconds": timing.prefix_load_seconds if timing is not None else None,
         "splitserve.prefilled_remotely": job.prefilled_remotely,
         "splitserve.migrations": job.num_migrations,
+        "splitserve.lora_name": job.lora_name or None,
+    }
+
+
+def _embedding_span_attributes(job: RouterRequest, answer: worker_pb2.EmbedPromptResponse | None, code: str) -> dict:
+    """An embedding request's span attributes (OpenTelemetry's ``gen_ai.operation.name`` "embeddings"): counts and
+    times, never the prompt or the vector."""
+    return {
+        "gen_ai.operation.name": "embeddings",
+        "gen_ai.request.id": job.request_id,
+        "gen_ai.usage.prompt_tokens": len(job.prompt.token_ids),
+        "gen_ai.latency.e2e": time.monotonic() - job.accepted,
+        "rpc.grpc.status_code": code,
+        "splitserve.cached_tokens": answer.cached_tokens if answer is not None else None,
         "splitserve.lora_name": job.lora_name or None,
     }
 

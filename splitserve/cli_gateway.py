@@ -59,6 +59,13 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
                          "request's chat_template_kwargs set enable_thinking false, when all is content (Qwen3). "
                          "/v1/completions is not split (default: the workers' --reasoning-parser, which the router "
                          "reports; none when they have none)")
+    gateway.add_argument("--otlp-traces-endpoint", metavar="URL",
+                         help="export a span of every API call (POST /v1/...: its route, status and router calls, "
+                         "until its last byte) to this OTLP/gRPC collector, http://HOST:PORT or https://HOST:PORT; a "
+                         "caller's W3C traceparent header makes it the child of the caller's span, and the router's "
+                         "request spans are its children. Without it the caller's trace context is passed on to the "
+                         "router as it is. Needs the tracing extra: pip install 'splitserve[tracing]' (default: no "
+                         "spans)")
     gateway.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
     add_client_tls_arguments(gateway)
     gateway.set_defaults(handler=_run_gateway)
@@ -82,9 +89,13 @@ def _run_gateway(args: argparse.Namespace) -> int:
     for port in (args.port, args.metrics_port):
         if port and (problem := bind_problem(f"{args.host}:{port}")):
             raise CannotListen(f"Cannot listen on {args.host}:{port}: {problem}.")
+    if args.otlp_traces_endpoint:
+        from splitserve.rpc.tracing import check_endpoint
+
+        check_endpoint(args.otlp_traces_endpoint)
     configure_logging(args.log_level)
     tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
     config = GatewayConfig(args.router, args.served_model_name, tls, args.max_body_bytes, args.max_choices,
                            args.metrics_port, args.tool_call_parser if args.enable_auto_tool_choice else None,
-                           args.reasoning_parser)
+                           args.reasoning_parser, args.otlp_traces_endpoint)
     return run_gateway(config, args.host, args.port, args.log_level)

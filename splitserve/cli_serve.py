@@ -109,9 +109,10 @@ def add_serving_commands(commands, add_engine_arguments, engine_options) -> None
     up.add_argument("--max-tokens", type=int, default=32,
                     help="most tokens to generate for --prompt and --chat (default: %(default)s)")
     up.add_argument("--otlp-traces-endpoint", metavar="URL",
-                    help="the router exports a span of every generation request, and the workers one of every prefill "
-                    "and decode call, to this OTLP/gRPC collector; see `splitserve router --help` (needs the tracing "
-                    "extra; default: no traces)")
+                    help="the router exports a span of every generation and embedding request, the workers one of "
+                    "every prefill, decode and embed call, and with --http-port the gateway one of every API call, to "
+                    "this OTLP/gRPC collector; see `splitserve router --help` (needs the tracing extra; default: no "
+                    "traces)")
     up.add_argument("--prefill-policy", choices=_POLICIES, default="prefix_aware",
                     help="how the prefill pool is chosen from: prefix_aware sends prompts with the same first blocks to "
                     "the same worker (its prefix cache) unless it is overloaded (default: %(default)s)")
@@ -208,7 +209,8 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--otlp-traces-endpoint", metavar="URL",
                         help="export an OpenTelemetry span of every generation request (vLLM's llm_request: token "
                         "counts, queue time, time to first token, end to end, KV transfer time, finish reason; "
-                        "never a prompt or a token) to this OTLP/gRPC collector, http://HOST:PORT or "
+                        "never a prompt or a token), and an embedding_request span of every embedding, to this "
+                        "OTLP/gRPC collector, http://HOST:PORT or "
                         "https://HOST:PORT; a caller's W3C traceparent makes it a child of the caller's span. "
                         "Needs the tracing extra: pip install 'splitserve[tracing]' (default: no traces)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, to stderr (default: %(default)s)")
@@ -248,7 +250,7 @@ def _add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                        "logged at start; default: not served). Read-only and unauthenticated: keep the port inside "
                        "the cluster's network")
     group.add_argument("--otlp-traces-endpoint", metavar="URL",
-                       help="export an OpenTelemetry span of every prefill or decode call (its queue, compute and KV "
+                       help="export an OpenTelemetry span of every prefill, decode or embed call (its queue, compute and KV "
                        "transfer times, token counts; never a prompt or a token) to this OTLP/gRPC collector, "
                        "http://HOST:PORT or https://HOST:PORT, each a child of the router's span of the request when "
                        "the router traces too. Needs the tracing extra: pip install 'splitserve[tracing]' (default: "
@@ -500,6 +502,8 @@ def _run_up(args: argparse.Namespace) -> int:
                          "the calls).")
     if args.reasoning_parser:  # the workers' engine flag (_engine_flags), and with --http-port the gateway's
         gateway_args += ["--reasoning-parser", args.reasoning_parser]
+    if args.otlp_traces_endpoint:
+        gateway_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     roles = ["both"] * args.colocated if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     placement = _place_workers(args, roles)  # before anything starts
     shares = _memory_shares(args, placement)

@@ -278,11 +278,14 @@ class AsyncClient:
     async def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
                     request_id: str | None = None, timeout: float | None = None,
                     api_key: str | None = None, truncate_prompt_tokens: int | None = None,
-                    cache_salt: str | None = None) -> inference_pb2.EmbedResponse:
-        """The Embed response (its ``embedding`` and ``prompt_tokens``), as :meth:`Client.embed` asks."""
+                    cache_salt: str | None = None,
+                    trace: tuple[tuple[str, str], ...] = ()) -> inference_pb2.EmbedResponse:
+        """The Embed response (its ``embedding`` and ``prompt_tokens``), as :meth:`Client.embed` asks; ``trace``
+        as :meth:`generate_stream`'s."""
         request = embed_request(prompt, normalize, dimensions, lora_name, request_id, truncate_prompt_tokens,
                                 cache_salt)
-        return await self.stub.Embed(request, timeout=timeout or self.timeout, metadata=self._metadata(api_key))
+        return await self.stub.Embed(request, timeout=timeout or self.timeout,
+                                     metadata=self._metadata(api_key) + tuple(trace))
 
     async def abort(self, request_id: str, api_key: str | None = None) -> bool:
         response = await self.stub.Abort(inference_pb2.AbortRequest(request_id=request_id), timeout=10,

@@ -48,7 +48,7 @@ from splitserve.common.tools import tool_call_parser
 from splitserve.gateway_reasoning import REASONING_PARSERS, ReasoningReplies, ThinkTagParser, reasoning_parser
 from splitserve.gateway_tools import ToolReplies, chat_tools
 from splitserve.rpc.metrics import GatewayMetrics, serve_metrics
-from splitserve.rpc.tracing import trace_headers
+from splitserve.rpc.tracing import RequestTracer, trace_headers
 from splitserve.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)
@@ -123,6 +123,8 @@ class GatewayConfig:
         reasoning_parser: splits chat answers' ``<think>`` blocks into the message's ``reasoning`` (one of
             ``splitserve.gateway_reasoning.REASONING_PARSERS``, as vLLM's ``--reasoning-parser``); None: the
             workers' parser when they have one (the router's model info), else answers are content alone.
+        otlp_traces_endpoint: export a span of every API call (:class:`_Traced`) to this OTLP/gRPC collector
+            (``splitserve.rpc.tracing``; None: no spans of the gateway's own, the caller's trace context passed on).
     """
 
     router: str
@@ -133,6 +135,7 @@ class GatewayConfig:
     metrics_port: int | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    otlp_traces_endpoint: str | None = None
 
 
 @dataclass
@@ -235,9 +238,14 @@ class Gateway:
             Route("/health", self.health, methods=["GET"]),
         ]
         self.metrics = GatewayMetrics(route.path for route in routes)
-        self.app = _Measured(Starlette(routes=routes, lifespan=self._lifespan,
-                                       exception_handlers={APIError: lambda request, error: error.response(),
-                                                           404: _not_found, 405: _not_allowed}), self.metrics)
+        self.tracer = (RequestTracer("splitserve-gateway", config.otlp_traces_endpoint)
+                       if config.otlp_traces_endpoint else None)
+        app = Starlette(routes=routes, lifespan=self._lifespan,
+                        exception_handlers={APIError: lambda request, error: error.response(),
+                                            404: _not_found, 405: _not_allowed})
+        if self.tracer is not None:
+            app = _Traced(app, self.tracer, {route.path for route in routes if "POST" in route.methods})
+        self.app = _Measured(app, self.metrics)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -248,6 +256,8 @@ class Gateway:
             yield
         finally:
             await self.client.close()
+            if self.tracer is not None:
+                self.tracer.close()  # the last spans leave
 
     # ---- endpoints -----------------------------------------------------------------------
 
@@ -390,13 +400,14 @@ class Gateway:
             stream); errors before every first message are raised, all calls cancelled, as HTTP errors.
         """
         api_key, priority, cache_salt = _bearer(request), _priority(body), _cache_salt(body)
-        trace = trace_headers(request.headers.items())  # the router's span of each call joins the caller's trace
+        trace = router_trace(request)
         calls = [self.client.generate_stream(prompt, _choice_params(params, index),
                                              request_id if len(generations) == 1 else f"{request_id}-{number}",
                                              api_key=api_key, echo=echo, priority=priority, lora_name=lora_name,
                                              cache_salt=cache_salt, trace=trace)
                  for number, (prompt, index) in enumerate(generations)]
         self.metrics.generations.inc(len(calls))
+        request.state.generations = len(calls)  # on the request's span (_Traced)
         streams = [_chunks(call) for call in calls]
         firsts = await _all_or_cancel(calls, [_first(stream) for stream in streams])
         return calls, streams, firsts
@@ -650,6 +661,61 @@ class _Measured:
             await self.app(scope, receive, send_measured)
         finally:
             record()  # an application that never finished its response (an error, a client that left)
+
+
+class _Traced:
+    """ASGI middleware: a server span of each API call (a POST to one of ``paths``), named as OpenTelemetry's HTTP
+    convention names them ("POST /v1/chat/completions"), from the request's arrival to its last body message (a
+    stream's last event), with its method, route, status and router calls (``splitserve.generations``); ERROR for
+    a 5xx status or a response left unfinished (the client went away). It is the child of the caller's span where
+    the request's headers carry W3C trace context, and the router calls made for it carry its own
+    (:func:`router_trace`), so the router's spans are its children."""
+
+    def __init__(self, app, tracer: RequestTracer, paths: set[str]) -> None:
+        self.app, self.tracer, self.paths = app, tracer, paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]]
+        route = scope["path"]
+        span = self.tracer.start_span(f"POST {route}", headers)
+        state = scope.setdefault("state", {})
+        state["trace"] = self.tracer.headers(span)
+        status, ended = None, False
+
+        def end() -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            finished = state.get("finished", False)
+            error = (f"HTTP {status}" if status is not None and status >= 500
+                     else None if finished else "the response did not finish (the client went away)")
+            self.tracer.end(span, {"http.request.method": "POST", "http.route": route,
+                                   "http.response.status_code": status,
+                                   "splitserve.generations": state.get("generations")}, error)
+
+        async def send_traced(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["finished"] = True
+                end()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_traced)
+        finally:
+            end()
+
+
+def router_trace(request: Request) -> tuple[tuple[str, str], ...]:
+    """The W3C trace context to send with the router calls made for ``request``: its span's (:class:`_Traced`)
+    where the gateway traces, else the caller's own headers, so the router's spans join the caller's trace."""
+    return request.scope.get("state", {}).get("trace") or trace_headers(request.headers.items())
 
 
 def _bearer(request: Request) -> str | None:

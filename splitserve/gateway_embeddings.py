@@ -29,7 +29,14 @@ _REFUSED = {"messages": "messages (a chat to embed) are not supported: send inpu
 
 async def create_embeddings(gateway, request: Request) -> Response:
     """The ``/v1/embeddings`` answer for ``request`` through ``gateway``'s router client."""
-    from splitserve.gateway import APIError, _bearer, _cancel_on_disconnect, _completion_prompts, from_rpc_error
+    from splitserve.gateway import (
+        APIError,
+        _bearer,
+        _cancel_on_disconnect,
+        _completion_prompts,
+        from_rpc_error,
+        router_trace,
+    )
 
     body = await gateway._body(request)
     info, lora_name = await gateway._model_of(request, body)
@@ -59,10 +66,12 @@ async def create_embeddings(gateway, request: Request) -> Response:
                        "truncate_prompt_tokens")
 
     api_key = _bearer(request)
+    trace = router_trace(request)
     tasks = [asyncio.ensure_future(gateway.client.embed(prompt, normalize, dimensions, lora_name, api_key=api_key,
-                                                        truncate_prompt_tokens=truncate))
+                                                        truncate_prompt_tokens=truncate, trace=trace))
              for prompt in inputs]
     gateway.metrics.generations.inc(len(tasks))
+    request.state.generations = len(tasks)  # on the request's span
     watcher = asyncio.ensure_future(_cancel_on_disconnect(request, tasks))
     try:
         answers = await asyncio.gather(*tasks)

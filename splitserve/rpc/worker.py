@@ -107,7 +107,7 @@ class WorkerRuntime:
                                         config.otlp_traces_endpoint)
 
     def start_span(self, name: str, context):
-        """A span of one call (``prefill``, ``decode``), the child of the router's span where the call's metadata
+        """A span of one call (``prefill``, ``decode``, ``embed``), the child of the router's span where the call's metadata
         carries its trace context; None without a tracer."""
         if self.tracer is None:
             return None
@@ -121,9 +121,11 @@ class WorkerRuntime:
         if error is not None:
             from splitserve.rpc.errors import status_of
 
-            code, message = (("CANCELLED", "the caller went away") if isinstance(error, GeneratorExit)
-                             else (status_of(error)[0].name, status_of(error)[1]))
-            failure = f"{code}: {message[:200]}"
+            if isinstance(error, GeneratorExit):
+                failure = "CANCELLED: the caller went away"
+            else:
+                code, message = status_of(error)
+                failure = f"{code.name}: {message[:200]}"
         self.tracer.end(span, {"worker.id": self.worker_id, **attributes}, failure)
 
     def _lora_catalog(self, config: WorkerConfig) -> LoRACatalog:

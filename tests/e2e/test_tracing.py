@@ -17,7 +17,7 @@ import grpc
 import httpx
 import pytest
 
-from splitserve.client import Client, generate_request
+from splitserve.client import Client, embed_request, generate_request
 from splitserve.common.sampling_params import SamplingParams
 from tests.cluster_helpers import all_blocks_free, running_gateway, start_cluster, wait_until
 
@@ -154,6 +154,71 @@ def test_the_gateway_passes_the_callers_trace_context_on(cluster, collector, tmp
     assert sorted(attributes(span)["gen_ai.request.id"] for span in found) == [f"{request_id}-0", f"{request_id}-1"]
     assert all(span.parent_span_id.hex() == "b7ad6b7169203331" for span in found)
     assert all(span.trace_state == "vendor=splitserve-test" for span in found)
+
+
+def test_an_embedding_gets_the_routers_span_and_the_workers_as_its_child(cluster, collector):
+    servicer = collector[0]
+    with Client(cluster.router.address) as client:
+        answer = client.stub.Embed(embed_request(PROMPT, request_id="embedded-1"), timeout=120,
+                                   metadata=[("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01")])
+    span = wait_until(lambda: servicer.span_of("embedded-1"), 30, message="the embedding's span")
+    assert span.name == "embedding_request" and span.trace_id.hex() == TRACE_ID
+    assert span.parent_span_id.hex() == PARENT_ID
+    values = attributes(span)
+    assert values["gen_ai.operation.name"] == "embeddings" and values["rpc.grpc.status_code"] == "OK"
+    assert values["gen_ai.usage.prompt_tokens"] == answer.prompt_tokens > 0
+    assert values["splitserve.cached_tokens"] == answer.cached_tokens and values["gen_ai.latency.e2e"] > 0
+    worker = wait_until(lambda: _children(servicer, span), 30, message="the worker's embed span")[0]
+    resource = next(resource for resource, candidate in servicer.spans if candidate is worker)
+    assert worker.name == "embed" and resource["service.name"] == "splitserve-decode"
+    assert attributes(worker)["gen_ai.usage.prompt_tokens"] == answer.prompt_tokens
+    assert attributes(worker)["gen_ai.request.id"].startswith("embedded-1#")
+
+
+def test_a_tracing_gateway_makes_a_span_of_each_call_above_the_routers(cluster, collector, tmp_path):
+    servicer = collector[0]
+    endpoint = f"http://127.0.0.1:{collector[2]}"
+    caller_span = "b7ad6b7169203331"
+    traces = {name: f"{number:032x}" for number, name in enumerate(["completions", "embeddings", "refused"], 1)}
+    with running_gateway(cluster.router.address, tmp_path / "gateway.log", "--otlp-traces-endpoint", endpoint) as url:
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+        def post(path: str, trace: str, body: dict) -> httpx.Response:
+            return httpx.post(f"{url}{path}", json={"model": model, **body}, timeout=120,
+                              headers={"traceparent": f"00-{traces[trace]}-{caller_span}-01"})
+
+        completions = post("/v1/completions", "completions", {"prompt": PROMPT, "max_tokens": 2, "n": 2})
+        embeddings = post("/v1/embeddings", "embeddings", {"input": PROMPT})
+        refused = post("/v1/completions", "refused", {"prompt": PROMPT, "max_tokens": -1})
+    assert (completions.status_code, embeddings.status_code, refused.status_code) == (200, 200, 400)
+
+    def gateway_span(trace: str):
+        with servicer._lock:
+            return next((span for resource, span in servicer.spans if span.trace_id.hex() == traces[trace]
+                         and resource["service.name"] == "splitserve-gateway"), None)
+
+    for trace, route, status, calls, child in [("completions", "/v1/completions", 200, 2, "llm_request"),
+                                               ("embeddings", "/v1/embeddings", 200, 1, "embedding_request"),
+                                               ("refused", "/v1/completions", 400, None, None)]:
+        span = wait_until(lambda trace=trace: gateway_span(trace), 30, message=f"the gateway's span ({trace})")
+        values = attributes(span)
+        assert span.name == f"POST {route}" and span.kind == span.SPAN_KIND_SERVER
+        assert span.parent_span_id.hex() == caller_span
+        assert values["http.route"] == route and values["http.response.status_code"] == status
+        assert values.get("splitserve.generations") == calls
+        assert span.status.code == span.status.STATUS_CODE_UNSET  # a 4xx is the caller's error, not the server's
+        if child is not None:  # the router's spans of its calls are its children
+            children = wait_until(lambda span=span, calls=calls: _children(servicer, span, calls), 30,
+                                  message=f"the router's spans under the gateway's ({trace})")
+            assert {candidate.name for candidate in children} == {child}
+            assert all(span.start_time_unix_nano <= candidate.start_time_unix_nano
+                       and candidate.end_time_unix_nano <= span.end_time_unix_nano for candidate in children)
+
+
+def _children(servicer, parent, count: int = 1) -> list | None:
+    with servicer._lock:
+        found = [span for _, span in servicer.spans if span.parent_span_id == parent.span_id]
+    return found if len(found) == count else None
 
 
 def test_a_collector_that_goes_away_costs_no_request(cluster, collector):
