@@ -41,15 +41,22 @@ def _peft_model(model_dir: str, adapter_dir: str):
 
 
 def peft_greedy(model_dir: str, adapter_dir: str, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
-    """PEFT's greedy continuation of one prompt with the adapter (unmerged, float32), no padding."""
+    """PEFT's greedy continuation of one prompt with the adapter (unmerged, float32), no padding; kept on disk
+    (``tests.reference.cached``)."""
     import torch
 
-    model = _peft_model(str(model_dir), str(adapter_dir))
-    with torch.inference_mode():
-        input_ids = torch.tensor([prompt_token_ids])
-        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                max_new_tokens=max_new_tokens, do_sample=False)
-    return output[0, len(prompt_token_ids):].tolist()
+    from tests.reference import cached
+
+    def compute() -> list[int]:
+        model = _peft_model(str(model_dir), str(adapter_dir))
+        with torch.inference_mode():
+            input_ids = torch.tensor([prompt_token_ids])
+            output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                    max_new_tokens=max_new_tokens, do_sample=False)
+        return output[0, len(prompt_token_ids):].tolist()
+
+    return cached("peft_greedy", [str(model_dir), str(adapter_dir)], [list(prompt_token_ids), max_new_tokens],
+                  compute)
 
 
 def peft_last_hidden_state(model_dir: str, adapter_dir: str, prompt_token_ids: list[int]):

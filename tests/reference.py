@@ -1,8 +1,18 @@
-"""Prompts and Hugging Face transformers reference outputs shared by the end-to-end tests."""
+"""Prompts and Hugging Face transformers reference outputs shared by the end-to-end tests.
+
+transformers' (and PEFT's) continuations are computed once per machine and kept on disk (:func:`cached`), under
+a key of every byte of the model (and adapter), the arguments, the CPU's kernel level and the torch, transformers
+and PEFT versions: any change computes them again. ``SPLITSERVE_FRESH_REFERENCES=1`` computes every one afresh.
+"""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
 
 _ANIMALS = ["fox", "owl", "whale", "tiger", "heron", "otter", "lynx", "crane", "bison", "gecko"]
 _PLACES = ["river", "forest", "desert", "harbor", "valley", "glacier", "meadow", "canyon"]
@@ -46,19 +56,71 @@ def hf_model(model_dir: str, dtype_name: str = "float32"):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype_name)).eval()
 
 
+@functools.lru_cache(maxsize=32)
+def files_digest(directory: str) -> str:
+    """A digest of every file's name and bytes under ``directory`` (a model's or an adapter's folder)."""
+    digest = hashlib.sha256()
+    root = Path(directory)
+    for path in sorted(item for item in root.rglob("*") if item.is_file()):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 24), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> list[str]:
+    import peft
+    import torch
+    import transformers
+
+    return [torch.__version__, transformers.__version__, peft.__version__, torch.backends.cpu.get_cpu_capability(),
+            str(torch.get_num_threads())]
+
+
+def cached(kind: str, directories: list[str], arguments: list, compute: Callable[[], object]) -> object:
+    """``compute()``'s result (JSON), computed once per machine: kept in the cache folder under a key of ``kind``,
+    the bytes under ``directories``, ``arguments`` and the libraries' versions; computed afresh where
+    ``SPLITSERVE_FRESH_REFERENCES`` is set."""
+    from splitserve.common.model_info import cache_dir
+
+    if os.environ.get("SPLITSERVE_FRESH_REFERENCES"):
+        return compute()
+    key = json.dumps([kind, [files_digest(str(directory)) for directory in directories], arguments, _environment()])
+    path = cache_dir() / "test-references" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    value = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(value))
+    os.replace(partial, path)  # whole or not at all, for a test running beside this one
+    return value
+
+
 def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
     """transformers' ``generate``, greedy, float32, one prompt at a time (no padding); ``generate_kwargs`` go to
-    ``generate`` (``bad_words_ids``, ``prefix_allowed_tokens_fn``, ...)."""
+    ``generate`` (``bad_words_ids``, ``prefix_allowed_tokens_fn``, ...). Kept on disk (:func:`cached`) unless a
+    keyword argument is a function."""
     import torch
 
-    model = hf_model(model_dir)
-    with torch.inference_mode():
-        input_ids = torch.tensor([prompt_token_ids])
-        output = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
-            **generate_kwargs,
-        )
-    return output[0, len(prompt_token_ids):].tolist()
+    def compute() -> list[int]:
+        model = hf_model(model_dir)
+        with torch.inference_mode():
+            input_ids = torch.tensor([prompt_token_ids])
+            output = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
+                **generate_kwargs,
+            )
+        return output[0, len(prompt_token_ids):].tolist()
+
+    if any(callable(value) for value in generate_kwargs.values()):
+        return compute()
+    return cached("hf_greedy", [model_dir], [list(prompt_token_ids), max_new_tokens, generate_kwargs], compute)
 
 
 def hf_greedy_with_top(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int, dtype_name: str,
@@ -67,14 +129,19 @@ def hf_greedy_with_top(model_dir: str, prompt_token_ids: list[int], max_new_toke
     ``top`` most likely tokens with their log probabilities."""
     import torch
 
-    model = hf_model(model_dir, dtype_name)
-    with torch.inference_mode():
-        input_ids = torch.tensor([prompt_token_ids])
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt_token_ids):].tolist()
-    tops = [torch.log_softmax(scores[0].float(), -1).topk(top) for scores in out.scores]
-    return tokens, [dict(zip(t.indices.tolist(), t.values.tolist())) for t in tops]
+    def compute() -> list:
+        model = hf_model(model_dir, dtype_name)
+        with torch.inference_mode():
+            input_ids = torch.tensor([prompt_token_ids])
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, output_scores=True, return_dict_in_generate=True)
+        tops = [torch.log_softmax(scores[0].float(), -1).topk(top) for scores in out.scores]
+        return [out.sequences[0, len(prompt_token_ids):].tolist(),
+                [[t.indices.tolist(), t.values.tolist()] for t in tops]]
+
+    tokens, tops = cached("hf_greedy_with_top", [model_dir], [list(prompt_token_ids), max_new_tokens, dtype_name, top],
+                          compute)
+    return tokens, [dict(zip(indices, values)) for indices, values in tops]
 
 
 @functools.lru_cache(maxsize=8)
@@ -94,6 +161,18 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
 
 def hf_greedy_constrained(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int, grammar: str,
                           eos_token_ids: list[int], think_end: list[int] | None = None) -> list[int]:
+    """:func:`_hf_greedy_constrained`, kept on disk (:func:`cached`, llguidance's version among the arguments)."""
+    import llguidance
+
+    return cached("hf_greedy_constrained", [model_dir],
+                  [list(prompt_token_ids), max_new_tokens, grammar, list(eos_token_ids),
+                   list(think_end) if think_end is not None else None, getattr(llguidance, "__version__", "")],
+                  lambda: _hf_greedy_constrained(model_dir, prompt_token_ids, max_new_tokens, grammar, eos_token_ids,
+                                                 think_end))
+
+
+def _hf_greedy_constrained(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int, grammar: str,
+                           eos_token_ids: list[int], think_end: list[int] | None = None) -> list[int]:
     """transformers' greedy continuation, float32, under an llguidance grammar (its JSON form, e.g.
     ``StructuredOutputsParams.to_grammar()``): at each step every token the grammar's own matcher cannot take
     next gets -inf, from the tokenizer.json file as llguidance reads it. Ends once the grammar is complete (or

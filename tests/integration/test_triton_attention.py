@@ -325,7 +325,7 @@ def test_prefill_split_counts_agree(dtype):
     the same numbers as one split up to rounding."""
     case = (6, 2, 64, 16, [300, 0, 65, 130], [40, 33, 64, 1])
     whole = run_prefill_case(*case, dtype, seed=31, num_splits=1)
-    for num_splits in (2, 3, 16):
+    for num_splits in (3, 16):  # an uneven split of the keys, and more splits than some contexts have tiles
         split = run_prefill_case(*case, dtype, seed=31, num_splits=num_splits)
         if dtype == torch.float32:
             torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-6)
