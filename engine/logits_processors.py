@@ -101,7 +101,8 @@ def _banned_outside_allowed(request: Request, vocab_size: int) -> torch.Tensor:
 
 def apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """-inf on each bad word's last token wherever the row's output ends with the rest of the word's tokens
-    (``request.bad_word_bans``, a :class:`BadWordBans`; a one-token word is banned everywhere).
+    (``request.bad_word_bans``, a :class:`BadWordBans`; a one-token word is banned everywhere). A continuation's
+    output starts with its resumed prompt tokens (``Request.generated_token_ids``).
 
     Args:
         logits: [num_rows, vocab] float32; not modified.
@@ -116,7 +117,7 @@ def apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     for row, request in enumerate(requests):
         if request.bad_word_bans is None:
             continue
-        for token_id in request.bad_word_bans.banned(request.output_token_ids):
+        for token_id in request.bad_word_bans.banned(request.generated_token_ids):
             if 0 <= token_id < vocab_size:
                 rows.append(row)
                 token_ids.append(token_id)
@@ -168,8 +169,9 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     On rows whose request has ``needs_penalties``: a token present in
     ``request.all_token_ids`` (prompt or output) has a positive logit divided by
     ``repetition_penalty``, a negative one multiplied by it; then every token in
-    ``request.output_token_ids`` loses ``frequency_penalty`` times its count
-    plus ``presence_penalty``. Other rows and tokens are unchanged; token ids
+    ``request.generated_token_ids`` (the output, after a continuation's resumed
+    prompt tokens) loses ``frequency_penalty`` times its count plus
+    ``presence_penalty``. Other rows and tokens are unchanged; token ids
     outside [0, vocab) are ignored. Only the penalized entries are touched, so
     the cost grows with the number of distinct tokens, not with the vocabulary.
 
@@ -206,7 +208,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
     if bool((frequency != 0.0).any() or (presence != 0.0).any()):
         # One entry per (row, distinct output token).
-        counters = [Counter(requests[row].output_token_ids) for row in penalized_rows]
+        counters = [Counter(requests[row].generated_token_ids) for row in penalized_rows]
         owners, token_ids, counts = _flatten_per_row(
             [list(counter) for counter in counters],
             [list(counter.values()) for counter in counters],

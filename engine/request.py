@@ -140,6 +140,15 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def generated_token_ids(self) -> list[int]:
+        """What penalties and bad words look at: a continuation's resumed prompt tokens (the prompt's last
+        ``sampling_params.num_resumed_tokens``, generated before under the same parameters), then the output."""
+        resumed = self.sampling_params.num_resumed_tokens
+        if not resumed:
+            return self.output_token_ids
+        return self.prompt_token_ids[len(self.prompt_token_ids) - resumed:] + self.output_token_ids
+
+    @property
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 

@@ -104,7 +104,8 @@ class RouterRequest:
     def continue_after(self, sent_token_ids: list[int], failed_worker_id: str, max_tokens: int) -> None:
         """Turn this request into its continuation on another decode worker (a migration): the prompt becomes
         the client's prompt plus every token already streamed, ``max_tokens`` and ``min_tokens`` shrink by
-        their number, a structured outputs grammar resumes after them, and the failed worker is not chosen again.
+        their number, the sent tokens count as generated for penalties and bad words (``num_resumed_tokens``), a
+        structured outputs grammar resumes after them, and the failed worker is not chosen again.
 
         Args:
             sent_token_ids: every token the client has received so far.
@@ -116,6 +117,7 @@ class RouterRequest:
         params.CopyFrom(self.original_sampling_params)
         params.max_tokens = max(max_tokens - num_sent, 1)
         params.min_tokens = max(params.min_tokens - num_sent, 0)
+        params.num_resumed_tokens += num_sent
         if num_sent:  # the client has the prompt's logprobs (they came with the first token)
             params.ClearField("prompt_logprobs")
         if params.HasField("structured_outputs"):  # the grammar takes the tokens already sent first

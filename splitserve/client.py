@@ -74,6 +74,7 @@ def sampling_params_to_pb(params: SamplingParams | None) -> inference_pb2.Sampli
         ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, skip_special_tokens=params.skip_special_tokens,
         logit_bias=params.logit_bias, include_stop_str_in_output=params.include_stop_str_in_output,
         allowed_token_ids=params.allowed_token_ids or [], bad_words=params.bad_words,
+        num_resumed_tokens=params.num_resumed_tokens,
     )
     if params.max_tokens is not None:
         message.max_tokens = params.max_tokens

@@ -88,7 +88,8 @@ def cached(kind: str, directories: list[str], arguments: list, compute: Callable
 
     if os.environ.get("SPLITSERVE_FRESH_REFERENCES"):
         return compute()
-    key = json.dumps([kind, [files_digest(str(directory)) for directory in directories], arguments, _environment()])
+    key = json.dumps([kind, [files_digest(str(directory)) for directory in directories], arguments, _environment()],
+                     sort_keys=True)
     path = cache_dir() / "test-references" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
     try:
         return json.loads(path.read_text())

@@ -73,6 +73,10 @@ class SamplingParams:
             (the word's first token differs at the start of a text and inside it), and a word's last token is
             banned whenever the output ends with the rest of its tokens. At most 256 words of at most 256
             characters.
+        num_resumed_tokens: the prompt's last this-many tokens were generated before under these parameters (a
+            continuation, as the router's migration sends): presence and frequency penalties count them as
+            generated tokens and bad words see them; max_tokens and min_tokens count only the new ones. At most
+            the prompt's length (the engine checks).
         structured_outputs: the shape the output must take (a JSON schema, any JSON object, a regex, one of
             some strings, or a grammar), as vLLM's; a dict of StructuredOutputsParams' fields is taken too.
             Each step masks the tokens the shape cannot take next; the request stops once it is complete.
@@ -99,6 +103,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     truncate_prompt_tokens: int | None = None
+    num_resumed_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -151,6 +156,8 @@ class SamplingParams:
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {value!r}.")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             raise InvalidRequest(f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {self.seed!r}.")
+        if not _is_int(self.num_resumed_tokens) or self.num_resumed_tokens < 0:
+            raise InvalidRequest(f"num_resumed_tokens must be an integer >= 0, got {self.num_resumed_tokens!r}.")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise InvalidRequest(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -215,7 +222,11 @@ class SamplingParams:
                                      f"for token {token_id}.")
 
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
-        """Raises InvalidRequest when prompt_logprobs asks more of a prompt this long than one response holds."""
+        """Raises InvalidRequest when prompt_logprobs asks more of a prompt this long than one response holds, or
+        num_resumed_tokens exceeds it."""
+        if self.num_resumed_tokens > num_prompt_tokens:
+            raise InvalidRequest(f"num_resumed_tokens ({self.num_resumed_tokens}) exceeds the prompt's "
+                                 f"{num_prompt_tokens} tokens.")
         if self.prompt_logprobs is None:
             return
         entries = num_prompt_tokens * (self.prompt_logprobs + 1)

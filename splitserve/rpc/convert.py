@@ -53,6 +53,7 @@ def sampling_params_from_pb(message: inference_pb2.SamplingParams) -> SamplingPa
         include_stop_str_in_output=message.include_stop_str_in_output,
         allowed_token_ids=list(message.allowed_token_ids) or None,
         bad_words=list(message.bad_words),
+        num_resumed_tokens=message.num_resumed_tokens,
     )
     for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "logprobs",
                  "prompt_logprobs", "skip_special_tokens", "truncate_prompt_tokens"):

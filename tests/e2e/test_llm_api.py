@@ -32,6 +32,25 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llm):
     assert_all_blocks_free(llm)
 
 
+def test_a_continuation_with_its_resumed_tokens_penalizes_as_the_whole_generation_did(llm):
+    """A prompt ending in tokens this generation made before, with num_resumed_tokens saying how many (what the
+    router sends a migrated stream's new decode worker), goes on as the generation would have: presence and
+    frequency penalties count those tokens. Without the count they are prompt tokens, and the tokens differ."""
+    penalties = dict(temperature=0, frequency_penalty=1.0, presence_penalty=0.5, ignore_eos=True)
+    (whole,) = llm.generate(PROMPTS[0], SamplingParams(max_tokens=24, **penalties), use_tqdm=False)
+    prompt, tokens = whole.prompt_token_ids, whole.outputs[0].token_ids
+    for cut in (1, 10):
+        continued = SamplingParams(max_tokens=24 - cut, num_resumed_tokens=cut, **penalties)
+        (rest,) = llm.generate({"prompt_token_ids": prompt + tokens[:cut]}, continued, use_tqdm=False)
+        assert rest.outputs[0].token_ids == tokens[cut:], cut
+    forgetful = SamplingParams(max_tokens=14, **penalties)
+    (rest,) = llm.generate({"prompt_token_ids": prompt + tokens[:10]}, forgetful, use_tqdm=False)
+    assert rest.outputs[0].token_ids != tokens[10:]
+    with pytest.raises(ValueError, match="num_resumed_tokens"):
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(num_resumed_tokens=len(prompt) + 1), use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
 def test_logit_bias_bans_a_token_in_a_batch_and_an_id_outside_the_vocabulary_is_refused(llm):
     greedy = SamplingParams(temperature=0, max_tokens=8)
     plain = [output.outputs[0].token_ids for output in llm.generate(PROMPTS[:2], greedy, use_tqdm=False)]

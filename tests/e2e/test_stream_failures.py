@@ -93,8 +93,11 @@ def stream_killing_its_decode_worker(cluster, client, prompt: str, params: Sampl
 
 def test_a_stream_whose_decode_worker_is_killed_migrates_to_another_and_stays_token_identical(cluster):
     """Two decode workers: killing the one serving a greedy stream mid-way moves the request (prompt plus the
-    tokens streamed) to the other; the client sees one stream, token for token the undisturbed one."""
-    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    tokens streamed) to the other; the client sees one stream, token for token the undisturbed one. Its presence
+    and frequency penalties count the tokens streamed before the move (num_resumed_tokens) as the undisturbed
+    stream's do."""
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, presence_penalty=0.3,
+                            frequency_penalty=0.4)
     with Client(cluster.router.address) as client:
         two_decode_workers_serving(cluster, client)
         undisturbed = client.generate(PROMPT, params, timeout=300)

@@ -322,6 +322,8 @@ def test_a_stream_whose_decode_worker_fails_migrates_to_another_one(cluster):
     assert (first_address, second_address) == ("d:1", "d:3")  # the failed worker is not chosen again
     assert list(second.prompt_token_ids) == [*range(40), 5, 6, 7]
     assert (second.sampling_params.max_tokens, second.sampling_params.min_tokens) == (2, 1)
+    # Penalties and bad words count the three as generated tokens (the continuation's resumed tokens).
+    assert (first.sampling_params.num_resumed_tokens, second.sampling_params.num_resumed_tokens) == (0, 3)
     # The grammar takes the three tokens sent before it samples: they end the continuation's prompt.
     assert first.sampling_params.structured_outputs.num_resumed_tokens == 0
     assert second.sampling_params.structured_outputs == inference_pb2.StructuredOutputs(regex="[a-z]+",

@@ -266,6 +266,27 @@ def test_presence_and_frequency_ignore_prompt_tokens():
     assert apply_penalties(logits, [request])[0].tolist() == [0.0, 1.0 - 4.5, 0.0, 0.0]
 
 
+def test_a_continuations_resumed_prompt_tokens_count_as_generated_for_penalties_and_bad_words():
+    """num_resumed_tokens (a migrated stream's continuation): the prompt's last tokens were generated before, so
+    presence and frequency penalties count them and a bad word may start in them; earlier prompt tokens stay
+    prompt tokens."""
+    logits = torch.zeros(1, 6)
+    resumed = make_request(prompt=[0, 1, 2, 2], output=[2, 3], presence_penalty=-1.0, frequency_penalty=1.5,
+                           num_resumed_tokens=2)
+    assert resumed.generated_token_ids == [2, 2, 2, 3] and resumed.output_token_ids == [2, 3]
+    assert apply_penalties(logits, [resumed])[0].tolist() == [0.0, 0.0, 1.0 - 4.5, 1.0 - 1.5, 0.0, 0.0]
+    fresh = make_request(prompt=[0, 1, 2, 2], output=[2, 3], presence_penalty=-1.0, frequency_penalty=1.5)
+    assert apply_penalties(logits, [fresh])[0].tolist() == [0.0, 0.0, 1.0 - 1.5, 1.0 - 1.5, 0.0, 0.0]
+    requests = [_with_bad_words(make_request(prompt=[0, 4, 5], num_resumed_tokens=2), (4, 5, 1)),
+                _with_bad_words(make_request(prompt=[0, 4, 5], num_resumed_tokens=1), (4, 5, 1))]
+    result = apply_bad_words(torch.zeros(2, 6), requests)
+    assert result[0, 1] == NEG_INF and result[1].tolist() == [0.0] * 6  # the word's start: resumed, or the prompt's
+    with pytest.raises(InvalidRequest, match=r"num_resumed_tokens \(4\) exceeds the prompt's 3 tokens"):
+        SamplingParams(num_resumed_tokens=4).check_prompt_length(3)
+    with pytest.raises(InvalidRequest, match="num_resumed_tokens must be an integer >= 0"):
+        SamplingParams(num_resumed_tokens=-1)
+
+
 def test_penalties_ignore_out_of_range_token_ids():
     logits = torch.ones(1, 4)
     request = make_request(prompt=[9, -1], output=[7], repetition_penalty=2.0, presence_penalty=1.0)
