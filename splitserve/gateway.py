@@ -685,12 +685,11 @@ class _Traced:
         state["trace"] = self.tracer.headers(span)
         status, ended = None, False
 
-        def end() -> None:
+        def end(finished: bool) -> None:
             nonlocal ended
             if ended:
                 return
             ended = True
-            finished = state.get("finished", False)
             error = (f"HTTP {status}" if status is not None and status >= 500
                      else None if finished else "the response did not finish (the client went away)")
             self.tracer.end(span, {"http.request.method": "POST", "http.route": route,
@@ -702,14 +701,13 @@ class _Traced:
             if message["type"] == "http.response.start":
                 status = message["status"]
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                state["finished"] = True
-                end()
+                end(finished=True)
             await send(message)
 
         try:
             await self.app(scope, receive, send_traced)
         finally:
-            end()
+            end(finished=False)
 
 
 def router_trace(request: Request) -> tuple[tuple[str, str], ...]:

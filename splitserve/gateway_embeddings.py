@@ -6,8 +6,10 @@ request, embedded side by side (one ``Embed`` call each; all cancelled at the fi
 leaves). ``encoding_format`` ``float`` gives lists of numbers, ``base64`` the little-endian float32 bytes in
 base64 (what the ``openai`` package asks for by default, and decodes); ``dimensions`` keeps the first values
 (Matryoshka; the workers refuse more than the model's hidden size); vLLM's ``normalize`` false gives the raw
-vector; vLLM's ``truncate_prompt_tokens`` embeds only the last tokens of each input. ``model`` may name a LoRA
-adapter, as on the other routes. ``user`` is taken and ignored (OpenAI's).
+vector; vLLM's ``truncate_prompt_tokens`` embeds only the last tokens of each input; vLLM's ``cache_salt`` keeps
+the inputs' cached KV among requests with the same salt, as on the other routes. ``model`` may name a LoRA adapter,
+as on the other routes. ``user`` is taken and ignored (OpenAI's). The usage counts the prompt tokens, and in
+``prompt_tokens_details.cached_tokens`` those found in a worker's prefix cache (vLLM's, OpenAI's chat field).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ async def create_embeddings(gateway, request: Request) -> Response:
     from splitserve.gateway import (
         APIError,
         _bearer,
+        _cache_salt,
         _cancel_on_disconnect,
         _completion_prompts,
         from_rpc_error,
@@ -65,10 +68,12 @@ async def create_embeddings(gateway, request: Request) -> Response:
         raise APIError(400, "truncate_prompt_tokens must be -1 (the model's context length) or an integer >= 1.",
                        "truncate_prompt_tokens")
 
+    cache_salt = _cache_salt(body)
     api_key = _bearer(request)
     trace = router_trace(request)
     tasks = [asyncio.ensure_future(gateway.client.embed(prompt, normalize, dimensions, lora_name, api_key=api_key,
-                                                        truncate_prompt_tokens=truncate, trace=trace))
+                                                        truncate_prompt_tokens=truncate, cache_salt=cache_salt,
+                                                        trace=trace))
              for prompt in inputs]
     gateway.metrics.generations.inc(len(tasks))
     request.state.generations = len(tasks)  # on the request's span
@@ -88,7 +93,8 @@ async def create_embeddings(gateway, request: Request) -> Response:
         "model": lora_name or gateway._model_name(info),
         "data": [{"object": "embedding", "index": index, "embedding": _encoded(answer.embedding, encoding)}
                  for index, answer in enumerate(answers)],
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
+                  "prompt_tokens_details": {"cached_tokens": sum(answer.cached_tokens for answer in answers)}},
     })
 
 

@@ -68,10 +68,11 @@ def hf_reference(model_dir, prompt_token_ids):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    """A Client of the router of the module's ``cluster`` fixture, for the module's tests."""
+    """A Client of the router of the module's ``cluster`` fixture (with its API key, where it has one), for the
+    module's tests."""
     from splitserve.client import Client
 
-    with Client(cluster.router.address) as client:
+    with Client(cluster.router.address, api_key=getattr(cluster, "api_key", None)) as client:
         yield client
 
 

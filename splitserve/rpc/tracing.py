@@ -16,13 +16,14 @@ Needs the optional extra: ``pip install 'splitserve[tracing]'`` (OpenTelemetry's
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 # How long spans wait to leave in a batch, and how long the last ones get at shutdown.
 EXPORT_DELAY_MILLIS = 1000
-SHUTDOWN_FLUSH_MILLIS = 5000
+SHUTDOWN_FLUSH_MILLIS = 2000
 # The W3C trace context headers taken from a caller (metadata keys are lower-case in gRPC).
 TRACE_HEADERS = ("traceparent", "tracestate")
 # Longer values are not trace context (a traceparent is 55 characters; the W3C caps a tracestate at 512).
@@ -75,10 +76,11 @@ class RequestTracer:
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         except ImportError:
             raise ValueError("--otlp-traces-endpoint needs OpenTelemetry: pip install 'splitserve[tracing]'.") from None
-        exporter = OTLPSpanExporter(endpoint=endpoint, insecure=urlsplit(endpoint).scheme == "http")
+        self._exporter = OTLPSpanExporter(endpoint=endpoint, insecure=urlsplit(endpoint).scheme == "http")
         # A provider of our own, not the process's global one: nothing else in the process (LMCache) exports ours.
         self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        self._provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MILLIS))
+        self._provider.add_span_processor(BatchSpanProcessor(self._exporter,
+                                                             schedule_delay_millis=EXPORT_DELAY_MILLIS))
         self._tracer = self._provider.get_tracer("splitserve")
         self._propagator = TraceContextTextMapPropagator()
 
@@ -110,6 +112,14 @@ class RequestTracer:
         span.end()
 
     def close(self) -> None:
-        """Export the spans still waiting (within :data:`SHUTDOWN_FLUSH_MILLIS`) and stop the exporter."""
-        self._provider.force_flush(SHUTDOWN_FLUSH_MILLIS)
+        """Export the spans still waiting, for at most :data:`SHUTDOWN_FLUSH_MILLIS`, and stop the exporter.
+
+        The SDK's flush takes no deadline of its own (it exports until done, retrying a collector that is down for
+        up to ten seconds), so it runs in a thread of its own that is waited on that long; then the exporter is
+        shut down, which ends a retry in progress, and spans not out by then are lost (a process stopping does not
+        wait on a collector that is gone)."""
+        flush = threading.Thread(target=self._provider.force_flush, name="otlp-last-flush", daemon=True)
+        flush.start()
+        flush.join(SHUTDOWN_FLUSH_MILLIS / 1000)
+        self._exporter.shutdown()
         self._provider.shutdown()

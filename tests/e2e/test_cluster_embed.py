@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from splitserve.client import embed_request
-from tests.cluster_helpers import all_blocks_free, start_cluster, stream_tokens, wait_until
+from tests.cluster_helpers import all_blocks_free, stream_tokens, wait_until
 from tests.e2e.test_embeddings import ATOL, _reference
 from tests.reference import PROMPTS
 
@@ -24,10 +24,9 @@ HIDDEN_SIZE = 576  # SmolLM2-135M's
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cluster = start_cluster("p2p", tmp_path_factory.mktemp("embed-cluster"))
-    yield cluster
-    cluster.stop()
+def cluster(shared_cluster):
+    """The e2e tier's shared cluster (tests/e2e/conftest.py); the ``client`` fixture carries its API key."""
+    return shared_cluster
 
 
 @functools.lru_cache(maxsize=4)

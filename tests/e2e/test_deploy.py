@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.cli import build_parser
 from splitserve.engine.config import DEFAULT_STEP_LIMITS
 from splitserve.rpc.worker_config import kv_transfer_problem
-from tests.cluster_helpers import start_cluster, wait_until
+from tests.cluster_helpers import wait_until
 from tests.e2e.test_metrics import scrape
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -184,21 +184,18 @@ def _metric_names_used(rendered) -> set[str]:
     return used
 
 
-def test_metric_names_and_health_services_exist_in_a_running_cluster(rendered, tmp_path, model_dir):
+def test_metric_names_and_health_services_exist_in_a_running_cluster(rendered, shared_cluster):
+    """On the e2e tier's shared cluster (tests/e2e/conftest.py: every process serves its metrics)."""
     used = _metric_names_used(rendered)
     assert {"splitserve_worker_queued_prompt_tokens", "splitserve_worker_kv_block_usage_ratio"} <= used
-    cluster = start_cluster("p2p", tmp_path, worker_args=["--metrics-port", "0"], router_args=["--metrics-port", "0"])
-    try:
-        served = set()
-        for process in [cluster.router, *cluster.workers]:
-            url = wait_until(lambda process=process: re.search(r"Prometheus metrics on (\S+/metrics)", process.log()),
-                             30, message="metrics URL logged").group(1)
-            served |= {name for name, _ in scrape(url)}
-            service = WORKER_SERVICES[re.sub(r"\d+$", "", process.name)]
-            with grpc.insecure_channel(process.address) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                                  timeout=10)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING, (process.name, service)
-    finally:
-        cluster.stop()
+    served = set()
+    for process in [shared_cluster.router, *shared_cluster.workers]:
+        url = wait_until(lambda process=process: re.search(r"Prometheus metrics on (\S+/metrics)", process.log()),
+                         30, message="metrics URL logged").group(1)
+        served |= {name for name, _ in scrape(url)}
+        service = WORKER_SERVICES[re.sub(r"\d+$", "", process.name)]
+        with grpc.insecure_channel(process.address) as channel:  # health needs no credentials
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, (process.name, service)
     assert used <= served, f"named in deploy/ but served by no process: {sorted(used - served)}"

@@ -25,14 +25,14 @@ from hypothesis import strategies as st
 
 from splitserve.client import Client
 from splitserve.common.sampling_params import SamplingParams
-from tests.cluster_helpers import all_blocks_free, running_gateway, start_cluster, wait_until
+from tests.cluster_helpers import all_blocks_free, running_gateway, wait_until
+from tests.e2e.conftest import TOOLS_TEMPLATE
 from tests.e2e.test_metrics import scrape, value
 
 pytestmark = pytest.mark.timeout(600)
 
 PROMPT = "The capital of France is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "examples" / "chat-templates" / "chatml-tools.jinja"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
@@ -42,12 +42,10 @@ WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model_dir):
-    # The ChatML template with tools renders every chat without tools as the model's own template does.
-    cluster = start_cluster("p2p", tmp_path_factory.mktemp("gateway-logs"), credentials=True,
-                            router_args=["--chat-template", str(TOOLS_TEMPLATE)])
-    yield cluster
-    cluster.stop()
+def cluster(shared_cluster):
+    """The e2e tier's shared cluster (tests/e2e/conftest.py): it requires an API key and its router renders chats
+    through the ChatML template with tools."""
+    return shared_cluster
 
 
 @pytest.fixture(scope="module")
@@ -436,9 +434,9 @@ def test_continuous_usage_counts_each_choices_tokens_in_every_chunk(api, grpc_cl
 
 
 def test_a_cache_salt_keeps_cached_prefixes_among_its_own_requests(api, grpc_client):
-    """vLLM's cache_salt, through the gateway and gRPC: a prompt's cached blocks are found again by requests with
-    the same salt only (none by other salts or unsalted ones, and a salted request finds none of theirs); the
-    answers stay the unsalted greedy ones; bad salts are refused."""
+    """vLLM's cache_salt, through the gateway (completions, chat, embeddings) and gRPC: a prompt's cached blocks are
+    found again by requests with the same salt only (none by other salts or unsalted ones, and a salted request
+    finds none of theirs); the answers stay the unsalted greedy ones; bad salts are refused."""
     model = api.models.list().data[0].id
     prompt = "A ledger of salted requests: " + " ".join(f"entry {number} balanced." for number in range(60))
     expected = grpc_client.generate(prompt, SamplingParams(temperature=0, max_tokens=4))  # now cached unsalted
@@ -448,15 +446,20 @@ def test_a_cache_salt_keeps_cached_prefixes_among_its_own_requests(api, grpc_cli
         if route == "completions":
             answer = api.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
             assert answer.choices[0].text == expected.text, salt
-        else:
+        elif route == "chat":
             answer = api.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                                  max_tokens=4, temperature=0, extra_body=extra)
+        else:  # the openai package keeps the embeddings usage's details as sent (a dict)
+            return api.embeddings.create(model=model, input=prompt, extra_body=extra).usage.prompt_tokens_details[
+                "cached_tokens"]
         return answer.usage.prompt_tokens_details.cached_tokens
 
     assert cached_tokens(None) > 0
     assert cached_tokens("tenant-a") == 0 and cached_tokens("tenant-b") == 0
     assert cached_tokens("tenant-a") > 0
     assert cached_tokens("tenant-c", "chat") == 0 and cached_tokens("tenant-c", "chat") > 0
+    assert cached_tokens(None, "embeddings") > 0
+    assert cached_tokens("tenant-e", "embeddings") == 0 and cached_tokens("tenant-e", "embeddings") > 0
     answer = grpc_client.generate(prompt, SamplingParams(temperature=0, max_tokens=4), cache_salt="tenant-b")
     assert answer.usage.cached_tokens > 0 and answer.text == expected.text
     for salt in ("", 7, "x" * 257):
@@ -1507,7 +1510,8 @@ def test_embeddings_are_the_grpc_paths(api, grpc_client, gateway, cluster):
     for body, param in (({"input": []}, "input"), ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
                         ({"input": "x", "dimensions": 0}, "dimensions"), ({"input": "x", "dimensions": 100000}, None),
                         ({"input": ["x"] * 17}, "input"), ({"input": "x", "truncate_prompt_tokens": 0},
-                                                           "truncate_prompt_tokens")):
+                                                           "truncate_prompt_tokens"),
+                        ({"input": "x", "cache_salt": ""}, "cache_salt")):
         refused = httpx.post(f"{gateway}/v1/embeddings", headers=headers, json={"model": model, **body})
         assert refused.status_code == 400, refused.text
         error = refused.json()["error"]

@@ -17,21 +17,19 @@ import pytest
 
 from splitserve.client import Client
 from splitserve.common.sampling_params import SamplingParams
-from tests.cluster_helpers import start_cluster
 
 NODE_CLIENT = Path(__file__).resolve().parents[2] / "clients" / "node"
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model_dir):
+def cluster(request):
+    """The e2e tier's shared cluster (tests/e2e/conftest.py), which requires an API key."""
     if shutil.which("node") is None:
         pytest.skip("node is not on the PATH: the Node.js client cannot run here")
     assert (NODE_CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir(), \
         "clients/node's packages are not installed: run `make install-test` (npm ci in clients/node)"
-    cluster = start_cluster("p2p", tmp_path_factory.mktemp("node-logs"), credentials=True)
-    yield cluster
-    cluster.stop()
+    return request.getfixturevalue("shared_cluster")
 
 
 def _node(cluster, *args: str) -> subprocess.CompletedProcess:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from tests.cluster_helpers import start_cluster
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SNIPPET_ADDRESS = "127.0.0.1:50051"
@@ -23,21 +22,23 @@ def _snippet(starts_with: str) -> str:
     return blocks[0]
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+def _run(code: str, api_key: str | None = None) -> subprocess.CompletedProcess:
+    """``code`` in a Python of its own; ``api_key``: in its ``$SPLITSERVE_API_KEY``, where the Client finds it."""
+    env = {**os.environ, "SPLITSERVE_API_KEY": api_key} if api_key else None
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model_dir):
-    cluster = start_cluster("p2p", tmp_path_factory.mktemp("readme-logs"))
-    yield cluster
-    cluster.stop()
+def cluster(shared_cluster):
+    """The e2e tier's shared cluster (tests/e2e/conftest.py); it requires an API key, which the snippets get as
+    a user would give it, in ``$SPLITSERVE_API_KEY``."""
+    return shared_cluster
 
 
 def test_the_client_snippet_streams_and_prints_a_status_table(cluster):
     code = _snippet("from splitserve import Client")
     assert SNIPPET_ADDRESS in code
-    result = _run(code.replace(SNIPPET_ADDRESS, cluster.router.address))
+    result = _run(code.replace(SNIPPET_ADDRESS, cluster.router.address), cluster.api_key)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == " Paris.", result.stdout
     table = result.stdout.splitlines()[-3:]

@@ -52,7 +52,9 @@ def cluster(tmp_path_factory, ledger):
 @pytest.fixture(scope="module")
 def expected(cluster, client):
     """Each prompt's undisturbed tokens; then LMCache's keys are deleted, so that every later request needs its
-    prompt stored anew (a prompt still in Redis would be loaded whatever the prefill worker does)."""
+    prompt stored anew (a prompt still in Redis would be loaded whatever the prefill worker does). The tokens may
+    come from another fault module's cluster, run before this one (``expected_tokens``): then there is nothing
+    to delete."""
     expected = expected_tokens(cluster.router.address)
     delete_lmcache_keys(cluster.redis_url)
     return expected
@@ -62,8 +64,8 @@ def delete_lmcache_keys(redis_url: str) -> None:
     server = redis.Redis.from_url(redis_url)
     try:
         keys = list(server.scan_iter(match=LMCACHE_KEYS, count=1000))
-        assert keys, "the undisturbed run stored nothing in LMCache"
-        server.delete(*keys)
+        if keys:
+            server.delete(*keys)
     finally:
         server.close()
 

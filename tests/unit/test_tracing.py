@@ -26,3 +26,22 @@ def test_only_bounded_trace_context_is_taken_from_a_call():
     assert trace_headers(pairs) == (("traceparent", parent), ("tracestate", "a=1"))
     assert trace_headers([("tracestate", "a" * (MAX_TRACE_HEADER_CHARS + 1))]) == ()
     assert trace_headers([]) == ()
+
+
+def test_closing_with_the_collector_gone_waits_only_the_flush_deadline(monkeypatch):
+    """A process stopping does not wait on a collector that is down: the SDK's flush retries one for up to ten
+    seconds, and the last spans get only SHUTDOWN_FLUSH_MILLIS (cut here to 300 ms) before the exporter stops."""
+    import socket
+    import time
+
+    from splitserve.rpc import tracing
+
+    with socket.socket() as closed:  # a loopback port with no listener: every export is refused at once
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setattr(tracing, "SHUTDOWN_FLUSH_MILLIS", 300)
+    tracer = tracing.RequestTracer("splitserve-test", f"http://127.0.0.1:{port}")
+    tracer.end(tracer.start_span("llm_request", []), {"gen_ai.request.max_tokens": 4})
+    started = time.monotonic()
+    tracer.close()
+    assert time.monotonic() - started < 3  # the SDK's own flush retries for up to 10 s
