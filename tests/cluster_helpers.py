@@ -38,6 +38,26 @@ def start_cluster(kv_transfer: str, log_dir, prefill: int = 1, decode: int = 1, 
     return cluster
 
 
+def assert_secrets_kept(cluster: LocalCluster) -> None:
+    """Neither the cluster's API key nor its cluster token is in any of its processes' logs or command lines, and
+    no process logged that it is open to anyone (a cluster started with ``credentials``)."""
+    for process in [cluster.router, *cluster.workers]:
+        log = process.log()
+        assert log, process.name
+        assert cluster.api_key not in log and cluster.cluster_token not in log, process.name
+        assert "open to anyone" not in log, process.name
+        command_line = " ".join(process.popen.args)
+        assert cluster.api_key not in command_line and cluster.cluster_token not in command_line, process.name
+
+
+def assert_stopped_cleanly(cluster: LocalCluster) -> None:
+    """After ``cluster.stop()``: each process drained and exited 0, with no traceback in its log (a sending
+    worker's rendezvous server, built for its port and never started, once raised on close)."""
+    for process in [cluster.router, *cluster.workers]:
+        log = process.log()
+        assert process.popen.returncode == 0 and "Traceback" not in log, (process.name, log[-2000:])
+
+
 def stream_tokens(client: Client, prompt, max_tokens: int, **kwargs) -> tuple[list[int], str, object]:
     """Run one streaming request; returns (token ids, text, last chunk)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
