@@ -236,6 +236,7 @@ class Gateway:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
         ]
         self.metrics = GatewayMetrics(route.path for route in routes)
         self.tracer = (RequestTracer("splitserve-gateway", config.otlp_traces_endpoint)
@@ -275,6 +276,13 @@ class Gateway:
             return JSONResponse({"status": "unavailable", "reason": "The router is not ready: no decode worker is "
                                  "serving, or it is draining."}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    async def version(self, request: Request) -> Response:
+        """vLLM's /version: this gateway's splitserve version (the package's), for deployment checks; needs no key
+        and calls nothing."""
+        from splitserve import __version__
+
+        return JSONResponse({"version": __version__})
 
     async def models(self, request: Request) -> Response:
         """The model, then the LoRA adapters the workers serve (as vLLM lists them: ``parent`` the base model)."""
@@ -1117,8 +1125,8 @@ def _event(payload: dict) -> str:
 
 async def _not_found(request: Request, error) -> Response:
     return APIError(404, f"No route {request.url.path[:200]}: this server offers /v1/completions, "
-                    "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, /tokenize, /detokenize and "
-                    "/health.").response()
+                    "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, /tokenize, /detokenize, "
+                    "/health and /version.").response()
 
 
 async def _not_allowed(request: Request, error) -> Response:

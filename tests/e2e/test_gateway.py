@@ -681,8 +681,11 @@ def test_a_client_that_disconnects_frees_its_blocks(gateway, cluster, grpc_clien
     assert all(worker.num_router_in_flight_requests == 0 for pool in status.pools for worker in pool.workers)
 
 
-def test_health_needs_no_key(gateway):
+def test_health_and_version_need_no_key(gateway):
+    import splitserve
+
     assert httpx.get(f"{gateway}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{gateway}/version").json() == {"version": splitserve.__version__}
     assert os.environ.get("SPLITSERVE_API_KEY") is None  # the gateway had no key of its own to fall back on
 
 
