@@ -3,12 +3,15 @@ embedding from the router's ``Embed`` (its last token's final hidden state, norm
 
 ``input`` is a string, a list of token ids, or a batch (a list of either), at most ``--max-choices`` inputs a
 request, embedded side by side (one ``Embed`` call each; all cancelled at the first failure or when the caller
-leaves). ``encoding_format`` ``float`` gives lists of numbers, ``base64`` the little-endian float32 bytes in
-base64 (what the ``openai`` package asks for by default, and decodes); ``dimensions`` keeps the first values
-(Matryoshka; the workers refuse more than the model's hidden size); vLLM's ``normalize`` false gives the raw
-vector; vLLM's ``truncate_prompt_tokens`` embeds only the last tokens of each input; vLLM's ``cache_salt`` keeps
-the inputs' cached KV among requests with the same salt, as on the other routes. ``model`` may name a LoRA adapter,
-as on the other routes. ``user`` is taken and ignored (OpenAI's). The usage counts the prompt tokens, and in
+leaves). vLLM's ``messages`` in place of ``input`` embeds one chat, rendered through the chat template as the chat
+route renders it (``tools``, ``chat_template_kwargs`` and ``continue_final_message`` alike) but without the
+assistant's opening unless ``add_generation_prompt`` is true (vLLM's default for embeddings). ``encoding_format``
+``float`` gives lists of numbers, ``base64`` the little-endian float32 bytes in base64 (what the ``openai``
+package asks for by default, and decodes); ``dimensions`` keeps the first values (Matryoshka; the workers refuse
+more than the model's hidden size); vLLM's ``normalize`` false gives the raw vector; vLLM's
+``truncate_prompt_tokens`` embeds only the last tokens of each input; vLLM's ``cache_salt`` keeps the inputs'
+cached KV among requests with the same salt, as on the other routes. ``model`` may name a LoRA adapter, as on the
+other routes. ``user`` is taken and ignored (OpenAI's). The usage counts the prompt tokens, and in
 ``prompt_tokens_details.cached_tokens`` those found in a worker's prefix cache (vLLM's, OpenAI's chat field).
 """
 
@@ -24,10 +27,6 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-# vLLM's embeddings fields this gateway does not take: refused with a sentence rather than ignored (other unknown
-# fields are ignored, as vLLM ignores them).
-_REFUSED = {"messages": "messages (a chat to embed) are not supported: send input"}
-
 
 async def create_embeddings(gateway, request: Request) -> Response:
     """The ``/v1/embeddings`` answer for ``request`` through ``gateway``'s router client."""
@@ -36,6 +35,7 @@ async def create_embeddings(gateway, request: Request) -> Response:
         _bearer,
         _cache_salt,
         _cancel_on_disconnect,
+        _chat,
         _completion_prompts,
         from_rpc_error,
         router_trace,
@@ -43,13 +43,16 @@ async def create_embeddings(gateway, request: Request) -> Response:
 
     body = await gateway._body(request)
     info, lora_name = await gateway._model_of(request, body)
-    for field, sentence in _REFUSED.items():
-        if body.get(field) is not None:
-            raise APIError(400, f"{sentence}.", field)
-    try:
-        inputs = _completion_prompts(body.get("input"))
-    except APIError as error:  # the completions route's sentence, about this route's field
-        raise APIError(400, error.message.replace("prompt", "input"), "input") from None
+    if body.get("messages") is not None:
+        if body.get("input") is not None:
+            raise APIError(400, "Send input or messages, not both.", "messages")
+        # vLLM's embeddings of a chat leave the assistant's opening out unless asked for.
+        inputs = [_chat({**body, "add_generation_prompt": body.get("add_generation_prompt", False)})]
+    else:
+        try:
+            inputs = _completion_prompts(body.get("input"))
+        except APIError as error:  # the completions route's sentence, about this route's field
+            raise APIError(400, error.message.replace("prompt", "input"), "input") from None
     limit = gateway.config.max_choices
     if len(inputs) > limit:
         raise APIError(400, f"input holds {len(inputs)} prompts; one request may embed at most {limit}.", "input")

@@ -1514,7 +1514,9 @@ def test_embeddings_are_the_grpc_paths(api, grpc_client, gateway, cluster):
                         ({"input": "x", "dimensions": 0}, "dimensions"), ({"input": "x", "dimensions": 100000}, None),
                         ({"input": ["x"] * 17}, "input"), ({"input": "x", "truncate_prompt_tokens": 0},
                                                            "truncate_prompt_tokens"),
-                        ({"input": "x", "cache_salt": ""}, "cache_salt")):
+                        ({"input": "x", "cache_salt": ""}, "cache_salt"),
+                        ({"input": "x", "messages": QUESTION}, "messages"), ({"messages": []}, "messages"),
+                        ({"messages": QUESTION, "add_generation_prompt": "yes"}, "add_generation_prompt")):
         refused = httpx.post(f"{gateway}/v1/embeddings", headers=headers, json={"model": model, **body})
         assert refused.status_code == 400, refused.text
         error = refused.json()["error"]
@@ -1523,4 +1525,31 @@ def test_embeddings_are_the_grpc_paths(api, grpc_client, gateway, cluster):
                                        json={"input": "x", "dimensions": 100000}).json()["error"]["message"]
     assert numpy.allclose(api.embeddings.create(model=model, input=texts[1]).data[0].embedding, expected[1],
                           atol=1e-5)
+    wait_until(lambda: all_blocks_free(grpc_client), 15, message="all KV blocks free")
+
+
+def test_a_chat_is_embedded_as_the_grpc_path_embeds_it(api, grpc_client, gateway, cluster):
+    """vLLM's messages in place of input: the chat through the template, without the assistant's opening unless
+    add_generation_prompt asks for it (vLLM's default for embeddings), is the router's Embed of the same chat."""
+    import numpy
+
+    from splitserve.client import embed_request
+    from splitserve.common.chat import Chat
+
+    model = api.models.list().data[0].id
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    replies = {}
+    for opening in (False, True):
+        expected = grpc_client.stub.Embed(embed_request(Chat.from_openai(QUESTION, add_generation_prompt=opening)),
+                                          timeout=60)
+        body = {"model": model, "messages": QUESTION, "encoding_format": "float",
+                **({"add_generation_prompt": True} if opening else {})}
+        replies[opening] = httpx.post(f"{gateway}/v1/embeddings", headers=headers, json=body, timeout=60).json()
+        [item] = replies[opening]["data"]
+        assert numpy.allclose(item["embedding"], list(expected.embedding), atol=1e-5), opening
+        assert replies[opening]["usage"]["prompt_tokens"] == expected.prompt_tokens
+    # The opening is tokens more, and another last token: another vector.
+    assert replies[True]["usage"]["prompt_tokens"] > replies[False]["usage"]["prompt_tokens"]
+    assert not numpy.allclose(replies[True]["data"][0]["embedding"], replies[False]["data"][0]["embedding"],
+                              atol=1e-3)
     wait_until(lambda: all_blocks_free(grpc_client), 15, message="all KV blocks free")
