@@ -223,7 +223,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         span, output, error = self.runtime.start_span("embed", context), None, None
         try:
             with self._tracked(request_id):
-                output = self._embed(request_id, list(request.prompt_token_ids), pooling, lora, salt, context)
+                output = self._embed(request_id, list(request.prompt_token_ids), pooling, lora, salt, request.priority,
+                                     context)
         except BaseException as failure:
             error = failure
             raise
@@ -241,7 +242,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                               cached_tokens=output.num_cached_tokens)
 
     def _embed(self, request_id: str, prompt: list[int], pooling: PoolingParams, lora, salt: str | None,
-               context) -> RequestOutput | None:
+               priority: int, context) -> RequestOutput | None:
         """The finished output of the embedding request, its embedding set; None when the call was cancelled
         (the request aborted in the engine, its blocks freed).
 
@@ -253,8 +254,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """
         completed = False
         try:
-            stream = self.loop.submit(request_id, None, SamplingParams(max_tokens=1), prompt, lora_request=lora,
-                                      pooling_params=pooling, cache_salt=salt)
+            stream = self.loop.submit(request_id, None, SamplingParams(max_tokens=1), prompt, priority=priority,
+                                      lora_request=lora, pooling_params=pooling, cache_salt=salt)
             wait_accepted(stream)
             if not context.add_callback(lambda: self._abort(request_id)):
                 return None  # already cancelled: the finally clause aborts it

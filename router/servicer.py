@@ -125,8 +125,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_id = check_id(request.request_id, "request_id") if request.HasField("request_id") else uuid.uuid4().hex
         truncate = request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
         prompt = self.frontend.prompt_of(request, SamplingParams(truncate_prompt_tokens=truncate))
-        return RouterRequest(request_id, prompt, inference_pb2.SamplingParams(), lora_name=self._lora_name_of(request),
-                             cache_salt=cache_salt_from_pb(request))
+        return RouterRequest(request_id, prompt, inference_pb2.SamplingParams(), priority=request.priority,
+                             lora_name=self._lora_name_of(request), cache_salt=cache_salt_from_pb(request))
 
     # ---- draining ------------------------------------------------------------------------
 
@@ -538,7 +538,7 @@ def _worker_embed_request(job: RouterRequest, request: inference_pb2.EmbedReques
     """The worker's request for an admitted EmbedRequest (its request_id set per attempt by the dispatcher)."""
     worker_request = worker_pb2.EmbedPromptRequest(prompt_token_ids=job.prompt.token_ids,
                                                    dimensions=request.dimensions, lora_name=job.lora_name,
-                                                   cache_salt=job.cache_salt)
+                                                   cache_salt=job.cache_salt, priority=job.priority)
     if request.HasField("normalize"):
         worker_request.normalize = request.normalize
     return worker_request

@@ -122,12 +122,13 @@ def generate_request(prompt, params: SamplingParams | None = None, request_id: s
 
 def embed_request(prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
                   request_id: str | None = None, truncate_prompt_tokens: int | None = None,
-                  cache_salt: str | None = None) -> inference_pb2.EmbedRequest:
+                  cache_salt: str | None = None, priority: int = 0) -> inference_pb2.EmbedRequest:
     """An EmbedRequest for a text prompt, a list of token ids, or a chat (as :func:`generate_request`'s);
     ``dimensions``: keep only the first this-many values (None: all); ``normalize``: to unit L2 norm, after the cut;
-    ``truncate_prompt_tokens``: embed only the prompt's last this-many tokens (-1: max_model_len)."""
+    ``truncate_prompt_tokens``: embed only the prompt's last this-many tokens (-1: max_model_len); ``priority`` as
+    :func:`generate_request`'s."""
     request = inference_pb2.EmbedRequest(normalize=normalize, dimensions=dimensions or 0, lora_name=lora_name,
-                                         cache_salt=cache_salt)
+                                         cache_salt=cache_salt, priority=priority)
     if request_id is not None:
         request.request_id = request_id
     if truncate_prompt_tokens is not None:
@@ -185,12 +186,14 @@ class Client:
 
     def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
               request_id: str | None = None, timeout: float | None = None,
-              truncate_prompt_tokens: int | None = None, cache_salt: str | None = None) -> list[float]:
+              truncate_prompt_tokens: int | None = None, cache_salt: str | None = None,
+              priority: int = 0) -> list[float]:
         """The prompt's embedding (Embed): its last token's final hidden state, its first ``dimensions`` values
         (None: all), of unit length unless ``normalize`` is False; ``lora_name`` embeds with that adapter;
-        ``truncate_prompt_tokens`` embeds only the prompt's last tokens; ``cache_salt`` as :func:`generate_request`."""
+        ``truncate_prompt_tokens`` embeds only the prompt's last tokens; ``cache_salt`` and ``priority`` as
+        :func:`generate_request`."""
         request = embed_request(prompt, normalize, dimensions, lora_name, request_id, truncate_prompt_tokens,
-                                cache_salt)
+                                cache_salt, priority)
         return list(self.stub.Embed(request, timeout=timeout or self.timeout).embedding)
 
     def abort(self, request_id: str) -> bool:
@@ -279,12 +282,12 @@ class AsyncClient:
     async def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
                     request_id: str | None = None, timeout: float | None = None,
                     api_key: str | None = None, truncate_prompt_tokens: int | None = None,
-                    cache_salt: str | None = None,
+                    cache_salt: str | None = None, priority: int = 0,
                     trace: tuple[tuple[str, str], ...] = ()) -> inference_pb2.EmbedResponse:
         """The Embed response (its ``embedding`` and ``prompt_tokens``), as :meth:`Client.embed` asks; ``trace``
         as :meth:`generate_stream`'s."""
         request = embed_request(prompt, normalize, dimensions, lora_name, request_id, truncate_prompt_tokens,
-                                cache_salt)
+                                cache_salt, priority)
         return await self.stub.Embed(request, timeout=timeout or self.timeout,
                                      metadata=self._metadata(api_key) + tuple(trace))
 

@@ -10,7 +10,8 @@ assistant's opening unless ``add_generation_prompt`` is true (vLLM's default for
 package asks for by default, and decodes); ``dimensions`` keeps the first values (Matryoshka; the workers refuse
 more than the model's hidden size); vLLM's ``normalize`` false gives the raw vector; vLLM's
 ``truncate_prompt_tokens`` embeds only the last tokens of each input; vLLM's ``cache_salt`` keeps the inputs'
-cached KV among requests with the same salt, as on the other routes. ``model`` may name a LoRA adapter, as on the
+cached KV among requests with the same salt, and vLLM's ``priority`` orders them on workers serving by priority, as
+on the other routes. ``model`` may name a LoRA adapter, as on the
 other routes. ``user`` is taken and ignored (OpenAI's). The usage counts the prompt tokens, and in
 ``prompt_tokens_details.cached_tokens`` those found in a worker's prefix cache (vLLM's, OpenAI's chat field).
 """
@@ -37,6 +38,7 @@ async def create_embeddings(gateway, request: Request) -> Response:
         _cancel_on_disconnect,
         _chat,
         _completion_prompts,
+        _priority,
         from_rpc_error,
         router_trace,
     )
@@ -71,12 +73,12 @@ async def create_embeddings(gateway, request: Request) -> Response:
         raise APIError(400, "truncate_prompt_tokens must be -1 (the model's context length) or an integer >= 1.",
                        "truncate_prompt_tokens")
 
-    cache_salt = _cache_salt(body)
+    cache_salt, priority = _cache_salt(body), _priority(body)
     api_key = _bearer(request)
     trace = router_trace(request)
     tasks = [asyncio.ensure_future(gateway.client.embed(prompt, normalize, dimensions, lora_name, api_key=api_key,
                                                         truncate_prompt_tokens=truncate, cache_salt=cache_salt,
-                                                        trace=trace))
+                                                        priority=priority, trace=trace))
              for prompt in inputs]
     gateway.metrics.generations.inc(len(tasks))
     request.state.generations = len(tasks)  # on the request's span

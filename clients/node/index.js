@@ -104,11 +104,11 @@ class Client {
 
   /** The prompt's embedding (Embed): its last token's final hidden state, an array of numbers of unit length
    * unless normalize is false, its first `dimensions` values where given. Rejects with a gRPC error as generate. */
-  async embed(prompt, { normalize = true, dimensions, loraName = '', requestId, timeoutSeconds, cacheSalt } = {}) {
-    const request = { ...generateRequest(prompt, {}, requestId, false, 0, loraName, cacheSalt), normalize };
+  async embed(prompt, { normalize = true, dimensions, loraName = '', requestId, timeoutSeconds, cacheSalt,
+    priority = 0 } = {}) {
+    const request = { ...generateRequest(prompt, {}, requestId, false, priority, loraName, cacheSalt), normalize };
     delete request.samplingParams;
     delete request.echo;
-    delete request.priority;
     if (dimensions !== undefined) request.dimensions = dimensions;
     return (await this._unary('embed', request, timeoutSeconds)).embedding;
   }

@@ -88,6 +88,8 @@ def test_the_raw_vector_and_the_matryoshka_cut(client, model_dir, prompt_token_i
     (dict(prompt="Hi", request_id="no spaces"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     (dict(prompt="Hi", lora_name="nowhere"), grpc.StatusCode.NOT_FOUND, "No worker serves LoRA adapter 'nowhere'"),
     (dict(prompt="Hi", lora_name="../etc"), grpc.StatusCode.INVALID_ARGUMENT, "[A-Za-z0-9._-]"),
+    (dict(prompt="Hi", priority=1), grpc.StatusCode.INVALID_ARGUMENT,
+     "priority 1 needs the priority scheduling policy (--scheduling-policy"),
 ])
 def test_bad_input_is_refused_with_a_sentence_and_the_cluster_serves_on(client, request_fields, code, sentence):
     error = _refused(lambda: client.stub.Embed(embed_request(**request_fields), timeout=30))

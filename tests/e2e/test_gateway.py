@@ -1515,6 +1515,7 @@ def test_embeddings_are_the_grpc_paths(api, grpc_client, gateway, cluster):
                         ({"input": ["x"] * 17}, "input"), ({"input": "x", "truncate_prompt_tokens": 0},
                                                            "truncate_prompt_tokens"),
                         ({"input": "x", "cache_salt": ""}, "cache_salt"),
+                        ({"input": "x", "priority": "high"}, "priority"), ({"input": "x", "priority": 2}, None),
                         ({"input": "x", "messages": QUESTION}, "messages"), ({"messages": []}, "messages"),
                         ({"messages": QUESTION, "add_generation_prompt": "yes"}, "add_generation_prompt")):
         refused = httpx.post(f"{gateway}/v1/embeddings", headers=headers, json={"model": model, **body})
@@ -1523,6 +1524,9 @@ def test_embeddings_are_the_grpc_paths(api, grpc_client, gateway, cluster):
         assert error["message"] and (param is None or error["param"] == param), error
     assert "hidden size" in httpx.post(f"{gateway}/v1/embeddings", headers=headers,
                                        json={"input": "x", "dimensions": 100000}).json()["error"]["message"]
+    # A priority reaches the workers, which serve first come, first served here and say so.
+    assert "--scheduling-policy priority" in httpx.post(f"{gateway}/v1/embeddings", headers=headers,
+                                                        json={"input": "x", "priority": 2}).json()["error"]["message"]
     assert numpy.allclose(api.embeddings.create(model=model, input=texts[1]).data[0].embedding, expected[1],
                           atol=1e-5)
     wait_until(lambda: all_blocks_free(grpc_client), 15, message="all KV blocks free")

@@ -3,7 +3,8 @@ requests by their ``priority`` (lower first), as vLLM's policy does, and keep th
 
 A router, one prefill and one decode worker that runs one request at a time (``--max-num-seqs 1``): while a long
 request decodes, three short ones arrive with priorities 5, 1 and 3; their KV arrives and they wait on the decode
-worker, which then runs them in priority order, not in arrival order.
+worker, which then runs them in priority order, not in arrival order. Embed calls, computed on the decode worker,
+wait and start the same way.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy
 import pytest
 
 from splitserve.client import Client
@@ -31,17 +33,19 @@ def cluster(tmp_path_factory, model_dir):
     cluster.stop()
 
 
-def test_waiting_requests_start_in_priority_order_with_their_greedy_outputs(cluster):
+def _behind_a_long_request(cluster, call) -> tuple[list[int], dict[int, object]]:
+    """``call(client, priority)`` with priorities 5, 1 and 3, arriving in that order while a long request holds the
+    decode worker's one running place; returns the priorities in the order their calls finished, and each answer."""
     finished: list[int] = []
-    texts: dict[int, str] = {}
+    answers: dict[int, object] = {}
     lock = threading.Lock()
 
     def run(priority: int) -> None:
         with Client(cluster.router.address) as client:
-            response = client.generate(f"{PROMPT} Chapter {priority}:", SHORT, timeout=120, priority=priority)
+            answer = call(client, priority)
         with lock:
             finished.append(priority)
-            texts[priority] = response.text
+            answers[priority] = answer
 
     with Client(cluster.router.address) as client:
         blocker = client.generate_stream(PROMPT, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True),
@@ -57,10 +61,30 @@ def test_waiting_requests_start_in_priority_order_with_their_greedy_outputs(clus
         assert remaining[-1].usage.completion_tokens == 300  # never preempted: KV blocks did not run out
         for thread in threads:
             thread.join(120)
-        assert finished == [1, 3, 5]
-        for priority, text in texts.items():  # the same greedy text as without priorities, one at a time
+    return finished, answers
+
+
+def test_waiting_requests_start_in_priority_order_with_their_greedy_outputs(cluster):
+    finished, responses = _behind_a_long_request(
+        cluster, lambda client, priority: client.generate(f"{PROMPT} Chapter {priority}:", SHORT, timeout=120,
+                                                          priority=priority))
+    assert finished == [1, 3, 5]
+    with Client(cluster.router.address) as client:
+        for priority, response in responses.items():  # the same greedy text as without priorities, one at a time
             expected = client.generate(f"{PROMPT} Chapter {priority}:", SHORT, timeout=120)
-            assert text == expected.text
+            assert response.text == expected.text
+        wait_until(lambda: all_blocks_free(client), 20, message="every block freed")
+
+
+def test_waiting_embeddings_start_in_priority_order_with_their_vectors(cluster):
+    """Embed calls wait in the decode worker's queue as generations do, and start by their priority."""
+    finished, vectors = _behind_a_long_request(
+        cluster, lambda client, priority: client.embed(f"{PROMPT} Chapter {priority}:", timeout=120, priority=priority))
+    assert finished == [1, 3, 5]
+    with Client(cluster.router.address) as client:
+        for priority, vector in vectors.items():  # the vector of the same prompt embedded alone
+            expected = client.embed(f"{PROMPT} Chapter {priority}:", timeout=120)
+            assert numpy.allclose(vector, expected, atol=1e-5)
         wait_until(lambda: all_blocks_free(client), 20, message="every block freed")
 
 

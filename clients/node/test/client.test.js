@@ -149,6 +149,12 @@ test('embeddings: unit length, the same for text and its token ids, cut and raw 
       assert.match(error.details, /hidden size/);
       return true;
     });
+    // A priority is sent as generate's is, and refused by these first-come, first-served workers.
+    await assert.rejects(client.embed(PROMPT, { priority: 2 }), (error) => {
+      assert.equal(error.code, status.INVALID_ARGUMENT);
+      assert.match(error.details, /priority 2 needs the priority scheduling policy/);
+      return true;
+    });
   } finally {
     client.close();
   }
