@@ -42,6 +42,7 @@ from splitserve.client import AsyncClient
 from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat import BOTH_TURN_FLAGS, Chat, check_chat_template_kwargs, openai_tools
 from splitserve.common.errors import InvalidRequest
+from splitserve.common.ids import MAX_ID_LENGTH, check_id
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.common.tools import tool_call_parser
@@ -385,7 +386,7 @@ class Gateway:
         ``with_reasoning``: a chat answer under a reasoning parser, ``reasoning`` counting its reasoning tokens."""
         num_choices = _num_choices(body, len(prompts), self.config.max_choices)
         include_usage, continuous_usage = _stream_options(body)
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = _request_id(body, prefix, len(prompts) * num_choices)
         reply = _Reply(request_id, kind, lora_name or self._model_name(self._model_info), int(time.time()), choice,
                        num_choices,
                        score_only, with_prompt_logprobs=body.get("prompt_logprobs") is not None,
@@ -869,6 +870,24 @@ def _cache_salt(body: dict) -> str | None:
         return check_cache_salt(body.get("cache_salt"))
     except InvalidRequest as error:
         raise APIError(400, str(error), "cache_salt") from None
+
+
+def _request_id(body: dict, prefix: str, num_calls: int) -> str:
+    """The answer's id: ``prefix-`` and vLLM's ``request_id`` field (a random one when absent). Each router call
+    is given it, ``-N`` after it when the request makes several (``num_calls``), so a gRPC ``Abort`` by that id
+    ends the call and the router's and workers' logs and spans name it. 400 for a value the router would refuse,
+    with room left for the prefix and the suffix."""
+    chosen = body.get("request_id")
+    if chosen is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not isinstance(chosen, str):
+        raise APIError(400, "request_id must be a string.", "request_id")
+    suffix = len(f"-{num_calls - 1}") if num_calls > 1 else 0
+    try:
+        check_id(chosen, "request_id", MAX_ID_LENGTH - len(prefix) - 1 - suffix)
+    except InvalidRequest as error:
+        raise APIError(400, str(error), "request_id") from None
+    return f"{prefix}-{chosen}"
 
 
 def _flag(body: dict, name: str) -> bool:

@@ -11,7 +11,7 @@ package asks for by default, and decodes); ``dimensions`` keeps the first values
 more than the model's hidden size); vLLM's ``normalize`` false gives the raw vector; vLLM's
 ``truncate_prompt_tokens`` embeds only the last tokens of each input; vLLM's ``cache_salt`` keeps the inputs'
 cached KV among requests with the same salt, and vLLM's ``priority`` orders them on workers serving by priority, as
-on the other routes. ``model`` may name a LoRA adapter, as on the
+on the other routes. ``model`` may name a LoRA adapter, and vLLM's ``request_id`` names the request, as on the
 other routes. ``user`` is taken and ignored (OpenAI's). The usage counts the prompt tokens, and in
 ``prompt_tokens_details.cached_tokens`` those found in a worker's prefix cache (vLLM's, OpenAI's chat field).
 """
@@ -22,7 +22,6 @@ import asyncio
 import base64
 import struct
 import time
-import uuid
 
 import grpc
 from starlette.requests import Request
@@ -39,6 +38,7 @@ async def create_embeddings(gateway, request: Request) -> Response:
         _chat,
         _completion_prompts,
         _priority,
+        _request_id,
         from_rpc_error,
         router_trace,
     )
@@ -74,12 +74,13 @@ async def create_embeddings(gateway, request: Request) -> Response:
                        "truncate_prompt_tokens")
 
     cache_salt, priority = _cache_salt(body), _priority(body)
+    request_id = _request_id(body, "embd", len(inputs))
     api_key = _bearer(request)
     trace = router_trace(request)
-    tasks = [asyncio.ensure_future(gateway.client.embed(prompt, normalize, dimensions, lora_name, api_key=api_key,
-                                                        truncate_prompt_tokens=truncate, cache_salt=cache_salt,
-                                                        priority=priority, trace=trace))
-             for prompt in inputs]
+    tasks = [asyncio.ensure_future(gateway.client.embed(
+        prompt, normalize, dimensions, lora_name, request_id if len(inputs) == 1 else f"{request_id}-{number}",
+        api_key=api_key, truncate_prompt_tokens=truncate, cache_salt=cache_salt, priority=priority, trace=trace))
+             for number, prompt in enumerate(inputs)]
     gateway.metrics.generations.inc(len(tasks))
     request.state.generations = len(tasks)  # on the request's span
     watcher = asyncio.ensure_future(_cancel_on_disconnect(request, tasks))
@@ -94,7 +95,7 @@ async def create_embeddings(gateway, request: Request) -> Response:
         await asyncio.gather(*tasks, return_exceptions=True)
     prompt_tokens = sum(answer.prompt_tokens for answer in answers)
     return JSONResponse({
-        "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "id": request_id, "object": "list", "created": int(time.time()),
         "model": lora_name or gateway._model_name(info),
         "data": [{"object": "embedding", "index": index, "embedding": _encoded(answer.embedding, encoding)}
                  for index, answer in enumerate(answers)],

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import grpc
@@ -1556,4 +1557,36 @@ def test_a_chat_is_embedded_as_the_grpc_path_embeds_it(api, grpc_client, gateway
     assert replies[True]["usage"]["prompt_tokens"] > replies[False]["usage"]["prompt_tokens"]
     assert not numpy.allclose(replies[True]["data"][0]["embedding"], replies[False]["data"][0]["embedding"],
                               atol=1e-3)
+    wait_until(lambda: all_blocks_free(grpc_client), 15, message="all KV blocks free")
+
+
+def test_a_request_id_names_the_answer_and_its_router_calls(api, gateway, cluster, grpc_client):
+    """vLLM's ``request_id``: the answer's id is the route's prefix and it, and the router's calls carry it, so a
+    gRPC Abort by that id ends a streamed completion (``-N`` after it for each of several choices); an id the
+    router would refuse is 400 with the field named, and nothing else is lost."""
+    model = api.models.list().data[0].id
+    mine = f"mine.{uuid.uuid4().hex[:8]}"
+    chat = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, extra_body={"request_id": mine})
+    assert chat.id == f"chatcmpl-{mine}"
+    embedded = api.embeddings.create(model=model, input=["a", "b"], extra_body={"request_id": mine})
+    assert embedded.id == f"embd-{mine}" and len(embedded.data) == 2
+    stream = api.completions.create(model=model, prompt=PROMPT, max_tokens=300, temperature=0, stream=True, n=2,
+                                    extra_body={"request_id": mine, "ignore_eos": True})
+    chunks = [next(stream)]
+    assert chunks[0].id == f"cmpl-{mine}"
+    with pytest.raises(openai.BadRequestError, match="already in flight"):  # the same id while it runs
+        api.completions.create(model=model, prompt=PROMPT, max_tokens=1, n=2, extra_body={"request_id": mine})
+    assert grpc_client.abort(f"cmpl-{mine}-0") and grpc_client.abort(f"cmpl-{mine}-1")
+    chunks += list(stream)
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finished == {0: "abort", 1: "abort"}, finished
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) < 2 * 300
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    for route, body in (("completions", {"prompt": PROMPT}), ("chat/completions", {"messages": QUESTION}),
+                        ("embeddings", {"input": "x"})):
+        for bad in ("has space", "", "x" * 124, 7):
+            refused = httpx.post(f"{gateway}/v1/{route}", headers=headers,
+                                 json={"model": model, "max_tokens": 1, **body, "request_id": bad})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "request_id", refused.text
+    assert api.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={"request_id": "x" * 123})
     wait_until(lambda: all_blocks_free(grpc_client), 15, message="all KV blocks free")
