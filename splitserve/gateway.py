@@ -338,7 +338,7 @@ class Gateway:
         if params.prompt_logprobs is None and echo and logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=logprobs)  # the prompt scored, as vLLM's echo does
         choice = functools.partial(_completion_choice, as_ids=_flag(body, "return_tokens_as_token_ids"))
-        return await self._respond(request, body, prompts, params, "cmpl", "text_completion", choice,
+        return await self._respond(request, body, prompts, params, "cmpl-", "text_completion", choice,
                                    lora_name, echo=echo, score_only=score_only)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -360,7 +360,7 @@ class Gateway:
         with_reasoning = self.reasoning_parser_of(info) is not None
         choice = functools.partial(_chat_choice, tools=tools, reasoning=reasoning, with_reasoning=with_reasoning,
                                    as_ids=_flag(body, "return_tokens_as_token_ids"))
-        return await self._respond(request, body, [chat], params, "chatcmpl", "chat.completion", choice, lora_name,
+        return await self._respond(request, body, [chat], params, "chatcmpl-", "chat.completion", choice, lora_name,
                                    reasoning=reasoning, with_reasoning=with_reasoning)
 
     async def responses(self, request: Request) -> Response:
@@ -411,7 +411,7 @@ class Gateway:
         api_key, priority, cache_salt = _bearer(request), _priority(body), _cache_salt(body)
         trace = router_trace(request)
         calls = [self.client.generate_stream(prompt, _choice_params(params, index),
-                                             request_id if len(generations) == 1 else f"{request_id}-{number}",
+                                             _call_id(request_id, number, len(generations)),
                                              api_key=api_key, echo=echo, priority=priority, lora_name=lora_name,
                                              cache_salt=cache_salt, trace=trace)
                  for number, (prompt, index) in enumerate(generations)]
@@ -872,22 +872,29 @@ def _cache_salt(body: dict) -> str | None:
         raise APIError(400, str(error), "cache_salt") from None
 
 
-def _request_id(body: dict, prefix: str, num_calls: int) -> str:
-    """The answer's id: ``prefix-`` and vLLM's ``request_id`` field (a random one when absent). Each router call
-    is given it, ``-N`` after it when the request makes several (``num_calls``), so a gRPC ``Abort`` by that id
-    ends the call and the router's and workers' logs and spans name it. 400 for a value the router would refuse,
-    with room left for the prefix and the suffix."""
+def _request_id(body: dict, prefix: str, num_calls: int, verbatim: bool = False) -> str:
+    """The answer's id: ``prefix`` (``cmpl-``, ...) and vLLM's ``request_id`` field, or a random one when it is
+    absent; ``verbatim``: the field alone, as vLLM's Responses API takes it. Each router call is given it, ``-N``
+    after it when the request makes several (``num_calls``, :func:`_call_id`), so a gRPC ``Abort`` by that id ends
+    the call and the router's and workers' logs and spans name it. 400 for a value the router would refuse, with
+    room left for the prefix and the suffix."""
     chosen = body.get("request_id")
     if chosen is None:
-        return f"{prefix}-{uuid.uuid4().hex}"
+        return f"{prefix}{uuid.uuid4().hex}"
     if not isinstance(chosen, str):
         raise APIError(400, "request_id must be a string.", "request_id")
-    suffix = len(f"-{num_calls - 1}") if num_calls > 1 else 0
+    head = "" if verbatim else prefix
     try:
-        check_id(chosen, "request_id", MAX_ID_LENGTH - len(prefix) - 1 - suffix)
+        check_id(chosen, "request_id", MAX_ID_LENGTH - len(head) - len(_call_id("", num_calls - 1, num_calls)))
     except InvalidRequest as error:
         raise APIError(400, str(error), "request_id") from None
-    return f"{prefix}-{chosen}"
+    return f"{head}{chosen}"
+
+
+def _call_id(request_id: str, number: int, num_calls: int) -> str:
+    """The id of a request's router call ``number`` of ``num_calls``: the request's own for a single call,
+    ``request_id-N`` for each of several."""
+    return request_id if num_calls == 1 else f"{request_id}-{number}"
 
 
 def _flag(body: dict, name: str) -> bool:

@@ -34,6 +34,7 @@ async def create_embeddings(gateway, request: Request) -> Response:
         APIError,
         _bearer,
         _cache_salt,
+        _call_id,
         _cancel_on_disconnect,
         _chat,
         _completion_prompts,
@@ -74,11 +75,11 @@ async def create_embeddings(gateway, request: Request) -> Response:
                        "truncate_prompt_tokens")
 
     cache_salt, priority = _cache_salt(body), _priority(body)
-    request_id = _request_id(body, "embd", len(inputs))
+    request_id = _request_id(body, "embd-", len(inputs))
     api_key = _bearer(request)
     trace = router_trace(request)
     tasks = [asyncio.ensure_future(gateway.client.embed(
-        prompt, normalize, dimensions, lora_name, request_id if len(inputs) == 1 else f"{request_id}-{number}",
+        prompt, normalize, dimensions, lora_name, _call_id(request_id, number, len(inputs)),
         api_key=api_key, truncate_prompt_tokens=truncate, cache_salt=cache_salt, priority=priority, trace=trace))
              for number, prompt in enumerate(inputs)]
     gateway.metrics.generations.inc(len(tasks))

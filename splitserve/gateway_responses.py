@@ -42,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve.common.chat import FunctionTool
-from splitserve.gateway import APIError, Gateway, _chain, _chat, _chat_logprobs_object, _finish
+from splitserve.gateway import APIError, Gateway, _chain, _chat, _chat_logprobs_object, _finish, _request_id
 from splitserve.gateway_reasoning import ReasoningReplies
 from splitserve.gateway_responses_request import parse_request, under_tool_choice
 from splitserve.gateway_tools import ToolReplies
@@ -65,9 +65,9 @@ class ResponseHead:
     reasoning_id: str = ""
 
     @classmethod
-    def new(cls, model: str, echoed: dict) -> ResponseHead:
+    def new(cls, response_id: str, model: str, echoed: dict) -> ResponseHead:
         hex_id = uuid.uuid4().hex
-        return cls(f"resp_{hex_id}", int(time.time()), model, echoed, f"msg_{hex_id}", f"rs_{hex_id}")
+        return cls(response_id, int(time.time()), model, echoed, f"msg_{hex_id}", f"rs_{hex_id}")
 
     def response(self, status: str, output: list, usage: dict | None = None, last=None) -> dict:
         """The response object; ``last`` (the router's last message) gives an incomplete one its reason and a
@@ -333,7 +333,9 @@ async def create_response(gateway: Gateway, request: Request) -> Response:
         params = dataclasses.replace(params, structured_outputs=parsed.text_format)
     params, tools = under_tool_choice(gateway, parsed.chat_body, chat, params)
     echoed = {**parsed.echoed, "temperature": params.temperature, "top_p": params.top_p}
-    head = ResponseHead.new(lora_name or gateway._model_name(info), echoed)
+    # vLLM's request_id is the response's id as given (resp_ and a random one without it), and its router call's.
+    head = ResponseHead.new(_request_id(body, "resp_", 1, verbatim=True), lora_name or gateway._model_name(info),
+                            echoed)
     reasoning = gateway.reasoning_replies(info, chat, tools)
     if parsed.logprobs is not None and (reasoning is not None or tools is not None):
         what = "a reasoning parser" if reasoning is not None else "function tools"

@@ -1561,15 +1561,20 @@ def test_a_chat_is_embedded_as_the_grpc_path_embeds_it(api, grpc_client, gateway
 
 
 def test_a_request_id_names_the_answer_and_its_router_calls(api, gateway, cluster, grpc_client):
-    """vLLM's ``request_id``: the answer's id is the route's prefix and it, and the router's calls carry it, so a
-    gRPC Abort by that id ends a streamed completion (``-N`` after it for each of several choices); an id the
-    router would refuse is 400 with the field named, and nothing else is lost."""
+    """vLLM's ``request_id``: the answer's id is the route's prefix and it (a response's is it alone, as vLLM's),
+    and the router's calls carry it, so a gRPC Abort by that id ends a streamed completion or response (``-N``
+    after it for each of several choices); an id the router would refuse is 400 with the field named, and nothing
+    else is lost."""
     model = api.models.list().data[0].id
     mine = f"mine.{uuid.uuid4().hex[:8]}"
     chat = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, extra_body={"request_id": mine})
     assert chat.id == f"chatcmpl-{mine}"
     embedded = api.embeddings.create(model=model, input=["a", "b"], extra_body={"request_id": mine})
     assert embedded.id == f"embd-{mine}" and len(embedded.data) == 2
+    events = api.responses.create(model=model, input=PROMPT, max_output_tokens=300, stream=True,
+                                  extra_body={"request_id": mine, "ignore_eos": True})
+    assert next(events).response.id == mine and grpc_client.abort(mine)
+    assert [event.type for event in events][-1] == "response.incomplete"
     stream = api.completions.create(model=model, prompt=PROMPT, max_tokens=300, temperature=0, stream=True, n=2,
                                     extra_body={"request_id": mine, "ignore_eos": True})
     chunks = [next(stream)]
@@ -1583,8 +1588,8 @@ def test_a_request_id_names_the_answer_and_its_router_calls(api, gateway, cluste
     assert sum(1 for c in chunks if c.choices and c.choices[0].text) < 2 * 300
     headers = {"authorization": f"Bearer {cluster.api_key}"}
     for route, body in (("completions", {"prompt": PROMPT}), ("chat/completions", {"messages": QUESTION}),
-                        ("embeddings", {"input": "x"})):
-        for bad in ("has space", "", "x" * 124, 7):
+                        ("embeddings", {"input": "x"}), ("responses", {"input": "x"})):
+        for bad in ("has space", "", "x" * (129 if route == "responses" else 124), 7):
             refused = httpx.post(f"{gateway}/v1/{route}", headers=headers,
                                  json={"model": model, "max_tokens": 1, **body, "request_id": bad})
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "request_id", refused.text

@@ -45,8 +45,8 @@ def _message(text: str, finish=inference_pb2.FINISH_REASON_UNSPECIFIED, **usage)
 
 
 def _head(**echoed) -> ResponseHead:
-    return ResponseHead.new("SmolLM2", {**parse_request({"input": "Hi"}).echoed, "temperature": 1.0, "top_p": 1.0,
-                                        **echoed})
+    return ResponseHead.new("resp_1", "SmolLM2",
+                            {**parse_request({"input": "Hi"}).echoed, "temperature": 1.0, "top_p": 1.0, **echoed})
 
 
 def _parsed_events(events: list[str]) -> list:
