@@ -3,6 +3,10 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 PROMPT ?= What is the capital of France?
+# Two pytest-xdist workers, a test module each at a time (its module-scoped cluster stays in one process): the
+# suite's processes wait on sockets and starts for a third of its time, which the second worker fills
+# (tests/conftest.py makes torch's threads in each worker wait without spinning). PYTEST_WORKERS= runs one.
+PYTEST_WORKERS ?= -n 2 --dist loadfile
 # Equal to the pin in pyproject.toml ([build-system] requires and the test extra).
 GRPC_TOOLS = grpcio-tools==1.78.0
 
@@ -42,20 +46,20 @@ demo: install
 
 # The whole test suite (what CI runs): the linter, then every tier (tests/unit, tests/integration, tests/e2e).
 test: install-test lint
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(PYTEST_WORKERS)
 
 # The inner loop: unit tests only (no processes, no model weights), under a minute.
 test-unit: install-test
 	$(PYTHON) -m pytest -q -m unit
 
 test-integration: install-test
-	$(PYTHON) -m pytest -q -m integration
+	$(PYTHON) -m pytest -q -m integration $(PYTEST_WORKERS)
 
 test-e2e: install-test
-	$(PYTHON) -m pytest -q -m e2e
+	$(PYTHON) -m pytest -q -m e2e $(PYTEST_WORKERS)
 
 test-faults: install-test
-	$(PYTHON) -m pytest -q -m faults
+	$(PYTHON) -m pytest -q -m faults $(PYTEST_WORKERS)
 
 # On a machine with a CUDA GPU: the tests that need one, then every kernel's time against the GPU's peak,
 # and decode steps with and without CUDA graphs.

@@ -10,6 +10,8 @@ converting (what the router does) lives in ``splitserve.common.model_info``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -67,12 +69,31 @@ def prepare_default_model(
 
     Returns:
         The model directory. Writes it atomically: a half-written conversion is
-        never mistaken for a finished one.
+        never mistaken for a finished one. One process converts at a time, under a
+        lock beside the folder (the OS releases it when its holder dies): others
+        started beside it on a fresh machine (workers side by side, pytest's
+        workers) wait, then find the folder prepared, where each would have
+        converted and the last to finish deleted the folder under its readers.
     """
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     target = default_model_dir(cache)
     if is_prepared(target) and not force:
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _conversion_lock(target):
+        if is_prepared(target) and not force:
+            return target
+        return _convert_default_model(target, log)
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path):
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _convert_default_model(target: Path, log: Callable[[str], None]) -> Path:
     gguf_path = find_default_gguf()
     log(f"Converting {gguf_path.name} to float32 safetensors in {target} (once, ~30 s)...")
 
@@ -84,7 +105,6 @@ def prepare_default_model(
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
     try:
         config = model.config

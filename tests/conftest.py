@@ -17,7 +17,15 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# `make test` runs two pytest-xdist workers, which share this machine's cores. torch's OpenMP threads (libgomp)
+# spin at each barrier while waiting, so an engine run in one worker slowed 4 to 8 times while the other held a
+# core; waiting passively, they sleep instead (about 2 times: the cores are shared). libgomp reads this once, when
+# torch loads it: set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import torch  # noqa: E402
 
 # Without a GPU, Triton kernels run only through its interpreter, which must be chosen before triton is first
 # imported (its language functions are wrapped at import): set here, before any test module can import it.

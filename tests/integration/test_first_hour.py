@@ -100,6 +100,27 @@ def test_launcher_names_the_child_that_exited_and_why(taken_port, tmp_path, mode
     assert not cluster.remove_log_dir() and any(tmp_path.glob("*-router.log")), "a log_dir given is never deleted"
 
 
+@pytest.mark.timeout(400)
+def test_two_processes_preparing_the_model_side_by_side_convert_it_once(tmp_path, model_dir):
+    """Processes started side by side on a fresh machine (workers, pytest's workers) each need the default model:
+    one converts it, the other waits for it under the conversion lock and finds it ready (each used to convert,
+    and the second to finish deleted the first's folder under its readers). The folder holds the model's tensors
+    and no staging folder is left."""
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "SPLITSERVE_CACHE": str(tmp_path)}
+    processes = [subprocess.Popen([sys.executable, "-m", "splitserve.cli", "prepare-model"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = [(process.communicate(timeout=360), process.returncode) for process in processes]
+    assert [code for _, code in results] == [0, 0], [err for (_, err), _ in results]
+    [folder] = {out.strip() for (out, _), _ in results}
+    assert sum(err.count("Model ready: ") for (_, err), _ in results) == 1, [err[-300:] for (_, err), _ in results]
+    assert Path(folder).parent.parent == tmp_path and sorted(p.name for p in Path(folder).parent.iterdir()) == [
+        f".{Path(folder).name}.lock", Path(folder).name]
+    converted, expected = load_file(Path(folder) / "model.safetensors"), load_file(model_dir / "model.safetensors")
+    assert converted.keys() == expected.keys() and all(torch.equal(converted[k], expected[k]) for k in expected)
+
+
 def test_a_cluster_deletes_only_the_log_folder_it_made(tmp_path):
     made = LocalCluster()
     assert made.log_dir.is_dir() and made.log_dir.name.startswith("splitserve-cluster-")
