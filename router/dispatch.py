@@ -91,6 +91,7 @@ class RouterRequest:
     original_sampling_params: inference_pb2.SamplingParams | None = None  # the client's; set in __post_init__
     num_migrations: int = 0
     echo_text: str | None = None  # the prompt's text, for a request that asked for it (GenerateRequest.echo)
+    return_prompt_token_ids: bool = False  # GenerateRequest.return_prompt_token_ids: the client's prompt's ids, once
     excluded_decode_workers: set[str] = field(default_factory=set)  # decode workers that failed this request
     _cancels: list[Callable[[], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)

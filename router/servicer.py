@@ -79,6 +79,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 response.logprobs.extend(chunk.logprobs)
                 response.prompt_logprobs.extend(chunk.prompt_logprobs)
                 response.prompt_text += chunk.prompt_text
+                response.prompt_token_ids.extend(chunk.prompt_token_ids)
                 if chunk.finish_reason:
                     response.finish_reason = chunk.finish_reason
                     kind = chunk.WhichOneof("stop_reason")
@@ -179,7 +180,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             sampling.CopyFrom(request.sampling_params)
             sampling.ClearField("truncate_prompt_tokens")
         job = RouterRequest(request_id, prompt, sampling, priority=request.priority,
-                            lora_name=self._lora_name_of(request), cache_salt=cache_salt_from_pb(request))
+                            lora_name=self._lora_name_of(request), cache_salt=cache_salt_from_pb(request),
+                            return_prompt_token_ids=request.return_prompt_token_ids)
         if request.echo:
             job.echo_text = prompt.text if prompt.text is not None else self.frontend.detokenize(prompt.token_ids)
         return self._enter(job, context)
@@ -309,6 +311,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     chunk.prompt_logprobs.extend(message.prompt_logprobs or
                                                  (job.prefill.prompt_logprobs if job.prefill is not None else []))
                     chunk.prompt_text = job.echo_text or ""
+                    if job.return_prompt_token_ids:
+                        chunk.prompt_token_ids.extend(job.original_prompt.token_ids)
             progress.num_attempt_tokens += len(message.token_ids)
         kind = message.WhichOneof("stop_reason")
         if kind:

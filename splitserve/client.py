@@ -101,14 +101,17 @@ def chat_prompt(chat) -> inference_pb2.ChatPrompt:
 
 
 def generate_request(prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     echo: bool = False, priority: int = 0, lora_name: str = "", cache_salt: str | None = None):
+                     echo: bool = False, priority: int = 0, lora_name: str = "", cache_salt: str | None = None,
+                     return_prompt_token_ids: bool = False):
     """A GenerateRequest for a text prompt, a list of token ids, or a chat (a ``Chat``, or a list of OpenAI message
     dicts, tool calls and answers included: ``chat_prompt``); with ``echo``
-    the first token's message carries the prompt's text; ``priority`` orders it on workers that serve by priority
+    the first token's message carries the prompt's text, with ``return_prompt_token_ids`` its token ids;
+    ``priority`` orders it on workers that serve by priority
     (lower first); ``lora_name`` runs it with that LoRA adapter of the workers ("": the base model); ``cache_salt``
     keeps its prompt's cached KV apart from other salts' (GenerateRequest.cache_salt)."""
     request = inference_pb2.GenerateRequest(sampling_params=sampling_params_to_pb(params), echo=echo,
-                                            priority=priority, lora_name=lora_name, cache_salt=cache_salt)
+                                            priority=priority, lora_name=lora_name, cache_salt=cache_salt,
+                                            return_prompt_token_ids=return_prompt_token_ids)
     if request_id is not None:
         request.request_id = request_id
     if isinstance(prompt, str):
@@ -173,15 +176,19 @@ class Client:
 
     def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                  timeout: float | None = None, echo: bool = False, priority: int = 0,
-                 lora_name: str = "", cache_salt: str | None = None) -> inference_pb2.GenerateResponse:
-        return self.stub.Generate(generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt),
-                                  timeout=timeout or self.timeout)
+                 lora_name: str = "", cache_salt: str | None = None,
+                 return_prompt_token_ids: bool = False) -> inference_pb2.GenerateResponse:
+        request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt,
+                                   return_prompt_token_ids)
+        return self.stub.Generate(request, timeout=timeout or self.timeout)
 
     def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                         timeout: float | None = None, echo: bool = False, priority: int = 0,
-                        lora_name: str = "", cache_salt: str | None = None) -> Iterator[inference_pb2.GenerateStreamResponse]:
+                        lora_name: str = "", cache_salt: str | None = None,
+                        return_prompt_token_ids: bool = False) -> Iterator[inference_pb2.GenerateStreamResponse]:
         """The streamed chunks; cancel early with ``.cancel()`` on the returned call."""
-        request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt)
+        request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt,
+                                   return_prompt_token_ids)
         return self.stub.GenerateStream(request, timeout=timeout or self.timeout)
 
     def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
@@ -264,18 +271,20 @@ class AsyncClient:
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        timeout: float | None = None, api_key: str | None = None,
                        echo: bool = False, priority: int = 0, lora_name: str = "",
-                       cache_salt: str | None = None) -> inference_pb2.GenerateResponse:
-        request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt)
+                       cache_salt: str | None = None, return_prompt_token_ids: bool = False) -> inference_pb2.GenerateResponse:
+        request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt,
+                                   return_prompt_token_ids)
         return await self.stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata(api_key))
 
     def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                         timeout: float | None = None, api_key: str | None = None, echo: bool = False,
                         priority: int = 0, lora_name: str = "", cache_salt: str | None = None,
-                        trace: tuple[tuple[str, str], ...] = ()):
+                        trace: tuple[tuple[str, str], ...] = (), return_prompt_token_ids: bool = False):
         """The call, an async iterator of the streamed chunks; ``.cancel()`` on it ends the request on the
         workers (its blocks freed). ``trace``: W3C trace context (``traceparent``, ``tracestate``) to send, so the
         router's span of the request joins the caller's trace."""
-        request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt)
+        request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt,
+                                   return_prompt_token_ids)
         return self.stub.GenerateStream(request, timeout=timeout or self.timeout,
                                         metadata=self._metadata(api_key) + tuple(trace))
 

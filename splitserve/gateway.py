@@ -8,7 +8,8 @@ sentence, never a 422 of field paths). Each choice of an HTTP request (``n`` of 
 completions batch, 1 by default) is one gRPC call on the router through :class:`splitserve.client.AsyncClient`,
 the calls side by side (as vLLM's parallel sampling, choice i of a seeded request samples with seed + i); with
 ``echo`` each completion starts with its prompt (scored with ``logprobs``, ``max_tokens`` 0 for the prompt alone,
-as lm-evaluation-harness's loglikelihood asks), from the router's ``prompt_text`` and prompt logprobs. The
+as lm-evaluation-harness's loglikelihood asks), from the router's ``prompt_text`` and prompt logprobs; with vLLM's
+``return_token_ids`` each choice carries its token ids and its prompt's (the router's ``prompt_token_ids``). The
 gateway keeps no state and no secret. The caller's
 ``Authorization: Bearer`` header is passed on as the router's API key, so the router authenticates as it does
 for gRPC clients. A caller that disconnects cancels its calls, and the router aborts their requests on the
@@ -159,6 +160,9 @@ class _Reply:
     # ``reasoning`` (None: 0, no think block being split off).
     with_reasoning: bool = False
     reasoning: ReasoningReplies | None = None
+    # vLLM's return_token_ids: each choice's generated token ids (a stream's chunk its new ones) and the prompt's
+    # (on each completion choice, once for a chat: on the answer, a stream's first chunk).
+    with_token_ids: bool = False
 
     def head(self, kind: str) -> dict:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
@@ -182,6 +186,21 @@ class _Reply:
         if self.score_only and finish in ("stop", "length"):  # max_tokens 0: the prompt alone, at its length
             finish, stop_reason = "length", None
         return {**self.choice(index, text, finish, logprobs, final, text_offset), "stop_reason": stop_reason}
+
+    def token_ids(self, messages) -> list[int]:
+        """The generated token ids ``messages`` carry (none when ``score_only``: the one generated is not shown)."""
+        return [] if self.score_only else [token_id for message in messages for token_id in message.token_ids]
+
+    def add_token_ids(self, answer: dict, choice: dict, messages) -> None:
+        """vLLM's ``return_token_ids`` fields of one choice's ``messages`` (all of them, or a stream's latest):
+        the choice's ``token_ids``, and the prompt's where a message carries them (the choice's own on a completion,
+        the ``answer``'s on a chat)."""
+        if not self.with_token_ids:
+            return
+        choice["token_ids"] = self.token_ids(messages)
+        prompt_token_ids = [token_id for message in messages for token_id in message.prompt_token_ids]
+        if prompt_token_ids:
+            (answer if self.kind == "chat.completion" else choice)["prompt_token_ids"] = prompt_token_ids
 
     def tally(self, index: int, message) -> None:
         """Count choice ``index``'s reasoning tokens in its next router message."""
@@ -390,7 +409,8 @@ class Gateway:
         reply = _Reply(request_id, kind, lora_name or self._model_name(self._model_info), int(time.time()), choice,
                        num_choices,
                        score_only, with_prompt_logprobs=body.get("prompt_logprobs") is not None,
-                       with_reasoning=with_reasoning, reasoning=reasoning)
+                       with_reasoning=with_reasoning, reasoning=reasoning,
+                       with_token_ids=_flag(body, "return_token_ids"))
         generations = [(prompt, index) for prompt in prompts for index in range(num_choices)]
         calls, streams, firsts = await self._start(request, body, generations, params, request_id, lora_name, echo)
         if not _flag(body, "stream"):
@@ -409,11 +429,12 @@ class Gateway:
             stream); errors before every first message are raised, all calls cancelled, as HTTP errors.
         """
         api_key, priority, cache_salt = _bearer(request), _priority(body), _cache_salt(body)
-        trace = router_trace(request)
+        trace, with_token_ids = router_trace(request), _flag(body, "return_token_ids")
         calls = [self.client.generate_stream(prompt, _choice_params(params, index),
                                              _call_id(request_id, number, len(generations)),
                                              api_key=api_key, echo=echo, priority=priority, lora_name=lora_name,
-                                             cache_salt=cache_salt, trace=trace)
+                                             cache_salt=cache_salt, trace=trace,
+                                             return_prompt_token_ids=with_token_ids)
                  for number, (prompt, index) in enumerate(generations)]
         self.metrics.generations.inc(len(calls))
         request.state.generations = len(calls)  # on the request's span (_Traced)
@@ -434,7 +455,7 @@ class Gateway:
     async def _whole(self, request: Request, calls: list, streams: list, firsts: list, reply: _Reply) -> Response:
         """The non-streamed answer; the calls are cancelled if the HTTP client leaves before they end."""
         collected = await self._collect(request, calls, streams, firsts)
-        choices, usages, prompt_logprobs = [], [], []
+        choices, usages, prompt_logprobs, answer = [], [], [], {}
         for index, chunks in enumerate(collected):
             last = chunks[-1] if chunks else inference_pb2.GenerateStreamResponse()
             shown = [reply.shown(chunk) for chunk in chunks]
@@ -443,9 +464,10 @@ class Gateway:
             text = "".join(text for text, _ in shown)
             logprobs = [entry for _, entries in shown for entry in entries]
             choices.append(reply.choice_of(index, text, last, logprobs, final=True))
+            reply.add_token_ids(answer, choices[-1], chunks)
             usages.append(last.usage)
             prompt_logprobs.append(_vllm_prompt_logprobs([entry for chunk in chunks for entry in chunk.prompt_logprobs]))
-        answer = {**reply.head(reply.kind), "choices": choices, "usage": reply.usage(usages)}
+        answer = {**reply.head(reply.kind), "choices": choices, "usage": reply.usage(usages), **answer}
         if reply.with_prompt_logprobs:  # vLLM's: on each completion choice, once for a chat (its one prompt)
             if reply.kind == "chat.completion":
                 answer["prompt_logprobs"] = prompt_logprobs[0]
@@ -483,6 +505,8 @@ class Gateway:
                 for index in range(len(calls)):
                     chunk = {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None}]}
+                    if reply.with_token_ids and index == 0 and firsts[0] is not None:  # vLLM's: the first chunk's
+                        chunk["prompt_token_ids"] = list(firsts[0].prompt_token_ids)
                     if continuous_usage:
                         chunk["usage"] = reply.usage_so_far(firsts[index], started=False)
                     yield _event(chunk)
@@ -500,11 +524,17 @@ class Gateway:
                 last[index] = message
                 reply.tally(index, message)
                 text, entries = reply.shown(message)
-                if text or message.finish_reason or entries:
+                new_ids = reply.with_token_ids and bool(reply.token_ids([message]))
+                if text or message.finish_reason or entries or new_ids:
                     choice = reply.choice_of(index, text, message, entries, False, text_offsets[index])
                     text_offsets[index] += len(text)
-                    if choice.get("delta") != {} or choice["finish_reason"] or entries:  # not text a tool call holds
+                    # Not text a tool call holds back, unless its token ids are asked for (its delta then empty).
+                    if choice.get("delta") != {} or choice["finish_reason"] or entries or new_ids:
                         chunk = {**head, "choices": [choice]}
+                        if reply.kind != "chat.completion":  # a chat's prompt ids went with its first chunk
+                            reply.add_token_ids(chunk, choice, [message])
+                        elif reply.with_token_ids:
+                            choice["token_ids"] = reply.token_ids([message])
                         if continuous_usage:
                             chunk["usage"] = reply.usage_so_far(message)
                         yield _event(chunk)
@@ -623,6 +653,7 @@ class Gateway:
             "include_stop_str_in_output": body.get("include_stop_str_in_output") or False,
             "allowed_token_ids": body.get("allowed_token_ids"), "bad_words": body.get("bad_words") or [],
             "truncate_prompt_tokens": body.get("truncate_prompt_tokens"),
+            "skip_special_tokens": _flag(body, "skip_special_tokens", default=True),
             "prompt_logprobs": _prompt_logprobs(body),
             "structured_outputs": _structured_outputs(body),
         }
@@ -897,12 +928,14 @@ def _call_id(request_id: str, number: int, num_calls: int) -> str:
     return request_id if num_calls == 1 else f"{request_id}-{number}"
 
 
-def _flag(body: dict, name: str) -> bool:
-    """A true-or-false field (absent or null: false); 400 for anything else."""
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    """A true-or-false field (absent or null: ``default``); 400 for anything else."""
     value = body.get(name)
-    if value is not None and not isinstance(value, bool):
+    if value is None:
+        return default
+    if not isinstance(value, bool):
         raise APIError(400, f"{name} must be true or false.", name)
-    return bool(value)
+    return value
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:

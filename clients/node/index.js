@@ -36,9 +36,11 @@ const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 // promptLogprobs, structuredOutputs: { json: '<schema text>' } (or { regex }, { choice: { values: [...] } },
 // { grammar }, { jsonObject: true }), ... }. A chat with function tools is { messages, tools: [{ name, description,
 // parameters: '<JSON schema text>' }] }, its messages carrying toolCalls: [{ id, name, arguments: '<JSON text>' }]
-// (an assistant's) and toolCallId (a tool's answer); a call is forced with structuredOutputs: { json: parameters }. With echo, the message with the first token carries the prompt's text (promptText).
-function generateRequest(prompt, params = {}, requestId, echo = false, priority = 0, loraName = '', cacheSalt) {
-  const request = { samplingParams: params, echo, priority, loraName };
+// (an assistant's) and toolCallId (a tool's answer); a call is forced with structuredOutputs: { json: parameters }. With echo, the message with the first token carries the prompt's text (promptText), with
+// returnPromptTokenIds its token ids (promptTokenIds).
+function generateRequest(prompt, params = {}, requestId, echo = false, priority = 0, loraName = '', cacheSalt,
+  returnPromptTokenIds = false) {
+  const request = { samplingParams: params, echo, priority, loraName, returnPromptTokenIds };
   if (requestId !== undefined) request.requestId = requestId;
   if (cacheSalt !== undefined) request.cacheSalt = cacheSalt;
   if (typeof prompt === 'string') request.text = prompt;
@@ -91,15 +93,17 @@ class Client {
 
   /** The whole completion: { text, tokenIds, finishReason, usage, timing, promptLogprobs, promptText, ... }.
    * Rejects with a gRPC error ({ code, details }) for a refused request. */
-  generate(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName, cacheSalt } = {}) {
-    return this._unary('generate', generateRequest(prompt, params, requestId, echo, priority, loraName, cacheSalt),
-      timeoutSeconds);
+  generate(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName, cacheSalt,
+    returnPromptTokenIds } = {}) {
+    return this._unary('generate', generateRequest(prompt, params, requestId, echo, priority, loraName, cacheSalt,
+      returnPromptTokenIds), timeoutSeconds);
   }
 
   /** The streamed chunks, an async iterator; `.cancel()` on it ends the request on the workers. */
-  generateStream(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName, cacheSalt } = {}) {
-    return this.stub.generateStream(generateRequest(prompt, params, requestId, echo, priority, loraName, cacheSalt),
-      this._metadata(), this._options(timeoutSeconds));
+  generateStream(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName, cacheSalt,
+    returnPromptTokenIds } = {}) {
+    return this.stub.generateStream(generateRequest(prompt, params, requestId, echo, priority, loraName, cacheSalt,
+      returnPromptTokenIds), this._metadata(), this._options(timeoutSeconds));
   }
 
   /** The prompt's embedding (Embed): its last token's final hidden state, an array of numbers of unit length

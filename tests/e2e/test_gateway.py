@@ -1560,6 +1560,72 @@ def test_a_chat_is_embedded_as_the_grpc_path_embeds_it(api, grpc_client, gateway
     wait_until(lambda: all_blocks_free(grpc_client), 15, message="all KV blocks free")
 
 
+def test_return_token_ids_gives_the_prompts_ids_and_each_choices(api, gateway, cluster, grpc_client):
+    """vLLM's return_token_ids: each completion choice carries its prompt's token ids (the router's Tokenize of it)
+    and its generated ids (the gRPC path's greedy tokens, asked for the prompt's ids too), whole and streamed (the
+    prompt's on a choice's first chunk, each chunk its new ids); a chat answer carries its prompt's ids once (its
+    template rendered, as /tokenize gives them; a stream's first chunk) and each choice its own; without the field
+    neither is there, and a value other than true or false is 400."""
+    model = api.models.list().data[0].id
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = grpc_client.generate(PROMPT, params, return_prompt_token_ids=True)
+    assert list(expected.prompt_token_ids) == grpc_client.tokenize(PROMPT) and len(expected.token_ids) > 1
+    asked = {"return_token_ids": True}
+    whole = api.completions.create(model=model, prompt=[PROMPT, PROMPT], max_tokens=12, temperature=0, extra_body=asked)
+    assert [(c.prompt_token_ids, c.token_ids, c.text) for c in whole.choices] == [
+        (list(expected.prompt_token_ids), list(expected.token_ids), expected.text)] * 2
+    chunks = list(api.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                         extra_body=asked))
+    assert [getattr(c.choices[0], "prompt_token_ids", None) is not None for c in chunks] == [True] + [False] * (
+        len(chunks) - 1) and chunks[0].choices[0].prompt_token_ids == list(expected.prompt_token_ids)
+    assert [token for c in chunks for token in c.choices[0].token_ids] == list(expected.token_ids)
+    plain = api.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    assert getattr(plain.choices[0], "token_ids", None) is None and getattr(plain.choices[0], "prompt_token_ids",
+                                                                            None) is None
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    rendered = httpx.post(f"{gateway}/tokenize", headers=headers, json={"model": model, "messages": QUESTION}).json()
+    chat_expected = grpc_client.generate(QUESTION, params, return_prompt_token_ids=True)
+    assert list(chat_expected.prompt_token_ids) == rendered["tokens"]
+    chat = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0, n=2,
+                                       extra_body=asked)
+    assert chat.prompt_token_ids == rendered["tokens"]
+    assert [c.token_ids for c in chat.choices] == [list(chat_expected.token_ids)] * 2
+    assert chat.choices[0].message.content == chat_expected.text
+    chat_chunks = list(api.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0,
+                                                   stream=True, extra_body=asked))
+    assert chat_chunks[0].prompt_token_ids == rendered["tokens"]
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chat_chunks[1:])
+    streamed = [token for c in chat_chunks if c.choices for token in (getattr(c.choices[0], "token_ids", None) or [])]
+    assert streamed == list(chat_expected.token_ids)
+    assert getattr(api.chat.completions.create(model=model, messages=QUESTION, max_tokens=2), "prompt_token_ids",
+                   None) is None
+    refused = httpx.post(f"{gateway}/v1/completions", headers=headers,
+                         json={"model": model, "prompt": PROMPT, "max_tokens": 1, "return_token_ids": "yes"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_token_ids", refused.text
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(api, gateway, cluster, grpc_client):
+    """vLLM's skip_special_tokens (default true): a completion held to a special token (allowed_token_ids) shows
+    nothing by default and the token's text with false, as the gRPC path's detokenizer gives it, on completions
+    and chats, whole and streamed; a value other than true or false is 400."""
+    model = api.models.list().data[0].id
+    [special] = grpc_client.tokenize("<|im_start|>")
+    held = {"allowed_token_ids": [special]}
+    kept = grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[special],
+                                                       skip_special_tokens=False))
+    assert kept.text == "<|im_start|>" * 3 and list(kept.token_ids) == [special] * 3
+    assert api.completions.create(model=model, prompt=PROMPT, max_tokens=3, extra_body=held).choices[0].text == ""
+    shown = api.completions.create(model=model, prompt=PROMPT, max_tokens=3,
+                                   extra_body={**held, "skip_special_tokens": False})
+    assert shown.choices[0].text == kept.text
+    chunks = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=3, stream=True,
+                                         extra_body={**held, "skip_special_tokens": False})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == kept.text
+    refused = httpx.post(f"{gateway}/v1/chat/completions", headers={"authorization": f"Bearer {cluster.api_key}"},
+                         json={"model": model, "messages": QUESTION, "max_tokens": 1, "skip_special_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "skip_special_tokens", refused.text
+
+
 def test_a_request_id_names_the_answer_and_its_router_calls(api, gateway, cluster, grpc_client):
     """vLLM's ``request_id``: the answer's id is the route's prefix and it (a response's is it alone, as vLLM's),
     and the router's calls carry it, so a gRPC Abort by that id ends a streamed completion or response (``-N``

@@ -45,12 +45,15 @@ test('chat messages and token ids are prompts too', async () => {
   }
 });
 
-test('a prompt is scored and echoed', async () => {
+test('a prompt is scored and echoed, its token ids returned', async () => {
   const client = new Client(address, { apiKey, timeoutSeconds: 120 });
   try {
     const tokenIds = await client.tokenize(PROMPT);
-    const reply = await client.generate(PROMPT, { temperature: 0, maxTokens: 1, promptLogprobs: 2 }, { echo: true });
+    const reply = await client.generate(PROMPT, { temperature: 0, maxTokens: 1, promptLogprobs: 2 },
+      { echo: true, returnPromptTokenIds: true });
     assert.equal(reply.promptText, PROMPT);
+    assert.deepEqual(reply.promptTokenIds, tokenIds);
+    assert.deepEqual((await client.generate(PROMPT, { temperature: 0, maxTokens: 1 })).promptTokenIds, []);
     assert.deepEqual(reply.promptLogprobs.map((position) => position.sampled.tokenId), tokenIds);
     for (const position of reply.promptLogprobs.slice(1)) {
       assert.equal(position.top.length, 2);
