@@ -163,6 +163,8 @@ class _Reply:
     # vLLM's return_token_ids: each choice's generated token ids (a stream's chunk its new ones) and the prompt's
     # (on each completion choice, once for a chat: on the answer, a stream's first chunk).
     with_token_ids: bool = False
+    # vLLM's echo on a chat: the last message's content when it is the assistant's, before each answer's content.
+    chat_echo: str = ""
 
     def head(self, kind: str) -> dict:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
@@ -364,8 +366,10 @@ class Gateway:
         body = await self._body(request)
         info, lora_name = await self._model_of(request, body)
         chat = _chat(body)
-        if _flag(body, "echo"):
-            raise APIError(400, "echo is supported on /v1/completions only.", "echo")
+        # vLLM's echo on chats: each answer starts with the last message's content when that is the assistant's (an
+        # answer begun for the model, continued with continue_final_message), and is the generated text otherwise.
+        last = chat.messages[-1] if chat.messages else None
+        echoed = last.content if _flag(body, "echo") and last is not None and last.role == "assistant" else ""
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         params = self._params({**body, "max_tokens": max_tokens}, info, default_max_tokens=info.max_model_len,
                               logprobs=_chat_logprobs(body))
@@ -380,7 +384,7 @@ class Gateway:
         choice = functools.partial(_chat_choice, tools=tools, reasoning=reasoning, with_reasoning=with_reasoning,
                                    as_ids=_flag(body, "return_tokens_as_token_ids"))
         return await self._respond(request, body, [chat], params, "chatcmpl-", "chat.completion", choice, lora_name,
-                                   reasoning=reasoning, with_reasoning=with_reasoning)
+                                   reasoning=reasoning, with_reasoning=with_reasoning, chat_echo=echoed)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, as vLLM serves it (``splitserve.gateway_responses``)."""
@@ -398,11 +402,13 @@ class Gateway:
 
     async def _respond(self, request: Request, body: dict, prompts: list, params: SamplingParams, prefix: str,
                        kind: str, choice, lora_name: str, echo: bool = False, score_only: bool = False,
-                       reasoning: ReasoningReplies | None = None, with_reasoning: bool = False) -> Response:
+                       reasoning: ReasoningReplies | None = None, with_reasoning: bool = False,
+                       chat_echo: str = "") -> Response:
         """Generate ``n`` choices for each of ``prompts`` (choice ``index`` of prompt ``p`` is the answer's choice
         ``p * n + index``, as OpenAI numbers a batch's choices), one router call each, with LoRA adapter
         ``lora_name`` ("": the base model); with ``echo`` each choice starts with its prompt (``_Reply.score_only``);
-        ``with_reasoning``: a chat answer under a reasoning parser, ``reasoning`` counting its reasoning tokens."""
+        ``with_reasoning``: a chat answer under a reasoning parser, ``reasoning`` counting its reasoning tokens;
+        ``chat_echo``: the text each chat answer's content starts with."""
         num_choices = _num_choices(body, len(prompts), self.config.max_choices)
         include_usage, continuous_usage = _stream_options(body)
         request_id = _request_id(body, prefix, len(prompts) * num_choices)
@@ -410,7 +416,7 @@ class Gateway:
                        num_choices,
                        score_only, with_prompt_logprobs=body.get("prompt_logprobs") is not None,
                        with_reasoning=with_reasoning, reasoning=reasoning,
-                       with_token_ids=_flag(body, "return_token_ids"))
+                       with_token_ids=_flag(body, "return_token_ids"), chat_echo=chat_echo)
         generations = [(prompt, index) for prompt in prompts for index in range(num_choices)]
         calls, streams, firsts = await self._start(request, body, generations, params, request_id, lora_name, echo)
         if not _flag(body, "stream"):
@@ -468,6 +474,8 @@ class Gateway:
             usages.append(last.usage)
             prompt_logprobs.append(_vllm_prompt_logprobs([entry for chunk in chunks for entry in chunk.prompt_logprobs]))
         answer = {**reply.head(reply.kind), "choices": choices, "usage": reply.usage(usages), **answer}
+        for choice in choices if reply.chat_echo else ():
+            choice["message"]["content"] = reply.chat_echo + (choice["message"].get("content") or "")
         if reply.with_prompt_logprobs:  # vLLM's: on each completion choice, once for a chat (its one prompt)
             if reply.kind == "chat.completion":
                 answer["prompt_logprobs"] = prompt_logprobs[0]
@@ -510,6 +518,9 @@ class Gateway:
                     if continuous_usage:
                         chunk["usage"] = reply.usage_so_far(firsts[index], started=False)
                     yield _event(chunk)
+                for index in range(len(calls)) if reply.chat_echo else ():  # vLLM's: after every role chunk
+                    yield _event({**head, "choices": [{"index": index, "delta": {"content": reply.chat_echo},
+                                                       "logprobs": None, "finish_reason": None}]})
             last: list = [None] * len(calls)
             text_offsets = [0] * len(calls)
             running = len(calls)

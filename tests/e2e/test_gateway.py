@@ -134,13 +134,10 @@ def test_echo_scores_the_prompt_as_lm_evaluation_harness_asks(api, grpc_client):
     [only] = scored.choices
     assert only.text == PROMPT and only.finish_reason == "length" and scored.usage.completion_tokens == 0
     assert len(only.logprobs.tokens) == scored.usage.prompt_tokens == len(grpc_client.tokenize(PROMPT))
-    # Without logprobs, echo is the text alone; chat has no echo.
+    # Without logprobs, echo is the text alone.
     [plain] = api.completions.create(model=model, prompt=[PROMPT, ids], max_tokens=2, temperature=0,
                                      echo=True).choices[:1]
     assert plain.text.startswith(PROMPT) and plain.logprobs is None
-    with pytest.raises(openai.BadRequestError) as chat_echo:
-        api.chat.completions.create(model=model, messages=QUESTION, extra_body={"echo": True})
-    assert "echo is supported on /v1/completions only" in chat_echo.value.message
 
 
 def test_vllms_prompt_logprobs_come_on_whole_answers(gateway, cluster, grpc_client):
@@ -193,7 +190,8 @@ def test_continue_final_message_continues_the_assistants_answer(api, gateway, cl
     """vLLM's continue_final_message (with add_generation_prompt false, as vLLM asks, or left out): the chat's
     prompt ends inside the assistant's begun answer, as transformers renders it, and the model continues it
     token for token as a completion of that prompt does; /tokenize renders the same; both flags, or a value that
-    is not a boolean, are refused naming the field."""
+    is not a boolean, are refused naming the field. With vLLM's echo the answer starts with the begun answer (a
+    stream's chunk after the role's), and a chat ending in a user's message echoes nothing."""
     headers = {"authorization": f"Bearer {cluster.api_key}"}
     model = api.models.list().data[0].id
     messages = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
@@ -209,6 +207,18 @@ def test_continue_final_message_continues_the_assistants_answer(api, gateway, cl
         assert answer.choices[0].message.content == continued
     reopened = api.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
     assert reopened.choices[0].message.content != continued  # by default a new assistant turn opens
+    echo = {"continue_final_message": True, "echo": True}
+    echoed = api.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0, n=2,
+                                         extra_body=echo)
+    assert [choice.message.content for choice in echoed.choices] == ["The capital of France is" + continued] * 2
+    chunks = list(api.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                              stream=True, extra_body=echo))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[1].choices[0].delta.content == "The capital of France is"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed.choices[0].message.content
+    asked = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0)
+    assert api.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0,
+                                       extra_body={"echo": True}).choices[0].message.content == asked.choices[0].message.content
     for flags, field in (({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
                          ({"continue_final_message": "yes"}, "continue_final_message"),
                          ({"add_generation_prompt": 0}, "add_generation_prompt")):
