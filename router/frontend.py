@@ -145,6 +145,11 @@ class Frontend:
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         return Prompt(token_ids, text)
 
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's string as the tokenizer spells it (``convert_ids_to_tokens``: "Ġthe" for " the" in
+        byte-level BPE), for ids the tokenizer gave."""
+        return [str(token) for token in self.tokenizer.convert_ids_to_tokens(token_ids)]
+
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         """The text of token ids (Detokenize; echo's text of a token-id prompt), special tokens kept unless
         ``skip_special_tokens``.

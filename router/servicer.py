@@ -439,9 +439,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def _tokenize(self, request: inference_pb2.TokenizeRequest) -> inference_pb2.TokenizeResponse:
         prompt = self.frontend.tokenize(request)  # no length limit: the client compares with max_model_len
-        return inference_pb2.TokenizeResponse(
+        response = inference_pb2.TokenizeResponse(
             token_ids=prompt.token_ids, prompt_text=prompt.text or "", max_model_len=self.frontend.max_model_len
         )
+        if request.return_token_strs:
+            response.token_strs.extend(self.frontend.token_strings(prompt.token_ids))
+        return response
 
     def _model_info(self) -> inference_pb2.GetModelInfoResponse:
         info = self.frontend.model_info()

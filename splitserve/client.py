@@ -308,9 +308,11 @@ class AsyncClient:
     async def tokenize(self, text: str, api_key: str | None = None) -> list[int]:
         return list((await self.tokenize_prompt(text, api_key)).token_ids)
 
-    async def tokenize_prompt(self, prompt, api_key: str | None = None) -> inference_pb2.TokenizeResponse:
-        """Tokenize text, or chat messages (a list of {"role", "content"}) through the model's chat template."""
-        request = inference_pb2.TokenizeRequest()
+    async def tokenize_prompt(self, prompt, api_key: str | None = None,
+                              return_token_strs: bool = False) -> inference_pb2.TokenizeResponse:
+        """Tokenize text, or chat messages (a list of {"role", "content"}) through the model's chat template; with
+        ``return_token_strs`` each token's string too (``token_strs``)."""
+        request = inference_pb2.TokenizeRequest(return_token_strs=return_token_strs)
         if isinstance(prompt, str):
             request.text = prompt
         else:

@@ -316,7 +316,8 @@ class Gateway:
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: ``prompt`` (text) or ``messages`` (through the chat template) -> the token ids
-        generation would use, their count and the model's context length."""
+        generation would use, their count and the model's context length; with ``return_token_strs`` each token's
+        string as the tokenizer spells it."""
         body = await self._body(request)
         info = await self._check_model(request, body)
         if "messages" in body:
@@ -325,12 +326,17 @@ class Gateway:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise APIError(400, "prompt must be a string (or send messages instead).", "prompt")
+        with_strings = _flag(body, "return_token_strs")
         try:
-            tokenized = await self.client.tokenize_prompt(prompt, api_key=_bearer(request))
+            tokenized = await self.client.tokenize_prompt(prompt, api_key=_bearer(request),
+                                                          return_token_strs=with_strings)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         tokens = list(tokenized.token_ids)
-        return JSONResponse({"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens})
+        answer = {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+        if with_strings:  # vLLM's return_token_strs: each token as the tokenizer spells it
+            answer["token_strs"] = list(tokenized.token_strs)
+        return JSONResponse(answer)
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: ``tokens`` (token ids) -> their text, ``prompt``."""

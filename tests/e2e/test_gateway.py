@@ -227,10 +227,16 @@ def test_continue_final_message_continues_the_assistants_answer(api, gateway, cl
         assert refused.value.body["param"] == field, flags
 
 
-def test_tokenize_and_detokenize_are_vllms(gateway, cluster, grpc_client):
+def test_tokenize_and_detokenize_are_vllms(gateway, cluster, grpc_client, tokenizer):
     headers = {"authorization": f"Bearer {cluster.api_key}"}
     tokenized = httpx.post(f"{gateway}/tokenize", headers=headers, json={"prompt": PROMPT}).json()
     assert tokenized["tokens"] == grpc_client.tokenize(PROMPT) and tokenized["count"] == len(tokenized["tokens"])
+    assert "token_strs" not in tokenized
+    # vLLM's return_token_strs: each token as the tokenizer spells it, for text and chats.
+    for body in ({"prompt": PROMPT}, {"messages": QUESTION}):
+        spelled = httpx.post(f"{gateway}/tokenize", headers=headers, json={**body, "return_token_strs": True}).json()
+        assert spelled["token_strs"] == tokenizer.convert_ids_to_tokens(spelled["tokens"])
+        assert len(spelled["token_strs"]) == spelled["count"] > 1
     assert tokenized["max_model_len"] == grpc_client.model_info().max_model_len
     chat = httpx.post(f"{gateway}/tokenize", headers=headers, json={"messages": QUESTION}).json()
     chat_text = httpx.post(f"{gateway}/detokenize", headers=headers, json={"tokens": chat["tokens"]}).json()["prompt"]
