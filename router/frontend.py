@@ -132,17 +132,19 @@ class Frontend:
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequest("The request has no prompt: set text, token_ids or chat.")
+        # vLLM's add_special_tokens; unset: a text gets the tokenizer's (a BOS), a chat its template's alone.
+        special = request.add_special_tokens if request.HasField("add_special_tokens") else kind == "text"
         if kind == "text":
             text = request.text
             self._check_size(text, "text prompt")
-            token_ids = self.tokenizer.encode(text, add_special_tokens=True) if text else []
+            token_ids = self.tokenizer.encode(text, add_special_tokens=special) if text else []
         elif kind == "token_ids":
             text, token_ids = None, list(request.token_ids.ids)
         else:
             self._check_size(_chat_text(request.chat), "chat's messages")
             text = self.render_chat(request.chat)
             self._check_size(text, "rendered chat")
-            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            token_ids = self.tokenizer.encode(text, add_special_tokens=special)
         return Prompt(token_ids, text)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:

@@ -102,16 +102,18 @@ def chat_prompt(chat) -> inference_pb2.ChatPrompt:
 
 def generate_request(prompt, params: SamplingParams | None = None, request_id: str | None = None,
                      echo: bool = False, priority: int = 0, lora_name: str = "", cache_salt: str | None = None,
-                     return_prompt_token_ids: bool = False):
+                     return_prompt_token_ids: bool = False, add_special_tokens: bool | None = None):
     """A GenerateRequest for a text prompt, a list of token ids, or a chat (a ``Chat``, or a list of OpenAI message
     dicts, tool calls and answers included: ``chat_prompt``); with ``echo``
     the first token's message carries the prompt's text, with ``return_prompt_token_ids`` its token ids;
     ``priority`` orders it on workers that serve by priority
     (lower first); ``lora_name`` runs it with that LoRA adapter of the workers ("": the base model); ``cache_salt``
-    keeps its prompt's cached KV apart from other salts' (GenerateRequest.cache_salt)."""
+    keeps its prompt's cached KV apart from other salts' (GenerateRequest.cache_salt); ``add_special_tokens``: whether
+    the tokenizer adds its special tokens to a text or rendered chat (None: the router's default, GenerateRequest's)."""
     request = inference_pb2.GenerateRequest(sampling_params=sampling_params_to_pb(params), echo=echo,
                                             priority=priority, lora_name=lora_name, cache_salt=cache_salt,
-                                            return_prompt_token_ids=return_prompt_token_ids)
+                                            return_prompt_token_ids=return_prompt_token_ids,
+                                            add_special_tokens=add_special_tokens)
     if request_id is not None:
         request.request_id = request_id
     if isinstance(prompt, str):
@@ -125,13 +127,15 @@ def generate_request(prompt, params: SamplingParams | None = None, request_id: s
 
 def embed_request(prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
                   request_id: str | None = None, truncate_prompt_tokens: int | None = None,
-                  cache_salt: str | None = None, priority: int = 0) -> inference_pb2.EmbedRequest:
+                  cache_salt: str | None = None, priority: int = 0,
+                  add_special_tokens: bool | None = None) -> inference_pb2.EmbedRequest:
     """An EmbedRequest for a text prompt, a list of token ids, or a chat (as :func:`generate_request`'s);
     ``dimensions``: keep only the first this-many values (None: all); ``normalize``: to unit L2 norm, after the cut;
     ``truncate_prompt_tokens``: embed only the prompt's last this-many tokens (-1: max_model_len); ``priority`` as
-    :func:`generate_request`'s."""
+    :func:`generate_request`'s, as is ``add_special_tokens``."""
     request = inference_pb2.EmbedRequest(normalize=normalize, dimensions=dimensions or 0, lora_name=lora_name,
-                                         cache_salt=cache_salt, priority=priority)
+                                         cache_salt=cache_salt, priority=priority,
+                                         add_special_tokens=add_special_tokens)
     if request_id is not None:
         request.request_id = request_id
     if truncate_prompt_tokens is not None:
@@ -176,19 +180,19 @@ class Client:
 
     def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                  timeout: float | None = None, echo: bool = False, priority: int = 0,
-                 lora_name: str = "", cache_salt: str | None = None,
-                 return_prompt_token_ids: bool = False) -> inference_pb2.GenerateResponse:
+                 lora_name: str = "", cache_salt: str | None = None, return_prompt_token_ids: bool = False,
+                 add_special_tokens: bool | None = None) -> inference_pb2.GenerateResponse:
         request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt,
-                                   return_prompt_token_ids)
+                                   return_prompt_token_ids, add_special_tokens)
         return self.stub.Generate(request, timeout=timeout or self.timeout)
 
     def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                         timeout: float | None = None, echo: bool = False, priority: int = 0,
-                        lora_name: str = "", cache_salt: str | None = None,
-                        return_prompt_token_ids: bool = False) -> Iterator[inference_pb2.GenerateStreamResponse]:
+                        lora_name: str = "", cache_salt: str | None = None, return_prompt_token_ids: bool = False,
+                        add_special_tokens: bool | None = None) -> Iterator[inference_pb2.GenerateStreamResponse]:
         """The streamed chunks; cancel early with ``.cancel()`` on the returned call."""
         request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt,
-                                   return_prompt_token_ids)
+                                   return_prompt_token_ids, add_special_tokens)
         return self.stub.GenerateStream(request, timeout=timeout or self.timeout)
 
     def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
@@ -279,12 +283,13 @@ class AsyncClient:
     def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                         timeout: float | None = None, api_key: str | None = None, echo: bool = False,
                         priority: int = 0, lora_name: str = "", cache_salt: str | None = None,
-                        trace: tuple[tuple[str, str], ...] = (), return_prompt_token_ids: bool = False):
+                        trace: tuple[tuple[str, str], ...] = (), return_prompt_token_ids: bool = False,
+                        add_special_tokens: bool | None = None):
         """The call, an async iterator of the streamed chunks; ``.cancel()`` on it ends the request on the
         workers (its blocks freed). ``trace``: W3C trace context (``traceparent``, ``tracestate``) to send, so the
         router's span of the request joins the caller's trace."""
         request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt,
-                                   return_prompt_token_ids)
+                                   return_prompt_token_ids, add_special_tokens)
         return self.stub.GenerateStream(request, timeout=timeout or self.timeout,
                                         metadata=self._metadata(api_key) + tuple(trace))
 
@@ -292,11 +297,12 @@ class AsyncClient:
                     request_id: str | None = None, timeout: float | None = None,
                     api_key: str | None = None, truncate_prompt_tokens: int | None = None,
                     cache_salt: str | None = None, priority: int = 0,
-                    trace: tuple[tuple[str, str], ...] = ()) -> inference_pb2.EmbedResponse:
+                    trace: tuple[tuple[str, str], ...] = (),
+                    add_special_tokens: bool | None = None) -> inference_pb2.EmbedResponse:
         """The Embed response (its ``embedding`` and ``prompt_tokens``), as :meth:`Client.embed` asks; ``trace``
-        as :meth:`generate_stream`'s."""
+        as :meth:`generate_stream`'s, ``add_special_tokens`` as :func:`generate_request`'s."""
         request = embed_request(prompt, normalize, dimensions, lora_name, request_id, truncate_prompt_tokens,
-                                cache_salt, priority)
+                                cache_salt, priority, add_special_tokens)
         return await self.stub.Embed(request, timeout=timeout or self.timeout,
                                      metadata=self._metadata(api_key) + tuple(trace))
 
@@ -308,11 +314,13 @@ class AsyncClient:
     async def tokenize(self, text: str, api_key: str | None = None) -> list[int]:
         return list((await self.tokenize_prompt(text, api_key)).token_ids)
 
-    async def tokenize_prompt(self, prompt, api_key: str | None = None,
-                              return_token_strs: bool = False) -> inference_pb2.TokenizeResponse:
+    async def tokenize_prompt(self, prompt, api_key: str | None = None, return_token_strs: bool = False,
+                              add_special_tokens: bool | None = None) -> inference_pb2.TokenizeResponse:
         """Tokenize text, or chat messages (a list of {"role", "content"}) through the model's chat template; with
-        ``return_token_strs`` each token's string too (``token_strs``)."""
-        request = inference_pb2.TokenizeRequest(return_token_strs=return_token_strs)
+        ``return_token_strs`` each token's string too (``token_strs``); ``add_special_tokens`` as
+        :func:`generate_request`'s."""
+        request = inference_pb2.TokenizeRequest(return_token_strs=return_token_strs,
+                                                add_special_tokens=add_special_tokens)
         if isinstance(prompt, str):
             request.text = prompt
         else:

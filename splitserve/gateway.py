@@ -329,7 +329,8 @@ class Gateway:
         with_strings = _flag(body, "return_token_strs")
         try:
             tokenized = await self.client.tokenize_prompt(prompt, api_key=_bearer(request),
-                                                          return_token_strs=with_strings)
+                                                          return_token_strs=with_strings,
+                                                          add_special_tokens=_optional_flag(body, "add_special_tokens"))
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         tokens = list(tokenized.token_ids)
@@ -442,11 +443,12 @@ class Gateway:
         """
         api_key, priority, cache_salt = _bearer(request), _priority(body), _cache_salt(body)
         trace, with_token_ids = router_trace(request), _flag(body, "return_token_ids")
+        special = _optional_flag(body, "add_special_tokens")
         calls = [self.client.generate_stream(prompt, _choice_params(params, index),
                                              _call_id(request_id, number, len(generations)),
                                              api_key=api_key, echo=echo, priority=priority, lora_name=lora_name,
                                              cache_salt=cache_salt, trace=trace,
-                                             return_prompt_token_ids=with_token_ids)
+                                             return_prompt_token_ids=with_token_ids, add_special_tokens=special)
                  for number, (prompt, index) in enumerate(generations)]
         self.metrics.generations.inc(len(calls))
         request.state.generations = len(calls)  # on the request's span (_Traced)
@@ -947,10 +949,14 @@ def _call_id(request_id: str, number: int, num_calls: int) -> str:
 
 def _flag(body: dict, name: str, default: bool = False) -> bool:
     """A true-or-false field (absent or null: ``default``); 400 for anything else."""
+    value = _optional_flag(body, name)
+    return default if value is None else value
+
+
+def _optional_flag(body: dict, name: str) -> bool | None:
+    """A true-or-false field, None when absent or null; 400 for anything else."""
     value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
+    if value is not None and not isinstance(value, bool):
         raise APIError(400, f"{name} must be true or false.", name)
     return value
 

@@ -38,6 +38,7 @@ async def create_embeddings(gateway, request: Request) -> Response:
         _cancel_on_disconnect,
         _chat,
         _completion_prompts,
+        _optional_flag,
         _priority,
         _request_id,
         from_rpc_error,
@@ -74,13 +75,14 @@ async def create_embeddings(gateway, request: Request) -> Response:
         raise APIError(400, "truncate_prompt_tokens must be -1 (the model's context length) or an integer >= 1.",
                        "truncate_prompt_tokens")
 
-    cache_salt, priority = _cache_salt(body), _priority(body)
+    cache_salt, priority, special = _cache_salt(body), _priority(body), _optional_flag(body, "add_special_tokens")
     request_id = _request_id(body, "embd-", len(inputs))
     api_key = _bearer(request)
     trace = router_trace(request)
     tasks = [asyncio.ensure_future(gateway.client.embed(
         prompt, normalize, dimensions, lora_name, _call_id(request_id, number, len(inputs)),
-        api_key=api_key, truncate_prompt_tokens=truncate, cache_salt=cache_salt, priority=priority, trace=trace))
+        api_key=api_key, truncate_prompt_tokens=truncate, cache_salt=cache_salt, priority=priority, trace=trace,
+        add_special_tokens=special))
              for number, prompt in enumerate(inputs)]
     gateway.metrics.generations.inc(len(tasks))
     request.state.generations = len(tasks)  # on the request's span

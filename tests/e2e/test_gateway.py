@@ -232,6 +232,15 @@ def test_tokenize_and_detokenize_are_vllms(gateway, cluster, grpc_client, tokeni
     tokenized = httpx.post(f"{gateway}/tokenize", headers=headers, json={"prompt": PROMPT}).json()
     assert tokenized["tokens"] == grpc_client.tokenize(PROMPT) and tokenized["count"] == len(tokenized["tokens"])
     assert "token_strs" not in tokenized
+    # vLLM's add_special_tokens reaches the router (this tokenizer adds nothing, so the ids are the same either way;
+    # tests/unit/test_router_frontend.py shows one that adds a BOS); anything but true or false is 400.
+    model = httpx.get(f"{gateway}/v1/models", headers=headers).json()["data"][0]["id"]
+    for route, body in (("/tokenize", {"prompt": PROMPT}), ("/v1/completions", {"prompt": PROMPT, "max_tokens": 1}),
+                        ("/v1/embeddings", {"input": PROMPT}), ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 1})):
+        body = {"model": model, **body}
+        assert httpx.post(f"{gateway}{route}", headers=headers, json={**body, "add_special_tokens": False}).is_success
+        refused = httpx.post(f"{gateway}{route}", headers=headers, json={**body, "add_special_tokens": "no"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_special_tokens", route
     # vLLM's return_token_strs: each token as the tokenizer spells it, for text and chats.
     for body in ({"prompt": PROMPT}, {"messages": QUESTION}):
         spelled = httpx.post(f"{gateway}/tokenize", headers=headers, json={**body, "return_token_strs": True}).json()

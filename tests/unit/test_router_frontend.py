@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
@@ -219,3 +220,48 @@ def test_continue_final_message_ends_the_prompt_inside_the_assistants_answer(fro
     both.add_generation_prompt = True
     with pytest.raises(InvalidRequest, match="not both"):
         frontend.prompt_of(inference_pb2.GenerateRequest(chat=both))
+
+
+@pytest.fixture(scope="module")
+def bos_frontend(tmp_path_factory, metadata_dir):
+    """The default model's metadata with a tokenizer that puts a beginning-of-sequence token (``<|endoftext|>``,
+    id 0) before what it encodes, as Llama's does."""
+    from splitserve.router.frontend import Frontend
+
+    target = tmp_path_factory.mktemp("SmolLM2-with-bos")
+    for item in metadata_dir.iterdir():
+        shutil.copy(item, target / item.name)
+    tokenizer = json.loads((target / "tokenizer.json").read_text())
+    bos, first, second = ({"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                          {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}})
+    tokenizer["post_processor"] = {"type": "TemplateProcessing", "single": [bos, first], "pair": [bos, first, second],
+                                   "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                                                        "tokens": ["<|endoftext|>"]}}}
+    (target / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return Frontend(str(target), max_model_len=64)
+
+
+def test_add_special_tokens_chooses_whether_the_tokenizer_adds_its_bos(bos_frontend, frontend):
+    """vLLM's add_special_tokens: unset, a text prompt gets the tokenizer's BOS and a rendered chat only what its
+    template wrote; set, either way for both, on Generate, Tokenize and Embed alike. Token ids are taken as sent,
+    and a tokenizer that adds nothing gives the same ids either way."""
+    text = "Hi there"
+    words = bos_frontend.tokenizer.encode(text, add_special_tokens=False)
+    chat = inference_pb2.ChatPrompt(messages=[inference_pb2.ChatMessage(role="user", content=text)])
+    rendered = bos_frontend.tokenizer.encode(bos_frontend.render_chat(chat), add_special_tokens=False)
+    assert rendered[0] != 0 and words[0] != 0
+    for kind in (inference_pb2.GenerateRequest, inference_pb2.TokenizeRequest, inference_pb2.EmbedRequest):
+        def ids(special=None, kind=kind, **prompt):
+            request = kind(**prompt) if special is None else kind(**prompt, add_special_tokens=special)
+            return list(bos_frontend.tokenize(request).token_ids)
+
+        assert ids(text=text) == ids(text=text, special=True) == [0, *words], kind
+        assert ids(text=text, special=False) == words
+        assert ids(chat=chat) == ids(chat=chat, special=False) == rendered
+        assert ids(chat=chat, special=True) == [0, *rendered]
+    token_ids = inference_pb2.TokenIds(ids=words)
+    assert list(bos_frontend.tokenize(inference_pb2.GenerateRequest(token_ids=token_ids,
+                                                                    add_special_tokens=True)).token_ids) == words
+    for special in (True, False):
+        request = inference_pb2.TokenizeRequest(text=text, add_special_tokens=special)
+        assert list(frontend.tokenize(request).token_ids) == words
