@@ -37,12 +37,14 @@ const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 // { grammar }, { jsonObject: true }), ... }. A chat with function tools is { messages, tools: [{ name, description,
 // parameters: '<JSON schema text>' }] }, its messages carrying toolCalls: [{ id, name, arguments: '<JSON text>' }]
 // (an assistant's) and toolCallId (a tool's answer); a call is forced with structuredOutputs: { json: parameters }. With echo, the message with the first token carries the prompt's text (promptText), with
-// returnPromptTokenIds its token ids (promptTokenIds).
+// returnPromptTokenIds its token ids (promptTokenIds). addSpecialTokens: whether the tokenizer adds its special tokens
+// (a BOS) to a text or rendered chat (unset: the router's default, yes for text and no for chats).
 function generateRequest(prompt, params = {}, requestId, echo = false, priority = 0, loraName = '', cacheSalt,
-  returnPromptTokenIds = false) {
+  returnPromptTokenIds = false, addSpecialTokens) {
   const request = { samplingParams: params, echo, priority, loraName, returnPromptTokenIds };
   if (requestId !== undefined) request.requestId = requestId;
   if (cacheSalt !== undefined) request.cacheSalt = cacheSalt;
+  if (addSpecialTokens !== undefined) request.addSpecialTokens = addSpecialTokens;
   if (typeof prompt === 'string') request.text = prompt;
   else if (Array.isArray(prompt) && prompt.length && typeof prompt[0] === 'object') request.chat = { messages: prompt };
   else if (Array.isArray(prompt)) request.tokenIds = { ids: prompt };
@@ -94,25 +96,27 @@ class Client {
   /** The whole completion: { text, tokenIds, finishReason, usage, timing, promptLogprobs, promptText, ... }.
    * Rejects with a gRPC error ({ code, details }) for a refused request. */
   generate(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName, cacheSalt,
-    returnPromptTokenIds } = {}) {
+    returnPromptTokenIds, addSpecialTokens } = {}) {
     return this._unary('generate', generateRequest(prompt, params, requestId, echo, priority, loraName, cacheSalt,
-      returnPromptTokenIds), timeoutSeconds);
+      returnPromptTokenIds, addSpecialTokens), timeoutSeconds);
   }
 
   /** The streamed chunks, an async iterator; `.cancel()` on it ends the request on the workers. */
   generateStream(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName, cacheSalt,
-    returnPromptTokenIds } = {}) {
+    returnPromptTokenIds, addSpecialTokens } = {}) {
     return this.stub.generateStream(generateRequest(prompt, params, requestId, echo, priority, loraName, cacheSalt,
-      returnPromptTokenIds), this._metadata(), this._options(timeoutSeconds));
+      returnPromptTokenIds, addSpecialTokens), this._metadata(), this._options(timeoutSeconds));
   }
 
   /** The prompt's embedding (Embed): its last token's final hidden state, an array of numbers of unit length
    * unless normalize is false, its first `dimensions` values where given. Rejects with a gRPC error as generate. */
   async embed(prompt, { normalize = true, dimensions, loraName = '', requestId, timeoutSeconds, cacheSalt,
-    priority = 0 } = {}) {
-    const request = { ...generateRequest(prompt, {}, requestId, false, priority, loraName, cacheSalt), normalize };
+    priority = 0, addSpecialTokens } = {}) {
+    const request = { ...generateRequest(prompt, {}, requestId, false, priority, loraName, cacheSalt, false,
+      addSpecialTokens), normalize };
     delete request.samplingParams;
     delete request.echo;
+    delete request.returnPromptTokenIds;
     if (dimensions !== undefined) request.dimensions = dimensions;
     return (await this._unary('embed', request, timeoutSeconds)).embedding;
   }

@@ -54,6 +54,10 @@ test('a prompt is scored and echoed, its token ids returned', async () => {
     assert.equal(reply.promptText, PROMPT);
     assert.deepEqual(reply.promptTokenIds, tokenIds);
     assert.deepEqual((await client.generate(PROMPT, { temperature: 0, maxTokens: 1 })).promptTokenIds, []);
+    // This tokenizer adds no special tokens, so the ids are the same either way; the router takes the field.
+    const plain = await client.generate(PROMPT, { temperature: 0, maxTokens: 1 },
+      { returnPromptTokenIds: true, addSpecialTokens: false });
+    assert.deepEqual(plain.promptTokenIds, tokenIds);
     assert.deepEqual(reply.promptLogprobs.map((position) => position.sampled.tokenId), tokenIds);
     for (const position of reply.promptLogprobs.slice(1)) {
       assert.equal(position.top.length, 2);
