@@ -26,12 +26,15 @@ are), nothing gathered and nothing checksummed:
              our LMCache Redis adapter; and a line per row saying where its time goes
              (``benchmarks/lmcache_probe.py``).
 
-With ``--device cuda`` both processes hold their caches on one GPU and only ``p2p`` is measured: its
-blocks are copied within the GPU (CUDA IPC; no checksum, as on every CUDA plane), and ``on_payload``
-writes them into scattered blocks of a cache here as a decode worker does (``write_to``: the mapped
-plane delivers the sender's blocks themselves, so this copy is the transfer's only one), against the
-ceiling of one copy of the whole payload (gathered once in the sender) out of the sender's memory, mapped
-in this process, into a warm buffer here.
+With ``--device cuda`` both processes hold their caches on one GPU, and ``on_payload`` writes each
+payload into scattered blocks of a cache here as a decode worker does (``write_to``). ``p2p``'s blocks
+are copied within the GPU (CUDA IPC; no checksum, as on every CUDA plane; the mapped plane delivers the
+sender's blocks themselves, so that copy is the transfer's only one), against the ceiling of one copy of
+the whole payload (gathered once in the sender) out of the sender's memory, mapped in this process, into
+a warm buffer here. ``redis`` copies the blocks into pinned host memory in the sender and out of its
+pinned receive buffer into the cache here, against the same ceiling as between CPU caches (SET and GET
+of the payload's bytes, already on the host): its ratio is what those two copies over PCIe cost.
+``lmcache`` is not measured on CUDA.
 
 Connector and ceiling transfers alternate (the connector first in one repeat, the
 ceiling first in the next), so drifts of the (shared, 2-core) machine hit both
@@ -49,7 +52,7 @@ Usage::
     python benchmarks/kv_transfer.py --connectors p2p --checksums xxh3 none
     python benchmarks/kv_transfer.py --connectors redis lmcache
     python -m benchmarks.kv_transfer --connectors lmcache --tokens 1024 4096 --repeats 7
-    python benchmarks/kv_transfer.py --device cuda           # both ends on one GPU (needs one)
+    python benchmarks/kv_transfer.py --device cuda           # p2p and redis, both ends on one GPU (needs one)
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ layout = KVLayout(30, 3, 64, torch.float32, 16)
 device = torch.device(sys.argv[2])
 cache = torch.randn(int(sys.argv[1]), 30, 2, 3, 16, 64, device=device)  # block-major, as the engine allocates it
 connectors, raw_group, raw_tensors, redis_clients, lmcache_store = {}, None, {}, {}, None
+host_payloads = {}  # the raw Redis ceiling's payloads, on the host (copied out of a GPU once)
 
 def reply(**fields):
     print(json.dumps(fields), flush=True)
@@ -130,13 +134,15 @@ for line in sys.stdin:
         if options not in redis_clients:
             redis_clients[options] = redis.Redis.from_url(command["redis_url"], **command["client_options"])
         redis_client = redis_clients[options]
+        if num_blocks not in host_payloads:
+            host_payloads[num_blocks] = raw_tensors[num_blocks].cpu()
     started = time.monotonic()
     if kind == "raw_ipc":
         torch.cuda.synchronize(device)  # the payload is ready: the receiver copies it out of this process
     elif kind == "raw_gloo":
         raw_group.send([raw_tensors[num_blocks]], 1, 0).wait()
     elif kind == "raw_redis":
-        data, piece = payload_bytes(raw_tensors[num_blocks]), command["piece_bytes"]
+        data, piece = payload_bytes(host_payloads[num_blocks]), command["piece_bytes"]
         pipeline = redis_client.pipeline(transaction=False)
         for index, offset in enumerate(range(0, len(data), piece)):
             pipeline.set(f"raw:{index}", data[offset:offset + piece], px=60000)
@@ -367,6 +373,11 @@ def print_stages(rows: list[dict]) -> None:
                   f"   (raw {ceiling} {row['ceiling_ms']:.0f})")
 
 
+def checksums_of(kind: str, args) -> list[str]:
+    """The --kv-checksum settings measured for ``kind``: p2p between CUDA caches takes none."""
+    return ["none"] if kind == "p2p" and args.device == "cuda" else args.checksums
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 2048, 4096],
@@ -382,17 +393,17 @@ def main(argv=None) -> int:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads in both processes (default: %(default)s, as the workers here run)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where both processes hold their caches; cuda: p2p only, both on one GPU (the blocks "
-                        "copied within it over CUDA IPC, no checksum), against one copy of the payload out of the "
-                        "sender's mapped memory (default: %(default)s)")
+                        help="where both processes hold their caches; cuda: both on one GPU, p2p (the blocks copied "
+                        "within it over CUDA IPC, no checksum) against one copy of the payload out of the sender's "
+                        "mapped memory, and redis (through pinned host memory on each side) against Redis alone; "
+                        "not lmcache (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the arguments and the rows to FILE as JSON")
     args = parser.parse_args(argv)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch finds no CUDA device here")
-        if args.connectors != ["p2p"] and args.connectors != parser.get_default("connectors"):
-            parser.error("--device cuda measures p2p only (redis and lmcache take CPU caches)")
-        args.connectors, args.checksums = ["p2p"], ["none"]
+        if "lmcache" in args.connectors:
+            parser.error("--device cuda measures p2p and redis (not lmcache)")
     torch.set_num_threads(args.torch_threads)
     if max(args.tokens) > CACHE_BLOCKS * LAYOUT.block_size:
         parser.error(f"--tokens at most {CACHE_BLOCKS * LAYOUT.block_size}")
@@ -406,14 +417,14 @@ def main(argv=None) -> int:
         if "lmcache" in args.connectors:
             rows += lmcache_rows(sender, url, args)
         for kind in [kind for kind in args.connectors if kind != "lmcache"]:
-            for checksum in args.checksums:
-                options = {"url": url} if kind == "redis" else {"device": args.device}
+            for checksum in checksums_of(kind, args):
+                options = {"url": url, "device": args.device} if kind == "redis" else {"device": args.device}
                 probes[kind, checksum] = ConnectorProbe(kind, checksum, sender, options)
             # The redis connector sets one piece per run of consecutive blocks; these blocks are scattered, so
             # one piece per block, and the ceiling sets pieces of that size.
             ceilings[kind] = gloo if kind == "p2p" else RedisCeiling(sender, url, LAYOUT.block_num_bytes)
         points = [(kind, checksum, tokens) for tokens in args.tokens for kind in args.connectors
-                  for checksum in args.checksums if kind != "lmcache"]
+                  for checksum in checksums_of(kind, args) if kind != "lmcache"]
         with tqdm(total=len(points) * (args.repeats + 1), desc="kv transfers", unit="pair", file=sys.stderr) as bar:
             for kind, checksum, tokens in points:
                 num_blocks = -(-tokens // LAYOUT.block_size)

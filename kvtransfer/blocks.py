@@ -44,7 +44,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     kv_cache: [num_blocks, layers, 2, kv_heads, block_size, head_size]
     returns:  [len(block_ids), layers, 2, kv_heads, block_size, head_size]
     """
-    return kv_cache.index_select(0, torch.tensor(block_ids, dtype=torch.long))
+    return kv_cache.index_select(0, torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device))
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.Tensor) -> None:
@@ -55,6 +55,8 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.
     """
     if payload.shape[0] != len(block_ids):
         raise KVVerificationError(f"The payload holds {payload.shape[0]} blocks; {len(block_ids)} were reserved.")
+    if payload.device != kv_cache.device:  # bytes received on the host, for a cache on CUDA: one copy over
+        payload = payload.to(kv_cache.device)  # PCIe (synchronous: the connector reuses the host buffer after)
     kv_cache.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device), payload)
 
 
@@ -114,6 +116,18 @@ class BlockSource:
         """Block ``index`` of the payload: a view of the cache ``[layers, 2, kv_heads, block_size, head_size]``
         (contiguous when the cache is)."""
         return self.kv_cache[self.block_ids[index]]
+
+    def on_host(self) -> BlockSource:
+        """The payload in host memory, for a transport that reads host bytes (redis): itself where the cache is on
+        the CPU; from a CUDA cache, its blocks gathered on the device and copied into pinned host memory in one
+        transfer, which has ended when this returns (the blocks may then be freed)."""
+        if self.kv_cache.device.type == "cpu":
+            return self
+        ids = torch.tensor(self.block_ids, dtype=torch.long, device=self.kv_cache.device)
+        gathered = self.kv_cache.index_select(0, ids)
+        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)  # torch caches pinned buffers
+        host.copy_(gathered)
+        return BlockSource(host, range(self.num_blocks))
 
     def pieces(self, max_bytes: int) -> list[memoryview]:
         """The payload's bytes as views of the cache, in order, without a copy: runs of blocks consecutive in

@@ -7,7 +7,10 @@ an envelope (the length-prefixed header, then the JSON list of piece keys)
 onto the decode worker's inbox list and ``PEXPIRE`` the list. ``send``
 returns once Redis has applied it. Receiver: one thread ``BLPOP``s its inbox,
 reads the pieces with ``GETDEL`` (consumed keys are deleted) into a reused
-buffer, verifies and delivers. Keys of cancelled or refused transfers are
+buffer, verifies and delivers. Redis holds bytes on the host: a sender whose
+cache is on CUDA copies each payload's blocks into pinned host memory first
+(one transfer), and a receiver's buffer is pinned, so that the decode
+worker's write into its CUDA cache is one copy too. Keys of cancelled or refused transfers are
 deleted when their envelope comes; abandoned ones expire with their TTL:
 nothing accumulates. Credentials and TLS: ``redis_access.py`` (the URL this
 worker advertises never holds a password; each side connects with its own).
@@ -47,7 +50,8 @@ class RedisConnector(KVConnector):
     password in it), ``key_prefix`` (default "splitserve:kv:"), ``ttl_seconds`` (default 60), ``piece_bytes``
     (default 4 MiB), ``checksum`` ("xxh3" or "none", see ``header.CHECKSUM_TYPES``), and this worker's
     credentials for every Redis it connects to (``RedisAccess``): ``username``, ``password``, ``tls_ca_file``,
-    ``tls_cert_file``, ``tls_key_file``.
+    ``tls_cert_file``, ``tls_key_file``; ``device``, where this worker's cache is ("cpu" or a CUDA device: the
+    receive buffer is then pinned).
 
     Raises:
         ValueError: ``url`` is not a Redis URL or holds a password.
@@ -57,8 +61,9 @@ class RedisConnector(KVConnector):
                  key_prefix: str = "splitserve:kv:", ttl_seconds: float = 60.0, piece_bytes: int = 4 << 20,
                  checksum: str = "xxh3", username: str | None = None, password: str | None = None,
                  tls_ca_file: str | None = None, tls_cert_file: str | None = None,
-                 tls_key_file: str | None = None) -> None:
+                 tls_key_file: str | None = None, device: str = "cpu") -> None:
         super().__init__(worker_id, model_fingerprint, layout, checksum)
+        self._pin_buffer = torch.device(device).type == "cuda"
         self.url = public_redis_url(url)
         self._access = RedisAccess(username or url_username(url), password, tls_ca_file, tls_cert_file, tls_key_file)
         self.key_prefix = key_prefix
@@ -170,7 +175,7 @@ class RedisConnector(KVConnector):
         """The pieces copied once into the reused receive buffer (valid until the next payload)."""
         num_bytes = sum(len(piece) for piece in pieces)
         if self._buffer.numel() < num_bytes:
-            self._buffer = torch.empty(num_bytes, dtype=torch.uint8)
+            self._buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self._pin_buffer)
         data = memoryview(self._buffer.numpy())[:num_bytes]
         offset = 0
         for piece in pieces:
@@ -188,7 +193,9 @@ class RedisConnector(KVConnector):
         if source.num_blocks != header.num_blocks:
             raise KVTransferError(f"The header says {header.num_tokens} tokens ({header.num_blocks} blocks of "
                                   f"{header.layout.block_size}); the payload holds {source.num_blocks} blocks.")
-        # The blocks themselves, no gathered copy: redis-py writes large values straight to the socket.
+        # From a CPU cache the blocks themselves, no gathered copy: redis-py writes large values straight to the
+        # socket. From a CUDA cache, one copy of them in pinned host memory.
+        source = source.on_host()
         pieces = source.pieces(self.piece_bytes)
         if self.checksum_type == "none":
             envelope_header = dataclasses.replace(header, payload_num_bytes=source.num_bytes, checksum=0,

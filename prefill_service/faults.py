@@ -134,13 +134,14 @@ def foreign_fingerprint(model_fingerprint: str) -> str:
 def send_corrupted(transport, destination, header, payload) -> None:
     """Send ``payload`` (a ``BlockSource``) as ``header`` says, its first block corrupted.
 
-    The first block goes alone, gathered into a copy (the cache is not touched), with the XXH3-64 of its true
+    The first block goes alone, gathered into a host copy (the cache is not touched), with the XXH3-64 of its true
     bytes in its header and then its first byte flipped; the rest of the blocks, if any, follow as one payload.
     """
     from splitserve.kvtransfer.blocks import BlockSource, checksum, gather_blocks, payload_bytes
 
     block_size = header.layout.block_size
     first = gather_blocks(payload.kv_cache, payload.block_ids[:1])  # [1, layers, 2, kv_heads, block_size, head]
+    first = first.cpu()  # from a CUDA cache too: its checksum is taken, and its byte flipped, on the host
     data = payload_bytes(first)
     true_checksum = checksum(data)
     data[0] ^= 0xFF  # after the checksum: the receiver's check must catch it

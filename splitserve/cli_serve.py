@@ -570,10 +570,6 @@ def _place_workers(args: argparse.Namespace, roles: list[str]) -> list[str] | No
             raise ValueError("--gpu-memory-utilization sizes the KV caches of workers on GPUs, but they run on the "
                              "CPU here (--device cpu, or torch finds no CUDA device): size them with --kv-cache-gb.")
         return None
-    from splitserve.rpc.worker_config import kv_transfer_problem
-
-    if problem := kv_transfer_problem(roles[0], args.kv_transfer, cache_on_device=True):
-        raise ValueError(problem)  # each worker would refuse it at start
     if args.gpus:
         gpus = [entry.strip() for entry in args.gpus.split(",") if entry.strip()]
     else:

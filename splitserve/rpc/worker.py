@@ -17,7 +17,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.rpc.convert import worker_load_to_pb
 from splitserve.rpc.counters import Counters
 from splitserve.rpc.lora_catalog import LoRACatalog
-from splitserve.rpc.worker_config import ROLES, WorkerConfig, kv_transfer_problem
+from splitserve.rpc.worker_config import ROLES, WorkerConfig
 from splitserve.v1 import inference_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -76,8 +76,6 @@ class WorkerRuntime:
         self.config = config
         self.engine = LLMEngine(config.engine)
         cache = self.engine.kv_cache_tensor
-        if problem := kv_transfer_problem(config.role, config.kv_transfer, cache.device.type != "cpu"):
-            raise ValueError(problem)
         logger.info("KV cache: %d blocks of %d tokens, %.2f GiB on %s", self.engine.num_kv_blocks,
                     config.engine.block_size, cache.numel() * cache.element_size() / 1024**3, cache.device.type)
         self.lora = self._lora_catalog(config).start()
@@ -239,7 +237,8 @@ class WorkerRuntime:
         options = {"host": self.config.kv_address or self.config.host, "cluster_token": self.config.cluster_token,
                    "device": str(self.engine.kv_cache_tensor.device)}
         if self.config.kv_transfer == "redis":
-            options = {"url": self.config.kv_address, **self.config.redis_access.connector_options()}
+            options = {"url": self.config.kv_address, **self.config.redis_access.connector_options(),
+                       "device": options["device"]}
         options["checksum"] = self.config.kv_checksum
         return create_connector(self.config.kv_transfer, self.worker_id, self.model_fingerprint, layout, **options)
 

@@ -20,15 +20,6 @@ REDIS_CONNECTORS = (KVConnectorKind.REDIS.value, KVConnectorKind.LMCACHE.value)
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
-def kv_transfer_problem(role: str, kv_transfer: str, cache_on_device: bool) -> str | None:
-    """Why a worker of ``role`` cannot move KV through ``kv_transfer`` with its cache where it is (a sentence), or
-    None. Redis takes bytes from the host: a CUDA cache would be copied through it on every send and receive."""
-    if cache_on_device and role != "both" and kv_transfer == KVConnectorKind.REDIS.value:
-        return ("--kv-transfer redis moves KV between CPU caches only; this worker's cache is on CUDA: use "
-                "--kv-transfer p2p (NCCL between GPU caches), lmcache, colocated workers, or --device cpu.")
-    return None
-
-
 @dataclass
 class WorkerConfig:
     """One worker process, from its flags.

@@ -1,5 +1,6 @@
 """A cluster on one GPU: router, a prefill and a decode worker as separate processes sharing the GPU, KV over p2p
-(copied within the GPU over CUDA IPC, where NCCL would refuse two ranks on one device). Greedy outputs in float32
+(copied within the GPU over CUDA IPC, where NCCL would refuse two ranks on one device) and over Redis (through
+pinned host memory on each side). Greedy outputs in float32
 are compared with transformers, as on CPU (tests/e2e/test_cluster.py). Needs CUDA; CI has none: the skip says so."""
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cluster = start_cluster("p2p", tmp_path_factory.mktemp("cuda-cluster"),
+@pytest.fixture(scope="module", params=["p2p", "redis"])
+def cluster(request, tmp_path_factory):
+    cluster = start_cluster(request.param, tmp_path_factory.mktemp(f"cuda-cluster-{request.param}"),
                             worker_args=["--device", "cuda", "--dtype", "float32"])
+    cluster.kv_transfer = request.param
     yield cluster
     cluster.stop()
 
@@ -36,5 +38,6 @@ def test_on_one_gpu_the_disaggregated_greedy_is_token_identical_to_transformers(
     counters = worker_status(decode.address, "decode").counters
     assert counters.num_kv_transfers_received == len(prompt_token_ids)  # every prompt's KV came over the pair
     assert counters.num_kv_recomputes == 0 and counters.num_local_prefills == 0
-    assert "ready (gloo+cuda-ipc)" in decode.log()
+    if cluster.kv_transfer == "p2p":
+        assert "ready (gloo+cuda-ipc)" in decode.log()
     wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")

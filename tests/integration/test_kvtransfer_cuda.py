@@ -15,11 +15,13 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
 
 from splitserve.kvtransfer import create_connector
+from splitserve.kvtransfer.blocks import BlockSource
 from splitserve.kvtransfer.errors import KVVerificationError
 from splitserve.kvtransfer.header import payload_tensor, verify
 from splitserve.kvtransfer.p2p_mapped import MAX_MAPPED
@@ -58,17 +60,18 @@ connector.close()
 
 class DeviceInbox:
     """Writes each delivered payload into a CUDA cache, as the decode worker's receiver does (``write_to``: from a
-    mapped peer's memory straight into the cache)."""
+    mapped peer's memory straight into the cache; from host bytes, redis's, in one copy)."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, payload_device: str | None = None) -> None:
         self.cache = torch.zeros(SHAPE, device=device)
+        self.payload_device = torch.device(payload_device) if payload_device else self.cache.device
         self.blocks = [10, 2, 5]  # where the sent prompt's blocks land, in order (4 tokens a block)
         self.payloads, self.errors = [], []
         self.own = {}  # transfer id -> payload
         self.done = threading.Event()
 
     def on_payload(self, received) -> None:
-        assert received.payload.device == self.cache.device
+        assert received.payload.device == self.payload_device
         if "-" in received.header.transfer_id:  # a payload of its own: kept
             self.own[received.header.transfer_id] = received.payload.clone()
             return
@@ -156,17 +159,53 @@ def test_payloads_on_a_gpu_are_verified_without_leaving_it():
         verify(header, data[:-4], FINGERPRINT, LAYOUT, checksum_type="none")
 
 
+@needs_one_gpu
+def test_redis_moves_blocks_between_caches_on_a_gpu_through_pinned_host_memory(redis_url):
+    # Redis holds host bytes: the sender copies its CUDA blocks out once (pinned), the receiver reads into a pinned
+    # buffer and writes the cache in one copy. Checksums work as between CPU caches: they are taken on the host.
+    import redis
+
+    receiver = create_connector("redis", "decode-gpu", FINGERPRINT, LAYOUT, url=redis_url, device="cuda:0")
+    sender = create_connector("redis", "prefill-gpu", FINGERPRINT, LAYOUT, url=redis_url, device="cuda:0")
+    assert receiver.checksum_type == "xxh3"
+    inbox = DeviceInbox("cuda:0", payload_device="cpu")
+    receiver.start_receiving(inbox.on_payload, inbox.on_error)
+    cache = seeded_cache(35).cuda()
+    try:
+        destination = receiver.endpoint()
+        for blocks, position, num_tokens, last in (([3, 7], 0, 8, False), ([1], 8, 3, True)):
+            header = header_for(cache[blocks].cpu(), "gpu", position, num_tokens, 11, last, 7 if last else None)
+            header.checksum = None  # the connector takes it, as the prefill worker's sends leave it to
+            sender.send(destination, header, BlockSource(cache, blocks))
+        own = cache[[2]].clone()  # a gathered payload of its own, on the GPU
+        sender.send(destination, header_for(own.cpu(), "own-1", 0, 4, 4, True, 9), own)
+        assert inbox.done.wait(30) and not inbox.errors, inbox.errors
+        deadline = time.monotonic() + 10
+        while "own-1" not in inbox.own and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [(h.first_token_position, h.num_tokens) for h in inbox.payloads] == [(0, 8), (8, 3)]
+        torch.cuda.synchronize()
+        assert torch.equal(inbox.cache[[10, 2, 5]].cpu(), seeded_cache(35)[[3, 7, 1]])
+        assert torch.equal(inbox.own["own-1"], seeded_cache(35)[[2]])
+        server = redis.Redis.from_url(redis_url)
+        assert server.dbsize() == 0  # every piece consumed, the inbox popped
+        server.close()
+    finally:
+        sender.close()
+        receiver.close()
+
+
 BENCHMARK = [sys.executable, "benchmarks/kv_transfer.py", "--device", "cuda", "--tokens", "512", "2048", "--repeats", "1"]
 
 
 @needs_one_gpu
-def test_on_one_gpu_the_transfer_benchmark_times_p2p_against_one_copy(tmp_path):
+def test_on_one_gpu_the_transfer_benchmark_times_p2p_and_redis_against_their_ceilings(tmp_path):
     result = subprocess.run([*BENCHMARK, "--json", str(tmp_path / "kv.json")], capture_output=True, text=True,
                             timeout=170)
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "kv.json").read_text())["rows"]
-    assert [(row["connector"], row["checksum"], row["tokens"]) for row in rows] == [("p2p", "none", 512),
-                                                                                  ("p2p", "none", 2048)]
+    assert [(row["connector"], row["checksum"], row["tokens"]) for row in rows] == [
+        ("p2p", "none", 512), ("redis", "xxh3", 512), ("p2p", "none", 2048), ("redis", "xxh3", 2048)]
     assert all(row["connector_ms"] > 0 and row["ceiling_ms"] > 0 for row in rows)
     assert "caches on cuda" in result.stdout
 

@@ -15,7 +15,6 @@ from splitserve.cli_serve import _engine_flags, _memory_shares, _place_workers
 from splitserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from splitserve.engine.gpu_memory import gpu_kv_cache_bytes
 from splitserve.launcher import gpu_memory_shares
-from splitserve.rpc.worker_config import kv_transfer_problem
 
 GIB = 1024**3
 
@@ -106,21 +105,13 @@ def test_a_cache_size_that_is_neither_is_refused(capsys):
     assert "expected a number of GiB or auto, got 'lots'" in capsys.readouterr().err
 
 
-def test_redis_is_refused_for_a_cache_on_cuda_only():
-    problem = kv_transfer_problem("decode", "redis", cache_on_device=True)
-    assert problem.startswith("--kv-transfer redis moves KV between CPU caches only")
-    assert kv_transfer_problem("decode", "redis", cache_on_device=False) is None
-    assert kv_transfer_problem("both", "redis", cache_on_device=True) is None  # colocated: no KV moves
-    assert all(kv_transfer_problem(role, transfer, cache_on_device=True) is None
-               for role in ("prefill", "decode") for transfer in ("p2p", "lmcache"))
-
-
-def test_up_on_gpus_refuses_redis_before_anything_starts(monkeypatch):
+def test_up_on_gpus_places_redis_and_lmcache_workers_in_turn_and_keeps_p2p_pools_apart(monkeypatch):
     # The branch `up` takes where torch finds GPUs, taken here by saying it does: placement only, nothing runs.
+    # Redis and LMCache move KV through the host from any GPU, so their workers take the GPUs in turn.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    with pytest.raises(ValueError, match="--kv-transfer redis moves KV between CPU caches only"):
-        _place_workers(_parse("--kv-transfer", "redis"), ["prefill", "decode"])
-    assert _place_workers(_parse("--kv-transfer", "redis"), ["both"]) == ["0"]  # colocated: no KV moves
+    for transfer in ("redis", "lmcache"):
+        assert _place_workers(_parse("--kv-transfer", transfer), ["prefill", "prefill", "decode"]) == ["0", "1", "0"]
+    assert _place_workers(_parse("--kv-transfer", "p2p"), ["prefill", "prefill", "decode"]) == ["0", "0", "1"]
     assert _place_workers(_parse("--kv-transfer", "p2p"), ["prefill", "decode"]) == ["0", "1"]
