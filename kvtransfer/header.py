@@ -118,13 +118,9 @@ def payload_checksum(payload: torch.Tensor) -> int:
     return checksum(payload_bytes(payload))
 
 
-def verify(header: TransferHeader, payload: torch.Tensor | Buffer | BlockSource, model_fingerprint: str,
-           layout: KVLayout, checksum_type: str = "xxh3") -> None:
-    """Check a received payload (its bytes, a tensor, or blocks of a memory) against this worker's fingerprint and layout.
-
-    Args:
-        checksum_type: this worker's --kv-checksum: "xxh3" verifies the checksum and refuses payloads
-            without one; "none" verifies everything but the bytes' checksum.
+def check_header(header: TransferHeader, model_fingerprint: str, layout: KVLayout) -> None:
+    """Check what a header says against this worker's fingerprint and layout, before any of its payload is read:
+    the format, the model, the layout, a start on a block boundary and a payload size its blocks account for.
 
     Raises:
         KVVerificationError: saying what differs.
@@ -142,6 +138,25 @@ def verify(header: TransferHeader, payload: torch.Tensor | Buffer | BlockSource,
     if header.first_token_position % layout.block_size:
         raise KVVerificationError(f"The payload starts at token {header.first_token_position}, not at a block "
                                   f"boundary (block size {layout.block_size}).")
+    expected = header.num_blocks * layout.block_num_bytes
+    if header.payload_num_bytes != expected:
+        raise KVVerificationError(f"The header says {header.payload_num_bytes} payload bytes, but {header.num_tokens} "
+                                  f"tokens in {header.num_blocks} blocks need {expected}.")
+
+
+def verify(header: TransferHeader, payload: torch.Tensor | Buffer | BlockSource, model_fingerprint: str,
+           layout: KVLayout, checksum_type: str = "xxh3") -> None:
+    """Check a received payload (its bytes, a tensor, or blocks of a memory) against this worker's fingerprint and
+    layout (:func:`check_header`), then its size and checksum.
+
+    Args:
+        checksum_type: this worker's --kv-checksum: "xxh3" verifies the checksum and refuses payloads
+            without one; "none" verifies everything but the bytes' checksum.
+
+    Raises:
+        KVVerificationError: saying what differs.
+    """
+    check_header(header, model_fingerprint, layout)
     if isinstance(payload, BlockSource):  # blocks not gathered (a mapped peer's memory): hashed piece by piece
         num_bytes = payload.num_bytes
         data = None if payload.kv_cache.device.type != "cpu" else payload
@@ -152,10 +167,6 @@ def verify(header: TransferHeader, payload: torch.Tensor | Buffer | BlockSource,
         num_bytes = len(data)
     if num_bytes != header.payload_num_bytes:
         raise KVVerificationError(f"The payload has {num_bytes} bytes, header says {header.payload_num_bytes}.")
-    expected = header.num_blocks * layout.block_num_bytes
-    if header.payload_num_bytes != expected:
-        raise KVVerificationError(f"The header says {header.payload_num_bytes} payload bytes, but {header.num_tokens} "
-                                  f"tokens in {header.num_blocks} blocks need {expected}.")
     if checksum_type == "none":
         return
     if header.checksum_type != "xxh3":

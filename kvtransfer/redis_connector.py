@@ -7,7 +7,8 @@ an envelope (the length-prefixed header, then the JSON list of piece keys)
 onto the decode worker's inbox list and ``PEXPIRE`` the list. ``send``
 returns once Redis has applied it. Receiver: one thread ``BLPOP``s its inbox,
 reads the pieces with ``GETDEL`` (consumed keys are deleted) into a reused
-buffer, verifies and delivers. Redis holds bytes on the host: a sender whose
+buffer, verifies and delivers; the envelope's header and keys are checked
+before any piece is read (its keys must name this payload's pieces). Redis holds bytes on the host: a sender whose
 cache is on CUDA copies each payload's blocks into pinned host memory first
 (one transfer), and a receiver's buffer is pinned, so that the decode
 worker's write into its CUDA cache is one copy too. Keys of cancelled or refused transfers are
@@ -38,7 +39,7 @@ from splitserve.kvtransfer.connector import (
     ReceivedPayload,
 )
 from splitserve.kvtransfer.errors import KVTransferError
-from splitserve.kvtransfer.header import TransferHeader, payload_tensor, verify
+from splitserve.kvtransfer.header import TransferHeader, check_header, payload_tensor, verify
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.kvtransfer.redis_access import CREDENTIALS_HINT, RedisAccess, public_redis_url, url_username
 
@@ -141,9 +142,17 @@ class RedisConnector(KVConnector):
         try:
             header, keys = _parse_envelope(envelope)
             transfer_id = header.transfer_id
+            # Only keys the sender wrote for this payload are read or deleted, whoever pushed the envelope.
+            own = [key for key in keys if isinstance(key, str) and key.startswith(self._piece_key_base(header))]
             if transfer_id in self._dropped:
-                client.delete(*keys)
+                if own:
+                    client.delete(*own)
                 return
+            if len(own) != len(keys):
+                raise KVTransferError("The KV envelope names keys that are not this transfer's pieces.")
+            check_header(header, self.model_fingerprint, self.layout)  # before reading any piece
+            if not 0 < len(keys) <= header.num_blocks:  # a sender writes a piece per run of whole blocks
+                raise KVTransferError(f"The KV envelope names {len(keys)} pieces for {header.num_blocks} blocks.")
             pipeline = client.pipeline(transaction=False)
             for key in keys:
                 pipeline.getdel(key)
@@ -153,6 +162,9 @@ class RedisConnector(KVConnector):
             if any(piece is None for piece in pieces):
                 raise KVTransferError(f"Some of the payload's pieces are gone from Redis (older than the "
                                       f"{self.ttl_ms / 1000:g} s TTL?).")
+            if sum(len(piece) for piece in pieces) != header.payload_num_bytes:  # before the buffer grows to them
+                raise KVTransferError(f"The payload's pieces hold {sum(len(piece) for piece in pieces)} bytes; its "
+                                      f"header says {header.payload_num_bytes}.")
             data = self._join(pieces)
             verify(header, data, self.model_fingerprint, self.layout, checksum_type=self.checksum_type)
             payload = payload_tensor(header, data)
@@ -203,7 +215,7 @@ class RedisConnector(KVConnector):
         else:
             payload_checksum = checksum_of_pieces(pieces) if header.checksum is None else header.checksum
             envelope_header = dataclasses.replace(header, payload_num_bytes=source.num_bytes, checksum=payload_checksum)
-        base = f"{self.key_prefix}{header.transfer_id}:{header.first_token_position}:"
+        base = self._piece_key_base(header)
         keys = []
         try:
             pipeline = self._client(destination.address).pipeline(transaction=False)
@@ -215,6 +227,10 @@ class RedisConnector(KVConnector):
             pipeline.execute()
         except redis.RedisError as error:
             raise KVTransferError(failure_sentence(public_redis_url(destination.address), error)) from None
+
+    def _piece_key_base(self, header: TransferHeader) -> str:
+        """What the name of each of a payload's pieces starts with (its index follows)."""
+        return f"{self.key_prefix}{header.transfer_id}:{header.first_token_position}:"
 
     def close(self) -> None:
         """Stop the inbox thread (its blocking read is interrupted) and close the connections."""

@@ -442,6 +442,48 @@ def test_redis_transfer_is_bit_exact_and_leaves_nothing(redis_url):
     server.close()
 
 
+def test_redis_refuses_an_envelope_before_reading_its_pieces(redis_url):
+    # Whoever can push onto a decode worker's inbox must not make it read or delete keys that are not the transfer's
+    # own, nor read anything for a header it would refuse: both are checked before any piece is touched.
+    import dataclasses
+    import json
+
+    receiver = create_connector("redis", "decode-envelopes", FINGERPRINT, LAYOUT, url=redis_url)
+    inbox = Inbox()
+    receiver.start_receiving(inbox.on_payload, inbox.on_error)
+    server = redis.Redis.from_url(redis_url)
+    payload = gather_blocks(seeded_cache(23), [2])
+    server.set("victim", b"another service's value")
+    refusals = [
+        ({}, lambda own: ["victim"], "not this transfer's"),
+        ({}, lambda own: [own, own], "2 pieces for 1 blocks"),
+        ({"model_fingerprint": "model-b"}, lambda own: [own], "model fingerprint"),
+        ({"payload_num_bytes": 1 << 40}, lambda own: [own], "need"),
+    ]
+    try:
+        for number, (changes, keys, reason) in enumerate(refusals, 1):
+            header = dataclasses.replace(header_for(payload, f"env{number}", 0, 4, 4, True), **changes)
+            own = f"{receiver.key_prefix}env{number}:0:0"
+            server.set(own, payload.numpy().tobytes(), px=60_000)
+            server.rpush(receiver.inbox, header.to_bytes() + json.dumps(keys(own)).encode())
+            inbox.wait(num_errors=number)
+            assert inbox.errors[-1][0] == f"env{number}" and reason in str(inbox.errors[-1][1]), inbox.errors[-1]
+            assert server.exists(own)  # not read: it expires with its TTL
+            # A later envelope of a refused transfer is dropped, its own keys deleted, no one else's.
+            server.rpush(receiver.inbox, header.to_bytes() + json.dumps(["victim", own]).encode())
+        assert server.get("victim") == b"another service's value"
+        header, own = header_for(payload, "env", 0, 4, 4, True), f"{receiver.key_prefix}env:0:0"
+        server.set(own, payload.numpy().tobytes(), px=60_000)
+        server.rpush(receiver.inbox, header.to_bytes() + json.dumps([own]).encode())  # as a sender writes it
+        inbox.wait(num_payloads=1)
+        assert torch.equal(inbox.payloads[0].payload, payload) and not server.exists(own)
+        assert len(inbox.errors) == len(refusals) and server.get("victim") == b"another service's value"
+    finally:
+        receiver.close()
+        server.delete("victim")
+        server.close()
+
+
 def test_redis_unreachable_raises():
     from splitserve.launcher import free_port
 
