@@ -1,20 +1,17 @@
 """The ``redis`` connector: payloads as binary values in Redis with a TTL, announced on the receiver's inbox list.
 
-Sender, per payload, in one pipeline on one connection (so Redis applies it
-in order): ``SET`` the payload's bytes in pieces of ``piece_bytes`` (one
-46 MB value was erratic to read on this machine) with a TTL, then ``RPUSH``
-an envelope (the length-prefixed header, then the JSON list of piece keys)
-onto the decode worker's inbox list and ``PEXPIRE`` the list. ``send``
-returns once Redis has applied it. Receiver: one thread ``BLPOP``s its inbox,
-reads the pieces with ``GETDEL`` (consumed keys are deleted) into a reused
-buffer, verifies and delivers; the envelope's header and keys are checked
-before any piece is read (its keys must name this payload's pieces). Redis holds bytes on the host: a sender whose
-cache is on CUDA copies each payload's blocks into pinned host memory first
-(one transfer), and a receiver's buffer is pinned, so that the decode
-worker's write into its CUDA cache is one copy too. Keys of cancelled or refused transfers are
-deleted when their envelope comes; abandoned ones expire with their TTL:
-nothing accumulates. Credentials and TLS: ``redis_access.py`` (the URL this
-worker advertises never holds a password; each side connects with its own).
+Sender, per payload, in one pipeline on one connection (so Redis applies it in order): ``SET`` the
+payload's bytes in pieces of ``piece_bytes`` (one 46 MB value was erratic to read on this machine)
+with a TTL, then ``RPUSH`` an envelope (the length-prefixed header, then the JSON list of piece
+keys) onto the decode worker's inbox list and ``PEXPIRE`` the list. ``send`` returns once Redis has
+applied it. Receiver: one thread ``BLPOP``s its inbox, reads the pieces with ``GETDEL`` (consumed
+keys are deleted) into a reused buffer, verifies and delivers; the envelope's header and keys are
+checked before any piece is read (its keys must name this payload's pieces). Redis holds bytes on
+the host: a sender whose cache is on CUDA copies each payload's blocks into pinned host memory first
+(one transfer), and a receiver's buffer is pinned, so that the decode worker's write into its CUDA
+cache is one copy too. Keys of cancelled or refused transfers are deleted when their envelope comes;
+abandoned ones expire with their TTL: nothing accumulates. Credentials and TLS: ``redis_access.py``
+(the URL this worker advertises never holds a password; each side connects with its own).
 """
 
 from __future__ import annotations
