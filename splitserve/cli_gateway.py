@@ -15,8 +15,9 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
         "gateway", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/responses) "
         "in front of a router",
         description="Serve /v1/completions, /v1/chat/completions, /v1/responses (OpenAI's Responses API as vLLM "
-        "serves it, stateless: previous_response_id, background and tools are refused; all three streaming as "
-        "server-sent events), /v1/embeddings (through the router's Embed), /v1/models, /tokenize, /detokenize, /health and /version over HTTP (chat requests may give tools: calls forced by tool_choice \"required\" or a named "
+        "serves it, stateless: previous_response_id and background are refused, function tools work and built-in ones are refused; all three streaming as "
+        "server-sent events), /v1/embeddings (through the router's Embed), vLLM's /v1/score and /v1/rerank (cosine similarities of "
+        "those embeddings; also at /score, /rerank and /v2/rerank), /v1/models, /tokenize, /detokenize, /health and /version over HTTP (chat requests may give tools: calls forced by tool_choice \"required\" or a named "
         "function, or left to the model with --enable-auto-tool-choice; a reasoning model's think block apart from "
         "its answer with --reasoning-parser), each request one gRPC call on the router at --router (calls side by side for n "
         "choices and for a batch of prompts). The gateway keeps no state and no key: a caller's 'Authorization: Bearer KEY' header is passed on "
@@ -35,8 +36,8 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
                          help="largest request body read; larger ones get 413 (default: %(default)s)")
     gateway.add_argument("--max-choices", type=int, default=16, metavar="N",
                          help="the most generations one request may ask for: n choices for each prompt of a batch, "
-                         "each a generation of its own on the cluster, side by side with the others "
-                         "(default: %(default)s)")
+                         "each a generation of its own on the cluster, side by side with the others; also the "
+                         "most texts one embeddings, score or rerank request embeds (default: %(default)s)")
     gateway.add_argument("--metrics-port", type=int, metavar="PORT",
                          help="serve Prometheus metrics (requests by route and status, durations, in flight, "
                          "generations) at http://HOST:PORT/metrics, on --host only; 0 picks a free port and logs it "

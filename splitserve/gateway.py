@@ -254,6 +254,8 @@ class Gateway:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            *(Route(path, self.scores, methods=["POST"]) for path in ("/score", "/v1/score")),
+            *(Route(path, self.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
@@ -404,6 +406,18 @@ class Gateway:
         from splitserve.gateway_embeddings import create_embeddings  # it builds on this module's pieces
 
         return await create_embeddings(self, request)
+
+    async def scores(self, request: Request) -> Response:
+        """vLLM's scores of text pairs, by their embeddings (``splitserve.gateway_scores``)."""
+        from splitserve.gateway_scores import create_scores  # it builds on this module's pieces
+
+        return await create_scores(self, request)
+
+    async def rerank(self, request: Request) -> Response:
+        """vLLM's rerank (Jina's and Cohere's shape), by the embeddings (``splitserve.gateway_scores``)."""
+        from splitserve.gateway_scores import create_rerank  # it builds on this module's pieces
+
+        return await create_rerank(self, request)
 
     # ---- one request's generations ----------------------------------------------------------------
 
@@ -1207,8 +1221,8 @@ def _event(payload: dict) -> str:
 
 async def _not_found(request: Request, error) -> Response:
     return APIError(404, f"No route {request.url.path[:200]}: this server offers /v1/completions, "
-                    "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, /tokenize, /detokenize, "
-                    "/health and /version.").response()
+                    "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/score, /v1/rerank, /v1/models, /tokenize, "
+                    "/detokenize, /health and /version.").response()
 
 
 async def _not_allowed(request: Request, error) -> Response:

@@ -30,20 +30,7 @@ from starlette.responses import JSONResponse, Response
 
 async def create_embeddings(gateway, request: Request) -> Response:
     """The ``/v1/embeddings`` answer for ``request`` through ``gateway``'s router client."""
-    from splitserve.gateway import (
-        APIError,
-        _bearer,
-        _cache_salt,
-        _call_id,
-        _cancel_on_disconnect,
-        _chat,
-        _completion_prompts,
-        _optional_flag,
-        _priority,
-        _request_id,
-        from_rpc_error,
-        router_trace,
-    )
+    from splitserve.gateway import APIError, _chat, _completion_prompts, _request_id
 
     body = await gateway._body(request)
     info, lora_name = await gateway._model_of(request, body)
@@ -57,9 +44,7 @@ async def create_embeddings(gateway, request: Request) -> Response:
             inputs = _completion_prompts(body.get("input"))
         except APIError as error:  # the completions route's sentence, about this route's field
             raise APIError(400, error.message.replace("prompt", "input"), "input") from None
-    limit = gateway.config.max_choices
-    if len(inputs) > limit:
-        raise APIError(400, f"input holds {len(inputs)} prompts; one request may embed at most {limit}.", "input")
+    check_input_count(gateway, len(inputs), "input", "input holds {count} prompts")
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise APIError(400, "encoding_format must be 'float' or 'base64'.", "encoding_format")
@@ -69,33 +54,9 @@ async def create_embeddings(gateway, request: Request) -> Response:
     normalize = body.get("normalize", True)
     if not isinstance(normalize, bool):
         raise APIError(400, "normalize must be true or false.", "normalize")
-    truncate = body.get("truncate_prompt_tokens")
-    if truncate is not None and (isinstance(truncate, bool) or not isinstance(truncate, int)
-                                 or not (truncate == -1 or 1 <= truncate < 2**31)):
-        raise APIError(400, "truncate_prompt_tokens must be -1 (the model's context length) or an integer >= 1.",
-                       "truncate_prompt_tokens")
-
-    cache_salt, priority, special = _cache_salt(body), _priority(body), _optional_flag(body, "add_special_tokens")
+    options = embed_options(body)
     request_id = _request_id(body, "embd-", len(inputs))
-    api_key = _bearer(request)
-    trace = router_trace(request)
-    tasks = [asyncio.ensure_future(gateway.client.embed(
-        prompt, normalize, dimensions, lora_name, _call_id(request_id, number, len(inputs)),
-        api_key=api_key, truncate_prompt_tokens=truncate, cache_salt=cache_salt, priority=priority, trace=trace,
-        add_special_tokens=special))
-             for number, prompt in enumerate(inputs)]
-    gateway.metrics.generations.inc(len(tasks))
-    request.state.generations = len(tasks)  # on the request's span
-    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, tasks))
-    try:
-        answers = await asyncio.gather(*tasks)
-    except grpc.RpcError as error:
-        raise from_rpc_error(error) from None
-    finally:
-        watcher.cancel()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    answers = await embed_all(gateway, request, inputs, request_id, lora_name, options, normalize, dimensions)
     prompt_tokens = sum(answer.prompt_tokens for answer in answers)
     return JSONResponse({
         "id": request_id, "object": "list", "created": int(time.time()),
@@ -105,6 +66,56 @@ async def create_embeddings(gateway, request: Request) -> Response:
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
                   "prompt_tokens_details": {"cached_tokens": sum(answer.cached_tokens for answer in answers)}},
     })
+
+
+def check_input_count(gateway, count: int, field: str, what: str) -> None:
+    """Refuse more inputs than ``--max-choices`` (each one ``Embed`` call): ``what`` says what the request holds,
+    ``{count}`` standing for the number."""
+    from splitserve.gateway import APIError
+
+    limit = gateway.config.max_choices
+    if count > limit:
+        raise APIError(400, f"{what.format(count=count)}; one request may embed at most {limit} (the gateway's "
+                       f"--max-choices).", field)
+
+
+def embed_options(body: dict) -> dict:
+    """The request fields every embedding call of a request takes (checked): vLLM's ``truncate_prompt_tokens``,
+    ``cache_salt``, ``priority`` and ``add_special_tokens``, as ``AsyncClient.embed``'s keyword arguments."""
+    from splitserve.gateway import APIError, _cache_salt, _optional_flag, _priority
+
+    truncate = body.get("truncate_prompt_tokens")
+    if truncate is not None and (isinstance(truncate, bool) or not isinstance(truncate, int)
+                                 or not (truncate == -1 or 1 <= truncate < 2**31)):
+        raise APIError(400, "truncate_prompt_tokens must be -1 (the model's context length) or an integer >= 1.",
+                       "truncate_prompt_tokens")
+    return {"truncate_prompt_tokens": truncate, "cache_salt": _cache_salt(body), "priority": _priority(body),
+            "add_special_tokens": _optional_flag(body, "add_special_tokens")}
+
+
+async def embed_all(gateway, request: Request, inputs: list, request_id: str, lora_name: str | None, options: dict,
+                    normalize: bool = True, dimensions: int | None = None) -> list:
+    """Each input's ``EmbedResponse``, in order: one router ``Embed`` call each, side by side, all cancelled at the
+    first failure (its gRPC status as an HTTP error) or when the caller leaves."""
+    from splitserve.gateway import _bearer, _call_id, _cancel_on_disconnect, from_rpc_error, router_trace
+
+    api_key, trace = _bearer(request), router_trace(request)
+    tasks = [asyncio.ensure_future(gateway.client.embed(
+        prompt, normalize, dimensions, lora_name, _call_id(request_id, number, len(inputs)),
+        api_key=api_key, trace=trace, **options))
+             for number, prompt in enumerate(inputs)]
+    gateway.metrics.generations.inc(len(tasks))
+    request.state.generations = len(tasks)  # on the request's span
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, tasks))
+    try:
+        return await asyncio.gather(*tasks)
+    except grpc.RpcError as error:
+        raise from_rpc_error(error) from None
+    finally:
+        watcher.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _encoded(embedding, encoding: str) -> list[float] | str:

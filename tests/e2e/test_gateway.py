@@ -1510,6 +1510,81 @@ def test_a_response_with_a_reasoning_parser_has_its_reasoning_item_before_the_ca
     assert events[-1].response.output[0].content[0].text == response.output[0].content[0].text
 
 
+def test_scores_and_rerank_are_the_embeddings_cosine_similarities(api, grpc_client, gateway, cluster):
+    """vLLM's /score and /rerank for the served model as an embedding model: each pair's score is the cosine
+    similarity of the router's Embed vectors of its texts, one against many or pairwise; rerank orders the
+    documents by it and keeps top_n; every distinct text is embedded once and counted; bad bodies get 400."""
+    import numpy
+
+    model = api.models.list().data[0].id
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    query = "What is the capital of France?"
+    documents = ["The capital of France is Paris.", "def add(a, b):\n    return a + b", "Paris is in France.",
+                 "The capital of France is Paris."]  # a repeat: embedded once, ranked twice
+    vectors = {text: numpy.array(grpc_client.embed(text), dtype=numpy.float64) for text in [query, *documents]}
+    tokens = {text: len(grpc_client.tokenize(text)) for text in vectors}
+
+    def cosine(first, second):
+        return float(vectors[first] @ vectors[second] / numpy.linalg.norm(vectors[first])
+                     / numpy.linalg.norm(vectors[second]))
+
+    expected = [cosine(query, document) for document in documents]
+    assert len({round(score, 6) for score in expected}) == 3  # the order below is the scores', not the input's
+    for path in ("/score", "/v1/score"):
+        reply = httpx.post(f"{gateway}{path}", headers=headers, json={"model": model, "text_1": query,
+                                                                       "text_2": documents})
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert answer["object"] == "list" and answer["id"].startswith("score-") and answer["model"] == model
+        assert [item["index"] for item in answer["data"]] == [0, 1, 2, 3]
+        assert numpy.allclose([item["score"] for item in answer["data"]], expected, atol=1e-5)
+        assert answer["usage"]["prompt_tokens"] == sum(tokens[text] for text in [query, *documents[:3]])
+    pairwise = httpx.post(f"{gateway}/v1/score", headers=headers,
+                          json={"text_1": documents[:2], "text_2": [documents[2], query]}).json()
+    assert numpy.allclose([item["score"] for item in pairwise["data"]],
+                          [cosine(documents[0], documents[2]), cosine(documents[1], query)], atol=1e-5)
+    one = httpx.post(f"{gateway}/score", headers=headers, json={"text_1": [query], "text_2": query}).json()
+    assert abs(one["data"][0]["score"] - 1.0) < 1e-5 and one["usage"]["prompt_tokens"] == tokens[query]
+
+    order = sorted(range(len(documents)), key=lambda index: -expected[index])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        reply = httpx.post(f"{gateway}{path}", headers=headers, json={"model": model, "query": query,
+                                                                       "documents": documents})
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert answer["id"].startswith("rerank-") and answer["model"] == model
+        assert [result["index"] for result in answer["results"]] == order
+        assert [result["document"]["text"] for result in answer["results"]] == [documents[i] for i in order]
+        assert numpy.allclose([result["relevance_score"] for result in answer["results"]],
+                              [expected[i] for i in order], atol=1e-5)
+        assert answer["usage"]["total_tokens"] == sum(tokens[text] for text in [query, *documents[:3]])
+    top = httpx.post(f"{gateway}/v1/rerank", headers=headers,
+                     json={"query": query, "documents": documents, "top_n": 2, "return_documents": False}).json()
+    assert [result["index"] for result in top["results"]] == order[:2]
+    assert all("document" not in result for result in top["results"])
+    truncated = httpx.post(f"{gateway}/v1/rerank", headers=headers,
+                           json={"query": query, "documents": documents[:2], "truncate_prompt_tokens": 3}).json()
+    assert truncated["usage"]["total_tokens"] == 9  # three texts, their last 3 tokens each
+
+    for route, body, param in (
+            ("/v1/score", {"text_1": query}, "text_2"), ("/v1/score", {"text_1": 5, "text_2": query}, "text_1"),
+            ("/v1/score", {"text_1": [], "text_2": query}, "text_1"),
+            ("/v1/score", {"text_1": [query, query], "text_2": documents}, "text_1"),
+            ("/v1/score", {"text_1": query, "text_2": [str(n) for n in range(17)]}, "text_2"),
+            ("/v1/rerank", {"documents": documents}, "query"), ("/v1/rerank", {"query": query}, "documents"),
+            ("/v1/rerank", {"query": query, "documents": [query, 7]}, "documents"),
+            ("/v1/rerank", {"query": query, "documents": documents, "top_n": -1}, "top_n"),
+            ("/v1/rerank", {"query": query, "documents": documents, "return_documents": "no"}, "return_documents"),
+            ("/v1/rerank", {"query": query, "documents": documents, "truncate_prompt_tokens": 0},
+             "truncate_prompt_tokens"),
+            ("/v1/rerank", {"query": query, "documents": documents, "model": "nope"}, "model")):
+        refused = httpx.post(f"{gateway}{route}", headers=headers, json=body)
+        assert refused.status_code in (400, 404), (route, body, refused.text)
+        assert refused.json()["error"]["param"] == param, (route, body, refused.text)
+    assert httpx.post(f"{gateway}/v1/rerank", json={"query": query, "documents": documents}).status_code == 401
+    wait_until(lambda: all_blocks_free(grpc_client), 15, message="all KV blocks free")
+
+
 def test_embeddings_are_the_grpc_paths(api, grpc_client, gateway, cluster):
     """/v1/embeddings through the openai package (which asks for base64 and decodes it): each input's vector is
     the router's Embed, in order, with the prompt tokens counted; floats, a Matryoshka cut and token ids as well;
