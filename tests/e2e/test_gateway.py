@@ -882,6 +882,57 @@ def test_random_responses_and_embeddings_bodies_get_only_documented_statuses(api
     assert grpc_client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2)).token_ids
 
 
+def test_random_score_and_rerank_bodies_get_only_documented_statuses(api, gateway, cluster, grpc_client):
+    """Hypothesis sends random JSON bodies to /v1/score and /v1/rerank: every answer is 200 with a score per pair
+    (at most top_n results, in descending order) or a documented refusal in OpenAI's error shape; afterwards every
+    block is free."""
+    model = api.models.list().data[0].id
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    statuses: collections.Counter = collections.Counter()
+    stop_at = time.monotonic() + 20
+
+    def pick(wild, *valid):
+        return st.one_of(st.sampled_from(valid), _WILD) if wild else st.sampled_from(valid)
+
+    @settings(max_examples=60, database=None, derandomize=True, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data(), rerank=st.booleans(), wild=st.booleans())
+    def check(data, rerank, wild):
+        if time.monotonic() > stop_at:
+            statuses["skipped (time budget)"] += 1
+            return
+        texts = pick(wild, PROMPT, [PROMPT], [PROMPT, "Paris."], ["Hi", "Hi", ""], [], [PROMPT] * 17)
+        common = {"model": pick(wild, model, "gpt-4"), "truncate_prompt_tokens": pick(wild, 2, -1, 0),
+                  "priority": pick(wild, 0, 1)}
+        if rerank:
+            body = data.draw(st.fixed_dictionaries({"query": pick(wild, PROMPT, ""), "documents": texts}, optional={
+                **common, "top_n": pick(wild, 0, 1, 3, -2), "return_documents": pick(wild, True, False)}))
+        else:
+            body = data.draw(st.fixed_dictionaries({"text_1": texts, "text_2": texts}, optional=common))
+        try:
+            content = json.dumps(body, allow_nan=True)
+        except (ValueError, OverflowError):
+            return
+        route = "/v1/rerank" if rerank else "/v1/score"
+        response = httpx.post(f"{gateway}{route}", content=content, headers=headers, timeout=60)
+        statuses[(route, response.status_code)] += 1
+        if response.status_code != 200:
+            assert response.status_code in (400, 404, 413, 429), (response.status_code, response.text, body)
+            error = response.json()["error"]
+            assert error["message"] and error["type"], body
+        elif rerank:
+            scores = [result["relevance_score"] for result in response.json()["results"]]
+            assert scores == sorted(scores, reverse=True) and 0 < len(scores) <= len(body["documents"]), body
+            assert len(scores) == min(len(body["documents"]), body.get("top_n") or len(body["documents"])), body
+        else:
+            assert all(-1.0001 <= item["score"] <= 1.0001 for item in response.json()["data"]), body
+
+    check()
+    for route in ("/v1/score", "/v1/rerank"):
+        assert statuses[(route, 200)] >= 3 and statuses[(route, 400)] >= 3, statuses
+    wait_until(lambda: all_blocks_free(grpc_client), 30, message="every block free after the random bodies")
+
+
 def test_random_bodies_get_only_documented_statuses_and_lose_nothing(api, gateway, cluster, grpc_client):
     """Hypothesis sends random JSON bodies to both generation routes: every answer is 200 (a complete answer, or a
     stream that ends in [DONE] or an error event) or a documented refusal (400, 404, 413, 429) in OpenAI's error
