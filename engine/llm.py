@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -10,11 +11,18 @@ import torch
 from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat import Chat
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.scoring import cosine, pair_up
 from splitserve.engine.config import DEFAULT_STEP_LIMITS, EngineConfig, likely_device, resolve_device, resolve_dtype
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.lora import LoRARequest
 from splitserve.engine.outputs import RequestOutput
-from splitserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
+from splitserve.engine.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text), or {"prompt": text}; a dict may
 # carry vLLM's "cache_salt" (its blocks in the prefix cache are then found only by prompts with the same salt).
@@ -144,6 +152,38 @@ class LLM:
         return [EmbeddingRequestOutput(output.request_id, output.prompt_token_ids, EmbeddingOutput(output.embedding))
                 for output in self._run(request_ids, use_tqdm)]
 
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Each pair's score, as vLLM's ``LLM.score`` with an embedding model: the cosine similarity of the two
+        prompts' embeddings (:meth:`embed`'s, normalized). ``data_1`` is one prompt, scored against each of
+        ``data_2``, or a list as long as ``data_2``, scored pairwise. Each distinct prompt is embedded once, all
+        in one batch.
+
+        Raises:
+            ValueError: either side is empty, or the two lists differ in length and ``data_1`` holds more than one.
+        """
+        firsts = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
+        seconds = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
+        pairs = pair_up(firsts, seconds)
+        keys = list(dict.fromkeys(_prompt_key(prompt) for pair in pairs for prompt in pair))
+        prompts = {_prompt_key(prompt): prompt for pair in pairs for prompt in pair}
+        embedded = dict(zip(keys, self.embed([prompts[key] for key in keys], use_tqdm=use_tqdm,
+                                             lora_request=lora_request)))
+        outputs = []
+        for first, second in pairs:
+            one, other = embedded[_prompt_key(first)], embedded[_prompt_key(second)]
+            outputs.append(ScoringRequestOutput(
+                f"{one.request_id}+{other.request_id}", one.prompt_token_ids + other.prompt_token_ids,
+                ScoringOutput(cosine(one.outputs.embedding, other.outputs.embedding))))
+        return outputs
+
     def chat(
         self,
         messages: list[dict] | Sequence[list[dict]],
@@ -257,3 +297,8 @@ def _attends_in_cpu_kernels(engine_options: dict[str, Any]) -> bool:
 def _cache_salt_of(prompt: PromptType) -> str | None:
     """A dict prompt's ``cache_salt`` (vLLM's), checked; None for text or a dict without one."""
     return check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None
+
+
+def _prompt_key(prompt: PromptType) -> str:
+    """A prompt as a dict key: equal prompts (a text, or a dict of the same fields) get equal keys."""
+    return prompt if isinstance(prompt, str) else "\x00" + json.dumps(prompt, sort_keys=True, default=str)

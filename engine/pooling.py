@@ -69,3 +69,21 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score (vLLM's ``ScoringOutput``): the cosine similarity of its two embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair (vLLM's ``ScoringRequestOutput``): ``prompt_token_ids`` are the pair's
+    two texts' tokens, one after the other."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

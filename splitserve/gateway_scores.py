@@ -15,11 +15,12 @@ the embedded texts' prompt tokens.
 
 from __future__ import annotations
 
-import math
 import time
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+from splitserve.common.scoring import cosine, pair_up
 
 
 async def create_scores(gateway, request: Request) -> Response:
@@ -28,11 +29,10 @@ async def create_scores(gateway, request: Request) -> Response:
 
     body = await gateway._body(request)
     info, lora_name = await gateway._model_of(request, body)
-    firsts, seconds = _texts(body, "text_1"), _texts(body, "text_2")
-    if len(firsts) != 1 and len(firsts) != len(seconds):
-        raise APIError(400, f"text_1 holds {len(firsts)} texts and text_2 {len(seconds)}: give one text_1 to score "
-                       f"against every text_2, or as many of each to score pairwise.", "text_1")
-    pairs = list(zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds))
+    try:
+        pairs = pair_up(_texts(body, "text_1"), _texts(body, "text_2"))
+    except ValueError as error:
+        raise APIError(400, f"{error} (text_1 is the first side, text_2 the second)", "text_1") from None
     request_id, scores, prompt_tokens = await _similarities(gateway, request, body, lora_name, "score-", pairs)
     return JSONResponse({
         "id": request_id, "object": "list", "created": int(time.time()),
@@ -93,12 +93,5 @@ async def _similarities(gateway, request: Request, body: dict, lora_name: str | 
     request_id = _request_id(body, prefix, len(texts))
     answers = await embed_all(gateway, request, texts, request_id, lora_name, options)
     vectors = {text: answer.embedding for text, answer in zip(texts, answers)}
-    scores = [_cosine(vectors[first], vectors[second]) for first, second in pairs]
+    scores = [cosine(vectors[first], vectors[second]) for first, second in pairs]
     return request_id, scores, sum(answer.prompt_tokens for answer in answers)
-
-
-def _cosine(first, second) -> float:
-    """The cosine similarity of two vectors (normalized already; divided by their norms all the same, in float64)."""
-    dot = math.fsum(a * b for a, b in zip(first, second))
-    norms = math.sqrt(math.fsum(a * a for a in first)) * math.sqrt(math.fsum(b * b for b in second))
-    return dot / norms if norms else 0.0

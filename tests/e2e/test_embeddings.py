@@ -48,6 +48,30 @@ def test_embeddings_are_transformers_last_hidden_state_normalized(llm, model_dir
     _assert_all_blocks_free(llm)
 
 
+def test_scores_are_the_cosine_similarities_of_transformers_states(llm, model_dir, prompt_token_ids):
+    """``LLM.score`` as vLLM's with an embedding model: one prompt against several, and pairwise; each pair's score is
+    the cosine of transformers' last hidden states of its two prompts."""
+    first, others = prompt_token_ids[0], prompt_token_ids[1:4]
+    states = {tuple(ids): _reference(model_dir, ids) for ids in [first, *others]}
+
+    def expected(one, other):
+        return torch.nn.functional.cosine_similarity(states[tuple(one)], states[tuple(other)], dim=0).item()
+
+    outputs = llm.score({"prompt_token_ids": first}, [{"prompt_token_ids": ids} for ids in others], use_tqdm=False)
+    assert [output.outputs.score for output in outputs] == pytest.approx([expected(first, ids) for ids in others],
+                                                                          abs=ATOL)
+    assert outputs[0].prompt_token_ids == first + others[0]
+    pairwise = llm.score([{"prompt_token_ids": ids} for ids in others[:2]],
+                         [{"prompt_token_ids": first}, {"prompt_token_ids": others[1]}], use_tqdm=False)
+    assert [output.outputs.score for output in pairwise] == pytest.approx(
+        [expected(others[0], first), 1.0], abs=ATOL)
+    with pytest.raises(ValueError, match="give one first text"):
+        llm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
+    with pytest.raises(ValueError, match="at least one text"):
+        llm.score("a", [], use_tqdm=False)
+    _assert_all_blocks_free(llm)
+
+
 def test_embedding_requests_share_steps_with_generation_requests(llm, prompt_token_ids):
     """Embedding and generation requests added together run in the same steps: the generations are the plain
     run's tokens, the embeddings the embed call's vectors, and the embedding requests finish with no token."""
