@@ -257,6 +257,7 @@ class Gateway:
             *(Route(path, self.scores, methods=["POST"]) for path in ("/score", "/v1/score")),
             *(Route(path, self.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),  # names may hold a "/"
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -310,11 +311,27 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         """The model, then the LoRA adapters the workers serve (as vLLM lists them: ``parent`` the base model)."""
+        return JSONResponse({"object": "list", "data": await self._model_cards(request)})
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's model retrieval (``GET /v1/models/{model}``, the ``openai`` package's ``models.retrieve``): the
+        model's or an adapter's entry of /v1/models; 404 for any other name."""
+        name = request.path_params["model"]
+        cards = await self._model_cards(request)
+        for card in cards:
+            if card["id"] == name:
+                return JSONResponse(card)
+        raise APIError(404, f"The model {name[:100]!r} does not exist here; this server serves "
+                       f"{', '.join(repr(card['id']) for card in cards[:8])} (see /v1/models).", "model",
+                       "model_not_found")
+
+    async def _model_cards(self, request: Request) -> list[dict]:
+        """/v1/models' entries: the model's, then each LoRA adapter's the workers serve (fetched afresh)."""
         info = await self._info(request, refresh=True)
         base = self._model_name(info)
         entry = {"object": "model", "created": 0, "owned_by": "splitserve", "max_model_len": info.max_model_len}
-        return JSONResponse({"object": "list", "data": [{"id": base, **entry, "root": base, "parent": None}] + [
-            {"id": name, **entry, "root": name, "parent": base} for name in info.lora_names]})
+        return [{"id": base, **entry, "root": base, "parent": None}] + [
+            {"id": name, **entry, "root": name, "parent": base} for name in info.lora_names]
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: ``prompt`` (text) or ``messages`` (through the chat template) -> the token ids

@@ -16,6 +16,7 @@ updated on the engine's thread. The autoscaling signals of ``deploy/`` are among
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -93,6 +94,9 @@ class GatewayMetrics:
 
     def __init__(self, routes: Iterable[str]) -> None:
         self.registry = CollectorRegistry()
+        # Templated routes ("/v1/models/{model:path}") are labelled by their template, converters left out.
+        routes = [re.sub(r"\{(\w+)(:\w+)?\}", r"{\1}", route) for route in routes]
+        self._templates = [(route[: route.index("{")], route) for route in routes if "{" in route]
         self.routes = frozenset(routes)
         registry = self.registry
         self.requests = Counter("splitserve_gateway_requests", "HTTP requests answered, by route and HTTP status "
@@ -109,7 +113,11 @@ class GatewayMetrics:
             self.requests.labels(route, "200")
 
     def route(self, path: str) -> str:
-        return path if path in self.routes else "other"
+        """The label of a request's path: its route's (a templated route's, ``/v1/models/{model}``, for any path
+        under it), or ``other``."""
+        if path in self.routes:
+            return path
+        return next((label for prefix, label in self._templates if path.startswith(prefix)), "other")
 
 
 class _RegistryCollector(Collector):

@@ -77,6 +77,10 @@ def grpc_client(cluster):
 def test_models_lists_the_router_model(api, grpc_client):
     [model] = api.models.list().data
     assert model.id == grpc_client.model_info().model_name and model.owned_by == "splitserve"
+    assert api.models.retrieve(model.id) == model  # OpenAI's GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError) as caught:
+        api.models.retrieve("org/no-such-model")  # a name with a "/", as Hugging Face's
+    assert caught.value.code == "model_not_found" and "'org/no-such-model' does not exist" in caught.value.message
 
 
 def test_completion_is_the_grpc_paths_greedy_output(api, grpc_client):
@@ -746,6 +750,7 @@ def test_metrics_count_requests_by_route_and_status_and_the_generations(api, gat
     with pytest.raises(openai.BadRequestError):
         api.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=-1)
     assert httpx.get(f"{gateway}/v1/no-such-route/{'x' * 50}").status_code == 404
+    api.models.retrieve(model)
     after = scrape(url)
 
     def moved(name: str, **labels) -> float:
@@ -755,10 +760,11 @@ def test_metrics_count_requests_by_route_and_status_and_the_generations(api, gat
     assert moved("splitserve_gateway_requests_total", route="/v1/completions", status="400") == 1
     assert moved("splitserve_gateway_requests_total", route="/v1/models", status="200") == 1
     assert moved("splitserve_gateway_requests_total", route="other", status="404") == 1  # no client path as a label
+    assert moved("splitserve_gateway_requests_total", route="/v1/models/{model}", status="200") == 1  # not the name
     assert moved("splitserve_gateway_generations_total") == 4  # 2 prompts x n=2; the refused one made no call
     assert moved("splitserve_gateway_request_duration_seconds_count", route="/v1/completions") == 2
     assert value(after, "splitserve_gateway_requests_in_flight") == 0
-    assert not any("no-such-route" in str(labels) for _, labels in after)
+    assert not any("no-such-route" in str(labels) or model in str(labels) for _, labels in after)
 
 
 # ---- random bodies: only documented statuses, and nothing is lost ----------------------------------------------
