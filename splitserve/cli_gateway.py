@@ -17,7 +17,7 @@ def add_gateway_command(commands, add_client_tls_arguments) -> None:
         description="Serve /v1/completions, /v1/chat/completions, /v1/responses (OpenAI's Responses API as vLLM "
         "serves it, stateless: previous_response_id and background are refused, function tools work and built-in ones are refused; all three streaming as "
         "server-sent events), /v1/embeddings (through the router's Embed), vLLM's /v1/score and /v1/rerank (cosine similarities of "
-        "those embeddings; also at /score, /rerank and /v2/rerank), /v1/models, /tokenize, /detokenize, /health and /version over HTTP (chat requests may give tools: calls forced by tool_choice \"required\" or a named "
+        "those embeddings; also at /score, /rerank and /v2/rerank), /v1/models, /tokenize, /detokenize, /health and /version, and SageMaker's /ping and /invocations (the body's fields pick the route, as in vLLM), over HTTP (chat requests may give tools: calls forced by tool_choice \"required\" or a named "
         "function, or left to the model with --enable-auto-tool-choice; a reasoning model's think block apart from "
         "its answer with --reasoning-parser), each request one gRPC call on the router at --router (calls side by side for n "
         "choices and for a batch of prompts). The gateway keeps no state and no key: a caller's 'Authorization: Bearer KEY' header is passed on "

@@ -261,6 +261,8 @@ class Gateway:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ping", self.health, methods=["GET", "POST"]),  # SageMaker's health check, as vLLM serves it
+            Route("/invocations", self.invocations, methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
         ]
         self.metrics = GatewayMetrics(route.path for route in routes)
@@ -301,6 +303,17 @@ class Gateway:
             return JSONResponse({"status": "unavailable", "reason": "The router is not ready: no decode worker is "
                                  "serving, or it is draining."}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's ``/invocations``, as vLLM serves it: the body's fields pick the route, a chat (``messages``), a
+        completion (``prompt``), embeddings (``input``), scores (``text_1``) or a rerank (``query``)."""
+        body = await self._body(request)
+        for field, route in (("messages", self.chat_completions), ("prompt", self.completions),
+                             ("input", self.embeddings), ("text_1", self.scores), ("query", self.rerank)):
+            if field in body:
+                return await route(request)  # which reads the same body again (kept on the request)
+        raise APIError(400, "An invocation names its kind by its fields: messages (a chat), prompt (a completion), "
+                       "input (embeddings), text_1 and text_2 (scores) or query and documents (a rerank).")
 
     async def version(self, request: Request) -> Response:
         """vLLM's /version: this gateway's splitserve version (the package's), for deployment checks; needs no key
@@ -601,6 +614,10 @@ class Gateway:
     # ---- request checks ---------------------------------------------------------------------
 
     async def _body(self, request: Request) -> dict:
+        """The request's JSON object, checked (read once: kept on the request for a second reader)."""
+        kept = getattr(request.state, "json_body", None)
+        if kept is not None:
+            return kept
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.config.max_body_bytes:
             raise APIError(413, f"The request body is {int(declared)} bytes, over the limit of "
@@ -628,6 +645,7 @@ class Gateway:
         if body.get("best_of") not in (None, 1):
             raise APIError(400, "best_of is not supported (choices are not ranked here): ask for n choices instead.",
                            "best_of")
+        request.state.json_body = body
         return body
 
     def reasoning_parser_of(self, info: inference_pb2.GetModelInfoResponse) -> type[ThinkTagParser] | None:

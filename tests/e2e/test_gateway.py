@@ -1642,6 +1642,38 @@ def test_scores_and_rerank_are_the_embeddings_cosine_similarities(api, grpc_clie
     wait_until(lambda: all_blocks_free(grpc_client), 15, message="all KV blocks free")
 
 
+def test_sagemakers_ping_and_invocations_are_vllms(api, gateway, cluster):
+    """SageMaker's routes as vLLM serves them: /ping is /health (GET or POST, no key), and /invocations answers
+    as the route its body's fields name, streams included; a body naming none is 400."""
+    model = api.models.list().data[0].id
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    assert httpx.get(f"{gateway}/ping").json() == httpx.post(f"{gateway}/ping").json() == {"status": "ok"}
+
+    def both(route: str, body: dict) -> tuple[dict, dict]:
+        answers = [httpx.post(f"{gateway}{path}", headers=headers, json={"model": model, **body}, timeout=60)
+                   for path in (route, "/invocations")]
+        assert [answer.status_code for answer in answers] == [200, 200], [answer.text for answer in answers]
+        return answers[0].json(), answers[1].json()
+
+    direct, invoked = both("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4, "temperature": 0})
+    assert invoked["object"] == "chat.completion"
+    assert invoked["choices"][0]["message"] == direct["choices"][0]["message"]
+    direct, invoked = both("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    assert invoked["object"] == "text_completion" and invoked["choices"][0]["text"] == direct["choices"][0]["text"]
+    direct, invoked = both("/v1/embeddings", {"input": PROMPT})
+    assert invoked["data"][0]["embedding"] == direct["data"][0]["embedding"]
+    direct, invoked = both("/v1/score", {"text_1": PROMPT, "text_2": ["Paris.", "Rome."]})
+    assert [item["score"] for item in invoked["data"]] == [item["score"] for item in direct["data"]]
+    direct, invoked = both("/v1/rerank", {"query": PROMPT, "documents": ["Paris.", "Rome."]})
+    assert invoked["results"] == direct["results"]
+    streamed = httpx.post(f"{gateway}/invocations", headers=headers, json={
+        "model": model, "messages": QUESTION, "max_tokens": 2, "temperature": 0, "stream": True}, timeout=60)
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    refused = httpx.post(f"{gateway}/invocations", headers=headers, json={"model": model, "text": PROMPT})
+    assert refused.status_code == 400 and "names its kind by its fields" in refused.json()["error"]["message"]
+    assert httpx.post(f"{gateway}/invocations", json={"prompt": PROMPT, "max_tokens": 1}).status_code == 401
+
+
 def test_embeddings_are_the_grpc_paths(api, grpc_client, gateway, cluster):
     """/v1/embeddings through the openai package (which asks for base64 and decodes it): each input's vector is
     the router's Embed, in order, with the prompt tokens counted; floats, a Matryoshka cut and token ids as well;
