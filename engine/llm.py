@@ -10,8 +10,9 @@ import torch
 
 from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat import Chat
-from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.scoring import cosine, pair_up
+from splitserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from splitserve.engine.config import DEFAULT_STEP_LIMITS, EngineConfig, likely_device, resolve_device, resolve_dtype
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.lora import LoRARequest
@@ -151,6 +152,33 @@ class LLM:
             raise
         return [EmbeddingRequestOutput(output.request_id, output.prompt_token_ids, EmbeddingOutput(output.embedding))
                 for output in self._run(request_ids, use_tqdm)]
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Each prompt's ``params.beam_width`` best continuations by beam search, best first, as vLLM's
+        ``LLM.beam_search`` (engine/beam_search.py): a step asks for one token of every live beam, all prompts'
+        beams in one batch, with the top ``2 * beam_width`` log probabilities; beams share their KV through the
+        prefix cache.
+
+        Raises:
+            InvalidRequest: a bad parameter or prompt (nothing runs).
+        """
+        params.check()
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        token_ids = [self.engine.prompt_token_ids_of(*self._token_ids_of(prompt)) for prompt in prompt_list]
+        eos_token_ids = self.engine.eos_token_ids
+        candidates = min(MAX_LOGPROBS, max(2, 1 + len(eos_token_ids)) * params.beam_width)
+        step_params = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=candidates,
+                                     ignore_eos=True)
+
+        def step(sequences: list[list[int]]) -> list[dict[int, float]]:
+            outputs = self.generate([{"prompt_token_ids": tokens} for tokens in sequences], step_params,
+                                    use_tqdm=use_tqdm)
+            return [output.outputs[0].logprobs[0] for output in outputs]
+
+        tokenizer = self.get_tokenizer()
+        return beam_search(token_ids, params, step, eos_token_ids,
+                           lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
     def score(
         self,

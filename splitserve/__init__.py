@@ -11,7 +11,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "Client", "AsyncClient", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "Client", "AsyncClient", "__version__"]
 
 
 def __getattr__(name: str):
@@ -20,6 +20,10 @@ def __getattr__(name: str):
         from splitserve.engine.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":
+        from splitserve.engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "PoolingParams":
         from splitserve.engine.pooling import PoolingParams
 

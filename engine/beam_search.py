@@ -1,0 +1,144 @@
+"""Beam search over the engine (vLLM's ``LLM.beam_search``), ranked as transformers' ``generate(num_beams=...)``
+ranks its beams, so that its beams are transformers' on the same weights.
+
+It runs outside the scheduler, one token at a time: each step asks the engine for one token of every live beam of
+every prompt, in one batch, with the top ``2 * beam_width`` log probabilities of the next token, and the beams'
+KV is shared through the prefix cache, so a step computes about one token a beam (vLLM's way). Of the
+``2 * beam_width`` best continuations of a prompt's beams (by cumulative log probability), those among the first
+``beam_width`` that end in the end-of-sequence token (unless ``ignore_eos``), or reach ``max_tokens``, are
+finished, scored by their cumulative log probability over their generated length (the end-of-sequence token
+counted) to the power ``length_penalty``, and the best ``beam_width`` finished ones kept; the first ``beam_width``
+that are not finished live on. The search of a prompt ends when no live beam could beat its worst kept finished
+one (transformers' heuristic with ``early_stopping`` false: the best live beam scored at its current length) or
+at ``max_tokens``. vLLM ranks differently (the prompt counted in every beam's length, every end-of-sequence
+candidate kept), which favours beams that end early over transformers' choice; splitserve follows
+transformers, the reference its tests hold it to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from splitserve.common.errors import InvalidRequest
+
+# The most log probabilities a request may ask for (SamplingParams.logprobs), so beam_width <= 10 (a model with
+# several end-of-sequence ids is asked for more candidates only as the limit allows).
+MAX_CANDIDATES = 20
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams``: ``beam_width`` beams kept, ``max_tokens`` tokens at most, ``ignore_eos`` to grow
+    beams through the end-of-sequence token, ``temperature`` of each step's sampling (the candidates come from the
+    log probabilities, which the temperature leaves alone), ``length_penalty`` (see the module)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def check(self) -> None:
+        """Raises InvalidRequest for a width outside 1..10, a max_tokens below 1, or a length_penalty that is not a
+        number."""
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) \
+                or not 1 <= self.beam_width <= MAX_CANDIDATES // 2:
+            raise InvalidRequest(f"beam_width must be an integer from 1 to {MAX_CANDIDATES // 2}, got "
+                                 f"{self.beam_width!r}.")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}.")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):
+            raise InvalidRequest(f"length_penalty must be a number, got {self.length_penalty!r}.")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: ``tokens`` (the prompt's, then the generated), each generated token's candidates' log
+    probabilities (``logprobs``), their sum (``cum_logprob``) and, once returned, the generated ``text`` (a final
+    end-of-sequence token left out)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best ``beam_width`` beams, best first (vLLM's ``BeamSearchOutput``)."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_search(prompts: list[list[int]], params: BeamSearchParams, step: Callable[[list[list[int]]], list[dict]],
+                eos_token_ids: Collection[int], decode: Callable[[list[int]], str]) -> list[BeamSearchOutput]:
+    """Each prompt's best beams, best first.
+
+    Args:
+        prompts: each prompt's token ids.
+        step: given token sequences, each one's next-token log probabilities ``{token_id: logprob}`` (the top
+            ``2 * beam_width`` at least), in order.
+        eos_token_ids: the tokens that finish a beam (the model's end-of-sequence ids).
+        decode: token ids to text.
+    """
+    params.check()
+    width = params.beam_width
+    ends = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+    kept = max(2, 1 + len(ends)) * width  # continuations considered a step, as transformers keeps them
+    searches = [_Search(prompt, width) for prompt in prompts]
+    for length in range(1, params.max_tokens + 1):
+        open_searches = [search for search in searches if search.live]
+        if not open_searches:
+            break
+        beams = [beam for search in open_searches for beam in search.live]
+        distributions = iter(step([beam.tokens for beam in beams]))
+        for search in open_searches:
+            candidates = []
+            for beam in search.live:
+                distribution = next(distributions)
+                candidates += [(beam.cum_logprob + logprob, token_id, beam, distribution)
+                               for token_id, logprob in distribution.items()]
+            candidates.sort(key=lambda candidate: -candidate[0])  # stable: ties keep the beams' order
+            search.advance(candidates[:kept], length, length == params.max_tokens, ends, params.length_penalty)
+    outputs = []
+    for search in searches:
+        for beam in search.finished:
+            generated = beam.tokens[len(search.prompt):]
+            if generated and generated[-1] in ends:
+                generated = generated[:-1]
+            beam.text = decode(generated)
+        outputs.append(BeamSearchOutput(search.finished))
+    return outputs
+
+
+class _Search:
+    """One prompt's beams: the live ones and the best finished ones (at most ``width`` of each)."""
+
+    def __init__(self, prompt: list[int], width: int) -> None:
+        self.prompt, self.width = list(prompt), width
+        self.live = [BeamSearchSequence(list(prompt))]
+        self.finished: list[BeamSearchSequence] = []
+        self.scores: list[float] = []  # the finished beams', in their order (best first)
+
+    def advance(self, candidates: list, length: int, last: bool, ends: frozenset[int],
+                length_penalty: float) -> None:
+        """Take one step's best continuations (``(cumulative log probability, token, beam, distribution)``, best
+        first): finish those among the first ``width`` that end or reach the last step, keep the first ``width``
+        others live, and close the search when no live beam can beat the worst finished one."""
+        grown = [(score, BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [distribution], score),
+                  last or token_id in ends) for score, token_id, beam, distribution in candidates]
+        for rank, (score, child, done) in enumerate(grown):
+            if done and rank < self.width:
+                self._finish(child, score / length ** length_penalty)
+        self.live = [child for _, child, done in grown if not done][: self.width]
+        if len(self.finished) == self.width and self.live \
+                and self.live[0].cum_logprob / length ** length_penalty <= self.scores[-1]:
+            self.live = []
+
+    def _finish(self, beam: BeamSearchSequence, score: float) -> None:
+        index = next((index for index, kept in enumerate(self.scores) if score > kept), len(self.scores))
+        if index < self.width:
+            self.scores.insert(index, score)
+            self.finished.insert(index, beam)
+            del self.scores[self.width:], self.finished[self.width:]
