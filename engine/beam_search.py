@@ -17,7 +17,7 @@ transformers, the reference its tests hold it to.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequest
@@ -66,9 +66,10 @@ class BeamSearchSequence:
 
 @dataclass
 class BeamSearchOutput:
-    """A prompt's best ``beam_width`` beams, best first (vLLM's ``BeamSearchOutput``)."""
+    """A prompt's best ``beam_width`` beams, best first (vLLM's ``BeamSearchOutput``), and its length."""
 
     sequences: list[BeamSearchSequence]
+    prompt_len: int = 0
 
 
 def beam_search(prompts: list[list[int]], params: BeamSearchParams, step: Callable[[list[list[int]]], list[dict]],
@@ -82,6 +83,24 @@ def beam_search(prompts: list[list[int]], params: BeamSearchParams, step: Callab
         eos_token_ids: the tokens that finish a beam (the model's end-of-sequence ids).
         decode: token ids to text.
     """
+    steps = beam_search_steps(prompts, params, eos_token_ids)
+    try:
+        sequences = next(steps)
+        while True:
+            sequences = steps.send(step(sequences))
+    except StopIteration as done:
+        outputs = done.value
+    for output in outputs:
+        for beam in output.sequences:
+            beam.text = decode(generated_tokens(beam, output.prompt_len, params, eos_token_ids))
+    return outputs
+
+
+def beam_search_steps(prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: Collection[int]
+                      ) -> Generator[list[list[int]], list[dict], list[BeamSearchOutput]]:
+    """The search as a generator, for a caller that steps the model its own way (the gateway, through the router):
+    it yields the token sequences of a step, is sent each one's next-token log probabilities, and returns each
+    prompt's best beams (their ``text`` not set)."""
     params.check()
     width = params.beam_width
     ends = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
@@ -92,7 +111,7 @@ def beam_search(prompts: list[list[int]], params: BeamSearchParams, step: Callab
         if not open_searches:
             break
         beams = [beam for search in open_searches for beam in search.live]
-        distributions = iter(step([beam.tokens for beam in beams]))
+        distributions = iter((yield [beam.tokens for beam in beams]))
         for search in open_searches:
             candidates = []
             for beam in search.live:
@@ -101,15 +120,16 @@ def beam_search(prompts: list[list[int]], params: BeamSearchParams, step: Callab
                                for token_id, logprob in distribution.items()]
             candidates.sort(key=lambda candidate: -candidate[0])  # stable: ties keep the beams' order
             search.advance(candidates[:kept], length, length == params.max_tokens, ends, params.length_penalty)
-    outputs = []
-    for search in searches:
-        for beam in search.finished:
-            generated = beam.tokens[len(search.prompt):]
-            if generated and generated[-1] in ends:
-                generated = generated[:-1]
-            beam.text = decode(generated)
-        outputs.append(BeamSearchOutput(search.finished))
-    return outputs
+    return [BeamSearchOutput(search.finished, len(search.prompt)) for search in searches]
+
+
+def generated_tokens(beam: BeamSearchSequence, prompt_len: int, params: BeamSearchParams,
+                     eos_token_ids: Collection[int]) -> list[int]:
+    """A beam's generated tokens, without a final end-of-sequence token (unless ``ignore_eos``)."""
+    generated = beam.tokens[prompt_len:]
+    if generated and not params.ignore_eos and generated[-1] in eos_token_ids:
+        generated = generated[:-1]
+    return generated
 
 
 class _Search:

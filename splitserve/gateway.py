@@ -390,6 +390,10 @@ class Gateway:
         body = await self._body(request)
         info, lora_name = await self._model_of(request, body)
         prompts = _completion_prompts(body.get("prompt"))
+        if _flag(body, "use_beam_search"):
+            from splitserve.gateway_beams import beam_search_answer  # it builds on this module's pieces
+
+            return await beam_search_answer(self, request, body, prompts, lora_name, chat=False, default_max_tokens=16)
         echo = _flag(body, "echo")
         score_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
         logprobs = _completion_logprobs(body)
@@ -405,6 +409,11 @@ class Gateway:
         body = await self._body(request)
         info, lora_name = await self._model_of(request, body)
         chat = _chat(body)
+        if _flag(body, "use_beam_search"):
+            from splitserve.gateway_beams import beam_search_answer  # it builds on this module's pieces
+
+            return await beam_search_answer(self, request, body, [chat], lora_name, chat=True,
+                                            default_max_tokens=info.max_model_len)
         # vLLM's echo on chats: each answer starts with the last message's content when that is the assistant's (an
         # answer begun for the model, continued with continue_final_message), and is the generated text otherwise.
         last = chat.messages[-1] if chat.messages else None

@@ -1642,6 +1642,49 @@ def test_scores_and_rerank_are_the_embeddings_cosine_similarities(api, grpc_clie
     wait_until(lambda: all_blocks_free(grpc_client), 15, message="all KV blocks free")
 
 
+def test_use_beam_search_answers_transformers_beams_through_the_router(api, gateway, cluster, grpc_client,
+                                                                     model_dir, tokenizer):
+    """vLLM's use_beam_search on completions and chats: n beams stepped through the router, best first, each
+    transformers' beam (float32) in text and finish reason, the usage counted; what a beam search cannot give is
+    refused with the field named."""
+    from tests.reference import hf_beams
+
+    model = api.models.list().data[0].id
+    headers = {"authorization": f"Bearer {cluster.api_key}"}
+    eos = set(grpc_client.model_info().eos_token_ids)
+
+    def expected(ids: list[int], width: int, max_tokens: int) -> list[tuple[str, str, int]]:
+        beams = hf_beams(str(model_dir), ids, width, max_tokens)
+        return [(tokenizer.decode(beam[:-1] if beam[-1] in eos else beam, skip_special_tokens=True),
+                 "stop" if beam[-1] in eos else "length", len(beam)) for beam in beams]
+
+    ids = grpc_client.tokenize(PROMPT)
+    reply = httpx.post(f"{gateway}/v1/completions", headers=headers, timeout=120, json={
+        "model": model, "prompt": PROMPT, "n": 4, "max_tokens": 12, "use_beam_search": True})
+    assert reply.status_code == 200, reply.text
+    answer, beams = reply.json(), expected(ids, 4, 12)
+    assert [(choice["text"], choice["finish_reason"]) for choice in answer["choices"]] == [b[:2] for b in beams]
+    assert [choice["index"] for choice in answer["choices"]] == [0, 1, 2, 3]
+    assert answer["usage"] == {"prompt_tokens": len(ids), "completion_tokens": sum(b[2] for b in beams),
+                               "total_tokens": len(ids) + sum(b[2] for b in beams)}
+    chat_ids = httpx.post(f"{gateway}/tokenize", headers=headers, json={"model": model, "messages": QUESTION}
+                          ).json()["tokens"]
+    reply = httpx.post(f"{gateway}/v1/chat/completions", headers=headers, timeout=120, json={
+        "model": model, "messages": QUESTION, "n": 2, "max_completion_tokens": 10, "use_beam_search": True})
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    assert answer["object"] == "chat.completion"
+    assert [(choice["message"]["content"], choice["finish_reason"]) for choice in answer["choices"]] == [
+        b[:2] for b in expected(chat_ids, 2, 10)]
+    for body, param in (({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"n": 11}, "n"),
+                        ({"max_tokens": 0}, "max_tokens"), ({"length_penalty": "long"}, "length_penalty"),
+                        ({"use_beam_search": "yes"}, "use_beam_search")):
+        refused = httpx.post(f"{gateway}/v1/completions", headers=headers, json={
+            "model": model, "prompt": PROMPT, "use_beam_search": True, **body})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (body, refused.text)
+    wait_until(lambda: all_blocks_free(grpc_client), 15, message="all KV blocks free")
+
+
 def test_sagemakers_ping_and_invocations_are_vllms(api, gateway, cluster):
     """SageMaker's routes as vLLM serves them: /ping is /health (GET or POST, no key), and /invocations answers
     as the route its body's fields name, streams included; a body naming none is 400."""
