@@ -1132,6 +1132,22 @@ async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
         yield item
 
 
+async def side_by_side(request: Request, coroutines: list) -> list:
+    """The results of a request's unary router calls, run side by side, in order; all cancelled at the first
+    failure (its gRPC status raised as an HTTP error) or when the HTTP caller leaves."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, tasks))
+    try:
+        return await asyncio.gather(*tasks)
+    except grpc.RpcError as error:
+        raise from_rpc_error(error) from None
+    finally:
+        watcher.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _cancel_on_disconnect(request: Request, calls: list) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.1)

@@ -13,12 +13,10 @@ otherwise; the usage counts the prompt once and every returned beam's tokens. No
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import time
 
-import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -45,12 +43,11 @@ async def beam_search_answer(gateway, request: Request, body: dict, prompts: lis
         _bearer,
         _cache_salt,
         _call_id,
-        _cancel_on_disconnect,
         _flag,
         _optional_flag,
         _priority,
         _request_id,
-        from_rpc_error,
+        side_by_side,
     )
 
     for field, sentence in _REFUSED.items():
@@ -75,25 +72,9 @@ async def beam_search_answer(gateway, request: Request, body: dict, prompts: lis
     api_key, priority, cache_salt = _bearer(request), _priority(body), _cache_salt(body)
     request_id = _request_id(body, "chatcmpl-" if chat else "cmpl-", 2)  # several calls: each id gets a number
     calls = 0
-
-    async def gathered(coroutines: list) -> list:
-        """The results of a step's calls, side by side; all cancelled at the first failure (its status as an HTTP
-        error) or when the caller leaves."""
-        tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
-        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, tasks))
-        try:
-            return await asyncio.gather(*tasks)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
-        finally:
-            watcher.cancel()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     special = _optional_flag(body, "add_special_tokens")
-    tokenized = await gathered([gateway.client.tokenize_prompt(prompt, api_key=api_key, add_special_tokens=special)
-                                for prompt in prompts])
+    tokenized = await side_by_side(request, [
+        gateway.client.tokenize_prompt(prompt, api_key=api_key, add_special_tokens=special) for prompt in prompts])
     token_ids = [list(answer.token_ids) for answer in tokenized]
     room = info.max_model_len - max(len(ids) for ids in token_ids)  # no beam may outgrow the context
     if room < 1:
@@ -112,7 +93,7 @@ async def beam_search_answer(gateway, request: Request, body: dict, prompts: lis
     try:
         sequences = next(steps)
         while True:
-            answers = await gathered([
+            answers = await side_by_side(request, [
                 gateway.client.generate(sequence, step_params, _call_id(request_id, calls + number, calls + 2),
                                         api_key=api_key, priority=priority, lora_name=lora_name,
                                         cache_salt=cache_salt) for number, sequence in enumerate(sequences)])
@@ -123,7 +104,7 @@ async def beam_search_answer(gateway, request: Request, body: dict, prompts: lis
     gateway.metrics.generations.inc(calls)
     request.state.generations = calls
     beams = [(output, beam) for output in outputs for beam in output.sequences]
-    texts = await gathered([gateway.client.detokenize(
+    texts = await side_by_side(request, [gateway.client.detokenize(
         generated_tokens(beam, output.prompt_len, params, eos_token_ids), skip_special_tokens=True, api_key=api_key)
         for output, beam in beams])
     choices = []

@@ -18,12 +18,10 @@ other routes. ``user`` is taken and ignored (OpenAI's). The usage counts the pro
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 import time
 
-import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -95,27 +93,15 @@ def embed_options(body: dict) -> dict:
 
 async def embed_all(gateway, request: Request, inputs: list, request_id: str, lora_name: str | None, options: dict,
                     normalize: bool = True, dimensions: int | None = None) -> list:
-    """Each input's ``EmbedResponse``, in order: one router ``Embed`` call each, side by side, all cancelled at the
-    first failure (its gRPC status as an HTTP error) or when the caller leaves."""
-    from splitserve.gateway import _bearer, _call_id, _cancel_on_disconnect, from_rpc_error, router_trace
+    """Each input's ``EmbedResponse``, in order: one router ``Embed`` call each, side by side (``side_by_side``)."""
+    from splitserve.gateway import _bearer, _call_id, router_trace, side_by_side
 
     api_key, trace = _bearer(request), router_trace(request)
-    tasks = [asyncio.ensure_future(gateway.client.embed(
+    gateway.metrics.generations.inc(len(inputs))
+    request.state.generations = len(inputs)  # on the request's span
+    return await side_by_side(request, [gateway.client.embed(
         prompt, normalize, dimensions, lora_name, _call_id(request_id, number, len(inputs)),
-        api_key=api_key, trace=trace, **options))
-             for number, prompt in enumerate(inputs)]
-    gateway.metrics.generations.inc(len(tasks))
-    request.state.generations = len(tasks)  # on the request's span
-    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, tasks))
-    try:
-        return await asyncio.gather(*tasks)
-    except grpc.RpcError as error:
-        raise from_rpc_error(error) from None
-    finally:
-        watcher.cancel()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        api_key=api_key, trace=trace, **options) for number, prompt in enumerate(inputs)])
 
 
 def _encoded(embedding, encoding: str) -> list[float] | str:

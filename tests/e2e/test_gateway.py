@@ -843,6 +843,23 @@ def _responses_and_embeddings_bodies(model: str, responses: bool, wild: bool):
     return st.fixed_dictionaries(required, optional=fields)
 
 
+def _post_random(gateway: str, route: str, body: dict, headers: dict, statuses: collections.Counter):
+    """POST a random ``body`` to ``route`` and count its status: the response when it is 200, None after checking a
+    refusal is documented (400, 404, 413, 429) and in OpenAI's error shape, or when the body is no JSON."""
+    try:
+        content = json.dumps(body, allow_nan=True)
+    except (ValueError, OverflowError):
+        return None
+    response = httpx.post(f"{gateway}{route}", content=content, headers=headers, timeout=60)
+    statuses[(route, response.status_code)] += 1
+    if response.status_code == 200:
+        return response
+    assert response.status_code in (400, 404, 413, 429), (response.status_code, response.text, body)
+    error = response.json()["error"]
+    assert error["message"] and error["type"], body
+    return None
+
+
 def test_random_responses_and_embeddings_bodies_get_only_documented_statuses(api, gateway, cluster, grpc_client):
     """Hypothesis sends random JSON bodies to /v1/responses and /v1/embeddings: every answer is 200 (a whole
     response, a stream that ends with its last response event or an error event, embeddings) or a documented
@@ -860,18 +877,10 @@ def test_random_responses_and_embeddings_bodies_get_only_documented_statuses(api
             statuses["skipped (time budget)"] += 1
             return
         body = data.draw(_responses_and_embeddings_bodies(model, responses, wild=data.draw(st.booleans())))
-        try:
-            content = json.dumps(body, allow_nan=True)
-        except (ValueError, OverflowError):
+        response = _post_random(gateway, "/v1/responses" if responses else "/v1/embeddings", body, headers, statuses)
+        if response is None:
             return
-        route = "/v1/responses" if responses else "/v1/embeddings"
-        response = httpx.post(f"{gateway}{route}", content=content, headers=headers, timeout=60)
-        statuses[(route, response.status_code)] += 1
-        if response.status_code != 200:
-            assert response.status_code in (400, 404, 413, 429), (response.status_code, response.text, body)
-            error = response.json()["error"]
-            assert error["message"] and error["type"], body
-        elif not responses:
+        if not responses:
             assert response.json()["data"], body
         elif body.get("stream") is True:
             events = [json.loads(line[len("data: "):]) for line in response.text.splitlines()
@@ -907,26 +916,20 @@ def test_random_score_and_rerank_bodies_get_only_documented_statuses(api, gatewa
         if time.monotonic() > stop_at:
             statuses["skipped (time budget)"] += 1
             return
-        texts = pick(wild, PROMPT, [PROMPT], [PROMPT, "Paris."], ["Hi", "Hi", ""], [], [PROMPT] * 17)
-        common = {"model": pick(wild, model, "gpt-4"), "truncate_prompt_tokens": pick(wild, 2, -1, 0),
-                  "priority": pick(wild, 0, 1)}
+        texts = pick(wild, PROMPT, [PROMPT], [PROMPT, "Paris."], ["Hi", "Hi", "Paris."], [PROMPT] * 17)
+        # Valid values only, unless wild (wild bodies bring the refusals).
+        common = {"model": pick(wild, model), "truncate_prompt_tokens": pick(wild, 2, -1), "priority": pick(wild, 0)}
         if rerank:
-            body = data.draw(st.fixed_dictionaries({"query": pick(wild, PROMPT, ""), "documents": texts}, optional={
-                **common, "top_n": pick(wild, 0, 1, 3, -2), "return_documents": pick(wild, True, False)}))
+            documents = pick(wild, [PROMPT], [PROMPT, "Paris."], ["Hi", "Hi", "Paris."], [PROMPT] * 17)
+            body = data.draw(st.fixed_dictionaries({"query": pick(wild, PROMPT, "Paris?"), "documents": documents},
+                                                   optional={
+                **common, "top_n": pick(wild, 0, 1, 3, -1), "return_documents": pick(wild, True, False)}))
         else:
             body = data.draw(st.fixed_dictionaries({"text_1": texts, "text_2": texts}, optional=common))
-        try:
-            content = json.dumps(body, allow_nan=True)
-        except (ValueError, OverflowError):
+        response = _post_random(gateway, "/v1/rerank" if rerank else "/v1/score", body, headers, statuses)
+        if response is None:
             return
-        route = "/v1/rerank" if rerank else "/v1/score"
-        response = httpx.post(f"{gateway}{route}", content=content, headers=headers, timeout=60)
-        statuses[(route, response.status_code)] += 1
-        if response.status_code != 200:
-            assert response.status_code in (400, 404, 413, 429), (response.status_code, response.text, body)
-            error = response.json()["error"]
-            assert error["message"] and error["type"], body
-        elif rerank:
+        if rerank:
             scores = [result["relevance_score"] for result in response.json()["results"]]
             assert scores == sorted(scores, reverse=True) and 0 < len(scores) <= len(body["documents"]), body
             assert len(scores) == min(len(body["documents"]), body.get("top_n") or len(body["documents"])), body
