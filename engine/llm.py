@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -166,6 +167,9 @@ class LLM:
         params.check()
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         token_ids = [self.engine.prompt_token_ids_of(*self._token_ids_of(prompt)) for prompt in prompt_list]
+        # No beam may outgrow the context (each prompt leaves room for a token: prompt_token_ids_of checks it).
+        room = self.engine.max_model_len - max(len(ids) for ids in token_ids)
+        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
         eos_token_ids = self.engine.eos_token_ids
         candidates = min(MAX_LOGPROBS, max(2, 1 + len(eos_token_ids)) * params.beam_width)
         step_params = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=candidates,

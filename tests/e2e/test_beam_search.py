@@ -64,4 +64,9 @@ def test_a_text_prompt_and_ignore_eos_and_the_refusals(llm):
                                                                       "length_penalty")):
         with pytest.raises(InvalidRequest, match=sentence):
             llm.beam_search("Hi", params)
+    with pytest.raises(InvalidRequest, match="must leave room"):
+        llm.beam_search({"prompt_token_ids": [17] * 2048}, BeamSearchParams(2, 3))
+    # A beam stops at the context's end: max_tokens is cut to the room the longest prompt leaves.
+    (near_end,) = llm.beam_search({"prompt_token_ids": [17] * 2046}, BeamSearchParams(2, 8, ignore_eos=True))
+    assert {len(beam.tokens) for beam in near_end.sequences} == {2048}
     assert llm.engine.free_block_count == llm.engine.num_kv_blocks
