@@ -159,10 +159,7 @@ class RedisConnector(KVConnector):
             if any(piece is None for piece in pieces):
                 raise KVTransferError(f"Some of the payload's pieces are gone from Redis (older than the "
                                       f"{self.ttl_ms / 1000:g} s TTL?).")
-            if sum(len(piece) for piece in pieces) != header.payload_num_bytes:  # before the buffer grows to them
-                raise KVTransferError(f"The payload's pieces hold {sum(len(piece) for piece in pieces)} bytes; its "
-                                      f"header says {header.payload_num_bytes}.")
-            data = self._join(pieces)
+            data = self._join(pieces, header.payload_num_bytes)
             verify(header, data, self.model_fingerprint, self.layout, checksum_type=self.checksum_type)
             payload = payload_tensor(header, data)
         except redis.RedisError:
@@ -180,9 +177,12 @@ class RedisConnector(KVConnector):
         except Exception:
             logger.exception("KV payload handler failed for transfer %s", transfer_id)
 
-    def _join(self, pieces: list[bytes]) -> memoryview:
-        """The pieces copied once into the reused receive buffer (valid until the next payload)."""
+    def _join(self, pieces: list[bytes], expected: int) -> memoryview:
+        """The pieces copied once into the reused receive buffer (valid until the next payload); a
+        KVTransferError, before the buffer grows, when they do not hold the ``expected`` bytes."""
         num_bytes = sum(len(piece) for piece in pieces)
+        if num_bytes != expected:
+            raise KVTransferError(f"The payload's pieces hold {num_bytes} bytes; its header says {expected}.")
         if self._buffer.numel() < num_bytes:
             self._buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self._pin_buffer)
         data = memoryview(self._buffer.numpy())[:num_bytes]

@@ -42,7 +42,6 @@ async def beam_search_answer(gateway, request: Request, body: dict, prompts: lis
         APIError,
         _bearer,
         _cache_salt,
-        _call_id,
         _flag,
         _optional_flag,
         _priority,
@@ -94,7 +93,7 @@ async def beam_search_answer(gateway, request: Request, body: dict, prompts: lis
         sequences = next(steps)
         while True:
             answers = await side_by_side(request, [
-                gateway.client.generate(sequence, step_params, _call_id(request_id, calls + number, calls + 2),
+                gateway.client.generate(sequence, step_params, f"{request_id}-{calls + number}",
                                         api_key=api_key, priority=priority, lora_name=lora_name,
                                         cache_salt=cache_salt) for number, sequence in enumerate(sequences)])
             calls += len(sequences)

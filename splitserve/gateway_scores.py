@@ -33,7 +33,7 @@ async def create_scores(gateway, request: Request) -> Response:
         pairs = pair_up(_texts(body, "text_1"), _texts(body, "text_2"))
     except ValueError as error:
         raise APIError(400, f"{error} (text_1 is the first side, text_2 the second)", "text_1") from None
-    request_id, scores, prompt_tokens = await _similarities(gateway, request, body, lora_name, "score-", pairs)
+    request_id, scores, prompt_tokens = await _similarities(gateway, request, body, lora_name, "score-", pairs, "text_2")
     return JSONResponse({
         "id": request_id, "object": "list", "created": int(time.time()),
         "model": lora_name or gateway._model_name(info),
@@ -59,7 +59,7 @@ async def create_rerank(gateway, request: Request) -> Response:
         raise APIError(400, "top_n must be an integer >= 0 (0: every document).", "top_n")
     return_documents = _flag(body, "return_documents", True)
     pairs = [(query, document) for document in documents]
-    request_id, scores, prompt_tokens = await _similarities(gateway, request, body, lora_name, "rerank-", pairs)
+    request_id, scores, prompt_tokens = await _similarities(gateway, request, body, lora_name, "rerank-", pairs, "documents")
     ranked = sorted(range(len(documents)), key=lambda index: -scores[index])  # stable: ties keep their order
     results = [{"index": index, **({"document": {"text": documents[index]}} if return_documents else {}),
                 "relevance_score": scores[index]} for index in ranked[: top_n or None]]
@@ -80,15 +80,14 @@ def _texts(body: dict, field: str, single: bool = True) -> list[str]:
 
 
 async def _similarities(gateway, request: Request, body: dict, lora_name: str | None, prefix: str,
-                        pairs: list[tuple[str, str]]) -> tuple[str, list[float], int]:
+                        pairs: list[tuple[str, str]], field: str) -> tuple[str, list[float], int]:
     """(the request's id, each pair's cosine similarity, the prompt tokens embedded): each distinct text embedded
     once, normalized."""
     from splitserve.gateway import _request_id
     from splitserve.gateway_embeddings import check_input_count, embed_all, embed_options
 
     texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-    check_input_count(gateway, len(texts), "documents" if prefix == "rerank-" else "text_2",
-                      "the request holds {count} distinct texts")
+    check_input_count(gateway, len(texts), field, "the request holds {count} distinct texts")
     options = embed_options(body)
     request_id = _request_id(body, prefix, len(texts))
     answers = await embed_all(gateway, request, texts, request_id, lora_name, options)
