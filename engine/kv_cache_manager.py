@@ -11,9 +11,20 @@ decode worker, and the router's prefix-aware policy) agree on them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from splitserve.common.block_hash import hash_block_tokens
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.request import Request
+
+
+class BlockCopy(NamedTuple):
+    """The first ``num_tokens`` slots of block ``src`` are to be copied into block ``dst`` before the step's forward
+    pass (a forked request's copy of its parent's last, partial block)."""
+
+    src: int
+    dst: int
+    num_tokens: int
 
 
 class KVCacheManager:
@@ -112,6 +123,51 @@ class KVCacheManager:
         if cache_blocks:
             self.cache_full_blocks(request, total_tokens)
         return True
+
+    def forkable_tokens(self, request: Request, parent: Request) -> int:
+        """How many of ``request``'s first tokens the finished ``parent``'s blocks hold for it to take
+        (:meth:`fork`): the parent's computed tokens when the request holds no blocks, starts with those tokens,
+        has at least one more to compute, chains its block hashes from the same root (adapter and salt) and wants
+        no prompt logprobs; else 0."""
+        num_tokens = parent.num_computed_tokens
+        if (num_tokens == 0 or num_tokens >= request.num_tokens or request.request_id in self.block_tables
+                or parent.request_id not in self.block_tables or request.wants_prompt_logprobs
+                or request.block_hash_root != parent.block_hash_root
+                or request.all_token_ids[:num_tokens] != parent.all_token_ids[:num_tokens]):
+            return 0
+        return num_tokens
+
+    def fork(self, request: Request, parent: Request, num_new_tokens: int, take_tail: bool) -> list[BlockCopy] | None:
+        """Give ``request`` the KV of the parent's computed tokens (:meth:`forkable_tokens`, which must be
+        positive) and room for ``num_new_tokens`` more: the parent's full blocks shared, and its last, partial
+        block copied into a new one (the copy returned, for the model runner to make before the step), or with
+        ``take_tail`` taken over (the parent then holds, and counts as computed, only its full blocks).
+
+        Returns:
+            The block copies to make; None, changing nothing, when the pool has too few free blocks.
+        """
+        size, table = self.block_size, self.block_tables[parent.request_id]
+        num_full, tail_tokens = divmod(parent.num_computed_tokens, size)
+        tail = table[num_full] if tail_tokens else None
+        take_tail = take_tail and tail is not None and self.pool.blocks[tail].ref_count == 1
+        total_tokens = parent.num_computed_tokens + num_new_tokens
+        num_new_blocks = self.num_blocks_for(total_tokens) - num_full - take_tail
+        if num_new_blocks > self.pool.free_block_count:
+            return None
+        shared = table[:num_full]
+        self.pool.touch(shared)
+        if take_tail:  # its reference moves from the parent to the request; blocks past it (rejected drafts) go
+            self.pool.free(table[:num_full:-1])
+            del table[num_full:]
+            parent.num_computed_tokens = num_full * size
+            shared.append(tail)
+        new_blocks = self.pool.allocate(num_new_blocks)
+        self.block_tables[request.request_id] = shared + new_blocks
+        self._num_cached_blocks[request.request_id] = min(num_full, self._num_cached_blocks.get(parent.request_id, 0))
+        self.cache_full_blocks(request, total_tokens)
+        if tail is None or take_tail:
+            return []
+        return [BlockCopy(tail, new_blocks[0], tail_tokens)]
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that ``num_tokens`` of its tokens fill completely."""

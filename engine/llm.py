@@ -25,6 +25,7 @@ from splitserve.engine.pooling import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from splitserve.engine.request import KVFork
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text), or {"prompt": text}; a dict may
 # carry vLLM's "cache_salt" (its blocks in the prefix cache are then found only by prompts with the same salt).
@@ -158,8 +159,9 @@ class LLM:
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Each prompt's ``params.beam_width`` best continuations by beam search, best first, as vLLM's
         ``LLM.beam_search`` (engine/beam_search.py): a step asks for one token of every live beam, all prompts'
-        beams in one batch, with the top ``2 * beam_width`` log probabilities; beams share their KV through the
-        prefix cache.
+        beams in one batch, with the top ``2 * beam_width`` log probabilities. A beam forks the KV of the one it
+        grew from (request.KVFork: the full blocks shared, the partial one copied, or taken by the last beam to
+        grow from it), so a step computes one token a beam, as transformers does.
 
         Raises:
             InvalidRequest: a bad parameter or prompt (nothing runs).
@@ -171,18 +173,14 @@ class LLM:
         room = self.engine.max_model_len - max(len(ids) for ids in token_ids)
         params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
         eos_token_ids = self.engine.eos_token_ids
-        candidates = min(MAX_LOGPROBS, max(2, 1 + len(eos_token_ids)) * params.beam_width)
-        step_params = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=candidates,
-                                     ignore_eos=True)
-
-        def step(sequences: list[list[int]]) -> list[dict[int, float]]:
-            outputs = self.generate([{"prompt_token_ids": tokens} for tokens in sequences], step_params,
-                                    use_tqdm=use_tqdm)
-            return [output.outputs[0].logprobs[0] for output in outputs]
-
         tokenizer = self.get_tokenizer()
-        return beam_search(token_ids, params, step, eos_token_ids,
-                           lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        steps = _ForkingSteps(self, min(MAX_LOGPROBS, max(2, 1 + len(eos_token_ids)) * params.beam_width),
+                              params.temperature, use_tqdm)
+        try:
+            return beam_search(token_ids, params, steps, eos_token_ids,
+                               lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        finally:
+            steps.release()
 
     def score(
         self,
@@ -305,6 +303,42 @@ class LLM:
         for request_id in request_ids:
             self.engine.abort_request(request_id)
         self.engine.step()  # drain the abort outputs
+
+
+class _ForkingSteps:
+    """Beam search's steps through an LLM's engine: each sequence a one-token request with the top ``candidates``
+    log probabilities, holding its blocks when done (``keep_kv``) so that the next step's sequences that grow from
+    it fork its KV; a step's requests release the step's before it once they are done."""
+
+    def __init__(self, llm: LLM, candidates: int, temperature: float, use_tqdm: bool) -> None:
+        self.llm, self.use_tqdm = llm, use_tqdm
+        self.params = SamplingParams(temperature=temperature, max_tokens=1, logprobs=candidates, ignore_eos=True)
+        self.held: dict[tuple[int, ...], str] = {}  # the last step's requests, by their tokens
+        self.to_release: list[str] = []  # every request that may hold blocks
+
+    def __call__(self, sequences: list[list[int]]) -> list[dict[int, float]]:
+        engine = self.llm.engine
+        parents = [self.held.get(tuple(tokens[:-1])) for tokens in sequences]
+        last_fork = {parent: index for index, parent in enumerate(parents)}  # the last to grow from each
+        request_ids = []
+        for index, (tokens, parent) in enumerate(zip(sequences, parents)):
+            request_id = engine.next_request_id()
+            fork = None if parent is None else KVFork(parent, take_tail=last_fork[parent] == index)
+            self.to_release.append(request_id)
+            engine.add_request(request_id, prompt_token_ids=tokens, sampling_params=self.params, kv_fork=fork,
+                               keep_kv=True)
+            request_ids.append(request_id)
+        outputs = self.llm._run(request_ids, self.use_tqdm)
+        for request_id in self.held.values():
+            engine.release_kv(request_id)
+        self.held = {tuple(output.prompt_token_ids): output.request_id for output in outputs}
+        return [output.outputs[0].logprobs[0] for output in outputs]
+
+    def release(self) -> None:
+        """Free every block a step's request still holds (after the search, or when it failed)."""
+        for request_id in self.to_release:
+            self.llm.engine.release_kv(request_id)
+        self.to_release, self.held = [], {}
 
 
 def offline_max_num_batched_tokens(engine_options: dict[str, Any]) -> int:

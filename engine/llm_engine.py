@@ -40,7 +40,7 @@ from splitserve.engine.model_store import load_tokenizer, resolve_model
 from splitserve.engine.output_processor import OutputProcessor
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.pooling import PoolingParams
-from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.request import KVFork, Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.structured_output import StructuredOutputs
 
@@ -128,6 +128,8 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
         cache_salt: str | None = None,
+        kv_fork: KVFork | None = None,
+        keep_kv: bool = False,
     ) -> Request:
         """Validate and queue a request (text ``prompt`` or ``prompt_token_ids``).
 
@@ -144,6 +146,9 @@ class LLMEngine:
         finishes with its embedding (``RequestOutput.embedding``) and no token; ``sampling_params`` is then unused.
         ``cache_salt`` (vLLM's) keeps its prompt's blocks in the prefix cache apart: only requests with the same
         salt (and adapter) find them, and it finds only theirs.
+        ``keep_kv`` holds its blocks when it finishes normally (stopped or at its length), until
+        :meth:`release_kv`, for later requests whose ``kv_fork`` names it: those take its KV instead of computing
+        it (request.KVFork; beam search steps this way, ``LLM.beam_search``).
 
         Raises:
             ValueError: empty or too long prompt, token ids out of range (the prompt's or logit_bias's), bad
@@ -175,7 +180,13 @@ class LLMEngine:
             priority=self.check_priority(priority), arrival_number=next(self._arrivals),
             pooling_params=pooling_params,
         )
+        if kv_fork is not None and not isinstance(kv_fork, KVFork):
+            raise ValueError(f"kv_fork must be a KVFork, got {type(kv_fork).__name__}.")
+        request.kv_fork, request.keep_kv = kv_fork, bool(keep_kv)
         if kv_transfer is not None:
+            if keep_kv:
+                raise InvalidRequest("keep_kv holds a request's blocks for forks; a request with a kv_transfer "
+                                     "hands them to its connector.")
             self.kv_transfers.check(kv_transfer, len(token_ids))
             if kv_transfer.load and params.prompt_logprobs is not None:
                 raise InvalidRequest("prompt_logprobs needs the prompt computed here, and this request's prompt KV "
@@ -272,7 +283,7 @@ class LLMEngine:
         return True
 
     def release_kv(self, request_id: str) -> bool:
-        """Free the blocks a finished saving request kept; False if it holds none."""
+        """Free the blocks a finished request kept (saving, or keep_kv); False if it holds none."""
         self.kv_transfers.end_save(request_id)
         return self.scheduler.release_held(request_id)
 
@@ -489,7 +500,7 @@ class LLMEngine:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         normal = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-        hold = self.kv_transfers.keeps_blocks(request, normal)
+        hold = self.kv_transfers.keeps_blocks(request, normal) or (normal and request.keep_kv)
         if logger.isEnabledFor(logging.DEBUG):
             request_log(logger, request.request_id).debug("%s -> %s", request.status.name, status.name)
         self.scheduler.finish_request(request, status, hold_blocks=hold)

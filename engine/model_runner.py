@@ -28,6 +28,7 @@ from splitserve.engine.config import (
 from splitserve.engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from splitserve.engine.gpu_memory import gpu_kv_cache_bytes, measure_step_bytes
 from splitserve.engine.host_allocator import keep_freed_buffers_in_heap
+from splitserve.engine.kv_cache_manager import BlockCopy
 from splitserve.engine.logprobs import record_prompt_logprobs
 from splitserve.engine.lora import LoRAManager
 from splitserve.engine.models import ModelConfig, load_model
@@ -54,6 +55,13 @@ def num_kv_blocks_for_budget(config: EngineConfig, model_config: ModelConfig, dt
 def _layer_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
     """Per layer, a view [2, kv_heads, num_blocks, block_size, head_dim] of a block-major cache."""
     return [kv_cache[:, layer].permute(1, 2, 0, 3, 4) for layer in range(kv_cache.shape[1])]
+
+
+def copy_block_prefixes(kv_cache: torch.Tensor, copies: list[BlockCopy]) -> None:
+    """Copy the first ``num_tokens`` slots of each block ``src`` into block ``dst`` of a block-major cache, every
+    layer's keys and values (forked requests' copies of their parents' partial blocks)."""
+    for copy in copies:
+        kv_cache[copy.dst, :, :, :, : copy.num_tokens].copy_(kv_cache[copy.src, :, :, :, : copy.num_tokens])
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
@@ -259,6 +267,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, block_tables: dict[str, list[int]]) -> list[SampledToken]:
         """Run the step's forward pass; sample a token for every request that reached its last known token."""
+        copy_block_prefixes(self.kv_cache, output.block_copies)
         scheduled = output.scheduled
         graphs = self.decode_graphs
         if (graphs is not None and graphs.can_run(len(scheduled)) and all(item.num_new_tokens == 1 for item in scheduled)

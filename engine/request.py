@@ -42,6 +42,19 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(status)
 
 
+@dataclass(frozen=True)
+class KVFork:
+    """A request continues a finished one's KV (beam search, ``LLM.beam_search``): its tokens start with the
+    ``parent_id`` request's computed ones, whose blocks that request holds (``keep_kv``) until released. When the
+    request is scheduled, it shares the parent's full blocks and gets a copy of the parent's last, partial block
+    (``take_tail``: takes that block itself, without a copy, when no other request will fork from the parent's
+    tail; a later fork then shares only the full blocks and computes the rest). A parent released or not holding
+    those tokens: the request is computed as any other (the prefix cache still applies)."""
+
+    parent_id: str
+    take_tail: bool = False
+
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
@@ -109,6 +122,10 @@ class Request:
     # model runner when the prompt's last token is computed, where a generation request samples its first token.
     pooling_params: Any = None
     embedding: list[float] | None = None
+    # Beam search (KVFork): the finished request whose KV this one continues, and whether this one's blocks are held
+    # when it finishes normally (until LLMEngine.release_kv), for requests that continue it.
+    kv_fork: KVFork | None = None
+    keep_kv: bool = False
     # Sum of the generated tokens' logprobs, kept as they arrive.
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None

@@ -7,6 +7,9 @@ requests join while budget, ``max_num_seqs`` and free blocks allow. When a
 running request cannot get a block, the most recently started request is
 preempted (its blocks freed, to be recomputed later from the queue's front).
 
+A request with a ``kv_fork`` (beam search) whose parent is still held takes the parent's KV when it starts
+(``KVCacheManager.fork``): the step's ``block_copies`` say which partial blocks the model runner copies first.
+
 Requests in ``WAITING_FOR_REMOTE_KVS`` hold the blocks reserved for their
 prompt and are skipped until :meth:`Scheduler.finish_remote_kv`.
 
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequest, Overloaded
 from splitserve.common.log_fields import request_log
-from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv_cache_manager import BlockCopy, KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.request_queue import RequestQueue, priority_key, request_queue
 
@@ -62,6 +65,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # Requests preempted while making room in this step.
     preempted: list[Request] = field(default_factory=list)
+    # Blocks to copy before the step's forward pass (forked requests' copies of their parents' partial blocks).
+    block_copies: list[BlockCopy] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -108,7 +113,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_remote_kvs: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
-        # Finished requests whose blocks are kept for a KV transfer (prefill role).
+        # Finished requests whose blocks are kept: for a KV transfer (prefill role), or for requests that fork them.
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
 
@@ -162,7 +167,7 @@ class Scheduler:
 
     def finish_request(self, request: Request, status: RequestStatus, hold_blocks: bool = False) -> None:
         """End a request in any state with a finished ``status``; its blocks return to the pool, or with
-        ``hold_blocks`` stay in :attr:`held` (their KV is still being saved) until :meth:`release_held`."""
+        ``hold_blocks`` stay in :attr:`held` (their KV is still being saved, or forked) until :meth:`release_held`."""
         assert RequestStatus.is_finished(status), status
         if request.is_finished:
             return
@@ -180,7 +185,7 @@ class Scheduler:
             self.kv_cache.free(request)
 
     def release_held(self, request_id: str) -> bool:
-        """Free the blocks of a finished request held for a KV transfer; False if none are held."""
+        """Free the blocks of a finished request held for a KV transfer or forks; False if none are held."""
         request = self.held.pop(request_id, None)
         if request is None:
             return False
@@ -251,14 +256,23 @@ class Scheduler:
                 continue
             cached_block_ids: list[int] = []
             num_computed = request.num_computed_tokens
+            parent = None
             if not self.kv_cache.block_ids(request.request_id):
                 cached_block_ids, num_computed = self.kv_cache.find_cached_prefix(request)
+                parent = self._fork_parent(request, num_computed)
+                if parent is not None:
+                    cached_block_ids, num_computed = [], parent.num_computed_tokens
             num_new = request.num_tokens - num_computed
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.kv_cache.allocate_slots(request, num_new, cached_block_ids):
+            if parent is not None:
+                copies = self.kv_cache.fork(request, parent, num_new, request.kv_fork.take_tail)
+                if copies is None:
+                    break
+                output.block_copies += copies
+            elif not self.kv_cache.allocate_slots(request, num_new, cached_block_ids):
                 break
             self.waiting.pop()
             request.num_computed_tokens = num_computed
@@ -275,6 +289,16 @@ class Scheduler:
             budget -= num_new
         for request in reversed(skipped):
             self.waiting.prepend(request)
+
+    def _fork_parent(self, request: Request, num_cached: int) -> Request | None:
+        """The held request whose KV the request forks (``request.kv_fork``), when it holds more of the request's
+        tokens than the prefix cache's ``num_cached``."""
+        if request.kv_fork is None:
+            return None
+        parent = self.held.get(request.kv_fork.parent_id)
+        if parent is None or self.kv_cache.forkable_tokens(request, parent) <= num_cached:
+            return None
+        return parent
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens

@@ -1,4 +1,5 @@
-"""Scheduler: budgets, chunked prefill, preemption, remote-KV waiting, every exit frees blocks."""
+"""Scheduler: budgets, chunked prefill, preemption, remote-KV waiting, forks of held requests' KV, every exit frees
+blocks."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import itertools
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.kv_cache_manager import BlockCopy, KVCacheManager
+from splitserve.engine.request import KVFork, Request, RequestStatus
 from splitserve.engine.scheduler import KVCacheFullError, Scheduler
 
 
@@ -238,3 +239,112 @@ def test_a_victim_scheduled_earlier_in_the_step_is_taken_back_with_its_tokens():
     scheduler.finish_request(urgent, RequestStatus.FINISHED_STOPPED)
     scheduler.finish_request(background, RequestStatus.FINISHED_STOPPED)
     assert scheduler.kv_cache.free_block_count == 5
+
+
+def held_parent(scheduler: Scheduler, request_id: str, num_prompt: int) -> Request:
+    """A request run to its one token and held (keep_kv), as a beam search step leaves it."""
+    parent = Request(request_id, list(range(num_prompt)), SamplingParams(max_tokens=1), max_output_tokens=1)
+    scheduler.add_request(parent)
+    run_step(scheduler)
+    scheduler.finish_request(parent, RequestStatus.FINISHED_LENGTH, hold_blocks=True)
+    return parent
+
+
+def fork_of(parent: Request, request_id: str, next_token: int, take_tail: bool = False, length: int | None = None):
+    tokens = parent.all_token_ids[: parent.num_computed_tokens if length is None else length] + [next_token]
+    return Request(request_id, tokens, SamplingParams(max_tokens=1), kv_fork=KVFork(parent.request_id, take_tail))
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_forks_share_full_blocks_copy_the_partial_one_and_the_last_takes_it(caching):
+    scheduler = make_scheduler(num_blocks=16, block_size=4, caching=caching)
+    kv = scheduler.kv_cache
+    parent = held_parent(scheduler, "parent", 6)  # blocks: 4 tokens, then 2 of the partial block
+    full, tail = kv.block_ids("parent")
+    copying, taking = fork_of(parent, "copying", 40), fork_of(parent, "taking", 41, take_tail=True)
+    scheduler.add_request(copying)
+    scheduler.add_request(taking)
+    output = run_step(scheduler)
+    assert plan(output) == [("copying", 1, True), ("taking", 1, True)]  # one token each: the parent's 6 are there
+    copy_block = kv.block_ids("copying")[1]
+    assert kv.block_ids("copying") == [full, copy_block] and copy_block not in (full, tail)
+    assert output.block_copies == [BlockCopy(tail, copy_block, 2)]
+    assert kv.block_ids("taking") == [full, tail]
+    # The parent keeps its full block only, and counts only its tokens as computed: a later fork computes the rest.
+    assert kv.block_ids("parent") == [full] and parent.num_computed_tokens == 4
+    assert kv.pool.blocks[full].ref_count == 3 and kv.pool.blocks[tail].ref_count == 1
+    for request in (copying, taking):
+        scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH)
+    late = fork_of(parent, "late", 42, length=6)
+    scheduler.add_request(late)
+    output = run_step(scheduler)
+    assert plan(output) == [("late", 3, True)] and output.block_copies == []
+    assert kv.block_ids("late")[0] == full
+    scheduler.finish_request(late, RequestStatus.FINISHED_LENGTH)
+    assert scheduler.release_held("parent") and kv.free_block_count == 16
+
+
+def test_a_fork_of_a_parent_on_a_block_boundary_copies_nothing():
+    scheduler = make_scheduler(num_blocks=8, block_size=4)
+    parent = held_parent(scheduler, "parent", 8)
+    child = fork_of(parent, "child", 9, take_tail=True)
+    scheduler.add_request(child)
+    output = run_step(scheduler)
+    assert plan(output) == [("child", 1, True)] and output.block_copies == []
+    assert scheduler.kv_cache.block_ids("child")[:2] == scheduler.kv_cache.block_ids("parent")
+    assert parent.num_computed_tokens == 8  # nothing taken: its blocks are all full
+    scheduler.finish_request(child, RequestStatus.FINISHED_LENGTH)
+    scheduler.release_held("parent")
+    assert scheduler.kv_cache.free_block_count == 8
+
+
+def test_a_fork_computes_its_tokens_when_its_parent_is_released_or_holds_other_tokens():
+    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    parent = held_parent(scheduler, "parent", 6)
+    other = Request("other", [99] + parent.all_token_ids[1:6] + [5], SamplingParams(max_tokens=1),
+                    kv_fork=KVFork("parent"))
+    scheduler.add_request(other)
+    assert plan(run_step(scheduler)) == [("other", 7, True)]  # its first token differs: nothing to take
+    scheduler.finish_request(other, RequestStatus.FINISHED_LENGTH)
+    scheduler.release_held("parent")
+    orphan = fork_of(parent, "orphan", 5)
+    scheduler.add_request(orphan)
+    assert plan(run_step(scheduler)) == [("orphan", 7, True)]
+    scheduler.finish_request(orphan, RequestStatus.FINISHED_LENGTH)
+    assert scheduler.kv_cache.free_block_count == 16
+
+
+def test_a_fork_without_free_blocks_waits_and_changes_nothing():
+    scheduler = make_scheduler(num_blocks=3, block_size=4)
+    parent = held_parent(scheduler, "parent", 6)  # 2 blocks held, 1 free
+    blocker = make_request("blocker", 3, first_token=50)
+    scheduler.add_request(blocker)
+    run_step(scheduler)  # takes the free block
+    child = fork_of(parent, "child", 40)  # needs a block for its copy of the partial one
+    scheduler.add_request(child)
+    output = run_step(scheduler)
+    assert plan(output) == [("blocker", 1, True)] and output.block_copies == []
+    assert child.status == RequestStatus.WAITING and scheduler.kv_cache.block_ids("child") == []
+    assert scheduler.kv_cache.pool.blocks[scheduler.kv_cache.block_ids("parent")[0]].ref_count == 1
+    scheduler.finish_request(blocker, RequestStatus.FINISHED_STOPPED)
+    output = run_step(scheduler)
+    assert plan(output) == [("child", 1, True)] and len(output.block_copies) == 1
+    scheduler.finish_request(child, RequestStatus.FINISHED_LENGTH)
+    scheduler.release_held("parent")
+    assert scheduler.kv_cache.free_block_count == 3
+
+
+def test_taking_the_tail_frees_the_blocks_the_parent_held_past_it():
+    kv = KVCacheManager(8, 4, enable_caching=False)
+    parent = Request("parent", list(range(6)), SamplingParams(max_tokens=1))
+    assert kv.allocate_slots(parent, 10)  # 3 blocks, as drafts rejected after its 6th token would leave them
+    parent.num_computed_tokens = 6
+    child = fork_of(parent, "child", 40, take_tail=True)
+    assert kv.forkable_tokens(child, parent) == 6
+    first, tail, _ = kv.block_ids("parent")
+    assert kv.fork(child, parent, 1, take_tail=True) == []
+    assert kv.block_ids("child") == [first, tail] and kv.block_ids("parent") == [first]
+    assert kv.free_block_count == 6
+    kv.free(child)
+    kv.free(parent)
+    assert kv.free_block_count == 8
