@@ -3,8 +3,9 @@ prompts in the same run, and against vLLM-CPU's ``LLM.beam_search`` with ``--vll
 
 Workload (the same for every system): ``--num-prompts`` short text prompts, each searched with ``--beam-width``
 beams for at most ``--max-tokens`` tokens, float32. splitserve searches all prompts at once (each step one engine
-batch of every live beam, the beams' KV shared through the prefix cache); transformers one prompt at a time (its
-beams batched, its cache reordered); vLLM as splitserve, one token of every live beam a step. Repeats interleave
+batch of every live beam, each beam forking the KV of the beam it grew from); transformers one prompt at a time (its
+beams batched, its cache reordered); vLLM one token of every live beam a step, the beams' KV shared through its prefix cache (whole blocks: each
+beam's last partial block is recomputed every step). Repeats interleave
 the systems and reverse their order each repeat, so a host drifting in speed favours none; the first call of each
 is a warm-up.
 

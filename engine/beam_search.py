@@ -2,8 +2,10 @@
 ranks its beams, so that its beams are transformers' on the same weights.
 
 It runs outside the scheduler, one token at a time: each step asks the engine for one token of every live beam of
-every prompt, in one batch, with the top ``2 * beam_width`` log probabilities of the next token, and the beams'
-KV is shared through the prefix cache, so a step computes about one token a beam (vLLM's way). Of the
+every prompt, in one batch, with the top ``2 * beam_width`` log probabilities of the next token. ``LLM.beam_search``
+has each beam fork the KV of the beam it grew from (request.KVFork), so a step computes one token a beam; the
+gateway, stepping through the router, shares it through the workers' prefix caches (vLLM's way: whole blocks
+only, a beam's last partial block recomputed every step). Of the
 ``2 * beam_width`` best continuations of a prompt's beams (by cumulative log probability), those among the first
 ``beam_width`` that end in the end-of-sequence token (unless ``ignore_eos``), or reach ``max_tokens``, are
 finished, scored by their cumulative log probability over their generated length (the end-of-sequence token

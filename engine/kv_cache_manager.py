@@ -125,32 +125,33 @@ class KVCacheManager:
         return True
 
     def forkable_tokens(self, request: Request, parent: Request) -> int:
-        """How many of ``request``'s first tokens the finished ``parent``'s blocks hold for it to take
-        (:meth:`fork`): the parent's computed tokens when the request holds no blocks, starts with those tokens,
-        has at least one more to compute, chains its block hashes from the same root (adapter and salt) and wants
-        no prompt logprobs; else 0."""
-        num_tokens = parent.num_computed_tokens
-        if (num_tokens == 0 or num_tokens >= request.num_tokens or request.request_id in self.block_tables
-                or parent.request_id not in self.block_tables or request.wants_prompt_logprobs
-                or request.block_hash_root != parent.block_hash_root
+        """How many of ``request``'s first tokens the ``parent``'s blocks hold for it to take (:meth:`fork`): the
+        parent's computed tokens, but for the request's last (it computes at least one, for its logits), when the
+        request holds no blocks, starts with those tokens, chains its block hashes from the same root (adapter and
+        salt) and wants no prompt logprobs; else 0. The parent may be finished (held) or running."""
+        num_tokens = min(parent.num_computed_tokens, request.num_tokens - 1)
+        if (num_tokens <= 0 or request.request_id in self.block_tables or parent.request_id not in self.block_tables
+                or request.wants_prompt_logprobs or request.block_hash_root != parent.block_hash_root
                 or request.all_token_ids[:num_tokens] != parent.all_token_ids[:num_tokens]):
             return 0
         return num_tokens
 
-    def fork(self, request: Request, parent: Request, num_new_tokens: int, take_tail: bool) -> list[BlockCopy] | None:
-        """Give ``request`` the KV of the parent's computed tokens (:meth:`forkable_tokens`, which must be
-        positive) and room for ``num_new_tokens`` more: the parent's full blocks shared, and its last, partial
-        block copied into a new one (the copy returned, for the model runner to make before the step), or with
-        ``take_tail`` taken over (the parent then holds, and counts as computed, only its full blocks).
+    def fork(self, request: Request, parent: Request, num_tokens: int, num_new_tokens: int,
+             take_tail: bool) -> list[BlockCopy] | None:
+        """Give ``request`` the KV of its first ``num_tokens`` tokens from the parent's blocks (at most
+        :meth:`forkable_tokens`) and room for ``num_new_tokens`` more: the full blocks shared, the last, partial
+        one copied into a new block (the copy returned, for the model runner to make before the step), or with
+        ``take_tail`` (only for a finished parent) taken over: the parent then holds, and counts as computed, only
+        the blocks before it.
 
         Returns:
             The block copies to make; None, changing nothing, when the pool has too few free blocks.
         """
         size, table = self.block_size, self.block_tables[parent.request_id]
-        num_full, tail_tokens = divmod(parent.num_computed_tokens, size)
+        num_full, tail_tokens = divmod(num_tokens, size)
         tail = table[num_full] if tail_tokens else None
         take_tail = take_tail and tail is not None and self.pool.blocks[tail].ref_count == 1
-        total_tokens = parent.num_computed_tokens + num_new_tokens
+        total_tokens = num_tokens + num_new_tokens
         num_new_blocks = self.num_blocks_for(total_tokens) - num_full - take_tail
         if num_new_blocks > self.pool.free_block_count:
             return None

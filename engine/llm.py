@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -106,17 +106,27 @@ class LLM:
             text, token_ids = self._token_ids_of(prompt)
             requests.append((text, self.engine.prompt_token_ids_of(text, token_ids, params), _cache_salt_of(prompt)))
             self.engine.check_priority(value)
-        request_ids = []
+        request_ids, samples = [], _ParallelSamples(self.engine)
         try:
             for (text, token_ids, salt), params, value, adapter in zip(requests, params_list, priorities, adapters):
-                request_id = self.engine.next_request_id()
-                self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids, priority=value,
-                                        lora_request=adapter, cache_salt=salt)
-                request_ids.append(request_id)
+                group = []
+                for index, completion_params in enumerate(_completion_params(params)):
+                    request_id = self.engine.next_request_id()
+                    fork = KVFork(group[0], take_tail=index == params.n - 1) if group else None
+                    self.engine.add_request(request_id, text, completion_params, prompt_token_ids=token_ids,
+                                            priority=value, lora_request=adapter, cache_salt=salt, kv_fork=fork,
+                                            keep_kv=params.n > 1 and not group)
+                    request_ids.append(request_id)
+                    group.append(request_id)
+                samples.groups.append(group)
         except ValueError:  # an adapter that cannot load: nothing of this call stays queued
             self._abort_all(request_ids)
             raise
-        return self._run(request_ids, use_tqdm)
+        try:
+            outputs = self._run(request_ids, use_tqdm, after_step=samples.release_started)
+        finally:
+            samples.release_all()
+        return samples.gather(outputs)
 
     def embed(
         self,
@@ -276,7 +286,8 @@ class LLM:
             return prompt["prompt"], None
         raise ValueError('A prompt must be a string or a dict with "prompt_token_ids" or "prompt".')
 
-    def _run(self, request_ids: Iterable[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: Iterable[str], use_tqdm: bool,
+             after_step: Callable[[], None] | None = None) -> list[RequestOutput]:
         request_ids = list(request_ids)
         final: dict[str, RequestOutput] = {}
         progress = None
@@ -291,6 +302,8 @@ class LLM:
                         final[output.request_id] = output
                         if progress is not None:
                             progress.update(1)
+                if after_step is not None:
+                    after_step()
         except BaseException:
             self._abort_all([request_id for request_id in request_ids if request_id not in final])
             raise
@@ -303,6 +316,62 @@ class LLM:
         for request_id in request_ids:
             self.engine.abort_request(request_id)
         self.engine.step()  # drain the abort outputs
+
+
+def _completion_params(params: SamplingParams) -> list[SamplingParams]:
+    """The parameters of each of a prompt's ``params.n`` completions (one each): with a seed, completion i draws
+    from seed + i (wrapped into 64 bits), as vLLM's parallel sampling seeds them."""
+    if params.n == 1:
+        return [params]
+    if params.seed is None:
+        return [dataclasses.replace(params, n=1)] * params.n
+    return [dataclasses.replace(params, n=1, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
+            for index in range(params.n)]
+
+
+class _ParallelSamples:
+    """A generate call's prompts as their requests (``groups``, the first's id first): a prompt with ``n`` > 1 runs
+    its first completion as a request that keeps its KV (``keep_kv``) and the others as requests forking it, which
+    wait for it to compute the prompt, so that the prompt is computed once. The first request's blocks are
+    released once every other has started (or ended), or not kept if it is still running; whatever is left is
+    released when the call ends."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.groups: list[list[str]] = []
+        self._holding: list[list[str]] | None = None
+
+    def release_started(self) -> None:
+        if self._holding is None:
+            self._holding = [group for group in self.groups if len(group) > 1]
+        still = []
+        for group in self._holding:
+            if all(self.engine.started_or_finished(request_id) for request_id in group[1:]):
+                self.engine.set_keep_kv(group[0], False) or self.engine.release_kv(group[0])
+            else:
+                still.append(group)
+        self._holding = still
+
+    def release_all(self) -> None:
+        for group in self.groups:
+            if len(group) > 1:
+                self.engine.release_kv(group[0])
+
+    def gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """One output a prompt: its first request's, with every completion of the prompt, indexed in order."""
+        by_id = {output.request_id: output for output in outputs}
+        gathered = []
+        for group in self.groups:
+            first = by_id[group[0]]
+            if len(group) > 1:
+                completions = []
+                for index, request_id in enumerate(group):
+                    completion = by_id[request_id].outputs[0]
+                    completion.index = index
+                    completions.append(completion)
+                first = dataclasses.replace(first, outputs=completions)
+            gathered.append(first)
+        return gathered
 
 
 class _ForkingSteps:

@@ -167,6 +167,9 @@ class LLMEngine:
             params = SamplingParams(max_tokens=1)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        if params.n != 1:
+            raise InvalidRequest(f"n={params.n}: an engine request is one completion; LLM.generate samples n from "
+                                 "one prompt (a request for each, forking the first one's KV).")
         params.check_vocabulary(self.model_config.vocab_size)
         token_ids = self.prompt_token_ids_of(prompt, prompt_token_ids, params)
         params.check_prompt_length(len(token_ids))
@@ -366,6 +369,19 @@ class LLMEngine:
         (they move only when told their KV arrived)."""
         scheduler = self.scheduler
         return scheduler.num_unfinished > len(scheduler.waiting_for_remote_kvs) or bool(self._pending_outputs)
+
+    def set_keep_kv(self, request_id: str, keep: bool) -> bool:
+        """Change whether an unfinished request's blocks are held when it finishes (``add_request``'s
+        ``keep_kv``); False if no such request is unfinished."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return False
+        request.keep_kv = keep
+        return True
+
+    def started_or_finished(self, request_id: str) -> bool:
+        """Whether the request holds KV blocks (it has started), or is no longer unfinished."""
+        return bool(self.kv_cache.block_ids(request_id)) or request_id not in self.scheduler.requests
 
     def block_ids(self, request_id: str) -> list[int]:
         """The KV blocks the request holds, in token order."""

@@ -254,6 +254,9 @@ class Scheduler:
                     and len(adapters) >= self.max_loras):
                 skipped.append(self.waiting.pop())
                 continue
+            if self._waits_for_parent(request):
+                skipped.append(self.waiting.pop())
+                continue
             cached_block_ids: list[int] = []
             num_computed = request.num_computed_tokens
             parent = None
@@ -261,14 +264,15 @@ class Scheduler:
                 cached_block_ids, num_computed = self.kv_cache.find_cached_prefix(request)
                 parent = self._fork_parent(request, num_computed)
                 if parent is not None:
-                    cached_block_ids, num_computed = [], parent.num_computed_tokens
+                    cached_block_ids, num_computed = [], self.kv_cache.forkable_tokens(request, parent)
             num_new = request.num_tokens - num_computed
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
             if parent is not None:
-                copies = self.kv_cache.fork(request, parent, num_new, request.kv_fork.take_tail)
+                take_tail = request.kv_fork.take_tail and parent.is_finished
+                copies = self.kv_cache.fork(request, parent, num_computed, num_new, take_tail)
                 if copies is None:
                     break
                 output.block_copies += copies
@@ -291,14 +295,28 @@ class Scheduler:
             self.waiting.prepend(request)
 
     def _fork_parent(self, request: Request, num_cached: int) -> Request | None:
-        """The held request whose KV the request forks (``request.kv_fork``), when it holds more of the request's
-        tokens than the prefix cache's ``num_cached``."""
+        """The request whose KV the request forks (``request.kv_fork``: held, or running), when it holds more of the
+        request's tokens than the prefix cache's ``num_cached``."""
         if request.kv_fork is None:
             return None
-        parent = self.held.get(request.kv_fork.parent_id)
+        parent_id = request.kv_fork.parent_id
+        parent = self.held.get(parent_id) or self.requests.get(parent_id)
         if parent is None or self.kv_cache.forkable_tokens(request, parent) <= num_cached:
             return None
         return parent
+
+    def _waits_for_parent(self, request: Request) -> bool:
+        """Whether a forking request that holds no blocks waits for its unfinished parent to compute its tokens
+        (parallel sampling: the prompt is computed once, by the first completion, then forked), as a request of an
+        adapter over ``max_loras`` waits, keeping its place."""
+        fork = request.kv_fork
+        if fork is None or request.num_computed_tokens or self.kv_cache.block_ids(request.request_id):
+            return False
+        parent = self.requests.get(fork.parent_id)
+        needed = request.num_tokens - 1
+        return (parent is not None and parent.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+                and parent.num_computed_tokens < needed and parent.num_tokens >= needed
+                and parent.all_token_ids[:needed] == request.all_token_ids[:needed])
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens

@@ -38,6 +38,8 @@ class SamplingParams:
     """Sampling and stopping parameters for one request.
 
     Attributes:
+        n: how many completions to generate for the prompt (vLLM's parallel sampling; ``LLM.generate`` only: the
+            prompt is computed once and its KV forked for each). With a seed, completion i draws from seed + i.
         max_tokens: most tokens to generate (None: up to the model's length limit).
         temperature: 0 means greedy; otherwise logits are divided by it.
         top_k: keep the k most likely tokens (-1 or 0: all).
@@ -82,6 +84,7 @@ class SamplingParams:
             Each step masks the tokens the shape cannot take next; the request stops once it is complete.
     """
 
+    n: int = 1
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = -1
@@ -136,6 +139,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise InvalidRequest(f"n must be an integer >= 1, got {self.n!r}.")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
         if not _is_number(self.temperature) or self.temperature < 0:

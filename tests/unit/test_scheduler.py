@@ -342,9 +342,32 @@ def test_taking_the_tail_frees_the_blocks_the_parent_held_past_it():
     child = fork_of(parent, "child", 40, take_tail=True)
     assert kv.forkable_tokens(child, parent) == 6
     first, tail, _ = kv.block_ids("parent")
-    assert kv.fork(child, parent, 1, take_tail=True) == []
+    assert kv.fork(child, parent, 6, 1, take_tail=True) == []
     assert kv.block_ids("child") == [first, tail] and kv.block_ids("parent") == [first]
     assert kv.free_block_count == 6
     kv.free(child)
     kv.free(parent)
     assert kv.free_block_count == 8
+
+
+def test_a_fork_of_a_running_request_waits_for_its_prompt_then_shares_it_and_never_takes_its_tail():
+    # Parallel sampling: the other completions of a prompt wait (in their place) while the first computes it.
+    scheduler = make_scheduler(num_blocks=16, block_size=4, budget=16)
+    first = make_request("first", 10)
+    other = Request("other", list(first.prompt_token_ids), SamplingParams(max_tokens=100),
+                    kv_fork=KVFork("first", take_tail=True), arrival_number=next(_arrivals))
+    later = make_request("later", 2, first_token=60)
+    for request in (first, other, later):
+        scheduler.add_request(request)
+    assert plan(run_step(scheduler)) == [("first", 10, True), ("later", 2, True)]
+    assert other.status == RequestStatus.WAITING and scheduler.waiting.peek() is other
+    output = run_step(scheduler)
+    # The prompt's 9 first tokens are taken (two full blocks, one token of the third copied); its last computed.
+    assert plan(output) == [("first", 1, True), ("later", 1, True), ("other", 1, True)]
+    blocks = scheduler.kv_cache.block_ids("first")
+    assert scheduler.kv_cache.block_ids("other")[:2] == blocks[:2]
+    assert output.block_copies == [BlockCopy(blocks[2], scheduler.kv_cache.block_ids("other")[2], 1)]
+    assert first.num_computed_tokens == 11 and blocks == scheduler.kv_cache.block_ids("first")
+    for request in (first, other, later):
+        scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+    assert scheduler.kv_cache.free_block_count == 16
