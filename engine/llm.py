@@ -73,6 +73,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks, as vLLM's ``LLM.reset_prefix_cache`` (benchmarks that repeat a
+        workload call it between runs)."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

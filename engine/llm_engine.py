@@ -370,6 +370,13 @@ class LLMEngine:
         scheduler = self.scheduler
         return scheduler.num_unfinished > len(scheduler.waiting_for_remote_kvs) or bool(self._pending_outputs)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every block the prefix cache holds (vLLM's): later prompts compute what earlier ones left.
+        Blocks in use keep their contents for their requests. Always True (vLLM's returns False while blocks are
+        in use; here that needs no refusal)."""
+        self.kv_cache.pool.reset_prefix_cache()
+        return True
+
     def set_keep_kv(self, request_id: str, keep: bool) -> bool:
         """Change whether an unfinished request's blocks are held when it finishes (``add_request``'s
         ``keep_kv``); False if no such request is unfinished."""

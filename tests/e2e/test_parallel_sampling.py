@@ -65,3 +65,15 @@ def test_n_is_refused_where_one_request_is_one_completion(llm):
     with pytest.raises(InvalidRequest, match="one completion"):
         sampling_params_to_pb(SamplingParams(n=2))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(llm, prompt_token_ids):
+    ids = [llm.engine.num_kv_blocks % 1000 + 7] + prompt_token_ids[6][:299]  # 300 tokens no other test sent here
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    run = lambda: llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)  # noqa: E731
+    _, first = computed_tokens(llm, run)
+    _, again = computed_tokens(llm, run)
+    assert llm.reset_prefix_cache() is True
+    _, after_reset = computed_tokens(llm, run)
+    size = llm.engine.config.block_size
+    assert first == after_reset == 300 and again == 300 - 299 // size * size
