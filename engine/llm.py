@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -344,18 +345,18 @@ class _ParallelSamples:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.groups: list[list[str]] = []
-        self._holding: list[list[str]] | None = None
+        self._holding: deque[list[str]] | None = None
 
     def release_started(self) -> None:
+        """After a step: let go of the first requests' blocks of the prompts whose completions have all started,
+        in the order the prompts were given, up to the first that has not (the queue starts them in that order;
+        under the priority policy a later one may wait for an earlier one), so that a step checks few of them."""
         if self._holding is None:
-            self._holding = [group for group in self.groups if len(group) > 1]
-        still = []
-        for group in self._holding:
-            if all(self.engine.started_or_finished(request_id) for request_id in group[1:]):
-                self.engine.set_keep_kv(group[0], False) or self.engine.release_kv(group[0])
-            else:
-                still.append(group)
-        self._holding = still
+            self._holding = deque(group for group in self.groups if len(group) > 1)
+        holding = self._holding
+        while holding and all(self.engine.started_or_finished(request_id) for request_id in holding[0][1:]):
+            first = holding.popleft()[0]
+            self.engine.set_keep_kv(first, False) or self.engine.release_kv(first)
 
     def release_all(self) -> None:
         for group in self.groups:

@@ -310,7 +310,8 @@ class Scheduler:
         (parallel sampling: the prompt is computed once, by the first completion, then forked), as a request of an
         adapter over ``max_loras`` waits, keeping its place."""
         fork = request.kv_fork
-        if fork is None or request.num_computed_tokens or self.kv_cache.block_ids(request.request_id):
+        if (fork is None or request.num_computed_tokens or request.wants_prompt_logprobs
+                or self.kv_cache.block_ids(request.request_id)):
             return False
         parent = self.requests.get(fork.parent_id)
         needed = request.num_tokens - 1
