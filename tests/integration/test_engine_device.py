@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from splitserve import LLM, SamplingParams
+from splitserve import LLM, BeamSearchParams, SamplingParams
 from splitserve.engine.config import EngineConfig, resolve_attention_backend, resolve_device, resolve_dtype
-from tests.reference import MAX_TOKENS, hf_prompt_logprobs
+from tests.reference import MAX_TOKENS, hf_beams, hf_greedy, hf_prompt_logprobs
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False: a CPU build of torch, or no GPU)"
@@ -85,6 +85,23 @@ def test_the_engine_on_cuda_gives_transformers_tokens(model_dir, prompt_token_id
     assert all(parameter.device.type == "cuda" for parameter in runner.model.parameters())
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], GREEDY)
     assert [output.outputs[0].token_ids for output in outputs] == hf_reference
+
+
+@needs_cuda
+def test_forked_kv_on_cuda_beams_and_parallel_samples_are_transformers(model_dir, prompt_token_ids):
+    # Forks copy a partial block on the device before the step (BlockCopy), then decode steps replay from graphs.
+    llm = LLM(str(model_dir), num_kv_blocks=256, max_model_len=2048, device="cuda", dtype="float32",
+              max_num_seqs=32, cuda_graphs=True)
+    prompts = prompt_token_ids[:4]
+    outputs = llm.beam_search([{"prompt_token_ids": ids} for ids in prompts], BeamSearchParams(4, 12))
+    for ids, output in zip(prompts, outputs):
+        assert [beam.tokens[len(ids):] for beam in output.sequences] == hf_beams(str(model_dir), ids, 4, 12)
+    samples = llm.generate([{"prompt_token_ids": ids} for ids in prompts], SamplingParams(
+        n=3, max_tokens=6, temperature=0.0))
+    for ids, output in zip(prompts, samples):
+        assert [completion.token_ids for completion in output.outputs] == [hf_greedy(str(model_dir), ids, 6)] * 3
+    assert llm.engine.model_runner.decode_graphs.num_steps > 0
+    assert llm.engine.free_block_count == llm.engine.num_kv_blocks
 
 
 @needs_cuda
