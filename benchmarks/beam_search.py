@@ -51,6 +51,7 @@ VLLM_PEER_SCRIPT = r"""
 import json, sys, time
 
 import vllm
+from peer_loop import serve
 from vllm import LLM
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import BeamSearchParams
@@ -71,20 +72,12 @@ def main():
         return seconds, [[list(beam.tokens[len(prompt):]) for beam in output.sequences]
                          for prompt, output in zip(config["prompts"], outputs)]
 
-    def reply(message):
-        print(marker + json.dumps(message), flush=True)
+    def search(_):
+        seconds, beams = run()
+        return {"seconds": seconds, "beams": beams}
 
     run()
-    reply({"event": "ready", "vllm_version": vllm.__version__})
-    for line in sys.stdin:
-        command = line.strip()
-        if command == "search":
-            seconds, beams = run()
-            reply({"event": "search", "seconds": seconds, "beams": beams})
-        elif command == "quit":
-            return
-        else:
-            raise ValueError(f"unknown command {command!r}")
+    serve(marker, vllm.__version__, {"search": search})
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep this guard

@@ -130,6 +130,7 @@ VLLM_PEER_SCRIPT = r"""
 import json, sys, time
 
 import vllm
+from peer_loop import serve
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
@@ -152,20 +153,12 @@ def main():
         outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
         return time.perf_counter() - start, [list(output.outputs[0].token_ids) for output in outputs]
 
-    def reply(message):
-        print(marker + json.dumps(message), flush=True)
+    def timed_run(_):
+        seconds, token_ids = run()
+        return {"seconds": seconds, "token_ids": token_ids}
 
     run()
-    reply({"event": "ready", "vllm_version": vllm.__version__})
-    for line in sys.stdin:
-        command = line.strip()
-        if command == "run":
-            seconds, token_ids = run()
-            reply({"event": "run", "seconds": seconds, "token_ids": token_ids})
-        elif command == "quit":
-            return
-        else:
-            raise ValueError(f"unknown command {command!r}")
+    serve(marker, vllm.__version__, {"run": timed_run})
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep this guard

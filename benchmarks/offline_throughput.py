@@ -293,15 +293,38 @@ class TransformersRunner:
 
 # ----------------------------------------------------------------------------- vLLM peer
 
+# The command loop every vLLM peer script ends with, written beside it as peer_loop.py (PeerProcess), which the
+# script imports (vLLM's venv has no splitserve): "ready" with vLLM's version once the script calls it, then one
+# reply a command line ("<command> [argument]") on stdin, each one JSON line on stdout behind the marker (vLLM
+# logs to stdout too), until "quit".
+PEER_LOOP = r"""
+import json
+import sys
+
+
+def serve(marker, version, commands):
+    def reply(message):
+        print(marker + json.dumps(message), flush=True)
+
+    reply({"event": "ready", "vllm_version": version})
+    for line in sys.stdin:
+        command, _, argument = line.strip().partition(" ")
+        if command == "quit":
+            return
+        if command not in commands:
+            raise ValueError(f"unknown command {command!r}")
+        reply({"event": command, **commands[command](argument)})
+"""
+
 # Runs inside the vLLM venv. Loads the model once, warms up, then answers one
-# command a line on stdin ("throughput", "latency", "quit") with one JSON line on
-# stdout behind a marker (vLLM logs to stdout too). Errors end the process with
+# command a line on stdin ("throughput", "latency", "quit"; peer_loop.serve). Errors end the process with
 # a traceback on stderr. Time to first token is the time of a max_tokens=1
 # generate (the offline LLM reports no per-request metrics by default).
 VLLM_PEER_SCRIPT = r"""
 import json, sys, time
 
 import vllm
+from peer_loop import serve
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -320,26 +343,18 @@ def main():
         seconds = time.perf_counter() - start
         return seconds, [list(output.outputs[0].token_ids) for output in outputs]
 
-    def reply(message):
-        print(marker + json.dumps(message), flush=True)
+    def throughput(_):
+        seconds, token_ids = generate(config["prompts"], config["output_len"], use_tqdm=True)
+        return {"seconds": seconds, "token_ids": token_ids}
+
+    def latency(_):
+        prompt = [config["latency_prompt"]]
+        ttft, _ = generate(prompt, 1)
+        e2e, token_ids = generate(prompt, config["latency_output_len"])
+        return {"ttft_seconds": ttft, "e2e_seconds": e2e, "num_output_tokens": len(token_ids[0])}
 
     generate(config["warmup_prompts"], config["warmup_output_len"])
-    reply({"event": "ready", "vllm_version": vllm.__version__})
-    for line in sys.stdin:
-        command = line.strip()
-        if command == "throughput":
-            seconds, token_ids = generate(config["prompts"], config["output_len"], use_tqdm=True)
-            reply({"event": "throughput", "seconds": seconds, "token_ids": token_ids})
-        elif command == "latency":
-            prompt = [config["latency_prompt"]]
-            ttft, _ = generate(prompt, 1)
-            e2e, token_ids = generate(prompt, config["latency_output_len"])
-            reply({"event": "latency", "ttft_seconds": ttft, "e2e_seconds": e2e,
-                   "num_output_tokens": len(token_ids[0])})
-        elif command == "quit":
-            return
-        else:
-            raise ValueError(f"unknown command {command!r}")
+    serve(marker, vllm.__version__, {"throughput": throughput, "latency": latency})
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep this guard
@@ -369,8 +384,9 @@ def default_vllm_threads_bind() -> str:
 class PeerProcess:
     """A script run by another venv's python (vLLM's), long-lived and driven over stdin/stdout: one command a line
     in, one JSON reply a line out behind ``marker`` (its other output, vLLM's logs, copied to stderr). The script
-    reads its ``config`` from the JSON file named by its first argument, the marker is its second, and it replies
-    {"event": "ready", "vllm_version": ...} once loaded; "quit" ends it."""
+    reads its ``config`` from the JSON file named by its first argument, the marker is its second, and once loaded
+    it hands its commands to ``peer_loop.serve`` (:data:`PEER_LOOP`, written beside it), which replies
+    {"event": "ready", "vllm_version": ...} first; "quit" ends it."""
 
     def __init__(self, python: str, script: str, config: dict, marker: str, *, threads_bind: str,
                  kv_space_gib: int) -> None:
@@ -380,6 +396,8 @@ class PeerProcess:
         config_path = os.path.join(self.folder.name, "config.json")
         with open(script_path, "w") as file:
             file.write(script)
+        with open(os.path.join(self.folder.name, "peer_loop.py"), "w") as file:
+            file.write(PEER_LOOP)
         with open(config_path, "w") as file:
             json.dump(config, file)
         env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}

@@ -59,6 +59,7 @@ VLLM_PEER_SCRIPT = r"""
 import json, sys, time
 
 import vllm
+from peer_loop import serve
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -79,20 +80,12 @@ def main():
         seconds = time.perf_counter() - start
         return seconds, sum(len(completion.token_ids) for output in outputs for completion in output.outputs)
 
-    def reply(message):
-        print(marker + json.dumps(message), flush=True)
+    def sample(_):
+        seconds, tokens = run()
+        return {"seconds": seconds, "output_tokens": tokens}
 
     run()
-    reply({"event": "ready", "vllm_version": vllm.__version__})
-    for line in sys.stdin:
-        command = line.strip()
-        if command == "sample":
-            seconds, tokens = run()
-            reply({"event": "sample", "seconds": seconds, "output_tokens": tokens})
-        elif command == "quit":
-            return
-        else:
-            raise ValueError(f"unknown command {command!r}")
+    serve(marker, vllm.__version__, {"sample": sample})
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep this guard

@@ -47,6 +47,7 @@ VLLM_PEER_SCRIPT = r"""
 import json, sys, time
 
 import vllm
+from peer_loop import serve
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -65,25 +66,18 @@ def main():
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, outputs
 
-    def reply(message):
-        print(marker + json.dumps(message), flush=True)
+    def score(_):
+        seconds, outputs = run(config["top"])
+        scored = [[entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+                  for output, prompt in zip(outputs, config["prompts"])]
+        return {"seconds": seconds, "scored": scored}
+
+    def prefill(_):
+        seconds, _ = run(None)
+        return {"seconds": seconds}
 
     run(config["top"])
-    reply({"event": "ready", "vllm_version": vllm.__version__})
-    for line in sys.stdin:
-        command = line.strip()
-        if command == "score":
-            seconds, outputs = run(config["top"])
-            scored = [[entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
-                      for output, prompt in zip(outputs, config["prompts"])]
-            reply({"event": "score", "seconds": seconds, "scored": scored})
-        elif command == "prefill":
-            seconds, _ = run(None)
-            reply({"event": "prefill", "seconds": seconds})
-        elif command == "quit":
-            return
-        else:
-            raise ValueError(f"unknown command {command!r}")
+    serve(marker, vllm.__version__, {"score": score, "prefill": prefill})
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep this guard

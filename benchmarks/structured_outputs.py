@@ -59,6 +59,7 @@ VLLM_PEER_SCRIPT = r"""
 import json, sys, time
 
 import vllm
+from peer_loop import serve
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import StructuredOutputsParams
@@ -79,25 +80,18 @@ def main():
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, [list(output.outputs[0].token_ids) for output in outputs]
 
-    def reply(message):
-        print(marker + json.dumps(message), flush=True)
+    def shaped_run(_):
+        seconds, token_ids = run(shaped)
+        return {"seconds": seconds, "token_ids": token_ids}
+
+    def plain_run(argument):
+        lengths = json.loads(argument)
+        params = [SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True) for length in lengths]
+        seconds, token_ids = run(params)
+        return {"seconds": seconds, "token_ids": token_ids}
 
     run(shaped)
-    reply({"event": "ready", "vllm_version": vllm.__version__})
-    for line in sys.stdin:
-        command, _, argument = line.strip().partition(" ")
-        if command == "shaped":
-            seconds, token_ids = run(shaped)
-            reply({"event": "shaped", "seconds": seconds, "token_ids": token_ids})
-        elif command == "plain":
-            lengths = json.loads(argument)
-            params = [SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True) for length in lengths]
-            seconds, token_ids = run(params)
-            reply({"event": "plain", "seconds": seconds, "token_ids": token_ids})
-        elif command == "quit":
-            return
-        else:
-            raise ValueError(f"unknown command {command!r}")
+    serve(marker, vllm.__version__, {"shaped": shaped_run, "plain": plain_run})
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep this guard
