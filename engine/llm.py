@@ -396,13 +396,17 @@ class _ForkingSteps:
         parents = [self.held.get(tuple(tokens[:-1])) for tokens in sequences]
         last_fork = {parent: index for index, parent in enumerate(parents)}  # the last to grow from each
         request_ids = []
-        for index, (tokens, parent) in enumerate(zip(sequences, parents)):
-            request_id = engine.next_request_id()
-            fork = None if parent is None else KVFork(parent, take_tail=last_fork[parent] == index)
-            self.to_release.append(request_id)
-            engine.add_request(request_id, prompt_token_ids=tokens, sampling_params=self.params, kv_fork=fork,
-                               keep_kv=True)
-            request_ids.append(request_id)
+        try:
+            for index, (tokens, parent) in enumerate(zip(sequences, parents)):
+                request_id = engine.next_request_id()
+                fork = None if parent is None else KVFork(parent, take_tail=last_fork[parent] == index)
+                engine.add_request(request_id, prompt_token_ids=tokens, sampling_params=self.params, kv_fork=fork,
+                                   keep_kv=True)
+                self.to_release.append(request_id)
+                request_ids.append(request_id)
+        except BaseException:  # nothing of the step stays queued
+            self.llm._abort_all(request_ids)
+            raise
         outputs = self.llm._run(request_ids, self.use_tqdm)
         for request_id in self.held.values():
             engine.release_kv(request_id)

@@ -408,27 +408,31 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **options)
     prompts = [_to_prompt(llm, item, args.chat) for item in items]
     priorities = [_priority_of(args, item) for item in items]
-    if len(prompts) == 1 and not args.output:
+    if len(prompts) == 1 and not args.output and params[0].n == 1:
         _stream_one(llm, prompts[0], params[0], priorities[0], lora)
         return 0
     outputs = llm.generate(prompts, params, use_tqdm=True, priority=priorities, lora_request=lora)
     sink = open(args.output, "w") if args.output else None
     try:
-        for item, output in zip(items, outputs):
-            completion = output.outputs[0]
-            record = {
-                "prompt": output.prompt, "text": completion.text, "token_ids": completion.token_ids,
-                "finish_reason": completion.finish_reason, "num_prompt_tokens": len(output.prompt_token_ids),
-            }
-            if completion.logprobs is not None:
-                record["logprobs"] = [{str(token): value for token, value in step.items()} for step in completion.logprobs]
-            if output.prompt_logprobs is not None:
-                record["prompt_logprobs"] = [None] + [{str(token): value for token, value in entry.items()}
-                                                      for entry in output.prompt_logprobs[1:]]
-            if sink:
-                sink.write(json.dumps(record) + "\n")
-            else:
-                print(f"--- {item.get('prompt', output.prompt)!r}\n{completion.text}\n[{completion.finish_reason}]")
+        for item, output, item_params in zip(items, outputs, params):
+            for completion in output.outputs:  # n of them with an "n" (each record then says its "index")
+                record = {
+                    "prompt": output.prompt, "text": completion.text, "token_ids": completion.token_ids,
+                    "finish_reason": completion.finish_reason, "num_prompt_tokens": len(output.prompt_token_ids),
+                }
+                if item_params.n > 1:
+                    record["index"] = completion.index
+                if completion.logprobs is not None:
+                    record["logprobs"] = [{str(token): value for token, value in step.items()}
+                                          for step in completion.logprobs]
+                if output.prompt_logprobs is not None:
+                    record["prompt_logprobs"] = [None] + [{str(token): value for token, value in entry.items()}
+                                                          for entry in output.prompt_logprobs[1:]]
+                if sink:
+                    sink.write(json.dumps(record) + "\n")
+                else:
+                    print(f"--- {item.get('prompt', output.prompt)!r}\n{completion.text}\n"
+                          f"[{completion.finish_reason}]")
     finally:
         if sink:
             sink.close()

@@ -51,13 +51,17 @@ def test_jsonl_batch_writes_one_result_a_line(tmp_path, model_dir, tokenizer):
         {"prompt_token_ids": tokenizer.encode("Water boils at")},
         {"messages": [{"role": "user", "content": "Say hi"}], "logprobs": 2, "prompt_logprobs": 1},
         {"prompt": "The capital of France is", "max_tokens": 3, "logit_bias": {str(tokenizer.encode(" Paris")[0]): -100}},
+        {"prompt": "Once upon a time", "n": 3, "seed": 4, "temperature": 1.0},  # a record a completion
     ]
     prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     output = tmp_path / "out.jsonl"
     result = run_cli("generate", "--file", str(prompts), "--output", str(output), "--max-tokens", "5", *SMALL_ENGINE)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in output.read_text().splitlines()]
-    assert len(records) == 4
+    assert len(records) == 4 + 3
+    assert [record["index"] for record in records[4:]] == [0, 1, 2] and "index" not in records[0]
+    assert {record["prompt"] for record in records[4:]} == {"Once upon a time"}
+    assert len({tuple(record["token_ids"]) for record in records[4:]}) > 1
     assert len(records[0]["token_ids"]) == 3 and records[0]["text"].startswith(" Paris")
     assert records[3]["token_ids"][0] != records[0]["token_ids"][0]  # the line's logit_bias banned " Paris"
     assert records[1]["num_prompt_tokens"] == len(tokenizer.encode("Water boils at"))
