@@ -7,8 +7,10 @@ requests join while budget, ``max_num_seqs`` and free blocks allow. When a
 running request cannot get a block, the most recently started request is
 preempted (its blocks freed, to be recomputed later from the queue's front).
 
-A request with a ``kv_fork`` (beam search) whose parent is still held takes the parent's KV when it starts
-(``KVCacheManager.fork``): the step's ``block_copies`` say which partial blocks the model runner copies first.
+A request with a ``kv_fork`` (beam search, parallel sampling) whose parent is still held, or running, takes the
+parent's KV when it starts (``KVCacheManager.fork``): the step's ``block_copies`` say which partial blocks the model
+runner copies first. Blocks held only for forks (``keep_kv``) are a cache: when nothing can start for want of
+blocks, the oldest such hold is freed, and its forks compute what they lose.
 
 Requests in ``WAITING_FOR_REMOTE_KVS`` hold the blocks reserved for their
 prompt and are skipped until :meth:`Scheduler.finish_remote_kv`.
@@ -116,6 +118,8 @@ class Scheduler:
         # Finished requests whose blocks are kept: for a KV transfer (prefill role), or for requests that fork them.
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Held requests whose blocks were freed for a queue that could not start (see _drop_a_fork_hold).
+        self.num_dropped_fork_holds = 0
 
     # ---- requests in and out -------------------------------------------------
 
@@ -204,6 +208,8 @@ class Scheduler:
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         if not output.preempted:
             self._schedule_waiting(output, budget)
+            while not output.scheduled and self.waiting and self._drop_a_fork_hold():
+                self._schedule_waiting(output, budget)
         output.num_batched_tokens = sum(item.num_new_tokens for item in output.scheduled)
         return output
 
@@ -293,6 +299,17 @@ class Scheduler:
             budget -= num_new
         for request in reversed(skipped):
             self.waiting.prepend(request)
+
+    def _drop_a_fork_hold(self) -> bool:
+        """Free the blocks of the oldest finished request held only for forks (``keep_kv``): they are a cache, and a
+        queue that cannot start for want of blocks must not wait for them (its forks compute what they lose).
+        False when none is held."""
+        request_id = next((request_id for request_id, request in self.held.items() if request.keep_kv), None)
+        if request_id is None:
+            return False
+        self.release_held(request_id)
+        self.num_dropped_fork_holds += 1
+        return True
 
     def _fork_parent(self, request: Request, num_cached: int) -> Request | None:
         """The request whose KV the request forks (``request.kv_fork``: held, or running), when it holds more of the

@@ -116,3 +116,18 @@ def test_a_forked_request_continues_as_if_it_had_computed_its_tokens(llm16, mode
     assert after.num_cached_tokens == length // 16 * 16
     assert engine.release_kv("parent") and not engine.release_kv("copying")
     assert engine.free_block_count == engine.num_kv_blocks
+
+
+def test_a_cache_too_small_for_every_hold_frees_the_oldest_and_the_beams_stay_transformers(model_dir,
+                                                                                           prompt_token_ids):
+    # 30 blocks of 16 tokens: a step's 24 beams and the 24 they grew from cannot all hold theirs. Nothing could start
+    # for want of blocks; the oldest holds are freed (their forks compute what they lose) instead of the search
+    # waiting on them forever.
+    small = LLM(str(model_dir), block_size=16, num_kv_blocks=30, max_model_len=480)
+    prompts = prompt_token_ids[:6]
+    outputs = small.beam_search([{"prompt_token_ids": ids} for ids in prompts], BeamSearchParams(WIDTH, MAX_TOKENS))
+    for ids, output in zip(prompts, outputs):
+        assert [beam.tokens[len(ids):] for beam in output.sequences] == hf_beams(str(model_dir), ids, WIDTH,
+                                                                                  MAX_TOKENS)
+    assert small.engine.scheduler.num_dropped_fork_holds > 0
+    assert small.engine.free_block_count == small.engine.num_kv_blocks and not small.engine.scheduler.held

@@ -77,3 +77,15 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(llm, prompt_to
     _, after_reset = computed_tokens(llm, run)
     size = llm.engine.config.block_size
     assert first == after_reset == 300 and again == 300 - 299 // size * size
+
+
+def test_completions_that_outgrow_a_small_cache_are_preempted_and_stay_transformers(model_dir, prompt_token_ids):
+    # 30 blocks of 16 tokens: four completions of a 300-token prompt share its 18 full blocks, and cannot all grow
+    # 40 tokens: one is preempted and recomputed.
+    small = LLM(str(model_dir), block_size=16, num_kv_blocks=30, max_model_len=480)
+    ids = prompt_token_ids[6][:300]
+    (output,) = small.generate({"prompt_token_ids": ids}, SamplingParams(n=4, max_tokens=40, temperature=0.0),
+                               use_tqdm=False)
+    assert [completion.token_ids for completion in output.outputs] == [hf_greedy(str(model_dir), ids, 40)] * 4
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.free_block_count == small.engine.num_kv_blocks and not small.engine.scheduler.held

@@ -371,3 +371,24 @@ def test_a_fork_of_a_running_request_waits_for_its_prompt_then_shares_it_and_nev
     for request in (first, other, later):
         scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
     assert scheduler.kv_cache.free_block_count == 16
+
+
+def test_a_queue_that_cannot_start_frees_fork_holds_oldest_first_but_never_a_transfer_s():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, budget=16)
+    saving = held_parent(scheduler, "saving", 8)  # held for a KV transfer (keep_kv false): 2 blocks
+    older = held_parent(scheduler, "older", 8)
+    older.keep_kv = True
+    newer = held_parent(scheduler, "newer", 4)
+    newer.keep_kv = True
+    assert scheduler.kv_cache.free_block_count == 1
+    scheduler.add_request(make_request("big", 8, first_token=70))  # needs 2 blocks
+    output = run_step(scheduler)
+    assert plan(output) == [("big", 8, True)]
+    assert list(scheduler.held) == ["saving", "newer"] and scheduler.num_dropped_fork_holds == 1
+    scheduler.add_request(make_request("huge", 16, first_token=80))  # 4 blocks: newer goes, saving stays
+    assert plan(run_step(scheduler)) == [("big", 1, True)]  # something ran: no hold is freed for the queue
+    scheduler.finish_request(scheduler.requests["big"], RequestStatus.FINISHED_STOPPED)
+    assert plan(run_step(scheduler)) == [("huge", 16, True)] and list(scheduler.held) == ["saving"]
+    assert scheduler.num_dropped_fork_holds == 2
+    scheduler.finish_request(scheduler.requests["huge"], RequestStatus.FINISHED_STOPPED)
+    assert scheduler.release_held("saving") and scheduler.kv_cache.free_block_count == 6
