@@ -380,7 +380,7 @@ def test_a_queue_that_cannot_start_frees_fork_holds_oldest_first_but_never_a_tra
     older.keep_kv = True
     newer = held_parent(scheduler, "newer", 4)
     newer.keep_kv = True
-    assert scheduler.kv_cache.free_block_count == 1
+    assert scheduler.kv_cache.free_block_count == 1 and not saving.keep_kv
     scheduler.add_request(make_request("big", 8, first_token=70))  # needs 2 blocks
     output = run_step(scheduler)
     assert plan(output) == [("big", 8, True)]
