@@ -172,12 +172,13 @@ class LLM:
                 for output in self._run(request_ids, use_tqdm)]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Each prompt's ``params.beam_width`` best continuations by beam search, best first, as vLLM's
         ``LLM.beam_search`` (engine/beam_search.py): a step asks for one token of every live beam, all prompts'
         beams in one batch, with the top ``2 * beam_width`` log probabilities. A beam forks the KV of the one it
         grew from (request.KVFork: the full blocks shared, the partial one copied, or taken by the last beam to
-        grow from it), so a step computes one token a beam, as transformers does.
+        grow from it), so a step computes one token a beam, as transformers does. ``lora_request`` searches with
+        that LoRA adapter (an engine made with ``enable_lora=True``), as vLLM's.
 
         Raises:
             InvalidRequest: a bad parameter or prompt (nothing runs).
@@ -191,7 +192,7 @@ class LLM:
         eos_token_ids = self.engine.eos_token_ids
         tokenizer = self.get_tokenizer()
         steps = _ForkingSteps(self, min(MAX_LOGPROBS, max(2, 1 + len(eos_token_ids)) * params.beam_width),
-                              params.temperature, use_tqdm)
+                              params.temperature, lora_request, use_tqdm)
         try:
             return beam_search(token_ids, params, steps, eos_token_ids,
                                lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
@@ -385,8 +386,9 @@ class _ForkingSteps:
     log probabilities, holding its blocks when done (``keep_kv``) so that the next step's sequences that grow from
     it fork its KV; a step's requests release the step's before it once they are done."""
 
-    def __init__(self, llm: LLM, candidates: int, temperature: float, use_tqdm: bool) -> None:
-        self.llm, self.use_tqdm = llm, use_tqdm
+    def __init__(self, llm: LLM, candidates: int, temperature: float, lora_request: LoRARequest | None,
+                 use_tqdm: bool) -> None:
+        self.llm, self.lora_request, self.use_tqdm = llm, lora_request, use_tqdm
         self.params = SamplingParams(temperature=temperature, max_tokens=1, logprobs=candidates, ignore_eos=True)
         self.held: dict[tuple[int, ...], str] = {}  # the last step's requests, by their tokens
         self.to_release: list[str] = []  # every request that may hold blocks
@@ -401,7 +403,7 @@ class _ForkingSteps:
                 request_id = engine.next_request_id()
                 fork = None if parent is None else KVFork(parent, take_tail=last_fork[parent] == index)
                 engine.add_request(request_id, prompt_token_ids=tokens, sampling_params=self.params, kv_fork=fork,
-                                   keep_kv=True)
+                                   keep_kv=True, lora_request=self.lora_request)
                 self.to_release.append(request_id)
                 request_ids.append(request_id)
         except BaseException:  # nothing of the step stays queued

@@ -1,7 +1,8 @@
 """LoRA adapters (``enable_lora``, ``LoRARequest``) end to end on the real model: greedy output with an adapter is
 PEFT's (unmerged adapter on transformers, float32) token for token, for adapters of every projection and of attention
 alone, in batches that mix two adapters and the base model; prefix caching keeps adapters' KV apart; with
-``max_loras=1`` adapters take turns, still exact; speculative decoding holds with an adapter; and refusals (an
+``max_loras=1`` adapters take turns, still exact; speculative decoding holds with an adapter; beam search with an
+adapter gives PEFT's beams; and refusals (an
 engine without LoRA, a bad adapter) say why and leave nothing behind. On CUDA when a GPU is here."""
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import sys
 import pytest
 import torch
 
-from splitserve import LLM, SamplingParams
+from splitserve import LLM, BeamSearchParams, SamplingParams
 from splitserve.engine.lora import LoRARequest
 from tests.lora_helpers import LORA_MAX_TOKENS as MAX_TOKENS
+from tests.lora_helpers import peft_beams
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.timeout(900)
@@ -152,3 +154,19 @@ def test_the_command_line_generates_with_an_adapter(model_dir, tmp_path, prompt_
                     str(prompts), "--output", str(out), "--max-tokens", str(MAX_TOKENS),
                     "--lora", f"every={adapters['every'].lora_path}"], check=True, capture_output=True, timeout=300)
     assert [json.loads(line)["token_ids"] for line in out.read_text().splitlines()] == references["every"][:3]
+
+
+def test_beam_search_with_an_adapter_gives_peft_s_beams(llm, model_dir, adapters, prompt_token_ids):
+    # vLLM's LLM.beam_search(..., lora_request=...): every step's requests run the adapter, and forks stay within
+    # its KV (its blocks chain from the adapter's root).
+    prompts = prompt_token_ids[1:4]
+    adapter = adapters["every"]
+    outputs = llm.beam_search([{"prompt_token_ids": ids} for ids in prompts], BeamSearchParams(3, 8),
+                              lora_request=adapter)
+    plain = llm.beam_search([{"prompt_token_ids": ids} for ids in prompts], BeamSearchParams(3, 8))
+    for ids, output in zip(prompts, outputs):
+        assert [beam.tokens[len(ids):] for beam in output.sequences] == peft_beams(
+            str(model_dir), adapter.lora_path, ids, 3, 8)
+    assert [[beam.tokens for beam in output.sequences] for output in outputs] != \
+        [[beam.tokens for beam in output.sequences] for output in plain]
+    assert_nothing_left(llm)
