@@ -250,7 +250,8 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Start waiting requests in the queue's order while budget, max_num_seqs and blocks allow; a request whose
-        LoRA adapter would make more than max_loras in the running batch is passed over (it keeps its place)."""
+        LoRA adapter would make more than max_loras in the running batch is passed over (it keeps its place), as is
+        a fork whose running parent has not computed its tokens yet."""
         adapters = {request.lora_request.lora_int_id for request in self.running if request.lora_request}
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
