@@ -269,9 +269,11 @@ class Scheduler:
             parent = None
             if not self.kv_cache.block_ids(request.request_id):
                 cached_block_ids, num_computed = self.kv_cache.find_cached_prefix(request)
-                parent = self._fork_parent(request, num_computed)
-                if parent is not None:
-                    cached_block_ids, num_computed = [], self.kv_cache.forkable_tokens(request, parent)
+                parent, num_forked = self._fork_parent(request)
+                if num_forked > num_computed:
+                    cached_block_ids, num_computed = [], num_forked
+                else:
+                    parent = None
             num_new = request.num_tokens - num_computed
             if num_new > budget:
                 if not self.enable_chunked_prefill:
@@ -312,16 +314,16 @@ class Scheduler:
         self.num_dropped_fork_holds += 1
         return True
 
-    def _fork_parent(self, request: Request, num_cached: int) -> Request | None:
-        """The request whose KV the request forks (``request.kv_fork``: held, or running), when it holds more of the
-        request's tokens than the prefix cache's ``num_cached``."""
+    def _fork_parent(self, request: Request) -> tuple[Request | None, int]:
+        """The request whose KV the request forks (``request.kv_fork``: held, or running), and how many of the
+        request's tokens it holds (:meth:`KVCacheManager.forkable_tokens`); (None, 0) when there is none."""
         if request.kv_fork is None:
-            return None
+            return None, 0
         parent_id = request.kv_fork.parent_id
         parent = self.held.get(parent_id) or self.requests.get(parent_id)
-        if parent is None or self.kv_cache.forkable_tokens(request, parent) <= num_cached:
-            return None
-        return parent
+        if parent is None:
+            return None, 0
+        return parent, self.kv_cache.forkable_tokens(request, parent)
 
     def _waits_for_parent(self, request: Request) -> bool:
         """Whether a forking request that holds no blocks waits for its unfinished parent to compute its tokens

@@ -61,18 +61,11 @@ def peft_greedy(model_dir: str, adapter_dir: str, prompt_token_ids: list[int], m
 
 def peft_beams(model_dir: str, adapter_dir: str, prompt_token_ids: list[int], beam_width: int,
                max_new_tokens: int) -> list[list[int]]:
-    """PEFT's beam search with the adapter (unmerged, float32), ranked as ``tests.reference.hf_beams`` ranks
-    transformers' beams: each beam's generated tokens, best first, cut after its end-of-sequence token."""
-    import torch
+    """PEFT's beam search with the adapter (unmerged, float32), as ``tests.reference.hf_beams`` runs transformers':
+    each beam's generated tokens, best first, cut after its end-of-sequence token."""
+    from tests.reference import generate_beams
 
-    model = _peft_model(str(model_dir), str(adapter_dir))
-    eos = model.generation_config.eos_token_id
-    with torch.inference_mode():
-        input_ids = torch.tensor([prompt_token_ids])
-        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                num_beams=beam_width, num_return_sequences=beam_width, early_stopping=False,
-                                length_penalty=1.0, max_new_tokens=max_new_tokens)
-    return [row[: row.index(eos) + 1] if eos in row else row for row in output[:, len(prompt_token_ids):].tolist()]
+    return generate_beams(_peft_model(str(model_dir), str(adapter_dir)), prompt_token_ids, beam_width, max_new_tokens)
 
 
 def peft_last_hidden_state(model_dir: str, adapter_dir: str, prompt_token_ids: list[int]):

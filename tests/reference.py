@@ -233,19 +233,19 @@ def hf_beams(model_dir: str, prompt_token_ids: list[int], beam_width: int, max_n
     """transformers' beam search (``num_beams`` and ``num_return_sequences`` ``beam_width``, length penalty 1, no
     early stopping), float32: the beams' generated tokens, best first, each cut after its end-of-sequence token
     (transformers pads the shorter ones). Kept on disk (:func:`cached`)."""
+    return cached("hf_beams", [model_dir], [list(prompt_token_ids), beam_width, max_new_tokens],
+                  lambda: generate_beams(hf_model(model_dir), prompt_token_ids, beam_width, max_new_tokens))
+
+
+def generate_beams(model, prompt_token_ids: list[int], beam_width: int, max_new_tokens: int) -> list[list[int]]:
+    """``model.generate``'s beams (a transformers or PEFT model; see :func:`hf_beams`), best first, each cut after
+    its end-of-sequence token."""
     import torch
 
-    def compute() -> list[list[int]]:
-        model = hf_model(model_dir)
-        eos = model.generation_config.eos_token_id
-        with torch.inference_mode():
-            input_ids = torch.tensor([prompt_token_ids])
-            output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                    num_beams=beam_width, num_return_sequences=beam_width, early_stopping=False,
-                                    length_penalty=1.0, max_new_tokens=max_new_tokens)
-        beams = []
-        for row in output[:, len(prompt_token_ids):].tolist():
-            beams.append(row[: row.index(eos) + 1] if eos in row else row)
-        return beams
-
-    return cached("hf_beams", [model_dir], [list(prompt_token_ids), beam_width, max_new_tokens], compute)
+    eos = model.generation_config.eos_token_id
+    with torch.inference_mode():
+        input_ids = torch.tensor([prompt_token_ids])
+        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                num_beams=beam_width, num_return_sequences=beam_width, early_stopping=False,
+                                length_penalty=1.0, max_new_tokens=max_new_tokens)
+    return [row[: row.index(eos) + 1] if eos in row else row for row in output[:, len(prompt_token_ids):].tolist()]
