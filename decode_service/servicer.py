@@ -153,30 +153,33 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise
 
     def _relay(self, stream, params: SamplingParams):
-        """Token chunks from the engine: what is ready is sent as one message.
+        """Token chunks from the engine: what is ready is sent as one message for each completion it is of (one,
+        unless the request asks for n).
 
         The first token of a remote prefill (carried with its KV) is streamed
         here like every other, so the stream is whole whether the prompt's KV
         arrived or was recomputed.
         """
-        while True:
+        unfinished = stream.num_completions
+        while unfinished:
             outputs = [stream.get()]
-            while not outputs[-1].finished:
-                ready = stream.get_nowait()
-                if ready is None:
-                    break
+            while (ready := stream.get_nowait()) is not None:
                 outputs.append(ready)
-            yield self._message(outputs, params)
-            if outputs[-1].finished:
-                return
+            by_index: dict[int, list[RequestOutput]] = {}
+            for output in outputs:
+                by_index.setdefault(output.outputs[0].index, []).append(output)
+            for index, completion_outputs in by_index.items():
+                yield self._message(stream.request_id, index, completion_outputs, params)
+                unfinished -= completion_outputs[-1].finished
 
-    def _message(self, outputs: list[RequestOutput], params: SamplingParams):
+    def _message(self, request_id: str, index: int, outputs: list[RequestOutput], params: SamplingParams):
+        """The message of one completion's outputs (all of one completion, in order)."""
         last = outputs[-1]
         num_logprobs = params.logprobs
         completion = last.outputs[0]
         token_ids = [token for output in outputs for token in output.outputs[0].delta_token_ids]
         message = worker_pb2.DecodeResponse(
-            request_id=last.request_id,
+            request_id=request_id, index=index,
             state=worker_pb2.REQUEST_STATE_FINISHED if last.finished else worker_pb2.REQUEST_STATE_RUNNING,
             text="".join(output.outputs[0].delta_text for output in outputs),
             token_ids=token_ids,

@@ -22,6 +22,7 @@ from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.lora import LoRARequest
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.parallel_sampling import ParallelSamples
 from splitserve.engine.pooling import PoolingParams
 
 logger = logging.getLogger(__name__)
@@ -36,11 +37,19 @@ class Accepted:
     num_cached_tokens: int
 
 
-class RequestStream:
-    """The outputs of one request, in order, ending with the finished one."""
+def completion_ids(request_id: str, n: int) -> list[str]:
+    """The engine request ids of a request's ``n`` completions: its own, then ``request_id/1`` and on ("/" is in no
+    client's id, so they meet no other request's)."""
+    return [request_id] + [f"{request_id}/{index}" for index in range(1, n)]
 
-    def __init__(self, request_id: str) -> None:
+
+class RequestStream:
+    """The outputs of one request, in order, ending with the finished one; of a request for ``n`` completions,
+    the outputs of all of them as they come (each completion's ``index`` set), ending with the last finished."""
+
+    def __init__(self, request_id: str, num_completions: int = 1) -> None:
         self.request_id = request_id
+        self.num_completions = num_completions
         self._outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
         # Set once the engine has taken the request: to an Accepted, or to the
         # exception that refused it (duplicate id, no room for remote KV).
@@ -72,10 +81,12 @@ class RequestStream:
         return item
 
     def __iter__(self) -> Iterator[RequestOutput]:
+        unfinished = self.num_completions
         while True:
             output = self.get()
             yield output
-            if output.finished:
+            unfinished -= output.finished
+            if not unfinished:
                 return
 
 
@@ -95,7 +106,10 @@ class EngineLoop:
         self.engine = engine
         self.idle_wait_seconds = idle_wait_seconds
         self._commands: queue.Queue[Any] = queue.Queue()
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream] = {}  # by engine request id: a request's n completions share one
+        self._completions: dict[str, list[str]] = {}  # a request for n > 1 completions: its completions' ids
+        self._index: dict[str, int] = {}  # a completion's index, by its engine request id (absent: 0)
+        self._samples = ParallelSamples(engine)
         self._thread = threading.Thread(target=self._run, name="splitserve-engine", daemon=True)
         # The engine's load after the latest step (or command), readable from any thread without waiting.
         self.last_load = engine.load()
@@ -131,6 +145,11 @@ class EngineLoop:
     ) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream.
 
+        With ``sampling_params.n`` > 1 it is queued as n completions (engine/parallel_sampling.py: the first
+        one's prompt, or its remote KV, computed once and forked by the others), engine requests
+        ``request_id`` and ``request_id/1`` to ``request_id/{n-1}``, all on the one stream; ``abort(request_id)``
+        aborts all of them.
+
         ``kv_transfer``, ``priority``, ``lora_request``, ``pooling_params`` (an embedding request, whose one
         output is the finished one with its ``embedding``) and ``cache_salt`` are passed to
         ``LLMEngine.add_request``;
@@ -144,14 +163,15 @@ class EngineLoop:
             raise ValueError("sampling_params must be a SamplingParams.")
         token_ids = self.engine.prompt_token_ids_of(prompt, prompt_token_ids, sampling_params)
         check_cache_salt(cache_salt)
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, sampling_params.n)
         options = {"prompt_token_ids": token_ids, "kv_transfer": kv_transfer, "priority": priority,
                    "lora_request": lora_request, "pooling_params": pooling_params, "cache_salt": cache_salt}
         self._commands.put(("add", stream, (request_id, prompt, sampling_params, options)))
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Abort a request at the next step boundary; its stream ends with an "abort" output."""
+        """Abort a request (every completion of it) at the next step boundary; its stream ends with an "abort"
+        output."""
         self._commands.put(("abort", request_id, None))
 
     def call(self, function: Callable[[LLMEngine], Any], timeout: float | None = 30.0) -> Any:
@@ -199,17 +219,30 @@ class EngineLoop:
         kind, target, payload = command
         if kind == "add":
             request_id, prompt, params, options = payload
+            request_ids = completion_ids(request_id, params.n)
+            added: list[str] = []
             try:
-                self.engine.add_request(request_id, prompt, params, **options)
+                if params.n == 1:
+                    self.engine.add_request(request_id, prompt, params, **options)
+                else:
+                    self._samples.add(request_ids, prompt, params, added, **options)
             except Exception as error:  # duplicate id, no room for remote KV: the caller hears of it
+                for completion_id in added:  # no completion of a refused request stays queued
+                    self.engine.abort_request(completion_id)
                 target.accepted.set_exception(error)
                 target.put(error)
                 return
-            self._streams[request_id] = target
+            for index, completion_id in enumerate(request_ids):
+                self._streams[completion_id] = target
+                if index:
+                    self._index[completion_id] = index
+            if params.n > 1:
+                self._completions[request_id] = request_ids
             request = self.engine.scheduler.requests[request_id]
             target.accepted.set_result(Accepted(max(request.num_cached_tokens, 0)))
         elif kind == "abort":
-            self.engine.abort_request(target)
+            for request_id in self._completions.get(target, (target,)):
+                self.engine.abort_request(request_id)
         elif kind == "kv":
             try:
                 self.engine.update_from_kv_connector()
@@ -226,9 +259,11 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as error:  # the engine already fails a broken step's requests; this is a bug
             logger.exception("Engine step failed")
-            for stream in self._streams.values():
+            for stream in set(self._streams.values()):
                 stream.put(error)
             self._streams.clear()
+            self._completions.clear()
+            self._index.clear()
             return
         self._deliver(outputs)
 
@@ -237,9 +272,17 @@ class EngineLoop:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
+            if stream.num_completions > 1:
+                output.outputs[0].index = self._index.get(output.request_id, 0)
             stream.put(output)
             if output.finished:
                 del self._streams[output.request_id]
+                self._index.pop(output.request_id, None)
+                if stream.request_id in self._completions and not any(
+                        completion_id in self._streams for completion_id in self._completions[stream.request_id]):
+                    del self._completions[stream.request_id]
+        # A first completion's blocks, held for the others to fork, go once they have all started (or ended).
+        self._samples.release_started()
 
     def _abort_all(self) -> None:
         for request_id in list(self._streams):

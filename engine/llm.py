@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from splitserve.engine.config import DEFAULT_STEP_LIMITS, EngineConfig, likely_d
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.lora import LoRARequest
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.parallel_sampling import ParallelSamples
 from splitserve.engine.pooling import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -112,19 +112,12 @@ class LLM:
             text, token_ids = self._token_ids_of(prompt)
             requests.append((text, self.engine.prompt_token_ids_of(text, token_ids, params), _cache_salt_of(prompt)))
             self.engine.check_priority(value)
-        request_ids, samples = [], _ParallelSamples(self.engine)
+        request_ids, groups, samples = [], [], ParallelSamples(self.engine)
         try:
             for (text, token_ids, salt), params, value, adapter in zip(requests, params_list, priorities, adapters):
-                group = []
-                for index, completion_params in enumerate(_completion_params(params)):
-                    request_id = self.engine.next_request_id()
-                    fork = KVFork(group[0], take_tail=index == params.n - 1) if group else None
-                    self.engine.add_request(request_id, text, completion_params, prompt_token_ids=token_ids,
-                                            priority=value, lora_request=adapter, cache_salt=salt, kv_fork=fork,
-                                            keep_kv=params.n > 1 and not group)
-                    request_ids.append(request_id)
-                    group.append(request_id)
-                samples.groups.append(group)
+                groups.append([self.engine.next_request_id() for _ in range(params.n)])
+                samples.add(groups[-1], text, params, request_ids, prompt_token_ids=token_ids, priority=value,
+                            lora_request=adapter, cache_salt=salt)
         except ValueError:  # an adapter that cannot load: nothing of this call stays queued
             self._abort_all(request_ids)
             raise
@@ -132,7 +125,7 @@ class LLM:
             outputs = self._run(request_ids, use_tqdm, after_step=samples.release_started)
         finally:
             samples.release_all()
-        return samples.gather(outputs)
+        return _gathered(groups, outputs)
 
     def embed(
         self,
@@ -325,60 +318,21 @@ class LLM:
         self.engine.step()  # drain the abort outputs
 
 
-def _completion_params(params: SamplingParams) -> list[SamplingParams]:
-    """The parameters of each of a prompt's ``params.n`` completions (one each): with a seed, completion i draws
-    from seed + i (wrapped into 64 bits), as vLLM's parallel sampling seeds them."""
-    if params.n == 1:
-        return [params]
-    if params.seed is None:
-        return [dataclasses.replace(params, n=1)] * params.n
-    return [dataclasses.replace(params, n=1, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
-            for index in range(params.n)]
-
-
-class _ParallelSamples:
-    """A generate call's prompts as their requests (``groups``, the first's id first): a prompt with ``n`` > 1 runs
-    its first completion as a request that keeps its KV (``keep_kv``) and the others as requests forking it, which
-    wait for it to compute the prompt, so that the prompt is computed once. The first request's blocks are
-    released once every other has started (or ended), or not kept if it is still running; whatever is left is
-    released when the call ends."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.groups: list[list[str]] = []
-        self._holding: deque[list[str]] | None = None
-
-    def release_started(self) -> None:
-        """After a step: let go of the first requests' blocks of the prompts whose completions have all started,
-        in the order the prompts were given, up to the first that has not (the queue starts them in that order;
-        under the priority policy a later one may wait for an earlier one), so that a step checks few of them."""
-        if self._holding is None:
-            self._holding = deque(group for group in self.groups if len(group) > 1)
-        holding = self._holding
-        while holding and all(self.engine.started_or_finished(request_id) for request_id in holding[0][1:]):
-            first = holding.popleft()[0]
-            self.engine.set_keep_kv(first, False) or self.engine.release_kv(first)
-
-    def release_all(self) -> None:
-        for group in self.groups:
-            if len(group) > 1:
-                self.engine.release_kv(group[0])
-
-    def gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """One output a prompt: its first request's, with every completion of the prompt, indexed in order."""
-        by_id = {output.request_id: output for output in outputs}
-        gathered = []
-        for group in self.groups:
-            first = by_id[group[0]]
-            if len(group) > 1:
-                completions = []
-                for index, request_id in enumerate(group):
-                    completion = by_id[request_id].outputs[0]
-                    completion.index = index
-                    completions.append(completion)
-                first = dataclasses.replace(first, outputs=completions)
-            gathered.append(first)
-        return gathered
+def _gathered(groups: list[list[str]], outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output a prompt: its first completion's, with every completion of the prompt, indexed in order."""
+    by_id = {output.request_id: output for output in outputs}
+    gathered = []
+    for group in groups:
+        first = by_id[group[0]]
+        if len(group) > 1:
+            completions = []
+            for index, request_id in enumerate(group):
+                completion = by_id[request_id].outputs[0]
+                completion.index = index
+                completions.append(completion)
+            first = dataclasses.replace(first, outputs=completions)
+        gathered.append(first)
+    return gathered
 
 
 class _ForkingSteps:

@@ -168,8 +168,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         if params.n != 1:
-            raise InvalidRequest(f"n={params.n}: an engine request is one completion; LLM.generate samples n from "
-                                 "one prompt (a request for each, forking the first one's KV).")
+            raise InvalidRequest(f"n={params.n}: an engine request is one completion; LLM.generate and EngineLoop "
+                                 "sample n from one prompt (engine/parallel_sampling.py: a request for each, "
+                                 "forking the first one's KV).")
         params.check_vocabulary(self.model_config.vocab_size)
         token_ids = self.prompt_token_ids_of(prompt, prompt_token_ids, params)
         params.check_prompt_length(len(token_ids))
@@ -187,8 +188,8 @@ class LLMEngine:
             raise ValueError(f"kv_fork must be a KVFork, got {type(kv_fork).__name__}.")
         request.kv_fork, request.keep_kv = kv_fork, bool(keep_kv)
         if kv_transfer is not None:
-            if keep_kv:
-                raise InvalidRequest("keep_kv holds a request's blocks for forks; a request with a kv_transfer "
+            if keep_kv and kv_transfer.save:
+                raise InvalidRequest("keep_kv holds a request's blocks for forks; a request whose KV is saved "
                                      "hands them to its connector.")
             self.kv_transfers.check(kv_transfer, len(token_ids))
             if kv_transfer.load and params.prompt_logprobs is not None:
@@ -337,6 +338,8 @@ class LLMEngine:
                 message = f"The prompt's KV could not be loaded ({reason}); --kv-load-failure is fail."
                 request_log(logger, request_id).warning("%s", message)
                 self.fail_request(request_id, message)
+                for fork_id in self._forks_waiting_for(request_id):  # its other completions: no prompt to fork
+                    self.fail_request(fork_id, message)
             else:
                 request_log(logger, request_id).warning("%s; recomputing the prompt locally", reason)
                 self.recompute_remote_kv(request_id)
@@ -345,6 +348,13 @@ class LLMEngine:
         for request_id, reason in events.failed_saves.items():
             request_log(logger, request_id).warning("Its KV could not be saved: %s", reason)
             self.release_kv(request_id)
+
+    def _forks_waiting_for(self, request_id: str) -> list[str]:
+        """The queued requests that would fork the request's KV and have not started (parallel sampling's other
+        completions)."""
+        return [request.request_id for request in self.scheduler.requests.values()
+                if request.kv_fork is not None and request.kv_fork.parent_id == request_id
+                and request.status == RequestStatus.WAITING and not self.kv_cache.block_ids(request.request_id)]
 
     def _is_waiting_for_remote_kv(self, request_id: str) -> bool:
         request = self.scheduler.requests.get(request_id)

@@ -326,17 +326,17 @@ class Scheduler:
         return parent, self.kv_cache.forkable_tokens(request, parent)
 
     def _waits_for_parent(self, request: Request) -> bool:
-        """Whether a forking request that holds no blocks waits for its unfinished parent to compute its tokens
-        (parallel sampling: the prompt is computed once, by the first completion, then forked), as a request of an
-        adapter over ``max_loras`` waits, keeping its place."""
+        """Whether a forking request that holds no blocks waits for its unfinished parent to compute its tokens, or
+        to receive their KV from a remote prefill (parallel sampling: the prompt is computed, or sent, once, for
+        the first completion, then forked), as a request of an adapter over ``max_loras`` waits, keeping its
+        place."""
         fork = request.kv_fork
         if (fork is None or request.num_computed_tokens or request.wants_prompt_logprobs
                 or self.kv_cache.block_ids(request.request_id)):
             return False
         parent = self.requests.get(fork.parent_id)
         needed = request.num_tokens - 1
-        return (parent is not None and parent.status != RequestStatus.WAITING_FOR_REMOTE_KVS
-                and parent.num_computed_tokens < needed and parent.num_tokens >= needed
+        return (parent is not None and parent.num_computed_tokens < needed and parent.num_tokens >= needed
                 and parent.all_token_ids[:needed] == request.all_token_ids[:needed])
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:

@@ -383,6 +383,7 @@ class Dispatcher:
             num_destination_cached_tokens=num_destination_cached_tokens, priority=job.priority,
             lora_name=job.lora_name, cache_salt=job.cache_salt,
         )
+        request.sampling_params.ClearField("n")  # the prefill samples completion 0; the decode worker forks the others
         future = self.channels.prefill(prefill_worker.address).Prefill.future(request, timeout=timeout(),
                                                                               metadata=job.trace_metadata or None)
         self.registry.begin_request(prefill_worker.worker_id)

@@ -28,7 +28,7 @@ from splitserve.rpc.convert import (
     sampling_params_from_pb,
     worker_load_to_pb,
 )
-from splitserve.rpc.errors import status_of
+from splitserve.rpc.errors import ServiceError, status_of
 from splitserve.rpc.metrics import RouterMetrics
 from splitserve.rpc.tracing import RequestTracer
 from splitserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
@@ -70,7 +70,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._release(job)
 
     def Generate(self, request: inference_pb2.GenerateRequest, context) -> inference_pb2.GenerateResponse:
-        job = self._counted_admit(request, context)
+        job = self._counted_admit(request, context, streamed=False)
         try:
             response = inference_pb2.GenerateResponse(request_id=job.request_id)
             for chunk in self._observed(job, self._generate(job, context), context):
@@ -159,9 +159,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         with self._lock:
             return len(self._in_flight)
 
-    def _counted_admit(self, request: inference_pb2.GenerateRequest, context) -> RouterRequest:
-        """:meth:`_admit`, a refusal counted in the metrics by its status code."""
+    def _counted_admit(self, request: inference_pb2.GenerateRequest, context, streamed: bool = True) -> RouterRequest:
+        """:meth:`_admit`, a refusal counted in the metrics by its status code; a request for several completions
+        is refused unless ``streamed``."""
         try:
+            if not streamed and request.sampling_params.n > 1:
+                raise InvalidRequest(f"n={request.sampling_params.n}: Generate answers one completion; "
+                                     "GenerateStream streams n of them (each message says its completion's index).")
             return self._admit(request, context)
         except Exception as error:
             self.metrics.requests.labels("refused", status_of(error)[0].name).inc()
@@ -267,31 +271,42 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         A decode worker that fails mid-stream (killed, or lost by the registry) is replaced: the request
         migrates to another decode worker as a continuation (the prompt plus the tokens already streamed,
         :meth:`RouterRequest.continue_after`), at most ``migration_limit`` times, and the client sees one stream.
+        With ``n`` completions each has its own progress (messages carry their index); such a request does not
+        migrate: a failure mid-stream ends each unfinished completion with FINISH_REASON_ERROR.
         """
-        progress = _StreamProgress()
+        progresses = [_StreamProgress(index) for index in range(max(job.sampling_params.n, 1))]
+        progress = progresses[0]
         while True:
             try:
                 for message in self.dispatcher.run(job, lambda: _seconds_left(context)):
-                    chunk = self._chunk(job, message, progress)
+                    if message.index >= len(progresses):
+                        raise ServiceError(f"The decode worker sent completion {message.index} of a request for "
+                                           f"{len(progresses)}.")
+                    chunk = self._chunk(job, message, progresses[message.index])
                     if chunk is not None:
                         yield chunk
                 return
             except RequestCancelled:
-                yield inference_pb2.GenerateStreamResponse(
-                    request_id=job.request_id, finish_reason=inference_pb2.FINISH_REASON_ABORT,
-                    usage=_usage_so_far(job, progress), timing=self._timing(job, progress.first_token_time),
-                )
+                for progress in progresses:
+                    if not progress.finished:
+                        yield inference_pb2.GenerateStreamResponse(
+                            request_id=job.request_id, index=progress.index,
+                            finish_reason=inference_pb2.FINISH_REASON_ABORT, usage=_usage_so_far(job, progress),
+                            timing=self._timing(job, progress.first_token_time))
                 return
             except DecodeStreamFailed as error:
-                progress.decode_failure = error
-                if self._migrate(job, error, progress):
+                for progress in progresses:
+                    progress.decode_failure = error
+                if len(progresses) == 1 and self._migrate(job, error, progress):
                     continue
                 failure = error
             except Exception as error:
                 failure = error
-            if not progress.num_sent_messages:  # nothing reached the client: a status code says what failed
-                raise progress.decode_failure or failure
-            yield self._failed_mid_stream(job, failure, progress)
+            if not any(progress.num_sent_messages for progress in progresses):  # a status code says what failed
+                raise progresses[0].decode_failure or failure
+            for progress in progresses:
+                if not progress.finished:
+                    yield self._failed_mid_stream(job, failure, progress)
             return
 
     def _chunk(self, job: RouterRequest, message: worker_pb2.DecodeResponse,
@@ -300,13 +315,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         chunk = inference_pb2.GenerateStreamResponse(
             request_id=job.request_id, text=message.text, token_ids=message.token_ids,
             logprobs=message.logprobs, finish_reason=message.finish_reason,
-            error_message=message.error_message,
+            error_message=message.error_message, index=progress.index,
         )
         if message.token_ids:
             if progress.first_token_time is None:
                 progress.first_token_time = time.monotonic()
             if progress.num_attempt_tokens == 0:
-                self._fill_first_logprobs(job, chunk)
+                if progress.index == 0:  # the others sampled their first token on the decode worker
+                    self._fill_first_logprobs(job, chunk)
                 if not progress.sent_token_ids:  # the client's first token: what it asked of the prompt comes with it
                     chunk.prompt_logprobs.extend(message.prompt_logprobs or
                                                  (job.prefill.prompt_logprobs if job.prefill is not None else []))
@@ -331,6 +347,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             chunk.timing.CopyFrom(self._timing(job, progress.first_token_time))
         if not (chunk.text or chunk.token_ids or chunk.finish_reason):
             return None
+        progress.finished = bool(chunk.finish_reason)
         progress.num_sent_messages += 1
         progress.sent_token_ids.extend(chunk.token_ids)
         return chunk
@@ -371,7 +388,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         message += "; the text so far is complete up to here."
         logger.warning("Request %s: %s", job.request_id, message)
         return inference_pb2.GenerateStreamResponse(
-            request_id=job.request_id, finish_reason=inference_pb2.FINISH_REASON_ERROR, error_message=message,
+            request_id=job.request_id, index=progress.index, finish_reason=inference_pb2.FINISH_REASON_ERROR,
+            error_message=message,
             usage=_usage_so_far(job, progress),
             timing=self._timing(job, progress.first_token_time),
         )
@@ -485,8 +503,10 @@ _FINISH_LABELS = {inference_pb2.FINISH_REASON_STOP: "stop", inference_pb2.FINISH
 
 @dataclass
 class _StreamProgress:
-    """What one client stream has been sent so far, across migrations."""
+    """What one client stream (one completion of it: ``index``) has been sent so far, across migrations."""
 
+    index: int = 0
+    finished: bool = False  # its last message was sent
     num_sent_messages: int = 0
     sent_token_ids: list[int] = field(default_factory=list)
     first_token_time: float | None = None

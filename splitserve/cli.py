@@ -461,35 +461,28 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
                 prompt = item.get("messages") or item.get("prompt_token_ids") or item["prompt"]
                 if args.chat and isinstance(prompt, str):
                     prompt = [{"role": "user", "content": prompt}]
-                text, token_ids, finish, prompt_logprobs = "", [], None, []
+                completions: dict[int, _RemoteCompletion] = {}
+                live = not sink and item_params.n == 1  # several completions are printed each at its end
                 try:
                     for chunk in client.generate_stream(prompt, item_params, priority=_priority_of(args, item),
                                                         lora_name=args.lora or ""):
-                        text += chunk.text
-                        token_ids.extend(chunk.token_ids)
-                        prompt_logprobs.extend(chunk.prompt_logprobs)
-                        if not sink:
+                        completion = completions.setdefault(chunk.index, _RemoteCompletion())
+                        completion.add(chunk)
+                        if live:
                             sys.stdout.write(chunk.text)
                             sys.stdout.flush()
-                        if chunk.finish_reason:
-                            finish = chunk
+                        elif chunk.finish_reason and not sink:
+                            sys.stdout.write(f"[completion {chunk.index}]\n{completion.text}")
+                        if chunk.finish_reason and not sink:
+                            completion.report()
                 except grpc.RpcError as error:
                     print(f"\nsplitserve: error: {call_failure(error, args.server)}", file=sys.stderr)
                     return 1
-                reason = _FINISH_NAMES.get(finish.finish_reason, "?") if finish else "?"
-                record = {"prompt": item.get("prompt"), "text": text, "token_ids": token_ids, "finish_reason": reason}
-                if prompt_logprobs:
-                    record["prompt_logprobs"] = [None] + [
-                        {str(entry.token_id): entry.logprob for entry in (position.sampled, *position.top)}
-                        for position in prompt_logprobs[1:]]
-                if sink:
+                for index in sorted(completions) if sink else ():
+                    record = completions[index].record(item.get("prompt"))
+                    if item_params.n > 1:
+                        record["index"] = index
                     sink.write(json.dumps(record) + "\n")
-                else:
-                    ttft = finish.timing.time_to_first_token_seconds if finish else 0.0
-                    print(f"\n[{reason}; first token after {ttft * 1000:.0f} ms]", file=sys.stderr)
-                    if prompt_logprobs:
-                        print(_prompt_score([position.sampled.logprob for position in prompt_logprobs[1:]]),
-                              file=sys.stderr)
         finally:
             if sink:
                 sink.close()
@@ -497,6 +490,40 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
 
 
 _FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "error"}
+
+
+class _RemoteCompletion:
+    """One completion of a streamed reply, as its messages arrive."""
+
+    def __init__(self) -> None:
+        self.text, self.token_ids, self.finish, self.prompt_logprobs = "", [], None, []
+
+    def add(self, chunk) -> None:
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
+        if chunk.finish_reason:
+            self.finish = chunk
+
+    @property
+    def reason(self) -> str:
+        return _FINISH_NAMES.get(self.finish.finish_reason, "?") if self.finish else "?"
+
+    def record(self, prompt) -> dict:
+        """Its JSONL record."""
+        record = {"prompt": prompt, "text": self.text, "token_ids": self.token_ids, "finish_reason": self.reason}
+        if self.prompt_logprobs:
+            record["prompt_logprobs"] = [None] + [
+                {str(entry.token_id): entry.logprob for entry in (position.sampled, *position.top)}
+                for position in self.prompt_logprobs[1:]]
+        return record
+
+    def report(self) -> None:
+        """Its finish and time to first token (and the prompt's score, when asked) on stderr."""
+        ttft = self.finish.timing.time_to_first_token_seconds if self.finish else 0.0
+        print(f"\n[{self.reason}; first token after {ttft * 1000:.0f} ms]", file=sys.stderr)
+        if self.prompt_logprobs:
+            print(_prompt_score([position.sampled.logprob for position in self.prompt_logprobs[1:]]), file=sys.stderr)
 
 
 def _health(args: argparse.Namespace) -> int:

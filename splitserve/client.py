@@ -16,7 +16,6 @@ from collections.abc import Iterator
 import grpc
 
 from splitserve.common.chat import Chat
-from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.rpc.auth import API_KEY_ENV, AUTHORIZATION_HEADER, BEARER_PREFIX, with_api_key
 from splitserve.rpc.convert import chat_to_pb, structured_outputs_to_pb
@@ -68,10 +67,8 @@ def sampling_params_to_pb(params: SamplingParams | None) -> inference_pb2.Sampli
     """The proto form of the engine's SamplingParams (every field set explicitly)."""
     if params is None:
         return inference_pb2.SamplingParams()
-    if params.n != 1:
-        raise InvalidRequest(f"n={params.n}: a router request is one completion; send n requests (or use the "
-                             "gateway's n), or LLM.generate, which samples n from one prompt offline.")
     message = inference_pb2.SamplingParams(
+        n=params.n,
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
         repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),

@@ -4,9 +4,11 @@
 ``stream_options.include_usage`` asks), ``/v1/responses`` (``splitserve.gateway_responses``), ``/v1/models`` and
 ``/health``, on Starlette and uvicorn (FastAPI's own
 base, without its request models: the bodies are checked here, so every refusal is OpenAI's error shape with a
-sentence, never a 422 of field paths). Each choice of an HTTP request (``n`` of them for each prompt of a
-completions batch, 1 by default) is one gRPC call on the router through :class:`splitserve.client.AsyncClient`,
-the calls side by side (as vLLM's parallel sampling, choice i of a seeded request samples with seed + i); with
+sentence, never a 422 of field paths). Each prompt of an HTTP request (a completions batch may have several) is
+one streamed gRPC call on the router through :class:`splitserve.client.AsyncClient`, the calls side by side, asking
+for the request's ``n`` choices (1 by default) at once: the prompt's KV is computed and sent once, and the decode
+worker forks it for each choice (as vLLM's parallel sampling, choice i of a seeded request samples with
+seed + i); with
 ``echo`` each completion starts with its prompt (scored with ``logprobs``, ``max_tokens`` 0 for the prompt alone,
 as lm-evaluation-harness's loglikelihood asks), from the router's ``prompt_text`` and prompt logprobs; with vLLM's
 ``return_token_ids`` each choice carries its token ids and its prompt's (the router's ``prompt_token_ids``). The
@@ -465,13 +467,13 @@ class Gateway:
                        reasoning: ReasoningReplies | None = None, with_reasoning: bool = False,
                        chat_echo: str = "") -> Response:
         """Generate ``n`` choices for each of ``prompts`` (choice ``index`` of prompt ``p`` is the answer's choice
-        ``p * n + index``, as OpenAI numbers a batch's choices), one router call each, with LoRA adapter
+        ``p * n + index``, as OpenAI numbers a batch's choices), one router call a prompt, with LoRA adapter
         ``lora_name`` ("": the base model); with ``echo`` each choice starts with its prompt (``_Reply.score_only``);
         ``with_reasoning``: a chat answer under a reasoning parser, ``reasoning`` counting its reasoning tokens;
         ``chat_echo``: the text each chat answer's content starts with."""
         num_choices = _num_choices(body, len(prompts), self.config.max_choices)
         include_usage, continuous_usage = _stream_options(body)
-        request_id = _request_id(body, prefix, len(prompts) * num_choices)
+        request_id = _request_id(body, prefix, len(prompts))
         reply = _Reply(request_id, kind, lora_name or self._model_name(self._model_info), int(time.time()), choice,
                        num_choices,
                        score_only, with_prompt_logprobs=body.get("prompt_logprobs") is not None,
@@ -486,26 +488,30 @@ class Gateway:
 
     async def _start(self, request: Request, body: dict, generations: list, params: SamplingParams,
                      request_id: str, lora_name: str, echo: bool = False) -> tuple[list, list, list]:
-        """One router call for each (prompt, choice index) of ``generations``, side by side (``request_id`` for a
-        single one, ``request_id-N`` for several), with the caller's key and W3C trace context and the body's
-        ``priority`` and ``cache_salt``; counted in the metrics' generations.
+        """One router call for each prompt of ``generations`` ((prompt, choice index) pairs, a prompt's n choices
+        together, in index order), asking for its n choices at once (the cluster computes and sends the prompt's
+        KV once and the decode worker forks it for each choice, seeded seed + index as vLLM seeds them), side by
+        side (``request_id`` for a single call, ``request_id-N`` for several), with the caller's key and W3C trace
+        context and the body's ``priority`` and ``cache_salt``; the choices counted in the metrics' generations.
 
         Returns:
-            The calls, their streams (gRPC errors as APIError) and each stream's first message (None for an empty
-            stream); errors before every first message are raised, all calls cancelled, as HTTP errors.
+            The calls, each choice's stream (gRPC errors as APIError) and each stream's first message (None for an
+            empty stream); errors before every first message are raised, all calls cancelled, as HTTP errors.
         """
         api_key, priority, cache_salt = _bearer(request), _priority(body), _cache_salt(body)
         trace, with_token_ids = router_trace(request), _flag(body, "return_token_ids")
         special = _optional_flag(body, "add_special_tokens")
-        calls = [self.client.generate_stream(prompt, _choice_params(params, index),
-                                             _call_id(request_id, number, len(generations)),
+        prompts = [prompt for prompt, index in generations if index == 0]
+        num_choices = len(generations) // len(prompts)
+        call_params = dataclasses.replace(params, n=num_choices)
+        calls = [self.client.generate_stream(prompt, call_params, _call_id(request_id, number, len(prompts)),
                                              api_key=api_key, echo=echo, priority=priority, lora_name=lora_name,
                                              cache_salt=cache_salt, trace=trace,
                                              return_prompt_token_ids=with_token_ids, add_special_tokens=special)
-                 for number, (prompt, index) in enumerate(generations)]
-        self.metrics.generations.inc(len(calls))
-        request.state.generations = len(calls)  # on the request's span (_Traced)
-        streams = [_chunks(call) for call in calls]
+                 for number, prompt in enumerate(prompts)]
+        self.metrics.generations.inc(len(generations))
+        request.state.generations = len(generations)  # on the request's span (_Traced)
+        streams = [stream for call in calls for stream in _choices(call, num_choices)]
         firsts = await _all_or_cancel(calls, [_first(stream) for stream in streams])
         return calls, streams, firsts
 
@@ -571,7 +577,7 @@ class Gateway:
                       for index, (first, stream) in enumerate(zip(firsts, streams))]
         try:
             if reply.kind == "chat.completion":
-                for index in range(len(calls)):
+                for index in range(len(streams)):
                     chunk = {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None}]}
                     if reply.with_token_ids and index == 0 and firsts[0] is not None:  # vLLM's: the first chunk's
@@ -579,12 +585,12 @@ class Gateway:
                     if continuous_usage:
                         chunk["usage"] = reply.usage_so_far(firsts[index], started=False)
                     yield _event(chunk)
-                for index in range(len(calls)) if reply.chat_echo else ():  # vLLM's: after every role chunk
+                for index in range(len(streams)) if reply.chat_echo else ():  # vLLM's: after every role chunk
                     yield _event({**head, "choices": [{"index": index, "delta": {"content": reply.chat_echo},
                                                        "logprobs": None, "finish_reason": None}]})
-            last: list = [None] * len(calls)
-            text_offsets = [0] * len(calls)
-            running = len(calls)
+            last: list = [None] * len(streams)
+            text_offsets = [0] * len(streams)
+            running = len(streams)
             while running:
                 index, message = await messages.get()
                 if message is None:
@@ -899,14 +905,6 @@ def _one_prompt(prompt) -> str | list[int] | None:
     return None
 
 
-def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index``'s sampling: the request's, with seed + index where it has a seed (as vLLM's parallel
-    sampling seeds its children), wrapped into the signed 64-bit range the seed must lie in."""
-    if index == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
-
-
 def _chat_logprobs(body: dict) -> int | None:
     """Chat's ``logprobs`` (true or false) and ``top_logprobs`` (alternatives per token) as SamplingParams.logprobs:
     None without logprobs, else the number of alternatives."""
@@ -1097,6 +1095,41 @@ async def _chunks(call) -> AsyncIterator:
             yield chunk
     except grpc.aio.AioRpcError as error:
         raise from_rpc_error(error) from None
+
+
+def _choices(call, num_choices: int) -> list[AsyncIterator]:
+    """The messages of each of a router call's ``num_choices`` choices (by their ``index``), as streams of their
+    own; a gRPC error becomes the gateway's APIError, and ends every choice's stream. One task reads the call,
+    started by the first stream read, ending with the call."""
+    if num_choices == 1:
+        return [_chunks(call)]
+    queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(num_choices)]
+    reader: list[asyncio.Future] = []
+
+    async def read() -> None:
+        try:
+            async for chunk in _chunks(call):
+                if chunk.index >= num_choices:
+                    raise APIError(502, f"The router sent choice {chunk.index} of a request for {num_choices}.")
+                queues[chunk.index].put_nowait(chunk)
+            ends: list = [None] * num_choices
+        except (APIError, asyncio.CancelledError) as error:
+            ends = [error] * num_choices
+        except Exception as error:  # not the router's answer: still every choice's end, never a silent hang
+            logger.exception("reading a router call's choices failed")
+            ends = [APIError(500, f"The gateway lost a request's choices ({type(error).__name__}).")] * num_choices
+        for queue, end in zip(queues, ends):
+            queue.put_nowait(end)
+
+    async def choice(index: int) -> AsyncIterator:
+        if not reader:
+            reader.append(asyncio.ensure_future(read()))
+        while (item := await queues[index].get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    return [choice(index) for index in range(num_choices)]
 
 
 async def _first(stream: AsyncIterator):

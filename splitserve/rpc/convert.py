@@ -14,6 +14,10 @@ from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.common.types import FinishReason, WorkerRole, WorkerState
 from splitserve.v1 import inference_pb2
 
+# The most completions (SamplingParams.n) one request may ask a cluster for: each runs as a sequence of its own on
+# one decode worker, beside every other request's.
+MAX_COMPLETIONS = 64
+
 # Finish reasons (RequestStatus.finish_reason) -> the proto enum.
 FINISH_REASONS = {
     None: inference_pb2.FINISH_REASON_UNSPECIFIED,
@@ -56,7 +60,7 @@ def sampling_params_from_pb(message: inference_pb2.SamplingParams) -> SamplingPa
         num_resumed_tokens=message.num_resumed_tokens,
     )
     for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "logprobs",
-                 "prompt_logprobs", "skip_special_tokens", "truncate_prompt_tokens"):
+                 "prompt_logprobs", "skip_special_tokens", "truncate_prompt_tokens", "n"):
         if message.HasField(name):
             values[name] = getattr(message, name)
     # float32 on the wire: 0.7 arrives as 0.699999988; round to what the client meant.
@@ -65,6 +69,8 @@ def sampling_params_from_pb(message: inference_pb2.SamplingParams) -> SamplingPa
             values[name] = round(float(values[name]), 6)
     if message.HasField("structured_outputs"):
         values["structured_outputs"] = structured_outputs_from_pb(message.structured_outputs)
+    if message.n > MAX_COMPLETIONS:
+        raise InvalidRequest(f"n={message.n} completions asked for; a request may ask for 1 to {MAX_COMPLETIONS}.")
     return SamplingParams(**values)
 
 

@@ -107,8 +107,9 @@ class GatewayMetrics:
                                   buckets=LATENCY_BUCKETS, registry=registry)
         self.in_flight = Gauge("splitserve_gateway_requests_in_flight", "HTTP requests being answered.",
                                registry=registry)
-        self.generations = Counter("splitserve_gateway_generations", "Router calls made for completions and chats: "
-                                   "n choices for each prompt of a request.", registry=registry)
+        self.generations = Counter("splitserve_gateway_generations", "Choices asked of the router for completions "
+                                   "and chats: n for each prompt of a request (one router call a prompt).",
+                                   registry=registry)
         for route in self.routes:
             self.requests.labels(route, "200")
 

@@ -7,6 +7,7 @@ the KV came through the connector, not from a local recompute.
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 import uuid
@@ -24,6 +25,7 @@ from tests.cluster_helpers import (
     WORKER_ARGS,
     all_blocks_free,
     start_cluster,
+    stream_completions,
     stream_tokens,
     wait_until,
     worker_status,
@@ -143,6 +145,73 @@ def test_abort_rpc_ends_the_stream_with_abort(client):
     assert chunks[-1].finish_reason == inference_pb2.FINISH_REASON_ABORT
     assert client.abort(request_id) is False
     wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free after the abort")
+
+
+def test_n_completions_take_one_prefill_and_one_kv_transfer(cluster, client, prompt_token_ids, hf_reference):
+    """n greedy completions of each prompt, through the prefill worker and the KV connector: every completion is
+    transformers' continuation, and each request's prompt was computed and sent once (the decode worker forked
+    its KV for completions 1 and 2)."""
+    decode, prefill = decode_worker(cluster), prefill_worker(cluster)
+    before = worker_status(decode.address, "decode").counters
+    sent_before = worker_status(prefill.address, "prefill").counters.num_kv_transfers_sent
+    chosen = (5, 6, 7)  # 51, 343 and 1,111 tokens: a partial last block each, the longest prefilled in chunks
+    params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0.0)
+    with ThreadPoolExecutor(len(chosen)) as pool:
+        results = list(pool.map(lambda index: stream_completions(client, prompt_token_ids[index], params,
+                                                                 return_prompt_token_ids=True), chosen))
+    for completions, index in zip(results, chosen):
+        for token_ids, _text, messages in completions:
+            assert token_ids == hf_reference[index]
+            assert messages[-1].usage.completion_tokens == len(token_ids)
+            assert messages[-1].usage.prompt_tokens == len(prompt_token_ids[index])
+            firsts = [message for message in messages if message.prompt_token_ids]
+            assert len(firsts) == 1 and list(firsts[0].prompt_token_ids) == prompt_token_ids[index]
+    after = worker_status(decode.address, "decode").counters
+    assert after.num_kv_transfers_received - before.num_kv_transfers_received == len(chosen)
+    assert after.num_local_prefills == before.num_local_prefills
+    assert after.num_kv_recomputes == before.num_kv_recomputes
+    assert worker_status(prefill.address, "prefill").counters.num_kv_transfers_sent - sent_before == len(chosen)
+    wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")
+
+
+def test_seeded_n_completions_are_the_seeded_single_requests(client):
+    """Completion i of a seeded request for n draws what a request seeded seed + i draws (vLLM's seeding): the
+    first's first token sampled by the prefill worker, the others' by the decode worker from the forked KV."""
+    prompt = "Write one sentence about the sea."
+    params = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=2**63 - 2)
+    completions = [token_ids for token_ids, _, _ in stream_completions(client, prompt, params)]
+    singles = []
+    for index in range(3):
+        single = SamplingParams(max_tokens=12, temperature=1.0, seed=(2**63 - 2 + index + 2**63) % 2**64 - 2**63)
+        singles.append(list(client.generate(prompt, single).token_ids))
+    assert completions == singles
+    assert len({tuple(tokens) for tokens in completions}) > 1
+
+
+def test_n_completions_refused_where_they_cannot_be_served(client):
+    for n, method, message in ((2, client.stub.Generate, "Generate answers one completion"),
+                               (65, client.stub.GenerateStream, "1 to 64"),
+                               (0, client.stub.GenerateStream, "n must be an integer >= 1")):
+        request = inference_pb2.GenerateRequest(text="hi", sampling_params=inference_pb2.SamplingParams(n=n))
+        with pytest.raises(grpc.RpcError) as caught:
+            answer = method(request, timeout=30)
+            list(answer) if method is client.stub.GenerateStream else None
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in caught.value.details()
+
+
+def test_cancelling_n_completions_mid_stream_frees_every_block(client, prompt_token_ids):
+    params = SamplingParams(n=3, max_tokens=1000, temperature=0.0, ignore_eos=True)
+    call = client.generate_stream(prompt_token_ids[6], params, timeout=300)
+    seen: set[int] = set()
+    for chunk in call:
+        if chunk.token_ids:
+            seen.add(chunk.index)
+        if len(seen) == 3:
+            break
+    call.cancel()
+    assert seen == {0, 1, 2}
+    wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free after the cancel")
 
 
 @pytest.mark.parametrize(
@@ -271,7 +340,8 @@ def test_echo_returns_the_prompt_text_with_the_first_token(client, tokenizer):
     assert chat.startswith("<|im_start|>") and chat.endswith("<|im_start|>assistant\n")
 
 
-def test_generate_cli_streams_from_the_cluster(cluster):
+def test_generate_cli_streams_from_the_cluster(cluster, tmp_path):
+    import json
     import subprocess
     import sys
 
@@ -295,30 +365,51 @@ def test_generate_cli_streams_from_the_cluster(cluster):
         capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode == 2 and "temperature" in bad.stderr
+    # A JSONL line with an n: a record for each completion (its index), printed each at its end without --output.
+    lines = tmp_path / "n.jsonl"
+    lines.write_text(json.dumps({"prompt": "The capital of France is", "n": 2, "temperature": 0}) + "\n")
+    for output in (tmp_path / "n.out.jsonl", None):
+        written = subprocess.run(
+            [sys.executable, "-m", "splitserve.cli", "generate", "--server", cluster.router.address, "--file",
+             str(lines), "--max-tokens", "3", *(["--output", str(output)] if output else [])],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert written.returncode == 0, written.stderr
+        if output is None:
+            assert written.stdout.count(" Paris") == 2 and "[completion 1]" in written.stdout
+            assert written.stderr.count("[length; first token after") == 2
+        else:
+            records = [json.loads(line) for line in output.read_text().splitlines()]
+            assert [record["index"] for record in records] == [0, 1]
+            assert records[0]["text"] == records[1]["text"] and records[0]["text"].startswith(" Paris")
 
 
 def test_decode_worker_kv_failure_policies(cluster, client, tokenizer):
-    """A transfer that never arrives: recompute locally (same tokens) or fail with a clear message."""
+    """A transfer that never arrives: recompute locally (same tokens) or fail with a clear message; with n
+    completions the others fork the recomputed prompt, or fail with the first."""
     address = decode_worker(cluster).address
     prompt = tokenizer.encode("The capital of France is")
     expected, _, _ = stream_tokens(client, prompt, 8)
-    params = sampling_params_to_pb(SamplingParams(max_tokens=8, temperature=0.0))
     with grpc.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-        for policy in (worker_pb2.KV_FAILURE_POLICY_RECOMPUTE, worker_pb2.KV_FAILURE_POLICY_FAIL):
+        for policy, n in itertools.product((worker_pb2.KV_FAILURE_POLICY_RECOMPUTE, worker_pb2.KV_FAILURE_POLICY_FAIL),
+                                           (1, 2)):
             request = worker_pb2.DecodeRequest(
                 request_id=uuid.uuid4().hex, transfer_id=uuid.uuid4().hex, prompt_token_ids=prompt,
-                sampling_params=params, kv_timeout_seconds=0.5, on_kv_failure=policy,
+                sampling_params=sampling_params_to_pb(SamplingParams(max_tokens=8, temperature=0.0, n=n)),
+                kv_timeout_seconds=0.5, on_kv_failure=policy,
             )
             messages = list(stub.Decode(request, timeout=120))
             assert messages[0].state == worker_pb2.REQUEST_STATE_WAITING_FOR_REMOTE_KVS
-            last = messages[-1]
-            if policy == worker_pb2.KV_FAILURE_POLICY_RECOMPUTE:
-                assert [t for m in messages for t in m.token_ids] == expected
-                assert last.kv_recomputed
-            else:
-                assert last.finish_reason == inference_pb2.FINISH_REASON_ERROR
-                assert "did not arrive" in last.error_message
+            for index in range(n):
+                mine = [message for message in messages if message.index == index]
+                last = mine[-1]
+                if policy == worker_pb2.KV_FAILURE_POLICY_RECOMPUTE:
+                    assert [t for m in mine for t in m.token_ids] == expected
+                    assert last.kv_recomputed == (index == 0)  # the others forked what the first recomputed
+                else:
+                    assert last.finish_reason == inference_pb2.FINISH_REASON_ERROR
+                    assert "did not arrive" in last.error_message
         # Bad input straight to the worker: the right codes, and the worker goes on.
         with pytest.raises(grpc.RpcError) as caught:
             list(stub.Decode(worker_pb2.DecodeRequest(request_id="x", prompt_token_ids=prompt), timeout=30))

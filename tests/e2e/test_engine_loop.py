@@ -94,3 +94,63 @@ def test_waiting_for_remote_kv_does_not_spin_the_loop(llm, loop):
     loop.post(lambda engine: engine.recompute_remote_kv("parked"))
     outputs = list(stream)
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def _completions(outputs) -> dict[int, list]:
+    """A stream's outputs by completion index, in order."""
+    by_index: dict[int, list] = {}
+    for output in outputs:
+        by_index.setdefault(output.outputs[0].index, []).append(output)
+    return by_index
+
+
+@pytest.fixture(scope="module")
+def greedy_output(llm):
+    """PROMPTS[4] greedily, offline (before a loop drives the engine)."""
+    return llm.generate(PROMPTS[4], GREEDY, use_tqdm=False)[0]
+
+
+def test_n_completions_come_on_one_stream_and_fork_the_prompt(llm, greedy_output, loop):
+    params = SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True)
+    stream = loop.submit("par", PROMPTS[4], params)
+    by_index = _completions(list(stream))
+    expected = greedy_output
+    assert sorted(by_index) == [0, 1, 2]
+    for outputs in by_index.values():
+        assert [output.finished for output in outputs].count(True) == 1 and outputs[-1].finished
+        assert [token for output in outputs for token in output.outputs[0].delta_token_ids] == \
+            expected.outputs[0].token_ids
+    prompt_length = len(expected.prompt_token_ids)
+    # The others took the first one's KV of all but the prompt's last token.
+    assert [by_index[index][-1].num_cached_tokens for index in (1, 2)] == [prompt_length - 1] * 2
+
+
+def test_forks_wait_for_a_first_completion_whose_kv_is_remote(llm, loop):
+    params = SamplingParams(n=3, temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(1, 40))
+    stream = loop.submit("remote", None, params, prompt_token_ids=prompt, kv_transfer=KVTransferParams(load=True))
+    stream.wait_accepted(10)
+    for _ in range(3):  # steps pass (the loop polls the connector) and no fork computes the prompt for itself
+        assert not loop.call(lambda engine: engine.started_or_finished("remote/1") or
+                             engine.started_or_finished("remote/2"))
+    loop.post(lambda engine: engine.recompute_remote_kv("remote"))
+    by_index = _completions(list(stream))
+    assert sorted(by_index) == [0, 1, 2]
+    assert [by_index[index][-1].num_cached_tokens for index in (1, 2)] == [len(prompt) - 1] * 2
+    tokens = [by_index[index][-1].outputs[0].token_ids for index in range(3)]
+    assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 4
+
+
+def test_abort_ends_every_completion_and_a_refused_one_leaves_none_queued(llm, loop):
+    stream = loop.submit("many", PROMPTS[5], SamplingParams(n=3, temperature=0, max_tokens=400, ignore_eos=True))
+    stream.get(timeout=60)
+    loop.abort("many")
+    finals = [output for output in stream if output.finished]
+    assert len(finals) == 3 and {output.outputs[0].finish_reason for output in finals} == {"abort"}
+    # A completion's engine id taken by another request: the whole request is refused, none of it left queued.
+    other = loop.submit("taken/1", PROMPTS[6], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    refused = loop.submit("taken", PROMPTS[7], SamplingParams(n=2, temperature=0, max_tokens=30))
+    with pytest.raises(ValueError, match="already in use"):
+        refused.wait_accepted(60)
+    assert list(other)[-1].outputs[0].finish_reason == "length"
+    assert loop.call(lambda engine: not engine.has_unfinished_requests())

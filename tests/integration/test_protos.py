@@ -286,16 +286,9 @@ def _is_repeated(field) -> bool:
     return field.label == field.LABEL_REPEATED
 
 
-# SamplingParams fields that never travel: n is LLM.generate's (a router request is one completion; the client
-# refuses n > 1 before it builds the message).
-OFFLINE_ONLY = {"n"}
-
-
 def _engine_defaults() -> dict[str, object]:
     defaults = {}
     for field in dataclasses.fields(EngineSamplingParams):
-        if field.name in OFFLINE_ONLY:
-            continue
         if field.default is not dataclasses.MISSING:
             defaults[field.name] = field.default
         else:

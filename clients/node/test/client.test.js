@@ -29,6 +29,23 @@ test('streams a greedy reply whose chunks make up the unary reply', async () => 
   }
 });
 
+test('n completions stream on one call, each message saying its index', async () => {
+  const client = new Client(address, { apiKey, timeoutSeconds: 120 });
+  try {
+    const whole = await client.generate(PROMPT, { temperature: 0, maxTokens: 6 });
+    const ids = [[], [], []];
+    const finishes = [];
+    for await (const chunk of client.generateStream(PROMPT, { temperature: 0, maxTokens: 6, n: 3 })) {
+      ids[chunk.index].push(...chunk.tokenIds);
+      if (chunk.finishReason !== 'FINISH_REASON_UNSPECIFIED') finishes.push(chunk.index);
+    }
+    assert.deepEqual(ids, [whole.tokenIds, whole.tokenIds, whole.tokenIds]);
+    assert.deepEqual(finishes.sort(), [0, 1, 2]);
+  } finally {
+    client.close();
+  }
+});
+
 test('chat messages and token ids are prompts too', async () => {
   const client = new Client(address, { apiKey, timeoutSeconds: 120 });
   try {
