@@ -55,6 +55,7 @@ FORMS = ("n", "separate")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a Hugging Face Llama-family directory (default: SmolLM2-135M)")
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts sampled (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=500, help="tokens a prompt (default: %(default)s)")
     parser.add_argument("--n", type=int, default=8, help="completions a prompt, 2 to 64 (default: %(default)s)")
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each form (default: %(default)s)")
     parser.add_argument("--kv-transfer", default="p2p", choices=("p2p", "redis"),
                         help="the cluster's KV connector (default: %(default)s)")
-    parser.add_argument("--kv-cache-gb", type=float, default=0.5,
+    parser.add_argument("--kv-cache-gb", type=float, default=2.0,
                         help="KV cache of each worker in GB (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the timings and KV received to FILE as JSON")
     return parser
@@ -112,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not 2 <= args.n <= 64:
         raise SystemExit("--n must be 2 to 64 (a router request's n)")
-    common = ["--kv-cache-gb", str(args.kv_cache_gb), "--max-model-len", "4096", "--threads", "1"]
-    cluster = LocalCluster(kv_transfer=args.kv_transfer, worker_args=common, router_args=["--max-model-len", "4096"])
+    model = ["--model", args.model] if args.model else []
+    common = [*model, "--kv-cache-gb", str(args.kv_cache_gb), "--max-model-len", "4096", "--threads", "1"]
+    cluster = LocalCluster(kv_transfer=args.kv_transfer, worker_args=common,
+                           router_args=[*model, "--max-model-len", "4096"])
     print("starting a cluster (router, prefill, decode) ...", file=sys.stderr)
     timings: dict[str, list[float]] = {form: [] for form in FORMS}
     received: dict[str, list[tuple[int, int]]] = {form: [] for form in FORMS}

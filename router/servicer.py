@@ -222,6 +222,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         end to end and queue time, and the request's outcome (its finish reason, or the status it ended with);
         and, with a tracer, the request's span (a child of the caller's, from ``context``'s metadata)."""
         metrics, last_token_time, finish = self.metrics, None, None
+        last_token_times: dict[int, float] = {}  # by completion: the intervals are each completion's own
         outcome = ("abort", grpc.StatusCode.CANCELLED.name)  # the client went away (GeneratorExit)
         first_token_seconds = None
         span = None
@@ -236,11 +237,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     if last_token_time is None:
                         first_token_seconds = now - job.accepted
                         metrics.time_to_first_token.observe(first_token_seconds)
-                    else:
-                        share = (now - last_token_time) / len(chunk.token_ids)
+                    if chunk.index in last_token_times:
+                        share = (now - last_token_times[chunk.index]) / len(chunk.token_ids)
                         for _ in chunk.token_ids:
                             metrics.inter_token_latency.observe(share)
-                    last_token_time = now
+                    last_token_time = last_token_times[chunk.index] = now
                 if chunk.finish_reason:
                     finish = chunk
                 yield chunk
