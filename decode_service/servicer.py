@@ -17,6 +17,7 @@ its embedding; a caller that goes away (or its deadline) aborts it in the engine
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -27,13 +28,16 @@ from splitserve.common.errors import Cancelled, InvalidRequest, Unavailable
 from splitserve.common.ids import MAX_WORKER_ID_LENGTH, check_id
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.types import FinishReason
+from splitserve.decode_service.beam_search import LoopBeamSteps
 from splitserve.decode_service.lmcache_receiver import LMCacheReceiver
 from splitserve.decode_service.receiver import KVReceiver
+from splitserve.engine.beam_search import BeamSearchParams, beam_candidates, beam_search
 from splitserve.engine.kv_connector import KVLoadFailurePolicy, KVLoadOutcome, KVTransferParams
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.pooling import PoolingParams
 from splitserve.rpc.convert import (
     FINISH_REASONS,
+    beam_search_from_pb,
     cache_salt_from_pb,
     position_logprobs_to_pb,
     prompt_logprobs_to_pb,
@@ -46,6 +50,10 @@ from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# A beam search's prompt: one token (greedy, unused: the first step forks the prompt's KV for its candidates' log
+# probabilities), its blocks held.
+_BEAM_ROOT_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -55,6 +63,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.runtime = runtime
         self.loop = runtime.loop
         self._active: set[str] = set()  # request ids in flight here
+        self._beams: dict[str, LoopBeamSteps] = {}  # the beam searches in flight here, by request id
         self._lock = threading.Lock()
 
     @property
@@ -76,10 +85,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise InvalidRequest(f"Worker {self.runtime.worker_id} is colocated (role both) and receives no KV: "
                                   "set prefill_locally.")
         params = sampling_params_from_pb(request.sampling_params)
+        beam = beam_search_from_pb(request.beam_search, params) if request.HasField("beam_search") else None
         self.runtime.admit()
         span, last, error = self.runtime.start_span("decode", context), None, None
         try:
-            for message in self._decode(request, params, remote, context):
+            for message in self._decode(request, params, remote, context, beam):
                 last = message
                 yield message
         except BaseException as failure:
@@ -89,10 +99,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.runtime.release()
             self.runtime.end_span(span, _span_attributes(request, last), error)
 
-    def _decode(self, request, params, remote: bool, context):
+    def _decode(self, request, params, remote: bool, context, beam: BeamSearchParams | None = None):
         request_id = request.request_id
         with self._tracked(request_id):
-            yield from self._decode_tracked(request, params, remote, context)
+            if beam is None:
+                yield from self._decode_tracked(request, params, remote, context)
+            else:
+                yield from self._beam_search_tracked(request, beam, remote, context)
 
     def _decode_tracked(self, request, params, remote: bool, context):
         request_id = request.request_id
@@ -125,14 +138,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             with self._lock:
                 self._active.discard(request_id)
 
-    def _submit(self, request, params, remote: bool):
-        """Announce the request's transfer (remote KV) and hand the request to the engine."""
+    def _submit(self, request, params, remote: bool, keep_kv: bool = False):
+        """Announce the request's transfer (remote KV) and hand the request to the engine (``keep_kv``: its blocks
+        held when it finishes, for forks)."""
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
         lora, salt = self.runtime.lora_request(request.lora_name), cache_salt_from_pb(request)
         if not remote:
             self.runtime.counters.add(num_local_prefills=1)
             stream = self.loop.submit(request_id, None, params, prompt, priority=request.priority, lora_request=lora,
-                                      cache_salt=salt)
+                                      cache_salt=salt, keep_kv=keep_kv)
             return stream, wait_accepted(stream)
         config = self.runtime.config
         timeout = request.kv_timeout_seconds if request.HasField("kv_timeout_seconds") else config.kv_timeout_seconds
@@ -146,7 +160,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             stream = self.loop.submit(request_id, None, params, prompt, priority=request.priority,
                                       kv_transfer=KVTransferParams(load=True, on_load_failure=policy),
-                                      lora_request=lora, cache_salt=salt)
+                                      lora_request=lora, cache_salt=salt, keep_kv=keep_kv)
             return stream, wait_accepted(stream)
         except BaseException:
             self.receiver.discard(request_id)  # refused (no room, bad prompt): nothing will be loaded
@@ -199,21 +213,83 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             set_stop_reason(message, completion.stop_reason, completion.finish_reason)
             if completion.finish_reason == FinishReason.ERROR:
                 message.error_message = str(completion.stop_reason)
-            message.usage.prompt_tokens = len(last.prompt_token_ids)
             message.usage.completion_tokens = len(completion.token_ids)
-            message.usage.cached_tokens = last.num_cached_tokens
-            message.num_preemptions = last.metrics.num_preemptions
-            outcome = last.metrics.kv_load_outcome
-            if outcome is not None:
-                message.kv_recomputed = outcome == KVLoadOutcome.RECOMPUTED
-                message.kv_wait_seconds = last.metrics.kv_load_seconds
-                if message.kv_recomputed:
-                    self.runtime.counters.add(num_kv_recomputes=1)
-                self.runtime.metrics.observe_transfer("receive", None if message.kv_recomputed
-                                                      else message.kv_wait_seconds)
-            if outcome is None or message.kv_recomputed:  # this worker computed the prompt
-                self.runtime.metrics.observe_prompt(message.usage.prompt_tokens, message.usage.cached_tokens)
+            self._finished(last, message)
         return message
+
+    def _finished(self, last: RequestOutput, message: worker_pb2.DecodeResponse) -> None:
+        """A finished request's prompt counts, preemptions and KV load on its last message, and in the metrics."""
+        message.usage.prompt_tokens = len(last.prompt_token_ids)
+        message.usage.cached_tokens = last.num_cached_tokens
+        message.num_preemptions = last.metrics.num_preemptions
+        outcome = last.metrics.kv_load_outcome
+        if outcome is not None:
+            message.kv_recomputed = outcome == KVLoadOutcome.RECOMPUTED
+            message.kv_wait_seconds = last.metrics.kv_load_seconds
+            if message.kv_recomputed:
+                self.runtime.counters.add(num_kv_recomputes=1)
+            self.runtime.metrics.observe_transfer("receive", None if message.kv_recomputed
+                                                  else message.kv_wait_seconds)
+        if outcome is None or message.kv_recomputed:  # this worker computed the prompt
+            self.runtime.metrics.observe_prompt(message.usage.prompt_tokens, message.usage.cached_tokens)
+
+    # ---- beam search ----------------------------------------------------------------
+
+    def _beam_search_tracked(self, request, beam: BeamSearchParams, remote: bool, context):
+        """The prompt as a one-token request holding its KV (received, or computed here), then the search
+        (``decode_service/beam_search.py``); a message for each beam, best first, once it ends."""
+        request_id, prompt, engine = request.request_id, list(request.prompt_token_ids), self.runtime.engine
+        beam = dataclasses.replace(beam, max_tokens=max(1, min(beam.max_tokens, engine.max_model_len - len(prompt))))
+        eos_token_ids = engine.eos_token_ids
+        options = {"priority": request.priority, "lora_request": self.runtime.lora_request(request.lora_name),
+                   "cache_salt": cache_salt_from_pb(request)}
+        steps = LoopBeamSteps(self.loop, request_id, request_id, prompt,
+                              beam_candidates(beam.beam_width, eos_token_ids), options)
+        completed = False
+        try:
+            stream, accepted = self._submit(request, _BEAM_ROOT_PARAMS, remote, keep_kv=True)
+            with self._lock:
+                self._beams[request_id] = steps
+            if not context.add_callback(lambda: self._abort(request_id)):
+                return  # already cancelled: the finally clause aborts it
+            state = worker_pb2.REQUEST_STATE_WAITING_FOR_REMOTE_KVS if remote else worker_pb2.REQUEST_STATE_WAITING
+            yield worker_pb2.DecodeResponse(request_id=request_id, state=state,
+                                            num_cached_prompt_tokens=accepted.num_cached_tokens if remote else 0)
+            root = list(stream)[-1]
+            summary = worker_pb2.DecodeResponse()  # the prompt's counts and KV load, counted once
+            self._finished(root, summary)
+            failure = root.outputs[0]
+            if failure.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):  # its KV failed, or aborted
+                for index in range(beam.beam_width):
+                    message = worker_pb2.DecodeResponse(
+                        request_id=request_id, index=index, state=worker_pb2.REQUEST_STATE_FINISHED,
+                        finish_reason=FINISH_REASONS[failure.finish_reason],
+                        error_message=str(failure.stop_reason) if failure.finish_reason == FinishReason.ERROR else "")
+                    message.MergeFrom(summary)
+                    yield message
+                completed = True
+                return
+            tokenizer = engine.tokenizer
+            [output] = beam_search([prompt], beam, steps, eos_token_ids,
+                                   lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+            ends = frozenset() if beam.ignore_eos else frozenset(eos_token_ids)
+            for index, sequence in enumerate(output.sequences):
+                token_ids = sequence.tokens[len(prompt):]
+                ended = bool(token_ids) and token_ids[-1] in ends
+                message = worker_pb2.DecodeResponse(
+                    request_id=request_id, index=index, state=worker_pb2.REQUEST_STATE_FINISHED, text=sequence.text,
+                    token_ids=token_ids,
+                    finish_reason=inference_pb2.FINISH_REASON_STOP if ended else inference_pb2.FINISH_REASON_LENGTH)
+                message.usage.completion_tokens = len(token_ids)
+                message.MergeFrom(summary)
+                yield message
+            completed = True
+        finally:
+            steps.release()
+            with self._lock:
+                self._beams.pop(request_id, None)
+            if not completed:
+                self._abort(request_id)
 
     # ---- embeddings ------------------------------------------------------------------
 
@@ -283,11 +359,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return self.runtime.engine.tokenizer.decode([token_id])
 
     def _abort(self, request_id: str) -> bool:
-        """Abort at the engine's next step boundary; the engine closes the transfer before it frees the blocks."""
+        """Abort at the engine's next step boundary (a beam search's step under way too); the engine closes the
+        transfer before it frees the blocks."""
         with self._lock:
             if request_id not in self._active:
                 return False
+            steps = self._beams.get(request_id)
         self.loop.abort(request_id)
+        if steps is not None:
+            steps.cancel()
         return True
 
     def Abort(self, request: worker_pb2.AbortDecodeRequest, context) -> worker_pb2.AbortDecodeResponse:

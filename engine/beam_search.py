@@ -3,9 +3,10 @@ ranks its beams, so that its beams are transformers' on the same weights.
 
 It runs outside the scheduler, one token at a time: each step asks the engine for one token of every live beam of
 every prompt, in one batch, with the top ``2 * beam_width`` log probabilities of the next token. ``LLM.beam_search``
-has each beam fork the KV of the beam it grew from (request.KVFork), so a step computes one token a beam; the
-gateway, stepping through the router, shares it through the workers' prefix caches (vLLM's way: whole blocks
-only, a beam's last partial block recomputed every step). Of the
+and a decode worker's search (``decode_service/beam_search.py``, what the router's ``beam_search`` and the
+gateway's ``use_beam_search`` run) have each beam fork the KV of the beam it grew from (request.KVFork), so a step
+computes one token a beam (vLLM's server shares it through its prefix cache instead: whole blocks only, a beam's
+last partial block recomputed every step). Of the
 ``2 * beam_width`` best continuations of a prompt's beams (by cumulative log probability), those among the first
 ``beam_width`` that end in the end-of-sequence token (unless ``ignore_eos``), or reach ``max_tokens``, are
 finished, scored by their cumulative log probability over their generated length (the end-of-sequence token
@@ -23,6 +24,7 @@ from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequest
+from splitserve.engine.request import KVFork
 
 # The most log probabilities a request may ask for (SamplingParams.logprobs), so beam_width <= 10 (a model with
 # several end-of-sequence ids is asked for more candidates only as the limit allows).
@@ -100,9 +102,9 @@ def beam_search(prompts: list[list[int]], params: BeamSearchParams, step: Callab
 
 def beam_search_steps(prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: Collection[int]
                       ) -> Generator[list[list[int]], list[dict], list[BeamSearchOutput]]:
-    """The search as a generator, for a caller that steps the model its own way (the gateway, through the router):
-    it yields the token sequences of a step, is sent each one's next-token log probabilities, and returns each
-    prompt's best beams (their ``text`` not set)."""
+    """The search as a generator, for a caller that steps the model its own way: it yields the token sequences of
+    a step, is sent each one's next-token log probabilities, and returns each prompt's best beams (their ``text``
+    not set)."""
     params.check()
     width = params.beam_width
     ends = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
@@ -123,6 +125,23 @@ def beam_search_steps(prompts: list[list[int]], params: BeamSearchParams, eos_to
             candidates.sort(key=lambda candidate: -candidate[0])  # stable: ties keep the beams' order
             search.advance(candidates[:kept], length, length == params.max_tokens, ends, params.length_penalty)
     return [BeamSearchOutput(search.finished, len(search.prompt)) for search in searches]
+
+
+def beam_candidates(beam_width: int, eos_token_ids: Collection[int]) -> int:
+    """The next-token log probabilities a step asks for: as many continuations as the search considers (two a
+    beam, more for a model with several end-of-sequence ids, as transformers keeps them), at most
+    ``MAX_CANDIDATES``."""
+    return min(MAX_CANDIDATES, max(2, 1 + len(eos_token_ids)) * beam_width)
+
+
+def beam_forks(sequences: list[list[int]], held: dict[tuple[int, ...], str]) -> list[KVFork | None]:
+    """Each of a step's sequences' fork of the request it grew from (``held``: the last step's requests, by their
+    tokens), None for a sequence that grew from none held; the last sequence to grow from a request takes over its
+    partial block (``take_tail``), the others copy it."""
+    parents = [held.get(tuple(tokens[:-1])) for tokens in sequences]
+    last_fork = {parent: index for index, parent in enumerate(parents)}
+    return [None if parent is None else KVFork(parent, take_tail=last_fork[parent] == index)
+            for index, parent in enumerate(parents)]
 
 
 def generated_tokens(beam: BeamSearchSequence, prompt_len: int, params: BeamSearchParams,

@@ -24,6 +24,7 @@ from splitserve.engine.lora import LoRARequest
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.parallel_sampling import ParallelSamples
 from splitserve.engine.pooling import PoolingParams
+from splitserve.engine.request import KVFork
 
 logger = logging.getLogger(__name__)
 _STOP = object()
@@ -142,6 +143,8 @@ class EngineLoop:
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
         cache_salt: str | None = None,
+        kv_fork: KVFork | None = None,
+        keep_kv: bool = False,
     ) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream.
 
@@ -151,7 +154,8 @@ class EngineLoop:
         aborts all of them.
 
         ``kv_transfer``, ``priority``, ``lora_request``, ``pooling_params`` (an embedding request, whose one
-        output is the finished one with its ``embedding``) and ``cache_salt`` are passed to
+        output is the finished one with its ``embedding``), ``cache_salt``, ``kv_fork`` and ``keep_kv`` (a
+        finished request's blocks held for forks until ``engine.release_kv``) are passed to
         ``LLMEngine.add_request``;
         ``stream.wait_accepted()`` says when the engine has taken it.
 
@@ -166,6 +170,10 @@ class EngineLoop:
         stream = RequestStream(request_id, sampling_params.n)
         options = {"prompt_token_ids": token_ids, "kv_transfer": kv_transfer, "priority": priority,
                    "lora_request": lora_request, "pooling_params": pooling_params, "cache_salt": cache_salt}
+        if kv_fork is not None or keep_kv:  # a request's own (n > 1 forks the first completion's itself)
+            if sampling_params.n != 1:
+                raise ValueError("kv_fork and keep_kv are a single completion's; n > 1 forks its first one's KV.")
+            options.update(kv_fork=kv_fork, keep_kv=keep_kv)
         self._commands.put(("add", stream, (request_id, prompt, sampling_params, options)))
         return stream
 

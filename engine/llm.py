@@ -11,9 +11,15 @@ import torch
 
 from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat import Chat
-from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.scoring import cosine, pair_up
-from splitserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from splitserve.engine.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    beam_candidates,
+    beam_forks,
+    beam_search,
+)
 from splitserve.engine.config import DEFAULT_STEP_LIMITS, EngineConfig, likely_device, resolve_device, resolve_dtype
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.lora import LoRARequest
@@ -26,7 +32,6 @@ from splitserve.engine.pooling import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from splitserve.engine.request import KVFork
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text), or {"prompt": text}; a dict may
 # carry vLLM's "cache_salt" (its blocks in the prefix cache are then found only by prompts with the same salt).
@@ -184,8 +189,8 @@ class LLM:
         params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
         eos_token_ids = self.engine.eos_token_ids
         tokenizer = self.get_tokenizer()
-        steps = _ForkingSteps(self, min(MAX_LOGPROBS, max(2, 1 + len(eos_token_ids)) * params.beam_width),
-                              params.temperature, lora_request, use_tqdm)
+        steps = _ForkingSteps(self, beam_candidates(params.beam_width, eos_token_ids), params.temperature,
+                              lora_request, use_tqdm)
         try:
             return beam_search(token_ids, params, steps, eos_token_ids,
                                lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
@@ -349,13 +354,10 @@ class _ForkingSteps:
 
     def __call__(self, sequences: list[list[int]]) -> list[dict[int, float]]:
         engine = self.llm.engine
-        parents = [self.held.get(tuple(tokens[:-1])) for tokens in sequences]
-        last_fork = {parent: index for index, parent in enumerate(parents)}  # the last to grow from each
         request_ids = []
         try:
-            for index, (tokens, parent) in enumerate(zip(sequences, parents)):
+            for tokens, fork in zip(sequences, beam_forks(sequences, self.held)):
                 request_id = engine.next_request_id()
-                fork = None if parent is None else KVFork(parent, take_tail=last_fork[parent] == index)
                 engine.add_request(request_id, prompt_token_ids=tokens, sampling_params=self.params, kv_fork=fork,
                                    keep_kv=True, lora_request=self.lora_request)
                 self.to_release.append(request_id)

@@ -93,6 +93,7 @@ class RouterRequest:
     echo_text: str | None = None  # the prompt's text, for a request that asked for it (GenerateRequest.echo)
     return_prompt_token_ids: bool = False  # GenerateRequest.return_prompt_token_ids: the client's prompt's ids, once
     excluded_decode_workers: set[str] = field(default_factory=set)  # decode workers that failed this request
+    beam_search: inference_pb2.BeamSearch | None = None  # GenerateRequest.beam_search: a search on the decode worker
     _cancels: list[Callable[[], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -101,6 +102,13 @@ class RouterRequest:
             self.original_prompt = self.prompt
         if self.original_sampling_params is None:
             self.original_sampling_params = self.sampling_params
+
+    @property
+    def num_completions(self) -> int:
+        """The completions the client is streamed: the beam width of a beam search, else ``n``."""
+        if self.beam_search is not None:
+            return self.beam_search.beam_width
+        return max(self.sampling_params.n, 1)
 
     def continue_after(self, sent_token_ids: list[int], failed_worker_id: str, max_tokens: int) -> None:
         """Turn this request into its continuation on another decode worker (a migration): the prompt becomes
@@ -339,6 +347,8 @@ class Dispatcher:
         )
         if prefill_worker is not None:  # the prefill worker computes the prompt, and its logprobs if asked
             request.sampling_params.ClearField("prompt_logprobs")
+        if job.beam_search is not None:
+            request.beam_search.CopyFrom(job.beam_search)
         if prefill_worker is not None and prefill_worker.kv_endpoint is not None:
             request.source.CopyFrom(prefill_worker.kv_endpoint)
         if self.config.kv_timeout_seconds is not None:

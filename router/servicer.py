@@ -24,6 +24,7 @@ from splitserve.router.dispatch import DecodeStreamFailed, Dispatcher, RequestCa
 from splitserve.router.frontend import Frontend
 from splitserve.router.registry import WorkerRegistry
 from splitserve.rpc.convert import (
+    beam_search_from_pb,
     cache_salt_from_pb,
     sampling_params_from_pb,
     worker_load_to_pb,
@@ -166,6 +167,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if not streamed and request.sampling_params.n > 1:
                 raise InvalidRequest(f"n={request.sampling_params.n}: Generate answers one completion; "
                                      "GenerateStream streams n of them (each message says its completion's index).")
+            if not streamed and request.HasField("beam_search"):
+                raise InvalidRequest("A beam search answers beam_width completions: ask GenerateStream for it (each "
+                                     "message says its completion's index).")
             return self._admit(request, context)
         except Exception as error:
             self.metrics.requests.labels("refused", status_of(error)[0].name).inc()
@@ -186,6 +190,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         job = RouterRequest(request_id, prompt, sampling, priority=request.priority,
                             lora_name=self._lora_name_of(request), cache_salt=cache_salt_from_pb(request),
                             return_prompt_token_ids=request.return_prompt_token_ids)
+        if request.HasField("beam_search"):
+            beam_search_from_pb(request.beam_search, params)  # checked here; the decode worker gets the message
+            job.beam_search = request.beam_search
         if request.echo:
             job.echo_text = prompt.text if prompt.text is not None else self.frontend.detokenize(prompt.token_ids)
         return self._enter(job, context)
@@ -275,7 +282,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         With ``n`` completions each has its own progress (messages carry their index); such a request does not
         migrate: a failure mid-stream ends each unfinished completion with FINISH_REASON_ERROR.
         """
-        progresses = [_StreamProgress(index) for index in range(max(job.sampling_params.n, 1))]
+        progresses = [_StreamProgress(index) for index in range(job.num_completions)]
         progress = progresses[0]
         while True:
             try:
@@ -286,7 +293,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     chunk = self._chunk(job, message, progresses[message.index])
                     if chunk is not None:
                         yield chunk
-                return
+                unfinished = [progress.index for progress in progresses if not progress.finished]
+                if not unfinished:
+                    return
+                raise ServiceError(f"The decode worker ended the stream before completion {unfinished[0]} "
+                                   "finished.")
             except RequestCancelled:
                 for progress in progresses:
                     if not progress.finished:
@@ -298,7 +309,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             except DecodeStreamFailed as error:
                 for progress in progresses:
                     progress.decode_failure = error
-                if len(progresses) == 1 and self._migrate(job, error, progress):
+                if len(progresses) == 1 and job.beam_search is None and self._migrate(job, error, progress):
                     continue
                 failure = error
             except Exception as error:

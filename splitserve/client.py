@@ -17,8 +17,9 @@ import grpc
 
 from splitserve.common.chat import Chat
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.beam_search import BeamSearchParams
 from splitserve.rpc.auth import API_KEY_ENV, AUTHORIZATION_HEADER, BEARER_PREFIX, with_api_key
-from splitserve.rpc.convert import chat_to_pb, structured_outputs_to_pb
+from splitserve.rpc.convert import beam_search_to_pb, chat_to_pb, structured_outputs_to_pb
 from splitserve.rpc.tls import TLSConfig, open_channel
 from splitserve.v1 import inference_pb2, inference_pb2_grpc
 
@@ -103,20 +104,31 @@ def chat_prompt(chat) -> inference_pb2.ChatPrompt:
 
 def generate_request(prompt, params: SamplingParams | None = None, request_id: str | None = None,
                      echo: bool = False, priority: int = 0, lora_name: str = "", cache_salt: str | None = None,
-                     return_prompt_token_ids: bool = False, add_special_tokens: bool | None = None):
+                     return_prompt_token_ids: bool = False, add_special_tokens: bool | None = None,
+                     beam_search: BeamSearchParams | None = None):
     """A GenerateRequest for a text prompt, a list of token ids, or a chat (a ``Chat``, or a list of OpenAI message
     dicts, tool calls and answers included: ``chat_prompt``); with ``echo``
     the first token's message carries the prompt's text, with ``return_prompt_token_ids`` its token ids;
     ``priority`` orders it on workers that serve by priority
     (lower first); ``lora_name`` runs it with that LoRA adapter of the workers ("": the base model); ``cache_salt``
     keeps its prompt's cached KV apart from other salts' (GenerateRequest.cache_salt); ``add_special_tokens``: whether
-    the tokenizer adds its special tokens to a text or rendered chat (None: the router's default, GenerateRequest's)."""
+    the tokenizer adds its special tokens to a text or rendered chat (None: the router's default, GenerateRequest's);
+    ``beam_search``: search with beams instead of sampling (its ``max_tokens`` and ``ignore_eos`` are the request's;
+    give no ``params`` then), streamed as ``beam_width`` completions, best first."""
+    if beam_search is not None:
+        if params is not None:
+            raise ValueError("A beam search takes its max_tokens and ignore_eos from its BeamSearchParams: give no "
+                             "SamplingParams with it.")
+        params = SamplingParams(max_tokens=beam_search.max_tokens, ignore_eos=beam_search.ignore_eos,
+                                temperature=0.0)
     request = inference_pb2.GenerateRequest(sampling_params=sampling_params_to_pb(params), echo=echo,
                                             priority=priority, lora_name=lora_name, cache_salt=cache_salt,
                                             return_prompt_token_ids=return_prompt_token_ids,
                                             add_special_tokens=add_special_tokens)
     if request_id is not None:
         request.request_id = request_id
+    if beam_search is not None:
+        request.beam_search.CopyFrom(beam_search_to_pb(beam_search))
     if isinstance(prompt, str):
         request.text = prompt
     elif isinstance(prompt, Chat) or (prompt and isinstance(prompt[0], dict)):
@@ -190,10 +202,12 @@ class Client:
     def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                         timeout: float | None = None, echo: bool = False, priority: int = 0,
                         lora_name: str = "", cache_salt: str | None = None, return_prompt_token_ids: bool = False,
-                        add_special_tokens: bool | None = None) -> Iterator[inference_pb2.GenerateStreamResponse]:
-        """The streamed chunks; cancel early with ``.cancel()`` on the returned call."""
+                        add_special_tokens: bool | None = None, beam_search: BeamSearchParams | None = None
+                        ) -> Iterator[inference_pb2.GenerateStreamResponse]:
+        """The streamed chunks (of each completion: ``index``); cancel early with ``.cancel()`` on the returned
+        call. ``beam_search`` as :func:`generate_request`'s."""
         request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt,
-                                   return_prompt_token_ids, add_special_tokens)
+                                   return_prompt_token_ids, add_special_tokens, beam_search)
         return self.stub.GenerateStream(request, timeout=timeout or self.timeout)
 
     def embed(self, prompt, normalize: bool = True, dimensions: int | None = None, lora_name: str = "",
@@ -285,12 +299,12 @@ class AsyncClient:
                         timeout: float | None = None, api_key: str | None = None, echo: bool = False,
                         priority: int = 0, lora_name: str = "", cache_salt: str | None = None,
                         trace: tuple[tuple[str, str], ...] = (), return_prompt_token_ids: bool = False,
-                        add_special_tokens: bool | None = None):
+                        add_special_tokens: bool | None = None, beam_search: BeamSearchParams | None = None):
         """The call, an async iterator of the streamed chunks; ``.cancel()`` on it ends the request on the
         workers (its blocks freed). ``trace``: W3C trace context (``traceparent``, ``tracestate``) to send, so the
-        router's span of the request joins the caller's trace."""
+        router's span of the request joins the caller's trace; ``beam_search`` as :func:`generate_request`'s."""
         request = generate_request(prompt, params, request_id, echo, priority, lora_name, cache_salt,
-                                   return_prompt_token_ids, add_special_tokens)
+                                   return_prompt_token_ids, add_special_tokens, beam_search)
         return self.stub.GenerateStream(request, timeout=timeout or self.timeout,
                                         metadata=self._metadata(api_key) + tuple(trace))
 

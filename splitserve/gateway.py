@@ -49,6 +49,7 @@ from splitserve.common.ids import MAX_ID_LENGTH, check_id
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.common.tools import tool_call_parser
+from splitserve.engine.beam_search import BeamSearchParams
 from splitserve.gateway_reasoning import REASONING_PARSERS, ReasoningReplies, ThinkTagParser, reasoning_parser
 from splitserve.gateway_tools import ToolReplies, chat_tools
 from splitserve.rpc.metrics import GatewayMetrics, serve_metrics
@@ -486,13 +487,15 @@ class Gateway:
         events = self._events(calls, streams, firsts, reply, include_usage, continuous_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _start(self, request: Request, body: dict, generations: list, params: SamplingParams,
-                     request_id: str, lora_name: str, echo: bool = False) -> tuple[list, list, list]:
+    async def _start(self, request: Request, body: dict, generations: list, params: SamplingParams | None,
+                     request_id: str, lora_name: str, echo: bool = False,
+                     beam_search: BeamSearchParams | None = None) -> tuple[list, list, list]:
         """One router call for each prompt of ``generations`` ((prompt, choice index) pairs, a prompt's n choices
         together, in index order), asking for its n choices at once (the cluster computes and sends the prompt's
         KV once and the decode worker forks it for each choice, seeded seed + index as vLLM seeds them), side by
         side (``request_id`` for a single call, ``request_id-N`` for several), with the caller's key and W3C trace
         context and the body's ``priority`` and ``cache_salt``; the choices counted in the metrics' generations.
+        With ``beam_search`` (and no ``params``) each call is a beam search, its choices the beams.
 
         Returns:
             The calls, each choice's stream (gRPC errors as APIError) and each stream's first message (None for an
@@ -503,11 +506,12 @@ class Gateway:
         special = _optional_flag(body, "add_special_tokens")
         prompts = [prompt for prompt, index in generations if index == 0]
         num_choices = len(generations) // len(prompts)
-        call_params = dataclasses.replace(params, n=num_choices)
+        call_params = dataclasses.replace(params, n=num_choices) if beam_search is None else None
         calls = [self.client.generate_stream(prompt, call_params, _call_id(request_id, number, len(prompts)),
                                              api_key=api_key, echo=echo, priority=priority, lora_name=lora_name,
                                              cache_salt=cache_salt, trace=trace,
-                                             return_prompt_token_ids=with_token_ids, add_special_tokens=special)
+                                             return_prompt_token_ids=with_token_ids, add_special_tokens=special,
+                                             beam_search=beam_search)
                  for number, prompt in enumerate(prompts)]
         self.metrics.generations.inc(len(generations))
         request.state.generations = len(generations)  # on the request's span (_Traced)
@@ -789,7 +793,7 @@ class _Measured:
 class _Traced:
     """ASGI middleware: a server span of each API call (a POST to one of ``paths``), named as OpenTelemetry's HTTP
     convention names them ("POST /v1/chat/completions"), from the request's arrival to its last body message (a
-    stream's last event), with its method, route, status and router calls (``splitserve.generations``); ERROR for
+    stream's last event), with its method, route, status and the choices asked of the router (``splitserve.generations``); ERROR for
     a 5xx status or a response left unfinished (the client went away). It is the child of the caller's span where
     the request's headers carry W3C trace context, and the router calls made for it carry its own
     (:func:`router_trace`), so the router's spans are its children."""

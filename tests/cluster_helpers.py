@@ -69,21 +69,24 @@ def stream_tokens(client: Client, prompt, max_tokens: int, **kwargs) -> tuple[li
     return token_ids, text, last
 
 
-def stream_completions(client: Client, prompt, params: SamplingParams, **kwargs) -> list[tuple[list[int], str, list]]:
-    """Run one streaming request for ``params.n`` completions; returns each completion's (token ids, text, its
-    messages), in index order, checking that each has exactly one last message (with a finish reason) and it is
-    its last."""
+def stream_completions(client: Client, prompt, params, **kwargs) -> list[tuple[list[int], str, list]]:
+    """Run one streaming request for ``params.n`` completions (SamplingParams), or a beam search's
+    ``params.beam_width`` (BeamSearchParams, given as ``beam_search`` too); returns each completion's (token ids,
+    text, its messages), in index order, checking that each has exactly one last message (with a finish reason)
+    and it is its last."""
     completions: dict[int, tuple[list[int], list[str], list]] = {}
-    for chunk in client.generate_stream(prompt, params, timeout=300, **kwargs):
+    sampling = params if isinstance(params, SamplingParams) else None
+    for chunk in client.generate_stream(prompt, sampling, timeout=300, **kwargs):
         token_ids, texts, messages = completions.setdefault(chunk.index, ([], [], []))
         assert not (messages and messages[-1].finish_reason), f"completion {chunk.index} went on after its end"
         token_ids.extend(chunk.token_ids)
         texts.append(chunk.text)
         messages.append(chunk)
-    assert sorted(completions) == list(range(params.n))
+    count = params.n if sampling is not None else params.beam_width
+    assert sorted(completions) == list(range(count))
     assert all(messages[-1].finish_reason for _, _, messages in completions.values())
     return [(token_ids, "".join(texts), messages) for token_ids, texts, messages in
-            (completions[index] for index in range(params.n))]
+            (completions[index] for index in range(count))]
 
 
 def worker_status(address: str, role: str, tls=None) -> worker_pb2.GetWorkerStatusResponse:

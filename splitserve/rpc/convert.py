@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 
 from splitserve.common.block_hash import check_cache_salt
@@ -12,6 +13,7 @@ from splitserve.common.load import WorkerLoad
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.common.types import FinishReason, WorkerRole, WorkerState
+from splitserve.engine.beam_search import BeamSearchParams
 from splitserve.v1 import inference_pb2
 
 # The most completions (SamplingParams.n) one request may ask a cluster for: each runs as a sequence of its own on
@@ -72,6 +74,36 @@ def sampling_params_from_pb(message: inference_pb2.SamplingParams) -> SamplingPa
     if message.n > MAX_COMPLETIONS:
         raise InvalidRequest(f"n={message.n} completions asked for; a request may ask for 1 to {MAX_COMPLETIONS}.")
     return SamplingParams(**values)
+
+
+def beam_search_from_pb(message: inference_pb2.BeamSearch, params: SamplingParams) -> BeamSearchParams:
+    """A request's beam search (GenerateRequest.beam_search, DecodeRequest.beam_search) with its sampling
+    parameters' ``max_tokens`` and ``ignore_eos``, checked.
+
+    Raises:
+        InvalidRequest: a width outside 1 to 10, a length penalty that is not finite, or a sampling field beam
+            search cannot give (n, logprobs, prompt_logprobs, structured_outputs).
+    """
+    for name, given in (("n", params.n != 1), ("logprobs", params.logprobs is not None),
+                        ("prompt_logprobs", params.prompt_logprobs is not None),
+                        ("structured_outputs", params.structured_outputs is not None)):
+        if given:
+            raise InvalidRequest(f"sampling_params.{name} is not taken with beam_search (beam_width says how many "
+                                 "completions; they come without log probabilities or constraints).")
+    length_penalty = round(float(message.length_penalty), 6) if message.HasField("length_penalty") else 1.0
+    if not math.isfinite(length_penalty):
+        raise InvalidRequest(f"beam_search.length_penalty must be a finite number, got {length_penalty}.")
+    # max_tokens is never unset off the wire (its default is 16); the worker caps it to the context's room.
+    beam = BeamSearchParams(beam_width=message.beam_width, max_tokens=params.max_tokens,
+                            ignore_eos=params.ignore_eos, length_penalty=length_penalty)
+    beam.check()
+    return beam
+
+
+def beam_search_to_pb(params: BeamSearchParams) -> inference_pb2.BeamSearch:
+    """The proto form of a beam search's width and length penalty (its max_tokens and ignore_eos travel in the
+    request's sampling_params)."""
+    return inference_pb2.BeamSearch(beam_width=params.beam_width, length_penalty=params.length_penalty)
 
 
 def structured_outputs_from_pb(message: inference_pb2.StructuredOutputs) -> StructuredOutputsParams:

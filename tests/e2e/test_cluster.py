@@ -17,7 +17,8 @@ import grpc
 import pytest
 
 from splitserve import LLM, SamplingParams
-from splitserve.client import Client, sampling_params_to_pb
+from splitserve.client import Client, generate_request, sampling_params_to_pb
+from splitserve.engine.beam_search import BeamSearchParams
 from splitserve.launcher import LocalCluster
 from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster_helpers import (
@@ -30,7 +31,7 @@ from tests.cluster_helpers import (
     wait_until,
     worker_status,
 )
-from tests.reference import MAX_TOKENS, hf_greedy_constrained, hf_prompt_logprobs
+from tests.reference import MAX_TOKENS, hf_beams, hf_greedy_constrained, hf_prompt_logprobs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -212,6 +213,48 @@ def test_cancelling_n_completions_mid_stream_frees_every_block(client, prompt_to
     call.cancel()
     assert seen == {0, 1, 2}
     wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free after the cancel")
+
+
+def test_beam_search_runs_on_the_decode_worker_after_one_kv_transfer(cluster, client, model_dir, tokenizer,
+                                                                     prompt_token_ids):
+    """The 343-token prompt's 3 beams: prefilled once and its KV sent once, the search stepped on the decode
+    worker (each beam forking the KV of the one it grew from), the beams transformers', best first."""
+    decode, ids = decode_worker(cluster), prompt_token_ids[6]
+    before = worker_status(decode.address, "decode").counters
+    beam = BeamSearchParams(beam_width=3, max_tokens=8)
+    completions = stream_completions(client, ids, beam, beam_search=beam)
+    expected = hf_beams(str(model_dir), ids, 3, 8)
+    eos = set(client.model_info().eos_token_ids)
+    assert [token_ids for token_ids, _, _ in completions] == expected
+    for (_, text, messages), beam_ids in zip(completions, expected):
+        ended = beam_ids[-1] in eos
+        assert text == tokenizer.decode(beam_ids[:-1] if ended else beam_ids, skip_special_tokens=True)
+        last = messages[-1]
+        assert last.finish_reason == (inference_pb2.FINISH_REASON_STOP if ended else inference_pb2.FINISH_REASON_LENGTH)
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(ids), len(beam_ids))
+    after = worker_status(decode.address, "decode").counters
+    assert after.num_kv_transfers_received - before.num_kv_transfers_received == 1
+    assert after.num_local_prefills == before.num_local_prefills and after.num_kv_recomputes == before.num_kv_recomputes
+    wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free after the search")
+    # Refused: the unary call, sampling fields a search cannot give, a width over 10; a search cut by its deadline
+    # frees every block.
+    for streamed, width, logprobs, message in ((False, 2, None, "ask GenerateStream"),
+                                               (True, 2, 2, "logprobs is not taken"),
+                                               (True, 11, None, "beam_width must be")):
+        request = generate_request(ids, beam_search=BeamSearchParams(beam_width=width, max_tokens=4))
+        if logprobs is not None:
+            request.sampling_params.logprobs = logprobs
+        with pytest.raises(grpc.RpcError) as caught:
+            if streamed:
+                list(client.stub.GenerateStream(request, timeout=30))
+            else:
+                client.stub.Generate(request, timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        list(client.generate_stream(ids, timeout=2, beam_search=BeamSearchParams(beam_width=4, max_tokens=1000,
+                                                                                ignore_eos=True)))
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free after the cut search")
 
 
 @pytest.mark.parametrize(

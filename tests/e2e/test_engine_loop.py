@@ -7,6 +7,9 @@ import threading
 import pytest
 
 from splitserve import LLM, SamplingParams
+from splitserve.common.errors import Cancelled
+from splitserve.decode_service.beam_search import LoopBeamSteps
+from splitserve.engine.beam_search import BeamSearchParams, beam_candidates, beam_search
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.kv_connector import KVTransferParams
 
@@ -154,3 +157,51 @@ def test_abort_ends_every_completion_and_a_refused_one_leaves_none_queued(llm, l
         refused.wait_accepted(60)
     assert list(other)[-1].outputs[0].finish_reason == "length"
     assert loop.call(lambda engine: not engine.has_unfinished_requests())
+
+
+@pytest.fixture(scope="module")
+def offline_beams(llm):
+    """PROMPTS[8]'s 3 beams of 6 tokens by LLM.beam_search (before a loop drives the engine)."""
+    return llm.beam_search([PROMPTS[8]], BeamSearchParams(beam_width=3, max_tokens=6))[0]
+
+
+def test_a_beam_search_stepped_through_the_loop_is_llm_beam_searchs(llm, offline_beams, loop):
+    """decode_service's steps: the prompt held by a one-token request, each step forking the beams it grew from,
+    from another thread than the engine's; the same beams as the offline search, and nothing left held."""
+    prompt = llm.get_tokenizer().encode(PROMPTS[8])
+    root = loop.submit("search", None, SamplingParams(max_tokens=1, temperature=0), prompt, keep_kv=True)
+    assert list(root)[-1].finished
+    steps = LoopBeamSteps(loop, "search", "search", prompt, beam_candidates(3, llm.engine.eos_token_ids), {})
+    try:
+        [output] = beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6), steps,
+                               llm.engine.eos_token_ids, lambda ids: llm.get_tokenizer().decode(ids))
+    finally:
+        steps.release()
+    assert [beam.tokens for beam in output.sequences] == [beam.tokens for beam in offline_beams.sequences]
+    assert loop.call(lambda engine: engine.free_block_count) == llm.engine.num_kv_blocks
+
+
+def test_a_cancelled_beam_search_ends_its_step_and_frees_its_blocks(llm, loop):
+    prompt = llm.get_tokenizer().encode(PROMPTS[9])
+    root = loop.submit("cut", None, SamplingParams(max_tokens=1, temperature=0), prompt, keep_kv=True)
+    list(root)
+    steps = LoopBeamSteps(loop, "cut", "cut", prompt, beam_candidates(4, llm.engine.eos_token_ids), {})
+    failure: list[BaseException] = []
+
+    def search() -> None:
+        try:
+            beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=300, ignore_eos=True), steps,
+                        llm.engine.eos_token_ids, str)
+        except BaseException as error:
+            failure.append(error)
+
+    thread = threading.Thread(target=search)
+    thread.start()
+    import time
+
+    time.sleep(0.5)
+    steps.cancel()
+    thread.join(60)
+    steps.release()
+    assert not thread.is_alive() and failure and isinstance(failure[0], Cancelled)
+    assert loop.call(lambda engine: engine.free_block_count) == llm.engine.num_kv_blocks

@@ -139,18 +139,18 @@ def test_the_gateway_passes_the_callers_trace_context_on(cluster, collector, tmp
     trace_id = "0af7651916cd43dd8448eb211c80319c"
     with running_gateway(cluster.router.address, tmp_path / "gateway.log") as url:
         headers = {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01", "tracestate": "vendor=splitserve-test"}
-        body = {"model": "any", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "n": 2}
+        body = {"model": "any", "prompt": [PROMPT, PROMPT + " Again."], "max_tokens": 2, "temperature": 0, "n": 2}
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         response = httpx.post(f"{url}/v1/completions", json={**body, "model": model}, headers=headers, timeout=120)
         assert response.status_code == 200, response.text
     request_id = response.json()["id"]
 
-    def spans():  # one a choice, each under the caller's span
+    def spans():  # one a prompt (its n choices in one call), each under the caller's span
         with servicer._lock:
             found = [span for _, span in servicer.spans if span.trace_id.hex() == trace_id and span.name == "llm_request"]
         return found if len(found) == 2 else None
 
-    found = wait_until(spans, 30, message="both choices' spans")
+    found = wait_until(spans, 30, message="both prompts' spans")
     assert sorted(attributes(span)["gen_ai.request.id"] for span in found) == [f"{request_id}-0", f"{request_id}-1"]
     assert all(span.parent_span_id.hex() == "b7ad6b7169203331" for span in found)
     assert all(span.trace_state == "vendor=splitserve-test" for span in found)
@@ -197,15 +197,17 @@ def test_a_tracing_gateway_makes_a_span_of_each_call_above_the_routers(cluster, 
             return next((span for resource, span in servicer.spans if span.trace_id.hex() == traces[trace]
                          and resource["service.name"] == "splitserve-gateway"), None)
 
-    for trace, route, status, calls, child in [("completions", "/v1/completions", 200, 2, "llm_request"),
-                                               ("embeddings", "/v1/embeddings", 200, 1, "embedding_request"),
-                                               ("refused", "/v1/completions", 400, None, None)]:
+    # The completion's 2 choices come from one router call (n = 2).
+    for trace, route, status, generations, calls, child in [
+            ("completions", "/v1/completions", 200, 2, 1, "llm_request"),
+            ("embeddings", "/v1/embeddings", 200, 1, 1, "embedding_request"),
+            ("refused", "/v1/completions", 400, None, None, None)]:
         span = wait_until(lambda trace=trace: gateway_span(trace), 30, message=f"the gateway's span ({trace})")
         values = attributes(span)
         assert span.name == f"POST {route}" and span.kind == span.SPAN_KIND_SERVER
         assert span.parent_span_id.hex() == caller_span
         assert values["http.route"] == route and values["http.response.status_code"] == status
-        assert values.get("splitserve.generations") == calls
+        assert values.get("splitserve.generations") == generations
         assert span.status.code == span.status.STATUS_CODE_UNSET  # a 4xx is the caller's error, not the server's
         if child is not None:  # the router's spans of its calls are its children
             children = wait_until(lambda span=span, calls=calls: _children(servicer, span, calls), 30,
