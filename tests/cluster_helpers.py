@@ -89,6 +89,23 @@ def stream_completions(client: Client, prompt, params, **kwargs) -> list[tuple[l
             (completions[index] for index in range(count))]
 
 
+def check_two_completions_take_one_transfer(cluster, prompt: list[int], max_tokens: int, expected: list[int]) -> None:
+    """Two greedy completions of ``prompt`` (``max_tokens`` each) through ``cluster`` (no API key): each ``expected``
+    (transformers'), the
+    prompt's KV received once by the decode worker (forked there for the second), none recomputed or prefilled
+    locally, and every KV block free afterwards."""
+    decode = next(p for p in cluster.workers if p.name.startswith("decode"))
+    before = worker_status(decode.address, "decode").counters
+    with Client(cluster.router.address) as client:
+        completions = stream_completions(client, prompt, SamplingParams(n=2, max_tokens=max_tokens, temperature=0.0))
+        assert [token_ids for token_ids, _, _ in completions] == [expected] * 2
+        after = worker_status(decode.address, "decode").counters
+        assert after.num_kv_transfers_received - before.num_kv_transfers_received == 1
+        assert after.num_local_prefills == before.num_local_prefills
+        assert after.num_kv_recomputes == before.num_kv_recomputes
+        wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free")
+
+
 def worker_status(address: str, role: str, tls=None) -> worker_pb2.GetWorkerStatusResponse:
     """A worker's GetStatus; ``tls``: the ``TLSConfig`` to call it with (None: plaintext)."""
     with open_channel(address, tls) as channel:

@@ -22,8 +22,8 @@ from splitserve.client import Client
 from splitserve.common.sampling_params import SamplingParams
 from tests.cluster_helpers import (
     all_blocks_free,
+    check_two_completions_take_one_transfer,
     start_cluster,
-    stream_completions,
     stream_tokens,
     wait_until,
     worker_status,
@@ -80,16 +80,7 @@ def test_lmcache_kv_transfer_is_token_identical_to_transformers(cluster, prompt_
 def test_n_completions_load_the_prompt_from_lmcache_once(cluster, prompt_token_ids, hf_reference):
     """Two greedy completions of the 343-token prompt through LMCache: one load on the
     decode worker, forked for the second completion; both transformers' continuation."""
-    decode = next(p for p in cluster.workers if p.name.startswith("decode"))
-    before = worker_status(decode.address, "decode").counters
-    with Client(cluster.router.address) as client:
-        completions = stream_completions(client, prompt_token_ids[6],
-                                         SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0.0))
-        assert [token_ids for token_ids, _, _ in completions] == [hf_reference[6]] * 2
-        after = worker_status(decode.address, "decode").counters
-        assert after.num_kv_transfers_received - before.num_kv_transfers_received == 1
-        assert after.num_local_prefills == before.num_local_prefills and after.num_kv_recomputes == 0
-        wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free")
+    check_two_completions_take_one_transfer(cluster, prompt_token_ids[6], MAX_TOKENS, hf_reference[6])
 
 
 def test_an_adapters_kv_goes_under_its_own_tag_and_gives_pefts_tokens(cluster, prompt_token_ids, lora_references):

@@ -9,11 +9,10 @@ import pytest
 import redis
 
 from splitserve.client import Client
-from splitserve.common.sampling_params import SamplingParams
 from tests.cluster_helpers import (
     all_blocks_free,
+    check_two_completions_take_one_transfer,
     start_cluster,
-    stream_completions,
     stream_tokens,
     wait_until,
     worker_status,
@@ -52,16 +51,7 @@ def test_redis_kv_transfer_is_token_identical_to_transformers(cluster, prompt_to
 def test_n_completions_over_redis_take_one_transfer(cluster, prompt_token_ids, hf_reference):
     """Two greedy completions of the 343-token prompt: one KV transfer through Redis, forked on the decode worker
     for the second, both transformers' continuation; nothing left in Redis or in the KV pools."""
-    decode = next(p for p in cluster.workers if p.name.startswith("decode"))
-    before = worker_status(decode.address, "decode").counters
-    with Client(cluster.router.address) as client:
-        completions = stream_completions(client, prompt_token_ids[6],
-                                         SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0.0))
-        assert [token_ids for token_ids, _, _ in completions] == [hf_reference[6]] * 2
-        after = worker_status(decode.address, "decode").counters
-        assert after.num_kv_transfers_received - before.num_kv_transfers_received == 1
-        assert after.num_local_prefills == before.num_local_prefills and after.num_kv_recomputes == 0
-        wait_until(lambda: all_blocks_free(client), 20, message="all KV blocks free")
+    check_two_completions_take_one_transfer(cluster, prompt_token_ids[6], MAX_TOKENS, hf_reference[6])
     server = redis.Redis.from_url(cluster.redis_url)
     assert server.dbsize() == 0
     server.close()
