@@ -21,7 +21,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "BeamSearchParams":
-        from splitserve.engine.beam_search import BeamSearchParams
+        from splitserve.common.beam_search_params import BeamSearchParams
 
         return BeamSearchParams
     if name == "PoolingParams":

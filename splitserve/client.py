@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 import grpc
 
+from splitserve.common.beam_search_params import BeamSearchParams
 from splitserve.common.chat import Chat
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.beam_search import BeamSearchParams
 from splitserve.rpc.auth import API_KEY_ENV, AUTHORIZATION_HEADER, BEARER_PREFIX, with_api_key
 from splitserve.rpc.convert import beam_search_to_pb, chat_to_pb, structured_outputs_to_pb
 from splitserve.rpc.tls import TLSConfig, open_channel

@@ -42,6 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve.client import AsyncClient
+from splitserve.common.beam_search_params import BeamSearchParams
 from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat import BOTH_TURN_FLAGS, Chat, check_chat_template_kwargs, openai_tools
 from splitserve.common.errors import InvalidRequest
@@ -49,7 +50,6 @@ from splitserve.common.ids import MAX_ID_LENGTH, check_id
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.common.tools import tool_call_parser
-from splitserve.engine.beam_search import BeamSearchParams
 from splitserve.gateway_reasoning import REASONING_PARSERS, ReasoningReplies, ThinkTagParser, reasoning_parser
 from splitserve.gateway_tools import ToolReplies, chat_tools
 from splitserve.rpc.metrics import GatewayMetrics, serve_metrics

@@ -20,7 +20,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from splitserve.engine.beam_search import BeamSearchParams
+from splitserve.common.beam_search_params import BeamSearchParams
 from splitserve.v1 import inference_pb2
 
 # Fields a beam search answer cannot give, and the sentence that says why.

@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Callable
 
+from splitserve.common.beam_search_params import BeamSearchParams
 from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat import Chat, ChatMessage, FunctionTool, ToolCall, check_chat_template_kwargs, check_tools
 from splitserve.common.errors import InvalidRequest
@@ -13,7 +14,6 @@ from splitserve.common.load import WorkerLoad
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.common.types import FinishReason, WorkerRole, WorkerState
-from splitserve.engine.beam_search import BeamSearchParams
 from splitserve.v1 import inference_pb2
 
 # The most completions (SamplingParams.n) one request may ask a cluster for: each runs as a sequence of its own on

@@ -18,7 +18,7 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.client import Client, generate_request, sampling_params_to_pb
-from splitserve.engine.beam_search import BeamSearchParams
+from splitserve.common.beam_search_params import BeamSearchParams
 from splitserve.launcher import LocalCluster
 from splitserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster_helpers import (

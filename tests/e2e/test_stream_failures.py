@@ -127,6 +127,35 @@ def test_a_migrated_stream_resumes_its_grammar_after_the_tokens_sent(cluster):
         assert text == undisturbed.text and len(json.loads(text)) == 40
 
 
+def test_n_completions_whose_decode_worker_is_killed_each_end_with_an_error_message(cluster):
+    """A request for 3 completions does not migrate (its completions share one worker's forked KV): killing its
+    decode worker mid-stream ends each completion with FINISH_REASON_ERROR, a sentence and its own usage."""
+    with Client(cluster.router.address) as client:
+        two_decode_workers_serving(cluster, client)
+        migrations = cluster.router.log().count("migrating it")
+        sent: dict[int, int] = {}
+        last: dict[int, object] = {}
+        killed = None
+        for chunk in client.generate_stream(PROMPT, SamplingParams(n=3, temperature=0.0, max_tokens=400,
+                                                                   ignore_eos=True), timeout=300):
+            sent[chunk.index] = sent.get(chunk.index, 0) + len(chunk.token_ids)
+            last[chunk.index] = chunk
+            if killed is None and len(sent) == 3 and min(sent.values()) >= 5:
+                serving = [w.worker_id for pool in client.cluster_status().pools for w in pool.workers
+                           if w.num_router_in_flight_requests]
+                [killed] = [p for p in live_decode_workers(cluster) if p.worker_id in serving]
+                killed.kill()
+        assert killed is not None and sorted(last) == [0, 1, 2]
+        for index, message in last.items():
+            assert message.finish_reason == inference_pb2.FINISH_REASON_ERROR, index
+            assert message.error_message.startswith(f"The decode worker {killed.worker_id} failed mid-stream after "
+                                                    f"{sent[index]} tokens: ")
+            assert message.usage.completion_tokens == sent[index] < 400
+        assert cluster.router.log().count("migrating it") == migrations
+        response = client.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4), timeout=120)
+        assert response.finish_reason == inference_pb2.FINISH_REASON_LENGTH  # the router goes on
+
+
 def test_a_sigtermed_router_drains_its_streams_then_exits_0(cluster):
     if not live_decode_workers(cluster):
         cluster.start_workers("decode", 1)
