@@ -283,7 +283,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         migrate: a failure mid-stream ends each unfinished completion with FINISH_REASON_ERROR.
         """
         progresses = [_StreamProgress(index) for index in range(job.num_completions)]
-        progress = progresses[0]
         while True:
             try:
                 for message in self.dispatcher.run(job, lambda: _seconds_left(context)):
@@ -309,7 +308,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             except DecodeStreamFailed as error:
                 for progress in progresses:
                     progress.decode_failure = error
-                if len(progresses) == 1 and job.beam_search is None and self._migrate(job, error, progress):
+                if len(progresses) == 1 and job.beam_search is None and self._migrate(job, error, progresses[0]):
                     continue
                 failure = error
             except Exception as error:
