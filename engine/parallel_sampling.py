@@ -12,20 +12,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams, completion_seed
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.request import KVFork
 
 
 def completion_params(params: SamplingParams) -> list[SamplingParams]:
     """The parameters of each of a prompt's ``params.n`` completions (one each): with a seed, completion i draws
-    from seed + i (wrapped into 64 bits), as vLLM's parallel sampling seeds them."""
+    from seed + i (``completion_seed``)."""
     if params.n == 1:
         return [params]
     if params.seed is None:
         return [dataclasses.replace(params, n=1)] * params.n
-    return [dataclasses.replace(params, n=1, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
-            for index in range(params.n)]
+    return [dataclasses.replace(params, n=1, seed=completion_seed(params.seed, index)) for index in range(params.n)]
 
 
 class ParallelSamples:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve.common.errors import Cancelled, NoWorkerAvailable, Overloaded, Unavailable
+from splitserve.common.sampling_params import completion_seed
 from splitserve.common.types import WorkerRole
 from splitserve.router.channels import Channels
 from splitserve.router.config import RouterConfig
@@ -94,6 +95,7 @@ class RouterRequest:
     return_prompt_token_ids: bool = False  # GenerateRequest.return_prompt_token_ids: the client's prompt's ids, once
     excluded_decode_workers: set[str] = field(default_factory=set)  # decode workers that failed this request
     beam_search: inference_pb2.BeamSearch | None = None  # GenerateRequest.beam_search: a search on the decode worker
+    completion_index: int | None = None  # which completion of the client's request for n this is (``completion``)
     _cancels: list[Callable[[], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -137,6 +139,26 @@ class RouterRequest:
         self.prefilled_remotely = False
         self.num_migrations += 1
         self.excluded_decode_workers.add(failed_worker_id)
+
+    def completion(self, index: int) -> RouterRequest:
+        """Completion ``index`` of this request for ``n`` as a request of its own, for one completion (with a
+        seed, seed + index: what the decode worker seeded it with): how a completion continues on another decode
+        worker when theirs failed. It shares the client's prompt, request id, options and trace context, its
+        migrations count on from this request's, and cancelling this request cancels it."""
+        params = inference_pb2.SamplingParams()
+        params.CopyFrom(self.original_sampling_params)
+        params.ClearField("n")
+        if params.HasField("seed"):
+            params.seed = completion_seed(params.seed, index)
+        completion = RouterRequest(
+            self.request_id, self.original_prompt, params, priority=self.priority, lora_name=self.lora_name,
+            cache_salt=self.cache_salt, trace_metadata=self.trace_metadata, accepted=self.accepted,
+            num_migrations=self.num_migrations, echo_text=self.echo_text,
+            return_prompt_token_ids=self.return_prompt_token_ids,
+            excluded_decode_workers=set(self.excluded_decode_workers), completion_index=index,
+        )
+        self.on_cancel(completion.cancel)
+        return completion
 
     def on_cancel(self, cancel: Callable[[], None]) -> None:
         """Run ``cancel`` when the request is cancelled (at once if it already was)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -272,17 +273,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 len(job.original_prompt.token_ids),
                 "no token" if last_token_time is None else f"first token after {first_token_seconds:.3f} s")
 
-    def _generate(self, job: RouterRequest, context):
+    def _generate(self, job: RouterRequest, context, progresses: list[_StreamProgress] | None = None,
+                  mid_stream: bool = False):
         """The client's messages for ``job``. A failure before the first message raises (its status code);
         after it, the stream ends with a last message carrying FINISH_REASON_ERROR, so the text sent is kept.
 
         A decode worker that fails mid-stream (killed, or lost by the registry) is replaced: the request
         migrates to another decode worker as a continuation (the prompt plus the tokens already streamed,
         :meth:`RouterRequest.continue_after`), at most ``migration_limit`` times, and the client sees one stream.
-        With ``n`` completions each has its own progress (messages carry their index); such a request does not
-        migrate: a failure mid-stream ends each unfinished completion with FINISH_REASON_ERROR.
+        With ``n`` completions each has its own progress (messages carry their index): a request that had sent
+        nothing yet (a beam search's beams come at its end) migrates whole; otherwise each unfinished completion
+        continues on its own (:meth:`_continue_apart`).
+
+        Args:
+            progresses: what the client was sent of each completion so far (new ones when None).
+            mid_stream: the client was sent messages of this request already (another completion's): a failure
+                ends each unfinished completion with a message, never with a status code.
         """
-        progresses = [_StreamProgress(index) for index in range(job.num_completions)]
+        if progresses is None:
+            progresses = [_StreamProgress(index) for index in range(job.num_completions)]
         while True:
             try:
                 for message in self.dispatcher.run(job, lambda: _seconds_left(context)):
@@ -308,17 +317,63 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             except DecodeStreamFailed as error:
                 for progress in progresses:
                     progress.decode_failure = error
-                if len(progresses) == 1 and job.beam_search is None and self._migrate(job, error, progresses[0]):
-                    continue
+                nothing_sent = not any(progress.num_sent_messages for progress in progresses)
+                if nothing_sent or (len(progresses) == 1 and job.beam_search is None):
+                    if self._migrate(job, error, progresses):
+                        continue
+                elif job.beam_search is None:
+                    yield from self._continue_apart(job, error, progresses, context)
+                    return
                 failure = error
             except Exception as error:
                 failure = error
-            if not any(progress.num_sent_messages for progress in progresses):  # a status code says what failed
+            if not mid_stream and not any(progress.num_sent_messages for progress in progresses):
+                # a status code says what failed
                 raise progresses[0].decode_failure or failure
             for progress in progresses:
                 if not progress.finished:
                     yield self._failed_mid_stream(job, failure, progress)
             return
+
+    def _continue_apart(self, job: RouterRequest, error: DecodeStreamFailed, progresses: list[_StreamProgress],
+                        context):
+        """The rest of a request for several completions whose decode worker failed after some were sent: each
+        unfinished completion migrates on its own (:meth:`RouterRequest.completion`: its prompt plus its tokens
+        sent, on whichever decode worker the policy picks), all of them at once, one thread each, their messages
+        relayed as they come; one that may not migrate ends with FINISH_REASON_ERROR and a sentence."""
+        merged: queue.SimpleQueue = queue.SimpleQueue()
+        completions = []
+        for progress in progresses:
+            if progress.finished:
+                continue
+            completion = job.completion(progress.index)
+            if self._migrate(completion, error, [progress]):
+                completions.append((completion, progress))
+            else:
+                yield self._failed_mid_stream(job, error, progress)
+        if completions:
+            job.num_migrations += 1
+
+        def relay(completion: RouterRequest, progress: _StreamProgress) -> None:
+            try:
+                for chunk in self._generate(completion, context, [progress], mid_stream=True):
+                    merged.put(chunk)
+            except Exception as failure:  # unexpected: _generate ends a completion mid-stream with a message
+                logger.exception("Request %s: completion %d failed", job.request_id, progress.index)
+                merged.put(self._failed_mid_stream(completion, failure, progress))
+            finally:
+                merged.put(None)
+
+        for completion, progress in completions:
+            threading.Thread(target=relay, args=(completion, progress), daemon=True,
+                             name=f"completion-{progress.index}").start()
+        try:
+            for _ in completions:
+                while (chunk := merged.get()) is not None:
+                    yield chunk
+        finally:  # the client went away: the completions' worker calls end too
+            for completion, _ in completions:
+                completion.cancel()
 
     def _chunk(self, job: RouterRequest, message: worker_pb2.DecodeResponse,
                progress: _StreamProgress) -> inference_pb2.GenerateStreamResponse | None:
@@ -332,7 +387,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if progress.first_token_time is None:
                 progress.first_token_time = time.monotonic()
             if progress.num_attempt_tokens == 0:
-                if progress.index == 0:  # the others sampled their first token on the decode worker
+                if message.index == 0:  # the decode worker sampled the others' first token (the n it forked)
                     self._fill_first_logprobs(job, chunk)
                 if not progress.sent_token_ids:  # the client's first token: what it asked of the prompt comes with it
                     chunk.prompt_logprobs.extend(message.prompt_logprobs or
@@ -363,18 +418,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         progress.sent_token_ids.extend(chunk.token_ids)
         return chunk
 
-    def _migrate(self, job: RouterRequest, error: DecodeStreamFailed, progress: _StreamProgress) -> bool:
-        """Turn ``job`` into its continuation on another decode worker, if it may migrate once more."""
+    def _migrate(self, job: RouterRequest, error: DecodeStreamFailed, progresses: list[_StreamProgress]) -> bool:
+        """Turn ``job`` into its continuation on another decode worker, if it may migrate once more: one
+        completion (``progresses[0]``) after its tokens sent, or a request that sent nothing yet whole."""
         if job.aborted or job.num_migrations >= self.migration_limit:
             return False
         max_tokens = sampling_params_from_pb(job.original_sampling_params).max_tokens
-        if len(progress.sent_token_ids) >= max_tokens:
+        sent_token_ids = progresses[0].sent_token_ids if len(progresses) == 1 else []
+        if len(sent_token_ids) >= max_tokens:
             return False
-        job.continue_after(progress.sent_token_ids, error.worker_id, max_tokens)
+        job.continue_after(sent_token_ids, error.worker_id, max_tokens)
         self.metrics.migrations.inc()
-        progress.num_attempt_tokens = 0
-        logger.warning("Request %s: decode worker %s failed after %d tokens (%s); migrating it (%d of at most %d)",
-                       job.request_id, error.worker_id, len(progress.sent_token_ids), error.reason,
+        for progress in progresses:
+            progress.num_attempt_tokens = 0
+        completion = f" (completion {job.completion_index})" if job.completion_index is not None else ""
+        logger.warning("Request %s%s: decode worker %s failed after %d tokens (%s); migrating it (%d of at most %d)",
+                       job.request_id, completion, error.worker_id, len(sent_token_ids), error.reason,
                        job.num_migrations, self.migration_limit)
         return True
 

@@ -261,6 +261,13 @@ class SamplingParams:
         )
 
 
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a request for several seeded ``seed``: seed + index wrapped into a
+    signed 64-bit integer, as vLLM's parallel sampling seeds them (the engine's ``n``, and the router's when it
+    continues one completion on its own)."""
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -7,6 +7,7 @@ SIGTERMed router refuses new requests but lets the streams in flight finish, the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -16,9 +17,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import Client
+from splitserve.common.beam_search_params import BeamSearchParams
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.v1 import inference_pb2
-from tests.cluster_helpers import start_cluster, wait_until
+from tests.cluster_helpers import start_cluster, stream_completions, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -127,33 +129,97 @@ def test_a_migrated_stream_resumes_its_grammar_after_the_tokens_sent(cluster):
         assert text == undisturbed.text and len(json.loads(text)) == 40
 
 
-def test_n_completions_whose_decode_worker_is_killed_each_end_with_an_error_message(cluster):
-    """A request for 3 completions does not migrate (its completions share one worker's forked KV): killing its
-    decode worker mid-stream ends each completion with FINISH_REASON_ERROR, a sentence and its own usage."""
+def stream_n_killing_their_decode_worker(cluster, client, params: SamplingParams, after: int = 5):
+    """Stream ``params.n`` completions of PROMPT, SIGKILLing their decode worker once each sent ``after`` tokens;
+    returns each completion's tokens and last message by index, and the worker killed."""
+    token_ids: dict[int, list[int]] = {}
+    last: dict[int, inference_pb2.GenerateStreamResponse] = {}
+    killed = None
+    for chunk in client.generate_stream(PROMPT, params, timeout=300):
+        assert chunk.index not in last or not last[chunk.index].finish_reason, "a completion went on after its end"
+        token_ids.setdefault(chunk.index, []).extend(chunk.token_ids)
+        last[chunk.index] = chunk
+        if killed is None and len(token_ids) == params.n and min(map(len, token_ids.values())) >= after:
+            [killed] = [p for p in live_decode_workers(cluster) if p.worker_id in serving_decode_workers(client)]
+            killed.kill()
+    assert killed is not None and sorted(last) == list(range(params.n))
+    return token_ids, last, killed
+
+
+def serving_decode_workers(client) -> list[str]:
+    return [w.worker_id for pool in client.cluster_status().pools for w in pool.workers
+            if pool.role == inference_pb2.WORKER_ROLE_DECODE and w.num_router_in_flight_requests]
+
+
+def test_n_completions_whose_decode_worker_is_killed_each_migrate_and_stay_token_identical(cluster):
+    """A request for 3 greedy completions whose decode worker is killed mid-stream: each unfinished completion
+    moves on its own (the prompt plus its tokens streamed) to the other decode worker, all at once; each ends
+    token for token the undisturbed stream, with its own usage."""
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=120, ignore_eos=True, presence_penalty=0.3,
+                            frequency_penalty=0.4)
     with Client(cluster.router.address) as client:
         two_decode_workers_serving(cluster, client)
-        migrations = cluster.router.log().count("migrating it")
-        sent: dict[int, int] = {}
-        last: dict[int, object] = {}
-        killed = None
-        for chunk in client.generate_stream(PROMPT, SamplingParams(n=3, temperature=0.0, max_tokens=400,
-                                                                   ignore_eos=True), timeout=300):
-            sent[chunk.index] = sent.get(chunk.index, 0) + len(chunk.token_ids)
-            last[chunk.index] = chunk
-            if killed is None and len(sent) == 3 and min(sent.values()) >= 5:
-                serving = [w.worker_id for pool in client.cluster_status().pools for w in pool.workers
-                           if w.num_router_in_flight_requests]
-                [killed] = [p for p in live_decode_workers(cluster) if p.worker_id in serving]
-                killed.kill()
-        assert killed is not None and sorted(last) == [0, 1, 2]
+        undisturbed = client.generate(PROMPT, dataclasses.replace(params, n=1), timeout=300)
+        log_before = cluster.router.log()
+        token_ids, last, killed = stream_n_killing_their_decode_worker(cluster, client, params)
+        for index in range(3):
+            assert (last[index].finish_reason, last[index].error_message) == (inference_pb2.FINISH_REASON_LENGTH, "")
+            assert token_ids[index] == list(undisturbed.token_ids), index
+            assert (last[index].usage.prompt_tokens, last[index].usage.completion_tokens) == (
+                undisturbed.usage.prompt_tokens, 120)
+        log = cluster.router.log()[len(log_before):]
+        assert log.count("migrating it") == 3
+        assert all(f"(completion {index}): decode worker {killed.worker_id} failed" in log for index in range(3))
+        wait_until(lambda: all(w.num_router_in_flight_requests == 0 for pool in client.cluster_status().pools
+                               for w in pool.workers), 30, message="no request in flight on the router")
+
+
+def test_n_completions_with_no_decode_worker_left_each_end_with_an_error_message(cluster):
+    """The last decode worker killed under a request for 3 completions: none can move, so each ends with
+    FINISH_REASON_ERROR, a sentence saying why and its own usage; the router goes on."""
+    with Client(cluster.router.address) as client:
+        while len(live_decode_workers(cluster)) > 1:
+            live_decode_workers(cluster)[-1].kill()
+        if not live_decode_workers(cluster):
+            cluster.start_workers("decode", 1)
+        params = SamplingParams(n=3, temperature=0.0, max_tokens=400, ignore_eos=True)
+        token_ids, last, killed = stream_n_killing_their_decode_worker(cluster, client, params)
         for index, message in last.items():
             assert message.finish_reason == inference_pb2.FINISH_REASON_ERROR, index
             assert message.error_message.startswith(f"The decode worker {killed.worker_id} failed mid-stream after "
-                                                    f"{sent[index]} tokens: ")
-            assert message.usage.completion_tokens == sent[index] < 400
-        assert cluster.router.log().count("migrating it") == migrations
+                                                    f"{len(token_ids[index])} tokens: ")
+            assert "no other decode worker could continue the request" in message.error_message
+            assert message.usage.completion_tokens == len(token_ids[index]) < 400
+        cluster.start_workers("decode", 1)
         response = client.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4), timeout=120)
         assert response.finish_reason == inference_pb2.FINISH_REASON_LENGTH  # the router goes on
+
+
+def test_a_beam_search_whose_decode_worker_is_killed_starts_again_on_another(cluster):
+    """A beam search sends its beams at its end: its decode worker killed during the search, the router runs
+    the whole search again on the other decode worker, and the client gets the undisturbed search's beams."""
+    beam = BeamSearchParams(beam_width=3, max_tokens=48, ignore_eos=True)
+    with Client(cluster.router.address) as client:
+        two_decode_workers_serving(cluster, client)
+        undisturbed = stream_completions(client, PROMPT, beam, beam_search=beam)
+        migrations = cluster.router.log().count("migrating it")
+        outcome: dict = {}
+
+        def search() -> None:
+            try:
+                outcome["beams"] = stream_completions(client, PROMPT, beam, beam_search=beam)
+            except Exception as error:  # noqa: BLE001 - reported below
+                outcome["error"] = error
+
+        searching = threading.Thread(target=search)
+        searching.start()
+        wait_until(lambda: serving_decode_workers(client), 60, interval=0.05, message="the search on a worker")
+        [killed] = [p for p in live_decode_workers(cluster) if p.worker_id in serving_decode_workers(client)]
+        killed.kill()
+        searching.join(300)
+        assert "error" not in outcome, outcome.get("error")
+        assert [ids for ids, _, _ in outcome["beams"]] == [ids for ids, _, _ in undisturbed]
+        assert cluster.router.log().count("migrating it") == migrations + 1
 
 
 def test_a_sigtermed_router_drains_its_streams_then_exits_0(cluster):
