@@ -334,6 +334,78 @@ def test_a_stream_whose_decode_worker_fails_migrates_to_another_one(cluster):
         "prefill-1": 0, "decode-1": 0, "decode-2": 0}
 
 
+def decode_only(channels: FakeChannels) -> tuple[Dispatcher, WorkerRegistry]:
+    """Two decode workers and no prefill worker (each decode worker prefills locally: no prefill futures)."""
+    registry = WorkerRegistry(model_fingerprint="m")
+    for index in (1, 2):
+        registry.add_static(DECODE, f"d:{index}", worker_id=f"decode-{index}",
+                            kv_endpoint=worker_pb2.KVEndpoint(address=f"d:{index}0"))
+    return Dispatcher(RouterConfig(), registry, RoundRobin(), RoundRobin(), channels), registry
+
+
+def running(index: int, *token_ids: int) -> worker_pb2.DecodeResponse:
+    return worker_pb2.DecodeResponse(state=worker_pb2.REQUEST_STATE_RUNNING, token_ids=token_ids, index=index)
+
+
+def test_n_completions_whose_decode_worker_fails_migrate_one_by_one(cluster):
+    """A request for 3 seeded completions whose decode worker fails after completion 2 finished: completions 0 and
+    1 each continue as a request for one (the prompt plus its own tokens sent, its seed + index), on the other
+    decode worker; the client's stream goes on under their indexes."""
+    channels = FakeChannels()
+    dispatcher, registry = decode_only(channels)
+    done = worker_pb2.DecodeResponse(state=worker_pb2.REQUEST_STATE_FINISHED, token_ids=[2],
+                                     finish_reason=inference_pb2.FINISH_REASON_STOP, index=2)
+    channels.decode_calls.append(FakeDecodeCall([running(0, 5, 6), running(1, 7), done],
+                                                error=FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Socket closed")))
+    for _ in range(2):  # the continuations: one more token each
+        channels.decode_calls.append(FakeDecodeCall([FINISHED]))
+    params = inference_pb2.SamplingParams(n=3, seed=2**63 - 1, max_tokens=6, temperature=0.7)
+    request = RouterRequest("r1", Prompt(list(range(40)), None), params)
+    chunks = list(servicer_of(dispatcher, registry)._generate(request, FakeContext()))
+    sent = {index: [t for c in chunks if c.index == index for t in c.token_ids] for index in range(3)}
+    assert sent == {0: [5, 6, 7], 1: [7, 7], 2: [2]}
+    last = {c.index: c for c in chunks if c.finish_reason}
+    assert {index: (c.finish_reason, c.usage.completion_tokens) for index, c in last.items()} == {
+        0: (inference_pb2.FINISH_REASON_LENGTH, 3), 1: (inference_pb2.FINISH_REASON_LENGTH, 2),
+        2: (inference_pb2.FINISH_REASON_STOP, 1)}
+    first, *continuations = channels.decode_requests
+    assert first[0] == "d:1" and first[1].sampling_params.n == 3
+    by_seed = sorted(continuations, key=lambda call: call[1].sampling_params.seed)
+    # Completion 1's seed wraps past 2**63 - 1 as the decode worker's did (signed 64 bits); completion 0's is kept.
+    assert [call[1].sampling_params.seed for call in by_seed] == [-(2**63), 2**63 - 1]
+    assert [list(call[1].prompt_token_ids[40:]) for call in by_seed] == [[7], [5, 6]]
+    for address, continuation in continuations:
+        assert address == "d:2" and not continuation.sampling_params.HasField("n")
+        resumed = len(continuation.prompt_token_ids) - 40
+        assert (continuation.sampling_params.num_resumed_tokens, continuation.sampling_params.max_tokens) == (
+            resumed, 6 - resumed)
+    assert request.num_migrations == 1
+    assert {w: registry.get(w).num_in_flight for w in ("decode-1", "decode-2")} == {"decode-1": 0, "decode-2": 0}
+
+
+def test_n_completions_that_sent_nothing_migrate_whole(cluster):
+    """A request for 2 whose decode worker fails before any message (a beam search's case too) moves as it is."""
+    channels = FakeChannels()
+    dispatcher, registry = decode_only(channels)
+    channels.decode_calls.append(FakeDecodeCall([], error=FakeRpcError(grpc.StatusCode.UNAVAILABLE, "gone")))
+    channels.decode_calls.append(FakeDecodeCall([running(1, 3), with_fields(FINISHED, index=1),
+                                                 with_fields(FINISHED, index=0)]))
+    request = RouterRequest("r1", Prompt(list(range(40)), None), inference_pb2.SamplingParams(n=2, max_tokens=4))
+    chunks = list(servicer_of(dispatcher, registry)._generate(request, FakeContext()))
+    assert [(c.index, list(c.token_ids)) for c in chunks] == [(1, [3]), (1, [7]), (0, [7])]
+    [(_, first), (address, second)] = channels.decode_requests
+    assert address == "d:2" and second.sampling_params.n == 2 and list(second.prompt_token_ids) == list(range(40))
+    assert request.num_migrations == 1
+
+
+def with_fields(message: worker_pb2.DecodeResponse, **fields) -> worker_pb2.DecodeResponse:
+    copy = worker_pb2.DecodeResponse()
+    copy.CopyFrom(message)
+    for name, value in fields.items():
+        setattr(copy, name, value)
+    return copy
+
+
 def test_migrations_stop_at_the_limit(cluster):
     dispatcher, registry, channels = cluster
     registry.add_static(DECODE, "d:3", worker_id="decode-2", kv_endpoint=worker_pb2.KVEndpoint(address="d:4"))
