@@ -190,7 +190,7 @@ class LLM:
         eos_token_ids = self.engine.eos_token_ids
         tokenizer = self.get_tokenizer()
         steps = _ForkingSteps(self, beam_candidates(params.beam_width, eos_token_ids), params.temperature,
-                              lora_request, use_tqdm)
+                              lora_request, params.max_tokens if use_tqdm else None)
         try:
             return beam_search(token_ids, params, steps, eos_token_ids,
                                lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
@@ -343,11 +343,17 @@ def _gathered(groups: list[list[str]], outputs: list[RequestOutput]) -> list[Req
 class _ForkingSteps:
     """Beam search's steps through an LLM's engine: each sequence a one-token request with the top ``candidates``
     log probabilities, holding its blocks when done (``keep_kv``) so that the next step's sequences that grow from
-    it fork its KV; a step's requests release the step's before it once they are done."""
+    it fork its KV; a step's requests release the step's before it once they are done. With ``max_steps`` a
+    progress bar counts the steps, one bar for the whole search (as vLLM's)."""
 
     def __init__(self, llm: LLM, candidates: int, temperature: float, lora_request: LoRARequest | None,
-                 use_tqdm: bool) -> None:
-        self.llm, self.lora_request, self.use_tqdm = llm, lora_request, use_tqdm
+                 max_steps: int | None = None) -> None:
+        self.llm, self.lora_request = llm, lora_request
+        self.progress = None
+        if max_steps is not None:
+            from tqdm import tqdm
+
+            self.progress = tqdm(total=max_steps, desc="Beam search", unit="step")
         self.params = SamplingParams(temperature=temperature, max_tokens=1, logprobs=candidates, ignore_eos=True)
         self.held: dict[tuple[int, ...], str] = {}  # the last step's requests, by their tokens
         self.to_release: list[str] = []  # every request that may hold blocks
@@ -365,7 +371,9 @@ class _ForkingSteps:
         except BaseException:  # nothing of the step stays queued
             self.llm._abort_all(request_ids)
             raise
-        outputs = self.llm._run(request_ids, self.use_tqdm)
+        outputs = self.llm._run(request_ids, use_tqdm=False)
+        if self.progress is not None:
+            self.progress.update(1)
         for request_id in self.held.values():
             engine.release_kv(request_id)
         self.held = {tuple(output.prompt_token_ids): output.request_id for output in outputs}
@@ -376,6 +384,8 @@ class _ForkingSteps:
         for request_id in self.to_release:
             self.llm.engine.release_kv(request_id)
         self.to_release, self.held = [], {}
+        if self.progress is not None:
+            self.progress.close()
 
 
 def offline_max_num_batched_tokens(engine_options: dict[str, Any]) -> int:

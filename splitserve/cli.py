@@ -316,6 +316,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--logit-bias", action="append", type=_logit_bias_entry, default=[], metavar="ID=BIAS",
                        help="add BIAS (in [-100, 100]) to token ID's logit before sampling; -100 bans it "
                        "(repeatable)")
+    beams = parser.add_argument_group(
+        "beam search", "search with beams instead of sampling (vLLM's beam search): each prompt's N best "
+        "continuations, best first, each a record (with its \"index\") or printed in turn. It takes --max-tokens "
+        "and --ignore-eos (a JSONL line's too) and refuses every other sampling flag.")
+    beams.add_argument("--beam-width", type=int, metavar="N", help="beams kept at each step, 1 to 10")
+    beams.add_argument("--length-penalty", type=float, default=1.0,
+                       help="a finished beam's score is its log probability over its length to this power "
+                       "(default: %(default)s)")
     shape = parser.add_argument_group(
         "structured outputs", "the shape the output must take (at most one; vLLM's structured outputs: each step "
         "masks the tokens the shape cannot take next, and generation stops once the output is complete)")
@@ -380,6 +388,68 @@ def _priority_of(args: argparse.Namespace, item: dict) -> int:
     return priority
 
 
+def _beam_searches_of(args: argparse.Namespace, params: list[SamplingParams]) -> list | None:
+    """Each prompt's beam search (--beam-width; its max_tokens and ignore_eos from ``params``), None without one.
+
+    Raises:
+        ValueError: a sampling flag or JSONL field other than max_tokens and ignore_eos was given with it, or a
+            beam search flag without --beam-width.
+    """
+    from splitserve.common.beam_search_params import BeamSearchParams
+
+    if args.beam_width is None:
+        if args.length_penalty != 1.0:
+            raise ValueError("--length-penalty is for a beam search: give --beam-width too.")
+        return None
+    beams = []
+    for item_params in params:
+        plain = SamplingParams(max_tokens=item_params.max_tokens, ignore_eos=item_params.ignore_eos,
+                               temperature=0.0)  # the flag's default: a search's candidates are the likeliest
+        given = [field.name for field in dataclasses.fields(SamplingParams)
+                 if getattr(item_params, field.name) != getattr(plain, field.name)]
+        if given:
+            raise ValueError(f"--beam-width takes only max_tokens and ignore_eos of the sampling parameters; "
+                             f"{', '.join(given)} given.")
+        beam = BeamSearchParams(beam_width=args.beam_width, max_tokens=item_params.max_tokens,
+                                ignore_eos=item_params.ignore_eos, length_penalty=args.length_penalty)
+        beam.check()
+        beams.append(beam)
+    return beams
+
+
+def _beam_search_locally(args: argparse.Namespace, llm, items: list[dict], prompts: list, beams: list,
+                         lora) -> int:
+    """Run each prompt's beam search here (prompts of the same search in one batch); print or write each beam."""
+    outputs: list = [None] * len(prompts)
+    groups: dict = {}
+    for position, beam in enumerate(beams):
+        groups.setdefault(beam, []).append(position)
+    for beam, positions in groups.items():
+        found = llm.beam_search([prompts[position] for position in positions], beam, lora_request=lora,
+                                use_tqdm=True)
+        for position, output in zip(positions, found):
+            outputs[position] = output
+    eos = set(llm.engine.eos_token_ids)
+    sink = open(args.output, "w") if args.output else None
+    try:
+        for item, output in zip(items, outputs):
+            for index, sequence in enumerate(output.sequences):
+                generated = sequence.tokens[output.prompt_len:]
+                reason = "stop" if generated and generated[-1] in eos else "length"
+                if sink:
+                    sink.write(json.dumps({
+                        "prompt": item.get("prompt"), "text": sequence.text, "token_ids": generated,
+                        "finish_reason": reason, "num_prompt_tokens": output.prompt_len, "index": index,
+                        "cum_logprob": sequence.cum_logprob}) + "\n")
+                else:
+                    print(f"--- {item.get('prompt', '')!r} [beam {index}, log probability "
+                          f"{sequence.cum_logprob:.4f}]\n{sequence.text}\n[{reason}]")
+    finally:
+        if sink:
+            sink.close()
+    return 0
+
+
 def _prepare_model(args: argparse.Namespace) -> int:
     from splitserve.engine.model_store import prepare_default_model
 
@@ -391,12 +461,13 @@ def _prepare_model(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     items = _read_prompts(args)
     params = [sampling_params_from_args(args, item) for item in items]
+    beams = _beam_searches_of(args, params)
     if not args.server and any((args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)):
         raise ValueError("The --tls-* flags are for --server: without it the model runs in this process.")
     if args.server:
         if args.lora:
             check_lora_name(args.lora)  # a NAME=PATH meant for a local run is said here, not by the router
-        return _generate_remote(args, items, params)
+        return _generate_remote(args, items, params, beams)
     from splitserve.engine.llm import LLM
     from splitserve.engine.lora import LoRARequest
 
@@ -407,6 +478,8 @@ def _generate(args: argparse.Namespace) -> int:
         lora, options["enable_lora"] = LoRARequest(name, 1, path), True
     llm = LLM(args.model, **options)
     prompts = [_to_prompt(llm, item, args.chat) for item in items]
+    if beams is not None:
+        return _beam_search_locally(args, llm, items, prompts, beams, lora)
     priorities = [_priority_of(args, item) for item in items]
     if len(prompts) == 1 and not args.output and params[0].n == 1:
         _stream_one(llm, prompts[0], params[0], priorities[0], lora)
@@ -439,8 +512,9 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[SamplingParams]) -> int:
-    """Stream each prompt's reply from a router, one after the other."""
+def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[SamplingParams],
+                     beams: list | None = None) -> int:
+    """Stream each prompt's reply from a router, one after the other (``beams``: each prompt's beam search)."""
     import grpc
 
     from splitserve.client import Client
@@ -457,15 +531,16 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
     with Client(args.server, api_key=api_key, tls=tls) as client:
         sink = open(args.output, "w") if args.output else None
         try:
-            for item, item_params in zip(items, params):
+            for item, item_params, beam in zip(items, params, beams or [None] * len(items)):
                 prompt = item.get("messages") or item.get("prompt_token_ids") or item["prompt"]
                 if args.chat and isinstance(prompt, str):
                     prompt = [{"role": "user", "content": prompt}]
                 completions: dict[int, _RemoteCompletion] = {}
-                live = not sink and item_params.n == 1  # several completions are printed each at its end
+                several = beam is not None or item_params.n > 1
+                live = not sink and not several  # several completions are printed each at its end
                 try:
-                    for chunk in client.generate_stream(prompt, item_params, priority=_priority_of(args, item),
-                                                        lora_name=args.lora or ""):
+                    for chunk in client.generate_stream(prompt, None if beam else item_params, beam_search=beam,
+                                                        priority=_priority_of(args, item), lora_name=args.lora or ""):
                         completion = completions.setdefault(chunk.index, _RemoteCompletion())
                         completion.add(chunk)
                         if live:
@@ -480,7 +555,7 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
                     return 1
                 for index in sorted(completions) if sink else ():
                     record = completions[index].record(item.get("prompt"))
-                    if item_params.n > 1:
+                    if several:
                         record["index"] = index
                     sink.write(json.dumps(record) + "\n")
         finally:

@@ -73,8 +73,8 @@ class RouterMetrics:
         self.admission_refusals = Counter("splitserve_router_admission_refusals", "Requests refused before "
                                           "dispatch: in_flight_limit (--max-in-flight-requests), draining.",
                                           ["reason"], registry=registry)
-        self.migrations = Counter("splitserve_router_migrations", "Requests moved to another decode worker after "
-                                  "theirs failed mid-stream.", registry=registry)
+        self.migrations = Counter("splitserve_router_migrations", "Requests (each completion of a request for n on "
+                                  "its own) moved to another decode worker after theirs failed mid-stream.", registry=registry)
         self.embeddings = Counter("splitserve_router_embedding_requests", "Embed requests ended, by gRPC status "
                                   "code (OK: the embedding returned).", ["code"], registry=registry)
         # Every series a dashboard or alert reads exists from the start, at 0, rather than after its first event.

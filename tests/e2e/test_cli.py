@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.reference import hf_prompt_logprobs
+from tests.reference import hf_beams, hf_prompt_logprobs
 
 SMALL_ENGINE = ["--kv-cache-gb", "0.1", "--max-model-len", "512"]
 
@@ -129,3 +129,36 @@ def test_workers_take_a_kv_checksum_setting():
     assert WorkerConfig(kv_checksum="none").kv_checksum == "none"
     with pytest.raises(ValueError, match="kv_checksum must be one of xxh3, none, got 'md5'"):
         WorkerConfig(kv_checksum="md5")
+
+
+def test_beam_search_writes_a_record_a_beam_as_transformers_finds_them(tmp_path, model_dir, tokenizer):
+    """--beam-width: each prompt's beams, best first, transformers' (float32, length penalty 1); a JSONL line's
+    max_tokens is its search's; sampling flags a search does not take are refused with a sentence."""
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "The capital of France is"}, {"prompt": "Water boils at", "max_tokens": 4}]
+    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    output = tmp_path / "beams.jsonl"
+    result = run_cli("generate", "--file", str(prompts), "--output", str(output), "--max-tokens", "6",
+                     "--beam-width", "3", *SMALL_ENGINE)
+    assert result.returncode == 0, result.stderr
+    assert "Beam search" in result.stderr  # one progress bar a search
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [(record["prompt"], record["index"]) for record in records] == [
+        (line["prompt"], index) for line in lines for index in range(3)]
+    for line, found in zip(lines, (records[:3], records[3:])):
+        ids = tokenizer.encode(line["prompt"])
+        assert [record["token_ids"] for record in found] == hf_beams(str(model_dir), ids, 3, line.get("max_tokens", 6))
+        assert all(record["num_prompt_tokens"] == len(ids) for record in found)
+        if len({len(record["token_ids"]) for record in found}) == 1:  # best first (the length penalty moot)
+            scores = [record["cum_logprob"] for record in found]
+            assert scores == sorted(scores, reverse=True)
+    printed = run_cli("generate", "The capital of France is", "--max-tokens", "4", "--beam-width", "2", *SMALL_ENGINE)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout.count("--- 'The capital of France is' [beam ") == 2
+    for flags, message in ((["--temperature", "0.7"], "takes only max_tokens and ignore_eos"),
+                           (["--logprobs", "2"], "logprobs given"), (["--beam-width", "11"], "beam_width")):
+        refused = run_cli("generate", "hello", *(["--beam-width", "2"] if "--beam-width" not in flags else []),
+                          *flags, *SMALL_ENGINE)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+    alone = run_cli("generate", "hello", "--length-penalty", "2")
+    assert alone.returncode == 2 and "--length-penalty is for a beam search" in alone.stderr

@@ -427,6 +427,25 @@ def test_generate_cli_streams_from_the_cluster(cluster, tmp_path):
             assert records[0]["text"] == records[1]["text"] and records[0]["text"].startswith(" Paris")
 
 
+def test_generate_cli_beam_search_through_the_cluster(cluster, tmp_path, model_dir, tokenizer):
+    """`splitserve generate --server ... --beam-width 3`: a record a beam, best first, transformers' beams."""
+    import json
+    import subprocess
+    import sys
+
+    output = tmp_path / "beams.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "generate", "--server", cluster.router.address,
+         "The capital of France is", "--max-tokens", "6", "--beam-width", "3", "--output", str(output)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    expected = hf_beams(str(model_dir), tokenizer.encode("The capital of France is"), 3, 6)
+    assert [record["token_ids"] for record in records] == expected
+    assert [record["index"] for record in records] == [0, 1, 2]
+
+
 def test_decode_worker_kv_failure_policies(cluster, client, tokenizer):
     """A transfer that never arrives: recompute locally (same tokens) or fail with a clear message; with n
     completions the others fork the recomputed prompt, or fail with the first."""
