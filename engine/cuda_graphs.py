@@ -26,7 +26,7 @@ same static buffers eagerly: everything but the capture itself, checked token fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,9 @@ class DecodeInputs:
     positions: list[int]  # [requests] its position (= tokens already in the cache)
     slots: list[int]  # [requests] where its key and value are written
     block_tables: list[list[int]]  # [requests][blocks] each request's blocks, at least positions // block_size + 1
+    # [requests] each one's row of the rotary tables: its position, or past RotaryEmbedding.long_offset for a request
+    # rotated with LongRoPE's long factors throughout
+    rotary_positions: list[int] = field(default_factory=list)
 
 
 class DecodeGraphs:
@@ -106,7 +109,7 @@ class DecodeGraphs:
         size = next(size for size in self.sizes if size >= num_requests)
         padding = size - num_requests
         fields = torch.tensor(
-            [step.token_ids + [0] * padding, step.positions + [0] * padding, step.slots + [-1] * padding,
+            [step.token_ids + [0] * padding, step.rotary_positions + [0] * padding, step.slots + [-1] * padding,
              [position + 1 for position in step.positions] + [1] * padding],
             dtype=torch.int64,
         )

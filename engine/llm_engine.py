@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.common.block_hash import check_cache_salt, lora_root_hash, salted_root_hash
+from splitserve.common.block_hash import check_cache_salt, long_rope_root_hash, lora_root_hash, salted_root_hash
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.load import WorkerLoad
 from splitserve.common.log_fields import request_log
@@ -37,6 +37,7 @@ from splitserve.engine.logits_processors import BadWordBans, bad_words_token_ids
 from splitserve.engine.lora import LoRARequest
 from splitserve.engine.model_runner import ModelRunner, SampledToken
 from splitserve.engine.model_store import load_tokenizer, resolve_model
+from splitserve.engine.models.rotary_embedding import long_rope_context
 from splitserve.engine.output_processor import OutputProcessor
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.pooling import PoolingParams
@@ -77,6 +78,10 @@ class LLMEngine:
         self.max_model_len = config.resolve_max_model_len(self.model_config.max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.model_runner = ModelRunner(config, str(self.model_dir), self.model_config, self.max_model_len)
+        # A LongRoPE model's original context, when the engine's is longer: a longer prompt rotates with the long
+        # factors throughout (Request.long_rope); None otherwise.
+        self.long_rope_context = (long_rope_context(self.model_config)
+                                  if self.model_runner.model.model.rotary.long_offset else None)
         config.check_fits(self.max_model_len, self.model_runner.num_blocks)
         self.kv_cache = KVCacheManager(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -202,6 +207,8 @@ class LLMEngine:
         if lora_request is not None:
             self._acquire_lora(request, lora_request)
         request.block_hash_root = salted_root_hash(request.block_hash_root, cache_salt)
+        if self.long_rope_context is not None and len(token_ids) - params.num_resumed_tokens > self.long_rope_context:
+            request.long_rope, request.block_hash_root = True, long_rope_root_hash(request.block_hash_root)
         try:
             num_external_tokens = self.kv_transfers.num_external_tokens(request, kv_transfer)
             self.scheduler.add_request(request, num_external_tokens)

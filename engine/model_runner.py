@@ -117,7 +117,7 @@ class SampledToken:
 @dataclass
 class _BatchInputs:
     input_ids: torch.Tensor  # [tokens] int64
-    positions: torch.Tensor  # [tokens] int64
+    positions: torch.Tensor  # [tokens] int64: each token's row of the rotary tables (its position, or past long_offset)
     metadata: AttentionMetadata
     sample_rows: list[int]  # rows whose logits are sampled, in the order of sample_requests
     sample_requests: list[Request]
@@ -365,6 +365,7 @@ class ModelRunner:
             table = block_tables[request.request_id]
             step.token_ids.append(request.all_token_ids[position])
             step.positions.append(position)
+            step.rotary_positions.append(position + self._rotary_offset(request))
             step.slots.append(table[position // size] * size + position % size)
             step.block_tables.append(table)
             if item.sample:
@@ -380,6 +381,7 @@ class ModelRunner:
         prefills = [item for item in scheduled if item.num_new_tokens > 1]
         step, sample_rows, sample_requests = self._decode_rows(decodes, block_tables)
         token_ids, positions, decode_tables = step.token_ids, step.positions, step.block_tables
+        rotary_positions = list(step.rotary_positions)
         prompt_rows = [entry for row, item in enumerate(decodes)  # a one-token prompt chunk is a decode row
                        if item.request.sampling_params.prompt_logprobs is not None
                        for entry in _prompt_rows(item.request, row, positions[row], 1)]
@@ -401,6 +403,8 @@ class ModelRunner:
             token_ids.extend(request.all_token_ids[start : end - len(item.spec_token_ids)])
             token_ids.extend(item.spec_token_ids)
             positions.extend(range(start, end))
+            offset = self._rotary_offset(request)
+            rotary_positions.extend(range(start + offset, end + offset))
             table = torch.tensor(block_tables[request.request_id], dtype=torch.int64, device=self.device)
             spans.append(PrefillSpan(row, row + item.num_new_tokens, start, table))
             prompt_rows.extend(_prompt_rows(request, row, start, item.num_new_tokens))
@@ -417,7 +421,7 @@ class ModelRunner:
             metadata.prefill_batch = PrefillBatch.from_spans(spans)
         return _BatchInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(rotary_positions, dtype=torch.int64, device=self.device),
             metadata=metadata,
             sample_rows=sample_rows,
             sample_requests=sample_requests,
@@ -425,6 +429,11 @@ class ModelRunner:
             lora_ids=[_lora_id(item.request) for item in decodes]
             + [_lora_id(item.request) for item in prefills for _ in range(item.num_new_tokens)],
         )
+
+    def _rotary_offset(self, request: Request) -> int:
+        """How far past its position a request's row of the rotary tables is: RotaryEmbedding.long_offset for a
+        request rotated with LongRoPE's long factors throughout (``request.long_rope``), else 0."""
+        return self.model.model.rotary.long_offset if request.long_rope else 0
 
     def _decode_group(self, start: int, end: int, tables: list[list[int]], positions: list[int]) -> DecodeGroup:
         """Padded block tables, context lengths and (torch path) the key mask of decode rows [start, end)."""

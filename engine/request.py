@@ -98,6 +98,9 @@ class Request:
     # block_hash.salted_root_hash); None: the base model without a salt, chaining from the common root.
     lora_request: Any = None
     block_hash_root: bytes | None = None
+    # A LongRoPE model's request whose prompt (less its num_resumed_tokens) is longer than the original context: every
+    # position rotates with the long factors (RotaryEmbedding.long_offset), its blocks chained from their own root.
+    long_rope: bool = False
     # The token id or stop string that finished it; an error message for FINISHED_ERROR.
     stop_reason: int | str | None = None
     # Per-request random generator (a numpy.random.Generator on PCG64, all 64 bits of the seed), owned by the sampler.

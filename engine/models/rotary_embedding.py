@@ -17,19 +17,30 @@ from splitserve.common.model_info import ModelConfig
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to ``max_positions``, built once."""
+    """cos/sin tables for every position up to ``max_positions``, built once.
+
+    With LongRoPE whose original context is shorter than ``max_positions`` the tables hold two rows a position:
+    the first ``max_positions`` rows rotate with the short factors below the original context and the long ones
+    from it on; the next ``max_positions`` (from ``long_offset``) with the long factors throughout, for a request
+    whose prompt is longer than the original context (:func:`long_rope_context`), as transformers and vLLM rotate
+    such a prompt. A position's row is ``position + long_offset`` for those requests.
+    """
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq, attention_factor = _inverse_frequencies(config)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [positions, rotary_dim / 2]
-        if config.rope_scaling.get("rope_type") == "longrope":
+        original = long_rope_context(config)
+        self.long_offset = 0
+        if original is not None:
             # The long factors from the original context on (transformers switches a whole forward pass to them
             # once its last position is past it: the same rotation for each token decoded past it).
-            original = config.rope_scaling["original_max_position_embeddings"]
             long_inv_freq, _ = _longrope_frequencies(config, long=True)
-            freqs[original:] = positions[original:, None] * long_inv_freq[None, :]
+            long_freqs = positions[:, None] * long_inv_freq[None, :]
+            freqs[original:] = long_freqs[original:]
+            if original < max_positions:
+                freqs, self.long_offset = torch.cat((freqs, long_freqs)), max_positions
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
@@ -41,6 +52,14 @@ class RotaryEmbedding(nn.Module):
         kernels' ``rotary_`` takes them."""
         cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
         return (cos.unsqueeze(1), sin.unsqueeze(1)) if over_heads else (cos, sin)
+
+
+def long_rope_context(config: ModelConfig) -> int | None:
+    """A LongRoPE model's original context (a request whose prompt is longer takes the long factors at every
+    position: ``RotaryEmbedding.long_offset``); None for any other rotary."""
+    if config.rope_scaling.get("rope_type") != "longrope":
+        return None
+    return int(config.rope_scaling["original_max_position_embeddings"])
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ that runs a LoRA adapter chains its first block from the adapter's own root
 differs from the base model's for the same tokens. A request with a cache salt
 (vLLM's ``cache_salt``) chains from a root mixed with it (:func:`salted_root_hash`):
 only requests with the same salt find its blocks, so a tenant cannot learn from
-prefix-cache hits what another one's prompts held.
+prefix-cache hits what another one's prompts held. A LongRoPE model's request whose
+prompt is longer than the original context chains from a root of its own
+(:func:`long_rope_root_hash`): its keys are rotated with the long factors throughout.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ def lora_root_hash(lora_name: str) -> bytes:
     """The hash a LoRA adapter's requests chain their first block from (``parent_hash`` of
     :func:`hash_block_tokens`): by the adapter's name, which every worker of a cluster serves it under."""
     return hashlib.sha256(_ROOT_HASH + b"/lora/" + lora_name.encode()).digest()
+
+
+def long_rope_root_hash(root: bytes | None) -> bytes:
+    """The hash a request rotated with a LongRoPE model's long factors throughout (its prompt longer than the
+    original context) chains its first block from: ``root`` (None: the base model's; an adapter's or a salted
+    one) mixed with the rotation, since its keys differ from those of the same tokens in a shorter request."""
+    return hashlib.sha256((root if root is not None else _ROOT_HASH) + b"/longrope").digest()
 
 
 def check_cache_salt(salt) -> str | None:

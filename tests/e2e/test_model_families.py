@@ -251,6 +251,19 @@ def transformers_stepwise_greedy(directory, prompt_ids: list[list[int]], max_tok
     return expected
 
 
+def _longrope_config(original: int):
+    """Phi-4-mini's rotary on a small scale: half of each head rotates (head_dim 16: 4 frequencies) and LongRoPE
+    has distinct short and long factors, ``original`` its original context."""
+    from transformers import Phi3Config
+
+    half = 16 // 2 // 2
+    return Phi3Config(**SMALL, partial_rotary_factor=0.5, tie_word_embeddings=False,
+                      original_max_position_embeddings=original,
+                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                       "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                       "long_factor": [2.0 + 3.0 * i for i in range(half)]})
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_phi4_mini_partial_rotary_and_longrope_match_transformers(backend, tmp_path, model_dir, tokenizer):
     """Phi-4-mini's rotary on a small scale: half of each head rotates (its factor is 0.75 of 128) and LongRoPE has
@@ -258,19 +271,11 @@ def test_phi4_mini_partial_rotary_and_longrope_match_transformers(backend, tmp_p
     and the torch references. Within the original context the tokens are transformers' generate's; with an
     original context the second prompt's decoding passes after 4 tokens, the tokens past it take the long factors,
     as transformers' model gives them decoding a token a pass."""
-    from transformers import Phi3Config
-
     prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
-    half = 16 // 2 // 2  # head_dim 16 (64 / 4 heads), half of it rotated: 4 frequencies
     for original, reference in ((len(prompt_ids[1]) + MAX_TOKENS, transformers_greedy),
                                 (len(prompt_ids[1]) + 4, transformers_stepwise_greedy)):
         directory = tmp_path / str(original)
-        config = Phi3Config(**SMALL, partial_rotary_factor=0.5, tie_word_embeddings=False,
-                            original_max_position_embeddings=original,
-                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                                             "short_factor": [1.0 + 0.1 * i for i in range(half)],
-                                             "long_factor": [2.0 + 3.0 * i for i in range(half)]})
-        write_tiny_model(config, directory, model_dir)
+        write_tiny_model(_longrope_config(original), directory, model_dir)
         expected = reference(directory, prompt_ids)
         llm = LLM(str(directory), attention_backend=backend, **ENGINE_OPTIONS)
         assert llm.engine.model_runner.model.model.layers[0].self_attn.rotary_dim == 8
@@ -278,3 +283,53 @@ def test_phi4_mini_partial_rotary_and_longrope_match_transformers(backend, tmp_p
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         assert [output.outputs[0].token_ids for output in outputs] == expected, original
         assert llm.engine.free_block_count == llm.engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_prompt_past_longropes_original_context_takes_the_long_factors_throughout(backend, tmp_path, model_dir,
+                                                                                   tokenizer):
+    """A LongRoPE model whose original context (40) the 81-token prompt passes: every position of that request
+    rotates with the long factors, as transformers (and vLLM) rotate such a prompt, chunked prefill included, while
+    the short prompt beside it keeps the short ones. Its blocks chain from a root of their own: the KV of a shorter
+    request's same first tokens (rotated with the short factors) is not taken from the prefix cache, its own is."""
+    prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
+    original = 40
+    assert len(prompt_ids[0]) + MAX_TOKENS <= original < len(prompt_ids[1])
+    write_tiny_model(_longrope_config(original), tmp_path, model_dir)
+    expected = transformers_greedy(tmp_path, prompt_ids)
+    llm = LLM(str(tmp_path), attention_backend=backend, block_size=16, **ENGINE_OPTIONS)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    shorter = {"prompt_token_ids": prompt_ids[1][:original - 4]}  # its first two blocks are the long prompt's tokens
+    llm.generate([shorter], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    assert outputs[1].num_cached_tokens == 0  # not the shorter request's blocks
+    [again] = llm.generate([{"prompt_token_ids": prompt_ids[1]}], params, use_tqdm=False)
+    assert again.outputs[0].token_ids == expected[1] and again.num_cached_tokens == 80  # its own five blocks
+    assert llm.engine.free_block_count == llm.engine.num_kv_blocks
+
+
+def test_a_longrope_prompt_past_its_original_context_through_a_disaggregated_cluster(tmp_path, model_dir,
+                                                                                     tokenizer):
+    """The same model through a prefill and a decode worker (KV over p2p): the prefill worker rotates the 81-token
+    prompt with the long factors throughout, and so does the decode worker for the tokens after it (each decides
+    from the prompt's length), so the stream is transformers'."""
+    from splitserve.client import Client
+    from tests.cluster_helpers import all_blocks_free, start_cluster, stream_tokens, wait_until, worker_status
+
+    model = tmp_path / "phi3"
+    model.mkdir()
+    write_tiny_model(_longrope_config(40), model, model_dir)
+    prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
+    expected = transformers_greedy(model, prompt_ids)
+    model_args = ["--model", str(model), "--max-model-len", "512"]
+    cluster = start_cluster("p2p", tmp_path / "logs", worker_args=model_args, router_args=model_args)
+    try:
+        decode = next(process for process in cluster.workers if process.name.startswith("decode"))
+        with Client(cluster.router.address) as client:
+            assert [stream_tokens(client, ids, MAX_TOKENS, ignore_eos=True)[0] for ids in prompt_ids] == expected
+            counters = worker_status(decode.address, "decode").counters
+            assert counters.num_kv_transfers_received == len(prompt_ids) and counters.num_kv_recomputes == 0
+            wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")
+    finally:
+        cluster.stop()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitserve.common.model_info import ModelConfig
-from splitserve.engine.models.rotary_embedding import RotaryEmbedding, _inverse_frequencies
+from splitserve.engine.models.rotary_embedding import RotaryEmbedding, _inverse_frequencies, long_rope_context
 
 SMALL = {"vocab_size": 100, "hidden_size": 256, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096, "rope_theta": 1e6}
@@ -84,6 +84,15 @@ def test_longrope_tables_are_transformers_short_then_long_with_a_partial_rotary(
                            positions[:, None] * long_inv_freq)
     torch.testing.assert_close(cos, torch.cat((expected, expected), -1).cos() * expected_factor)
     torch.testing.assert_close(sin, torch.cat((expected, expected), -1).sin() * expected_factor)
+    # A request whose prompt passes the original context reads the rows past long_offset: the long factors at every
+    # position, as transformers' frequencies for a pass past it.
+    tables = RotaryEmbedding(config, 64)
+    assert tables.long_offset == 64 and long_rope_context(config) == original
+    cos, sin = tables.tables(positions + tables.long_offset, torch.float32, over_heads=False)
+    expected = positions[:, None] * long_inv_freq
+    torch.testing.assert_close(cos, torch.cat((expected, expected), -1).cos() * expected_factor)
+    torch.testing.assert_close(sin, torch.cat((expected, expected), -1).sin() * expected_factor)
+    assert RotaryEmbedding(config, original).long_offset == 0  # a context within the original needs no long rows
     with pytest.raises(ValueError, match="longrope's short_factor has 3 values; the rotary dimensions need 24"):
         _inverse_frequencies(ModelConfig.from_dict({**raw, "rope_scaling": {**raw["rope_scaling"],
                                                                              "short_factor": [1.0] * 3}}))
