@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.common.block_hash import check_cache_salt, long_rope_root_hash, lora_root_hash, salted_root_hash
+from splitserve.common.block_hash import check_cache_salt, lora_root_hash, salted_root_hash
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.load import WorkerLoad
 from splitserve.common.log_fields import request_log
@@ -78,8 +78,9 @@ class LLMEngine:
         self.max_model_len = config.resolve_max_model_len(self.model_config.max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.model_runner = ModelRunner(config, str(self.model_dir), self.model_config, self.max_model_len)
-        # A LongRoPE model's original context, when the engine's is longer: a longer prompt rotates with the long
-        # factors throughout (Request.long_rope); None otherwise.
+        # A LongRoPE model's original context, when the engine's is longer: a request longer than it rotates with the
+        # long factors throughout (Request.rotate_long, here for a prompt, in the scheduler for one that grows past
+        # it); None otherwise.
         self.long_rope_context = (long_rope_context(self.model_config)
                                   if self.model_runner.model.model.rotary.long_offset else None)
         config.check_fits(self.max_model_len, self.model_runner.num_blocks)
@@ -88,7 +89,7 @@ class LLMEngine:
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             config.scheduling_policy,
             *self._speculation(config),
-            max_loras=config.max_loras,
+            max_loras=config.max_loras, long_rope_context=self.long_rope_context,
         )
         self._arrivals = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -207,8 +208,8 @@ class LLMEngine:
         if lora_request is not None:
             self._acquire_lora(request, lora_request)
         request.block_hash_root = salted_root_hash(request.block_hash_root, cache_salt)
-        if self.long_rope_context is not None and len(token_ids) - params.num_resumed_tokens > self.long_rope_context:
-            request.long_rope, request.block_hash_root = True, long_rope_root_hash(request.block_hash_root)
+        if self.long_rope_context is not None and len(token_ids) > self.long_rope_context:
+            request.rotate_long()
         try:
             num_external_tokens = self.kv_transfers.num_external_tokens(request, kv_transfer)
             self.scheduler.add_request(request, num_external_tokens)

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.common.block_hash import long_rope_root_hash
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.types import FinishReason
 
@@ -98,8 +99,8 @@ class Request:
     # block_hash.salted_root_hash); None: the base model without a salt, chaining from the common root.
     lora_request: Any = None
     block_hash_root: bytes | None = None
-    # A LongRoPE model's request whose prompt (less its num_resumed_tokens) is longer than the original context: every
-    # position rotates with the long factors (RotaryEmbedding.long_offset), its blocks chained from their own root.
+    # A LongRoPE model's request longer than the original context (``rotate_long``): every position rotates with the
+    # long factors (RotaryEmbedding.long_offset), its blocks chained from their own root.
     long_rope: bool = False
     # The token id or stop string that finished it; an error message for FINISHED_ERROR.
     stop_reason: int | str | None = None
@@ -175,6 +176,13 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return RequestStatus.finish_reason(self.status)
+
+    def rotate_long(self) -> None:
+        """Rotate every position with a LongRoPE model's long factors from now on (the request is longer than the
+        original context): its blocks chain from a root of their own (``block_hash.long_rope_root_hash``), their
+        hashes computed again; KV computed before must be computed again (the scheduler preempts it)."""
+        self.long_rope, self.block_hash_root = True, long_rope_root_hash(self.block_hash_root)
+        self.block_hashes = []
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -102,8 +102,12 @@ class Scheduler:
         proposer: Callable[[Request, int], list[int]] | None = None,
         disable_speculation_at: int | None = None,
         max_loras: int | None = None,
+        long_rope_context: int | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        # A LongRoPE model's original context: a running request that grows past it is computed again with the long
+        # factors throughout (_rotate_long); None: no such model.
+        self.long_rope_context = long_rope_context
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -219,6 +223,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if (self.long_rope_context is not None and not request.long_rope
+                    and request.num_tokens > self.long_rope_context):
+                self._rotate_long(request)
+                output.preempted.append(request)
+                continue
             num_new = self._num_tokens_to_schedule(request, budget)
             if num_new == 0:
                 index += 1
@@ -359,8 +368,15 @@ class Scheduler:
         sample = request.num_computed_tokens + num_new - len(drafts) == request.num_tokens
         return ScheduledRequest(request, num_new, sample, drafts)
 
-    def _preempt(self, request: Request) -> None:
-        request_log(logger, request.request_id).debug("RUNNING -> PREEMPTED (out of KV blocks; to be recomputed)")
+    def _rotate_long(self, request: Request) -> None:
+        """A running request that grew past a LongRoPE model's original context: every position takes the long
+        factors now, as transformers' generate runs the whole sequence again there, so its KV is computed again
+        (preempted: its short-rotated blocks stay in the prefix cache under their own hashes)."""
+        request.rotate_long()
+        self._preempt(request, "past the original context of LongRoPE: recomputed with its long factors")
+
+    def _preempt(self, request: Request, reason: str = "out of KV blocks; to be recomputed") -> None:
+        request_log(logger, request.request_id).debug("RUNNING -> PREEMPTED (%s)", reason)
         self.running.remove(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED

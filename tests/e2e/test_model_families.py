@@ -7,6 +7,7 @@ and the Triton kernels in Triton's interpreter), since its head norms run throug
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -231,26 +232,6 @@ def test_bfloat16_generates_the_same_answer(model_dir):
     assert output.outputs[0].text.startswith(" Paris")
 
 
-def transformers_stepwise_greedy(directory, prompt_ids: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    """transformers' greedy tokens decoded as an engine decodes them: the prompt in one pass, then one pass a token
-    with the cache (``generate`` differs for LongRoPE alone: it drops its cache and runs the whole sequence again
-    with the long factors once it passes the original context)."""
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    expected = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            out = reference(torch.tensor([ids]), use_cache=True)
-            tokens = [int(out.logits[0, -1].argmax())]
-            for position in range(len(ids), len(ids) + max_tokens - 1):
-                out = reference(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True,
-                                position_ids=torch.tensor([[position]]))
-                tokens.append(int(out.logits[0, -1].argmax()))
-            expected.append(tokens)
-    return expected
-
-
 def _longrope_config(original: int):
     """Phi-4-mini's rotary on a small scale: half of each head rotates (head_dim 16: 4 frequencies) and LongRoPE
     has distinct short and long factors, ``original`` its original context."""
@@ -269,19 +250,21 @@ def test_phi4_mini_partial_rotary_and_longrope_match_transformers(backend, tmp_p
     """Phi-4-mini's rotary on a small scale: half of each head rotates (its factor is 0.75 of 128) and LongRoPE has
     distinct short and long factors, through the C++ kernels (which rotate the heads' leading dimensions in place)
     and the torch references. Within the original context the tokens are transformers' generate's; with an
-    original context the second prompt's decoding passes after 4 tokens, the tokens past it take the long factors,
-    as transformers' model gives them decoding a token a pass."""
+    original context the second prompt's decoding passes after 4 tokens, where the request is computed again with
+    the long factors throughout (preempted once), as transformers' generate runs the whole sequence again there:
+    its tokens are generate's too."""
     prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
-    for original, reference in ((len(prompt_ids[1]) + MAX_TOKENS, transformers_greedy),
-                                (len(prompt_ids[1]) + 4, transformers_stepwise_greedy)):
+    for original in (len(prompt_ids[1]) + MAX_TOKENS, len(prompt_ids[1]) + 4):
         directory = tmp_path / str(original)
         write_tiny_model(_longrope_config(original), directory, model_dir)
-        expected = reference(directory, prompt_ids)
+        expected = transformers_greedy(directory, prompt_ids)
         llm = LLM(str(directory), attention_backend=backend, **ENGINE_OPTIONS)
         assert llm.engine.model_runner.model.model.layers[0].self_attn.rotary_dim == 8
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         assert [output.outputs[0].token_ids for output in outputs] == expected, original
+        passes = original < len(prompt_ids[1]) + MAX_TOKENS
+        assert [output.metrics.num_preemptions for output in outputs] == [0, int(passes)]
         assert llm.engine.free_block_count == llm.engine.num_kv_blocks
 
 
@@ -300,7 +283,7 @@ def test_a_prompt_past_longropes_original_context_takes_the_long_factors_through
     llm = LLM(str(tmp_path), attention_backend=backend, block_size=16, **ENGINE_OPTIONS)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     shorter = {"prompt_token_ids": prompt_ids[1][:original - 4]}  # its first two blocks are the long prompt's tokens
-    llm.generate([shorter], params, use_tqdm=False)
+    llm.generate([shorter], dataclasses.replace(params, max_tokens=4), use_tqdm=False)  # within the original context
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == expected
     assert outputs[1].num_cached_tokens == 0  # not the shorter request's blocks
@@ -311,15 +294,16 @@ def test_a_prompt_past_longropes_original_context_takes_the_long_factors_through
 
 def test_a_longrope_prompt_past_its_original_context_through_a_disaggregated_cluster(tmp_path, model_dir,
                                                                                      tokenizer):
-    """The same model through a prefill and a decode worker (KV over p2p): the prefill worker rotates the 81-token
-    prompt with the long factors throughout, and so does the decode worker for the tokens after it (each decides
-    from the prompt's length), so the stream is transformers'."""
+    """The same model (original context 10) through a prefill and a decode worker (KV over p2p): the prefill worker
+    rotates the 81-token prompt with the long factors throughout, and so does the decode worker for the tokens after
+    it (each decides from the sequence's length); the 5-token prompt passes the original context while the decode
+    worker decodes it, which computes it again with the long factors. Both streams are transformers' generate's."""
     from splitserve.client import Client
     from tests.cluster_helpers import all_blocks_free, start_cluster, stream_tokens, wait_until, worker_status
 
     model = tmp_path / "phi3"
     model.mkdir()
-    write_tiny_model(_longrope_config(40), model, model_dir)
+    write_tiny_model(_longrope_config(10), model, model_dir)
     prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
     expected = transformers_greedy(model, prompt_ids)
     model_args = ["--model", str(model), "--max-model-len", "512"]
@@ -333,3 +317,24 @@ def test_a_longrope_prompt_past_its_original_context_through_a_disaggregated_clu
             wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")
     finally:
         cluster.stop()
+
+
+def test_a_longrope_beam_search_past_the_original_context_gets_transformers_beams(tmp_path, model_dir, tokenizer):
+    """Beams that pass the original context (10) during the search: the step past it asks for sequences longer
+    than the original context, which rotate with the long factors throughout (their blocks under their own root,
+    so none forks its parent's short-rotated KV: each computes its beam again), as transformers' generate runs the
+    whole sequence again there; the beams are transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from splitserve.engine.beam_search import BeamSearchParams
+    from tests.reference import generate_beams
+
+    write_tiny_model(_longrope_config(10), tmp_path, model_dir)
+    ids = tokenizer.encode(PROMPTS[0])
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    expected = generate_beams(reference, ids, 3, MAX_TOKENS)
+    llm = LLM(str(tmp_path), block_size=16, **ENGINE_OPTIONS)
+    [found] = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS))
+    assert len(ids) < 10 < len(ids) + MAX_TOKENS
+    assert [sequence.tokens[found.prompt_len:] for sequence in found.sequences] == expected
+    assert llm.engine.free_block_count == llm.engine.num_kv_blocks
