@@ -6,6 +6,7 @@ Methods raise domain errors (``splitserve.common.errors``); the interceptor that
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -40,6 +41,9 @@ logger = logging.getLogger(__name__)
 # Abort, Tokenize, Detokenize, GetModelInfo and GetClusterStatus calls answered at once; the router's server has threads for
 # these, max_in_flight_requests generation calls, and more (``router.server``), so heartbeats always find one.
 MAX_CONCURRENT_SMALL_CALLS = 8
+# A request for n whose decode worker failed continues each unfinished completion on its own: at most this many at
+# once (a thread each), the rest after them.
+MAX_PARALLEL_CONTINUATIONS = 8
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -339,10 +343,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         context):
         """The rest of a request for several completions whose decode worker failed after some were sent: each
         unfinished completion migrates on its own (:meth:`RouterRequest.completion`: its prompt plus its tokens
-        sent, on whichever decode worker the policy picks), all of them at once, one thread each, their messages
-        relayed as they come; one that may not migrate ends with FINISH_REASON_ERROR and a sentence."""
+        sent, on whichever decode worker the policy picks), up to MAX_PARALLEL_CONTINUATIONS at once (a thread
+        each, the others queued for them), their messages relayed as they come; one that may not migrate ends with
+        FINISH_REASON_ERROR and a sentence."""
         merged: queue.SimpleQueue = queue.SimpleQueue()
-        completions = []
+        completions: list[tuple[RouterRequest, _StreamProgress]] = []
         for progress in progresses:
             if progress.finished:
                 continue
@@ -351,27 +356,35 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 completions.append((completion, progress))
             else:
                 yield self._failed_mid_stream(job, error, progress)
-        if completions:
-            job.num_migrations += 1
+        if not completions:
+            return
+        job.num_migrations += 1
+        pending = collections.deque(completions)
 
-        def relay(completion: RouterRequest, progress: _StreamProgress) -> None:
+        def relay() -> None:
             try:
-                for chunk in self._generate(completion, context, [progress], mid_stream=True):
-                    merged.put(chunk)
-            except Exception as failure:  # unexpected: _generate ends a completion mid-stream with a message
-                logger.exception("Request %s: completion %d failed", job.request_id, progress.index)
-                merged.put(self._failed_mid_stream(completion, failure, progress))
+                while True:
+                    try:
+                        completion, progress = pending.popleft()
+                    except IndexError:
+                        return
+                    try:
+                        for chunk in self._generate(completion, context, [progress], mid_stream=True):
+                            merged.put(chunk)
+                    except Exception as failure:  # unexpected: _generate ends a completion with a message
+                        logger.exception("Request %s: completion %d failed", job.request_id, progress.index)
+                        merged.put(self._failed_mid_stream(completion, failure, progress))
             finally:
                 merged.put(None)
 
-        for completion, progress in completions:
-            threading.Thread(target=relay, args=(completion, progress), daemon=True,
-                             name=f"completion-{progress.index}").start()
+        num_threads = min(len(completions), MAX_PARALLEL_CONTINUATIONS)
+        for number in range(num_threads):
+            threading.Thread(target=relay, daemon=True, name=f"continuations-{number}").start()
         try:
-            for _ in completions:
+            for _ in range(num_threads):
                 while (chunk := merged.get()) is not None:
                     yield chunk
-        finally:  # the client went away: the completions' worker calls end too
+        finally:  # the client went away: the completions' worker calls end too (queued ones at once)
             for completion, _ in completions:
                 completion.cancel()
 

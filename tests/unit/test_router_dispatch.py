@@ -383,6 +383,22 @@ def test_n_completions_whose_decode_worker_fails_migrate_one_by_one(cluster):
     assert {w: registry.get(w).num_in_flight for w in ("decode-1", "decode-2")} == {"decode-1": 0, "decode-2": 0}
 
 
+def test_more_completions_than_continuation_threads_all_continue(cluster):
+    """12 completions whose decode worker fails after each sent a token: 8 continue at once, the other 4 after
+    them; every one ends with its own two tokens."""
+    channels = FakeChannels()
+    dispatcher, registry = decode_only(channels)
+    channels.decode_calls.append(FakeDecodeCall([running(index, 100 + index) for index in range(12)],
+                                                error=FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Socket closed")))
+    channels.decode_calls.extend(FakeDecodeCall([FINISHED]) for _ in range(12))
+    request = RouterRequest("r1", Prompt(list(range(40)), None), inference_pb2.SamplingParams(n=12, max_tokens=4))
+    chunks = list(servicer_of(dispatcher, registry)._generate(request, FakeContext()))
+    sent = {index: [t for c in chunks if c.index == index for t in c.token_ids] for index in range(12)}
+    assert sent == {index: [100 + index, 7] for index in range(12)}
+    assert sorted(c.index for c in chunks if c.finish_reason) == list(range(12))
+    assert sorted(call.prompt_token_ids[-1] for _, call in channels.decode_requests[1:]) == [100 + i for i in range(12)]
+
+
 def test_n_completions_that_sent_nothing_migrate_whole(cluster):
     """A request for 2 whose decode worker fails before any message (a beam search's case too) moves as it is."""
     channels = FakeChannels()
