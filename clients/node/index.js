@@ -38,10 +38,13 @@ const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 // parameters: '<JSON schema text>' }] }, its messages carrying toolCalls: [{ id, name, arguments: '<JSON text>' }]
 // (an assistant's) and toolCallId (a tool's answer); a call is forced with structuredOutputs: { json: parameters }. With echo, the message with the first token carries the prompt's text (promptText), with
 // returnPromptTokenIds its token ids (promptTokenIds). addSpecialTokens: whether the tokenizer adds its special tokens
-// (a BOS) to a text or rendered chat (unset: the router's default, yes for text and no for chats).
+// (a BOS) to a text or rendered chat (unset: the router's default, yes for text and no for chats). beamSearch
+// ({ beamWidth, lengthPenalty }, generateStream only) searches with beams instead of sampling: params then give
+// maxTokens and ignoreEos alone, and the stream carries beamWidth completions, best first (each chunk's index).
 function generateRequest(prompt, params = {}, requestId, echo = false, priority = 0, loraName = '', cacheSalt,
-  returnPromptTokenIds = false, addSpecialTokens) {
+  returnPromptTokenIds = false, addSpecialTokens, beamSearch) {
   const request = { samplingParams: params, echo, priority, loraName, returnPromptTokenIds };
+  if (beamSearch !== undefined) request.beamSearch = beamSearch;
   if (requestId !== undefined) request.requestId = requestId;
   if (cacheSalt !== undefined) request.cacheSalt = cacheSalt;
   if (addSpecialTokens !== undefined) request.addSpecialTokens = addSpecialTokens;
@@ -103,9 +106,9 @@ class Client {
 
   /** The streamed chunks, an async iterator; `.cancel()` on it ends the request on the workers. */
   generateStream(prompt, params = {}, { requestId, timeoutSeconds, echo, priority, loraName, cacheSalt,
-    returnPromptTokenIds, addSpecialTokens } = {}) {
+    returnPromptTokenIds, addSpecialTokens, beamSearch } = {}) {
     return this.stub.generateStream(generateRequest(prompt, params, requestId, echo, priority, loraName, cacheSalt,
-      returnPromptTokenIds, addSpecialTokens), this._metadata(), this._options(timeoutSeconds));
+      returnPromptTokenIds, addSpecialTokens, beamSearch), this._metadata(), this._options(timeoutSeconds));
   }
 
   /** The prompt's embedding (Embed): its last token's final hidden state, an array of numbers of unit length

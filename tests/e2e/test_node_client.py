@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.client import Client
+from splitserve.common.beam_search_params import BeamSearchParams
 from splitserve.common.sampling_params import SamplingParams
 
 NODE_CLIENT = Path(__file__).resolve().parents[2] / "clients" / "node"
@@ -52,3 +53,30 @@ def test_the_streaming_example_gives_the_python_clients_tokens(cluster):
         expected = client.generate(prompt, SamplingParams(temperature=0, max_tokens=20))
     assert streamed["tokenIds"] == list(expected.token_ids) and streamed["text"] == expected.text
     assert streamed["finishReason"] == "FINISH_REASON_LENGTH"
+
+
+_BEAMS = """
+const { Client } = require('.');
+(async () => {
+  const [address, apiKey, prompt] = process.argv.slice(1);
+  const client = new Client(address, { apiKey, timeoutSeconds: 120 });
+  const beams = [];
+  for await (const chunk of client.generateStream(prompt, { maxTokens: 6 }, { beamSearch: { beamWidth: 3 } })) {
+    (beams[chunk.index] = beams[chunk.index] || []).push(...chunk.tokenIds);
+  }
+  client.close();
+  console.log(JSON.stringify(beams));
+})().catch((error) => { console.error(error.message); process.exit(1); });
+"""
+
+
+def test_a_beam_search_from_node_gives_the_python_clients_beams(cluster):
+    """``beamSearch`` on generateStream: the stream's beamWidth completions, best first, the Python client's."""
+    prompt = "The capital of France is"
+    result = _node(cluster, "-e", _BEAMS, cluster.router.address, cluster.api_key, prompt)
+    assert result.returncode == 0, result.stderr
+    with Client(cluster.router.address, api_key=cluster.api_key) as client:
+        expected = [[] for _ in range(3)]
+        for chunk in client.generate_stream(prompt, beam_search=BeamSearchParams(beam_width=3, max_tokens=6)):
+            expected[chunk.index].extend(chunk.token_ids)
+    assert json.loads(result.stdout) == expected and all(expected)
