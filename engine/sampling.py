@@ -16,7 +16,9 @@ The order of operations follows vLLM:
    probabilities and sampled by inverting their cumulative distribution at one
    uniform number per row. A request with a seed draws that number from its
    own generator (PCG64, seeded with all 64 bits of the seed), exactly one per
-   step, so its tokens do not depend on the rest of the batch or its row.
+   step, so its tokens do not depend on the rest of the batch or its row; a
+   continuation (``num_resumed_tokens``, a migration's) starts past the draws
+   of the tokens it resumes, so it draws what the undisturbed request would.
 
 Log probabilities, when asked for, come from the raw logits (before the bias,
 penalties and temperature), as vLLM returns them by default.
@@ -133,9 +135,7 @@ class Sampler:
         """
         if request.sampling_params.seed is None or _is_greedy(request):
             return
-        if request.generator is None:
-            request.generator = seeded_generator(request.sampling_params.seed)
-        request.generator.random(dtype=numpy.float32)
+        _generator_of(request).random(dtype=numpy.float32)
 
     def verify_drafts(self, logits: torch.Tensor, request: Request, drafts: list[int]) -> list[int]:
         """The tokens a request's speculative step gives (``engine/speculative.py``): its drafts accepted in order,
@@ -176,9 +176,7 @@ class Sampler:
         """One uniform number in [0, 1): from a seeded request's own generator, else from the sampler's."""
         if request.sampling_params.seed is None:
             return float(torch.rand(1, generator=self.generator)[0])
-        if request.generator is None:
-            request.generator = seeded_generator(request.sampling_params.seed)
-        return float(request.generator.random(dtype=numpy.float32))
+        return float(_generator_of(request).random(dtype=numpy.float32))
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Temperature, filters and one draw for each row that samples.
@@ -212,14 +210,24 @@ class Sampler:
             if seed is None:
                 unseeded_rows.append(row)
                 continue
-            if request.generator is None:
-                request.generator = seeded_generator(seed)
-            uniforms[row] = float(request.generator.random(dtype=numpy.float32))
+            uniforms[row] = float(_generator_of(request).random(dtype=numpy.float32))
         if unseeded_rows:
             uniforms[torch.tensor(unseeded_rows)] = torch.rand(
                 len(unseeded_rows), generator=self.generator
             )
         return uniforms
+
+
+def _generator_of(request: Request) -> numpy.random.Generator:
+    """A seeded request's generator, created the first time: its seed's stream, advanced past the draws of its
+    ``num_resumed_tokens`` (a continuation's tokens generated before, one draw each), so that a migrated request
+    draws the numbers the undisturbed one would have (one a token: exact unless speculation drew more)."""
+    if request.generator is None:
+        request.generator = seeded_generator(request.sampling_params.seed)
+        resumed = request.sampling_params.num_resumed_tokens
+        if resumed:
+            request.generator.random(resumed, dtype=numpy.float32)
+    return request.generator
 
 
 def seeded_generator(seed: int) -> numpy.random.Generator:

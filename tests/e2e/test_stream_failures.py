@@ -7,7 +7,6 @@ SIGTERMed router refuses new requests but lets the streams in flight finish, the
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -152,21 +151,25 @@ def serving_decode_workers(client) -> list[str]:
 
 
 def test_n_completions_whose_decode_worker_is_killed_each_migrate_and_stay_token_identical(cluster):
-    """A request for 3 greedy completions whose decode worker is killed mid-stream: each unfinished completion
-    moves on its own (the prompt plus its tokens streamed) to the other decode worker, all at once; each ends
-    token for token the undisturbed stream, with its own usage."""
-    params = SamplingParams(n=3, temperature=0.0, max_tokens=120, ignore_eos=True, presence_penalty=0.3,
+    """A request for 3 seeded sampled completions whose decode worker is killed mid-stream: each unfinished
+    completion moves on its own (the prompt plus its tokens streamed, seed + index) to the other decode worker, all
+    at once; its random stream resumes past the draws of the tokens it had sent (num_resumed_tokens), so each ends
+    token for token the undisturbed stream's completion, with its own usage. (top_k 20: over the whole vocabulary
+    the continuation's recomputed prompt, rounded otherwise than the undisturbed decode steps, moves the cumulative
+    sums that sampling inverts by enough that a token now and then becomes its neighbour in the vocabulary.)"""
+    params = SamplingParams(n=3, temperature=1.0, top_k=20, seed=7, max_tokens=120, ignore_eos=True, presence_penalty=0.3,
                             frequency_penalty=0.4)
     with Client(cluster.router.address) as client:
         two_decode_workers_serving(cluster, client)
-        undisturbed = client.generate(PROMPT, dataclasses.replace(params, n=1), timeout=300)
+        runs = stream_completions(client, PROMPT, params)
+        undisturbed, prompt_tokens = [token_ids for token_ids, _, _ in runs], runs[0][2][-1].usage.prompt_tokens
+        assert len({tuple(token_ids) for token_ids in undisturbed}) == 3  # three different completions
         log_before = cluster.router.log()
         token_ids, last, killed = stream_n_killing_their_decode_worker(cluster, client, params)
         for index in range(3):
             assert (last[index].finish_reason, last[index].error_message) == (inference_pb2.FINISH_REASON_LENGTH, "")
-            assert token_ids[index] == list(undisturbed.token_ids), index
-            assert (last[index].usage.prompt_tokens, last[index].usage.completion_tokens) == (
-                undisturbed.usage.prompt_tokens, 120)
+            assert token_ids[index] == undisturbed[index], index
+            assert (last[index].usage.prompt_tokens, last[index].usage.completion_tokens) == (prompt_tokens, 120)
         log = cluster.router.log()[len(log_before):]
         assert log.count("migrating it") == 3
         assert all(f"(completion {index}): decode worker {killed.worker_id} failed" in log for index in range(3))

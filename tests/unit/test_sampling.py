@@ -187,6 +187,26 @@ def test_seeded_generator_created_once_and_kept():
     assert request.generator is generator
 
 
+def test_a_seeded_continuation_draws_past_the_tokens_it_resumes():
+    """A continuation of a seeded request (its prompt ending with the 4 tokens sampled before, num_resumed_tokens 4,
+    as the router migrates one) samples the undisturbed request's later tokens from the same logits: its stream
+    starts past those 4 draws."""
+    logits = [random_logits(1, 64, seed=200 + step) for step in range(10)]
+    undisturbed = make_request(seed=31, temperature=1.0)
+    sampler = Sampler()
+    tokens = []
+    for step_logits in logits:
+        [token_id] = sampler(step_logits, [undisturbed]).sampled_token_ids
+        undisturbed.append_output_token(token_id)
+        tokens.append(token_id)
+    assert len(set(tokens)) > 2  # really sampled
+    continuation = make_request(prompt=(5, 6, 7, *tokens[:4]), seed=31, temperature=1.0, num_resumed_tokens=4)
+    resumed = [sampler(step_logits, [continuation]).sampled_token_ids[0] for step_logits in logits[4:]]
+    assert resumed == tokens[4:]
+    fresh = make_request(prompt=(5, 6, 7, *tokens[:4]), seed=31, temperature=1.0)  # without: the stream's start
+    assert [sampler(step_logits, [fresh]).sampled_token_ids[0] for step_logits in logits[4:]] != tokens[4:]
+
+
 @pytest.mark.parametrize("seed, same_low_32_bits", [(-1, 2**63 - 1), (1, 2**32 + 1), (0, -(2**63))])
 def test_seeds_differing_above_bit_32_draw_different_numbers(seed, same_low_32_bits):
     def draws(seed: int) -> list[float]:
