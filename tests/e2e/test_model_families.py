@@ -165,12 +165,23 @@ def test_qwen3_through_a_disaggregated_cluster_matches_transformers(tmp_path, mo
     hidden_size / heads (32 against 16), so every size the KV path computes must come from head_dim. Each prompt's
     KV travels (whole blocks of 2 layers x K and V x 2 heads x 32 values, float32), and the streams are
     transformers' greedy tokens."""
-    from splitserve.client import Client
-    from tests.cluster_helpers import all_blocks_free, start_cluster, stream_tokens, wait_until, worker_status
-
     model = tmp_path / "qwen3"
     model.mkdir()
     write_tiny_model(_qwen3_config(), model, model_dir)
+    counters = _stream_through_a_cluster(model, tmp_path, tokenizer)
+    per_block = 2 * 2 * 2 * 16 * 32 * 4
+    blocks, rest = divmod(counters.num_kv_bytes, per_block)
+    prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
+    assert rest == 0 and blocks == sum(-(-len(ids) // 16) for ids in prompt_ids)
+
+
+def _stream_through_a_cluster(model, tmp_path, tokenizer):
+    """Stream PROMPTS' greedy tokens from ``model`` through a p2p cluster of a prefill and a decode worker: each
+    transformers' generate's, each prompt's KV sent once and none recomputed, every block free after; returns the
+    decode worker's counters."""
+    from splitserve.client import Client
+    from tests.cluster_helpers import all_blocks_free, start_cluster, stream_tokens, wait_until, worker_status
+
     prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
     expected = transformers_greedy(model, prompt_ids)
     model_args = ["--model", str(model), "--max-model-len", "512"]
@@ -178,15 +189,11 @@ def test_qwen3_through_a_disaggregated_cluster_matches_transformers(tmp_path, mo
     try:
         decode = next(process for process in cluster.workers if process.name.startswith("decode"))
         with Client(cluster.router.address) as client:
-            streamed = [stream_tokens(client, ids, MAX_TOKENS, ignore_eos=True)[0]
-                        for ids in prompt_ids]
-            assert streamed == expected
+            assert [stream_tokens(client, ids, MAX_TOKENS, ignore_eos=True)[0] for ids in prompt_ids] == expected
             counters = worker_status(decode.address, "decode").counters
             assert counters.num_kv_transfers_received == len(prompt_ids) and counters.num_kv_recomputes == 0
-            per_block = 2 * 2 * 2 * 16 * 32 * 4
-            blocks, rest = divmod(counters.num_kv_bytes, per_block)
-            assert rest == 0 and blocks == sum(-(-len(ids) // 16) for ids in prompt_ids)
             wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")
+            return counters
     finally:
         cluster.stop()
 
@@ -298,25 +305,10 @@ def test_a_longrope_prompt_past_its_original_context_through_a_disaggregated_clu
     rotates the 81-token prompt with the long factors throughout, and so does the decode worker for the tokens after
     it (each decides from the sequence's length); the 5-token prompt passes the original context while the decode
     worker decodes it, which computes it again with the long factors. Both streams are transformers' generate's."""
-    from splitserve.client import Client
-    from tests.cluster_helpers import all_blocks_free, start_cluster, stream_tokens, wait_until, worker_status
-
     model = tmp_path / "phi3"
     model.mkdir()
     write_tiny_model(_longrope_config(10), model, model_dir)
-    prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
-    expected = transformers_greedy(model, prompt_ids)
-    model_args = ["--model", str(model), "--max-model-len", "512"]
-    cluster = start_cluster("p2p", tmp_path / "logs", worker_args=model_args, router_args=model_args)
-    try:
-        decode = next(process for process in cluster.workers if process.name.startswith("decode"))
-        with Client(cluster.router.address) as client:
-            assert [stream_tokens(client, ids, MAX_TOKENS, ignore_eos=True)[0] for ids in prompt_ids] == expected
-            counters = worker_status(decode.address, "decode").counters
-            assert counters.num_kv_transfers_received == len(prompt_ids) and counters.num_kv_recomputes == 0
-            wait_until(lambda: all_blocks_free(client), 15, message="all KV blocks free")
-    finally:
-        cluster.stop()
+    _stream_through_a_cluster(model, tmp_path, tokenizer)
 
 
 def test_a_longrope_beam_search_past_the_original_context_gets_transformers_beams(tmp_path, model_dir, tokenizer):
