@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,10 +77,26 @@ def tree_cache(folder: Path) -> Path:
     return folder
 
 
-def run_json(tree: Path, site: Path, cache: Path, script: str, arguments: list[str], out: Path) -> dict:
+def scripts_of(tree: Path, folder: Path) -> Path:
+    """The tree's benchmarks/ copied into ``folder`` alone: a script run from there puts ``folder`` first on its
+    path (to import ``benchmarks.*``), where no ``splitserve`` of the source tree shadows the tree's build. From
+    the source tree, ``splitserve`` would be the bare source folder, whose subpackages (engine/, router/, ... at
+    the repository's top) an editable install of this repository's own then supplied: the candidate's, for both."""
+    shutil.copytree(tree / "benchmarks", folder / "benchmarks")
+    return folder
+
+
+def run_json(scripts: Path, site: Path, cache: Path, script: str, arguments: list[str], out: Path) -> dict:
+    """Run ``script`` of ``scripts`` (:func:`scripts_of`) on the build in ``site``; its JSON report. Its output
+    goes to a log beside ``out``, named in the error when it fails."""
     env = dict(os.environ, PYTHONPATH=str(site), SPLITSERVE_CACHE=str(cache))
-    subprocess.run([sys.executable, str(tree / "benchmarks" / script), *arguments, "--json", str(out)], env=env,
-                   check=True, cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = out.with_suffix(".log")
+    with open(log, "w") as handle:
+        result = subprocess.run([sys.executable, str(scripts / "benchmarks" / script), *arguments, "--json", str(out)],
+                                env=env, cwd=tempfile.gettempdir(), stdout=handle, stderr=subprocess.STDOUT)
+    if result.returncode:
+        raise RuntimeError(f"{script} failed (exit {result.returncode}); its last lines:\n"
+                           + "".join(log.read_text().splitlines(keepends=True)[-15:]))
     with open(out) as handle:
         return json.load(handle)
 
@@ -121,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         trees = {}
         for name, materialize in (("baseline", lambda f: checkout(args.baseline, f)), ("candidate", working_tree)):
             source = materialize(scratch / f"{name}-src")
-            trees[name] = (source, build(source, scratch / f"{name}-site"), tree_cache(scratch / f"{name}-cache"))
+            trees[name] = (scripts_of(source, scratch / f"{name}-scripts"), build(source, scratch / f"{name}-site"),
+                           tree_cache(scratch / f"{name}-cache"))
         jobs = []
         if not args.skip_offline:
             jobs.append(("offline_throughput.py", ["--skip-hf", "--repeats", "1", "--num-requests",
@@ -137,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 figures = {name: {} for name in order}
                 for script, arguments, extract in jobs:
                     for name in order:
-                        source, site, cache = trees[name]
-                        report = run_json(source, site, cache, script, arguments, scratch / f"{name}-{repeat}.json")
+                        scripts, site, cache = trees[name]
+                        report = run_json(scripts, site, cache, script, arguments, scratch / f"{name}-{repeat}.json")
                         figures[name].update(extract(report))
                         bar.update()
                 for name in order:
