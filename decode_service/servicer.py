@@ -273,6 +273,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             [output] = beam_search([prompt], beam, steps, eos_token_ids,
                                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
             ends = frozenset() if beam.ignore_eos else frozenset(eos_token_ids)
+            num_logprobs = request.sampling_params.logprobs if request.sampling_params.HasField("logprobs") else None
             for index, sequence in enumerate(output.sequences):
                 token_ids = sequence.tokens[len(prompt):]
                 ended = bool(token_ids) and token_ids[-1] in ends
@@ -280,6 +281,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     request_id=request_id, index=index, state=worker_pb2.REQUEST_STATE_FINISHED, text=sequence.text,
                     token_ids=token_ids,
                     finish_reason=inference_pb2.FINISH_REASON_STOP if ended else inference_pb2.FINISH_REASON_LENGTH)
+                if num_logprobs is not None:  # each token's, and the best of the candidates its step scored
+                    message.logprobs.extend(position_logprobs_to_pb(logprobs, token, num_logprobs, self._decode_token)
+                                            for logprobs, token in zip(sequence.logprobs, token_ids))
                 message.usage.completion_tokens = len(token_ids)
                 message.MergeFrom(summary)
                 yield message

@@ -10,6 +10,7 @@ Clients in other languages are generated from ``protos/splitserve/v1/inference.p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -114,13 +115,17 @@ def generate_request(prompt, params: SamplingParams | None = None, request_id: s
     keeps its prompt's cached KV apart from other salts' (GenerateRequest.cache_salt); ``add_special_tokens``: whether
     the tokenizer adds its special tokens to a text or rendered chat (None: the router's default, GenerateRequest's);
     ``beam_search``: search with beams instead of sampling (its ``max_tokens`` and ``ignore_eos`` are the request's;
-    give no ``params`` then), streamed as ``beam_width`` completions, best first."""
+    ``params`` then give ``logprobs`` alone, or are None), streamed as ``beam_width`` completions, best first."""
     if beam_search is not None:
-        if params is not None:
-            raise ValueError("A beam search takes its max_tokens and ignore_eos from its BeamSearchParams: give no "
-                             "SamplingParams with it.")
-        params = SamplingParams(max_tokens=beam_search.max_tokens, ignore_eos=beam_search.ignore_eos,
-                                temperature=0.0)
+        logprobs = params.logprobs if params is not None else None
+        plain = SamplingParams(max_tokens=beam_search.max_tokens, ignore_eos=beam_search.ignore_eos,
+                               temperature=0.0, logprobs=logprobs)
+        if params is not None and params != dataclasses.replace(plain, max_tokens=params.max_tokens,
+                                                                ignore_eos=params.ignore_eos,
+                                                                temperature=params.temperature):
+            raise ValueError("A beam search takes its max_tokens and ignore_eos from its BeamSearchParams: give "
+                             "SamplingParams with logprobs alone, or none.")
+        params = plain
     request = inference_pb2.GenerateRequest(sampling_params=sampling_params_to_pb(params), echo=echo,
                                             priority=priority, lora_name=lora_name, cache_salt=cache_salt,
                                             return_prompt_token_ids=return_prompt_token_ids,

@@ -71,18 +71,19 @@ def stream_tokens(client: Client, prompt, max_tokens: int, **kwargs) -> tuple[li
 
 def stream_completions(client: Client, prompt, params, **kwargs) -> list[tuple[list[int], str, list]]:
     """Run one streaming request for ``params.n`` completions (SamplingParams), or a beam search's
-    ``params.beam_width`` (BeamSearchParams, given as ``beam_search`` too); returns each completion's (token ids,
+    ``params.beam_width`` (BeamSearchParams, given as ``beam_search`` too; ``logprobs_params`` then the
+    SamplingParams of its logprobs); returns each completion's (token ids,
     text, its messages), in index order, checking that each has exactly one last message (with a finish reason)
     and it is its last."""
     completions: dict[int, tuple[list[int], list[str], list]] = {}
-    sampling = params if isinstance(params, SamplingParams) else None
+    sampling = params if isinstance(params, SamplingParams) else kwargs.pop("logprobs_params", None)
     for chunk in client.generate_stream(prompt, sampling, timeout=300, **kwargs):
         token_ids, texts, messages = completions.setdefault(chunk.index, ([], [], []))
         assert not (messages and messages[-1].finish_reason), f"completion {chunk.index} went on after its end"
         token_ids.extend(chunk.token_ids)
         texts.append(chunk.text)
         messages.append(chunk)
-    count = params.n if sampling is not None else params.beam_width
+    count = params.n if isinstance(params, SamplingParams) else params.beam_width
     assert sorted(completions) == list(range(count))
     assert all(messages[-1].finish_reason for _, _, messages in completions.values())
     return [(token_ids, "".join(texts), messages) for token_ids, texts, messages in

@@ -81,15 +81,17 @@ def beam_search_from_pb(message: inference_pb2.BeamSearch, params: SamplingParam
     parameters' ``max_tokens`` and ``ignore_eos``, checked.
 
     Raises:
-        InvalidRequest: a width outside 1 to 10, a length penalty that is not finite, or a sampling field beam
-            search cannot give (n, logprobs, prompt_logprobs, structured_outputs).
+        InvalidRequest: a width outside 1 to 10, a length penalty that is not finite, a sampling field beam
+            search cannot give (n, prompt_logprobs, structured_outputs), or logprobs past 2 x beam_width.
     """
-    for name, given in (("n", params.n != 1), ("logprobs", params.logprobs is not None),
-                        ("prompt_logprobs", params.prompt_logprobs is not None),
+    for name, given in (("n", params.n != 1), ("prompt_logprobs", params.prompt_logprobs is not None),
                         ("structured_outputs", params.structured_outputs is not None)):
         if given:
             raise InvalidRequest(f"sampling_params.{name} is not taken with beam_search (beam_width says how many "
-                                 "completions; they come without log probabilities or constraints).")
+                                 "completions; they come without prompt log probabilities or constraints).")
+    if params.logprobs is not None and params.logprobs > 2 * message.beam_width:
+        raise InvalidRequest(f"sampling_params.logprobs is at most 2 x beam_width ({2 * message.beam_width}) with "
+                             f"beam_search, the candidates each step scores; got {params.logprobs}.")
     length_penalty = round(float(message.length_penalty), 6) if message.HasField("length_penalty") else 1.0
     if not math.isfinite(length_penalty):
         raise InvalidRequest(f"beam_search.length_penalty must be a finite number, got {length_penalty}.")

@@ -218,17 +218,26 @@ def test_cancelling_n_completions_mid_stream_frees_every_block(client, prompt_to
 def test_beam_search_runs_on_the_decode_worker_after_one_kv_transfer(cluster, client, model_dir, tokenizer,
                                                                      prompt_token_ids):
     """The 343-token prompt's 3 beams: prefilled once and its KV sent once, the search stepped on the decode
-    worker (each beam forking the KV of the one it grew from), the beams transformers', best first."""
+    worker (each beam forking the KV of the one it grew from), the beams transformers', best first, each token with
+    its log probability and the best 2 of the candidates its step scored (transformers' log-softmax)."""
     decode, ids = decode_worker(cluster), prompt_token_ids[6]
     before = worker_status(decode.address, "decode").counters
     beam = BeamSearchParams(beam_width=3, max_tokens=8)
-    completions = stream_completions(client, ids, beam, beam_search=beam)
+    completions = stream_completions(client, ids, beam, beam_search=beam,
+                                     logprobs_params=SamplingParams(logprobs=2))
     expected = hf_beams(str(model_dir), ids, 3, 8)
     eos = set(client.model_info().eos_token_ids)
     assert [token_ids for token_ids, _, _ in completions] == expected
     for (_, text, messages), beam_ids in zip(completions, expected):
         ended = beam_ids[-1] in eos
         assert text == tokenizer.decode(beam_ids[:-1] if ended else beam_ids, skip_special_tokens=True)
+        reference = hf_prompt_logprobs(str(model_dir), tuple(ids + beam_ids))
+        logprobs = [position for message in messages for position in message.logprobs]
+        assert [position.sampled.token_id for position in logprobs] == beam_ids
+        for offset, position in enumerate(logprobs):
+            row = reference[len(ids) + offset - 1]
+            assert position.sampled.logprob == pytest.approx(row[position.sampled.token_id].item(), abs=1e-3)
+            assert [entry.token_id for entry in position.top] == row.topk(2).indices.tolist()
         last = messages[-1]
         assert last.finish_reason == (inference_pb2.FINISH_REASON_STOP if ended else inference_pb2.FINISH_REASON_LENGTH)
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(ids), len(beam_ids))
@@ -239,7 +248,7 @@ def test_beam_search_runs_on_the_decode_worker_after_one_kv_transfer(cluster, cl
     # Refused: the unary call, sampling fields a search cannot give, a width over 10; a search cut by its deadline
     # frees every block.
     for streamed, width, logprobs, message in ((False, 2, None, "ask GenerateStream"),
-                                               (True, 2, 2, "logprobs is not taken"),
+                                               (True, 2, 5, "logprobs is at most 2 x beam_width"),
                                                (True, 11, None, "beam_width must be")):
         request = generate_request(ids, beam_search=BeamSearchParams(beam_width=width, max_tokens=4))
         if logprobs is not None:
