@@ -495,7 +495,8 @@ class Gateway:
         KV once and the decode worker forks it for each choice, seeded seed + index as vLLM seeds them), side by
         side (``request_id`` for a single call, ``request_id-N`` for several), with the caller's key and W3C trace
         context and the body's ``priority`` and ``cache_salt``; the choices counted in the metrics' generations.
-        With ``beam_search`` (and no ``params``) each call is a beam search, its choices the beams.
+        With ``beam_search`` each call is a beam search, its choices the beams (``params``: None, or the
+        logprobs asked for alone).
 
         Returns:
             The calls, each choice's stream (gRPC errors as APIError) and each stream's first message (None for an
@@ -506,7 +507,7 @@ class Gateway:
         special = _optional_flag(body, "add_special_tokens")
         prompts = [prompt for prompt, index in generations if index == 0]
         num_choices = len(generations) // len(prompts)
-        call_params = dataclasses.replace(params, n=num_choices) if beam_search is None else None
+        call_params = dataclasses.replace(params, n=num_choices) if beam_search is None else params
         calls = [self.client.generate_stream(prompt, call_params, _call_id(request_id, number, len(prompts)),
                                              api_key=api_key, echo=echo, priority=priority, lora_name=lora_name,
                                              cache_salt=cache_salt, trace=trace,

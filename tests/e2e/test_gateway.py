@@ -1648,9 +1648,10 @@ def test_scores_and_rerank_are_the_embeddings_cosine_similarities(api, grpc_clie
 def test_use_beam_search_answers_transformers_beams_through_the_router(api, gateway, cluster, grpc_client,
                                                                      model_dir, tokenizer):
     """vLLM's use_beam_search on completions and chats: n beams stepped through the router, best first, each
-    transformers' beam (float32) in text and finish reason, the usage counted; what a beam search cannot give is
-    refused with the field named."""
-    from tests.reference import hf_beams
+    transformers' beam (float32) in text and finish reason, the usage counted, with logprobs each token's
+    transformers' log probability and the best 2 candidates; what a beam search cannot give is refused with the
+    field named."""
+    from tests.reference import hf_beams, hf_prompt_logprobs
 
     model = api.models.list().data[0].id
     headers = {"authorization": f"Bearer {cluster.api_key}"}
@@ -1663,9 +1664,15 @@ def test_use_beam_search_answers_transformers_beams_through_the_router(api, gate
 
     ids = grpc_client.tokenize(PROMPT)
     reply = httpx.post(f"{gateway}/v1/completions", headers=headers, timeout=120, json={
-        "model": model, "prompt": PROMPT, "n": 4, "max_tokens": 12, "use_beam_search": True})
+        "model": model, "prompt": PROMPT, "n": 4, "max_tokens": 12, "use_beam_search": True, "logprobs": 2})
     assert reply.status_code == 200, reply.text
     answer, beams = reply.json(), expected(ids, 4, 12)
+    for choice, beam_ids in zip(answer["choices"], hf_beams(str(model_dir), ids, 4, 12)):
+        reference, logprobs = hf_prompt_logprobs(str(model_dir), tuple(ids + beam_ids)), choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(beam_ids) == len(logprobs["top_logprobs"])
+        for offset, (logprob, top) in enumerate(zip(logprobs["token_logprobs"], logprobs["top_logprobs"])):
+            assert logprob == pytest.approx(reference[len(ids) + offset - 1, beam_ids[offset]].item(), abs=1e-3)
+            assert max(top.values()) == pytest.approx(reference[len(ids) + offset - 1].max().item(), abs=1e-3)
     assert [(choice["text"], choice["finish_reason"]) for choice in answer["choices"]] == [b[:2] for b in beams]
     assert [choice["index"] for choice in answer["choices"]] == [0, 1, 2, 3]
     assert answer["usage"] == {"prompt_tokens": len(ids), "completion_tokens": sum(b[2] for b in beams),
@@ -1673,13 +1680,16 @@ def test_use_beam_search_answers_transformers_beams_through_the_router(api, gate
     chat_ids = httpx.post(f"{gateway}/tokenize", headers=headers, json={"model": model, "messages": QUESTION}
                           ).json()["tokens"]
     reply = httpx.post(f"{gateway}/v1/chat/completions", headers=headers, timeout=120, json={
-        "model": model, "messages": QUESTION, "n": 2, "max_completion_tokens": 10, "use_beam_search": True})
+        "model": model, "messages": QUESTION, "n": 2, "max_completion_tokens": 10, "use_beam_search": True,
+        "logprobs": True})
     assert reply.status_code == 200, reply.text
     answer = reply.json()
     assert answer["object"] == "chat.completion"
+    assert [len(choice["logprobs"]["content"]) for choice in answer["choices"]] == [
+        b[2] for b in expected(chat_ids, 2, 10)]
     assert [(choice["message"]["content"], choice["finish_reason"]) for choice in answer["choices"]] == [
         b[:2] for b in expected(chat_ids, 2, 10)]
-    for body, param in (({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"n": 11}, "n"),
+    for body, param in (({"stream": True}, "stream"), ({"logprobs": 3}, "logprobs"), ({"n": 11}, "n"),
                         ({"max_tokens": 0}, "max_tokens"), ({"length_penalty": "long"}, "length_penalty"),
                         ({"use_beam_search": "yes"}, "use_beam_search")):
         refused = httpx.post(f"{gateway}/v1/completions", headers=headers, json={
