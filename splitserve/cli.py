@@ -319,7 +319,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     beams = parser.add_argument_group(
         "beam search", "search with beams instead of sampling (vLLM's beam search): each prompt's N best "
         "continuations, best first, each a record (with its \"index\") or printed in turn. It takes --max-tokens "
-        "and --ignore-eos (a JSONL line's too) and refuses every other sampling flag.")
+        "and --ignore-eos (a JSONL line's too) and --logprobs (at most 2 x N: each token's log probability and the best of "
+        "the candidates its step scored), and refuses every other sampling flag.")
     beams.add_argument("--beam-width", type=int, metavar="N", help="beams kept at each step, 1 to 10")
     beams.add_argument("--length-penalty", type=float, default=1.0,
                        help="a finished beam's score is its log probability over its length to this power "
@@ -404,12 +405,16 @@ def _beam_searches_of(args: argparse.Namespace, params: list[SamplingParams]) ->
     beams = []
     for item_params in params:
         plain = SamplingParams(max_tokens=item_params.max_tokens, ignore_eos=item_params.ignore_eos,
-                               temperature=0.0)  # the flag's default: a search's candidates are the likeliest
+                               temperature=0.0,  # the flag's default: a search's candidates are the likeliest
+                               logprobs=item_params.logprobs)
         given = [field.name for field in dataclasses.fields(SamplingParams)
                  if getattr(item_params, field.name) != getattr(plain, field.name)]
         if given:
-            raise ValueError(f"--beam-width takes only max_tokens and ignore_eos of the sampling parameters; "
-                             f"{', '.join(given)} given.")
+            raise ValueError(f"--beam-width takes only max_tokens, ignore_eos and logprobs of the sampling "
+                             f"parameters; {', '.join(given)} given.")
+        if item_params.logprobs is not None and item_params.logprobs > 2 * args.beam_width:
+            raise ValueError(f"--logprobs is at most 2 x --beam-width ({2 * args.beam_width}) with a beam search: "
+                             "the candidates each step scores.")
         beam = BeamSearchParams(beam_width=args.beam_width, max_tokens=item_params.max_tokens,
                                 ignore_eos=item_params.ignore_eos, length_penalty=args.length_penalty)
         beam.check()
@@ -417,9 +422,16 @@ def _beam_searches_of(args: argparse.Namespace, params: list[SamplingParams]) ->
     return beams
 
 
+def _best_logprobs(step: dict[int, float], token_id: int, top: int) -> dict[str, float]:
+    """A token's log probability and the ``top`` best of ``step``'s, by token id (a JSONL record's entry)."""
+    best = sorted(step.items(), key=lambda item: item[1], reverse=True)[:top]
+    return {str(token_id): step[token_id], **{str(token): value for token, value in best}}
+
+
 def _beam_search_locally(args: argparse.Namespace, llm, items: list[dict], prompts: list, beams: list,
-                         lora) -> int:
-    """Run each prompt's beam search here (prompts of the same search in one batch); print or write each beam."""
+                         lora, num_logprobs: list[int | None]) -> int:
+    """Run each prompt's beam search here (prompts of the same search in one batch); print or write each beam
+    (with ``num_logprobs``, a prompt's, each token's log probability and the best of its step's candidates)."""
     outputs: list = [None] * len(prompts)
     groups: dict = {}
     for position, beam in enumerate(beams):
@@ -432,15 +444,18 @@ def _beam_search_locally(args: argparse.Namespace, llm, items: list[dict], promp
     eos = set(llm.engine.eos_token_ids)
     sink = open(args.output, "w") if args.output else None
     try:
-        for item, output in zip(items, outputs):
+        for item, output, top in zip(items, outputs, num_logprobs):
             for index, sequence in enumerate(output.sequences):
                 generated = sequence.tokens[output.prompt_len:]
                 reason = "stop" if generated and generated[-1] in eos else "length"
+                record = {"prompt": item.get("prompt"), "text": sequence.text, "token_ids": generated,
+                          "finish_reason": reason, "num_prompt_tokens": output.prompt_len, "index": index,
+                          "cum_logprob": sequence.cum_logprob}
+                if top is not None:
+                    record["logprobs"] = [_best_logprobs(step, token, top)
+                                          for step, token in zip(sequence.logprobs, generated)]
                 if sink:
-                    sink.write(json.dumps({
-                        "prompt": item.get("prompt"), "text": sequence.text, "token_ids": generated,
-                        "finish_reason": reason, "num_prompt_tokens": output.prompt_len, "index": index,
-                        "cum_logprob": sequence.cum_logprob}) + "\n")
+                    sink.write(json.dumps(record) + "\n")
                 else:
                     print(f"--- {item.get('prompt', '')!r} [beam {index}, log probability "
                           f"{sequence.cum_logprob:.4f}]\n{sequence.text}\n[{reason}]")
@@ -479,7 +494,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **options)
     prompts = [_to_prompt(llm, item, args.chat) for item in items]
     if beams is not None:
-        return _beam_search_locally(args, llm, items, prompts, beams, lora)
+        return _beam_search_locally(args, llm, items, prompts, beams, lora, [p.logprobs for p in params])
     priorities = [_priority_of(args, item) for item in items]
     if len(prompts) == 1 and not args.output and params[0].n == 1:
         _stream_one(llm, prompts[0], params[0], priorities[0], lora)
@@ -539,7 +554,9 @@ def _generate_remote(args: argparse.Namespace, items: list[dict], params: list[S
                 several = beam is not None or item_params.n > 1
                 live = not sink and not several  # several completions are printed each at its end
                 try:
-                    for chunk in client.generate_stream(prompt, None if beam else item_params, beam_search=beam,
+                    beam_params = SamplingParams(logprobs=item_params.logprobs) if item_params.logprobs is not None \
+                        else None
+                    for chunk in client.generate_stream(prompt, beam_params if beam else item_params, beam_search=beam,
                                                         priority=_priority_of(args, item), lora_name=args.lora or ""):
                         completion = completions.setdefault(chunk.index, _RemoteCompletion())
                         completion.add(chunk)
@@ -571,12 +588,13 @@ class _RemoteCompletion:
     """One completion of a streamed reply, as its messages arrive."""
 
     def __init__(self) -> None:
-        self.text, self.token_ids, self.finish, self.prompt_logprobs = "", [], None, []
+        self.text, self.token_ids, self.finish, self.prompt_logprobs, self.logprobs = "", [], None, [], []
 
     def add(self, chunk) -> None:
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         self.prompt_logprobs.extend(chunk.prompt_logprobs)
+        self.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason:
             self.finish = chunk
 
@@ -587,6 +605,9 @@ class _RemoteCompletion:
     def record(self, prompt) -> dict:
         """Its JSONL record."""
         record = {"prompt": prompt, "text": self.text, "token_ids": self.token_ids, "finish_reason": self.reason}
+        if self.logprobs:
+            record["logprobs"] = [{str(entry.token_id): entry.logprob for entry in (position.sampled, *position.top)}
+                                  for position in self.logprobs]
         if self.prompt_logprobs:
             record["prompt_logprobs"] = [None] + [
                 {str(entry.token_id): entry.logprob for entry in (position.sampled, *position.top)}

@@ -139,7 +139,7 @@ def test_beam_search_writes_a_record_a_beam_as_transformers_finds_them(tmp_path,
     prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     output = tmp_path / "beams.jsonl"
     result = run_cli("generate", "--file", str(prompts), "--output", str(output), "--max-tokens", "6",
-                     "--beam-width", "3", *SMALL_ENGINE)
+                     "--beam-width", "3", "--logprobs", "1", *SMALL_ENGINE)
     assert result.returncode == 0, result.stderr
     assert "Beam search" in result.stderr  # one progress bar a search
     records = [json.loads(line) for line in output.read_text().splitlines()]
@@ -149,14 +149,19 @@ def test_beam_search_writes_a_record_a_beam_as_transformers_finds_them(tmp_path,
         ids = tokenizer.encode(line["prompt"])
         assert [record["token_ids"] for record in found] == hf_beams(str(model_dir), ids, 3, line.get("max_tokens", 6))
         assert all(record["num_prompt_tokens"] == len(ids) for record in found)
+        for record in found:  # each token's log probability (and the best of its step's candidates): transformers'
+            reference = hf_prompt_logprobs(str(model_dir), tuple(ids + record["token_ids"]))
+            for offset, (token, step) in enumerate(zip(record["token_ids"], record["logprobs"], strict=True)):
+                assert step[str(token)] == pytest.approx(reference[len(ids) + offset - 1, token].item(), abs=1e-3)
+                assert max(step.values()) == pytest.approx(reference[len(ids) + offset - 1].max().item(), abs=1e-3)
         if len({len(record["token_ids"]) for record in found}) == 1:  # best first (the length penalty moot)
             scores = [record["cum_logprob"] for record in found]
             assert scores == sorted(scores, reverse=True)
     printed = run_cli("generate", "The capital of France is", "--max-tokens", "4", "--beam-width", "2", *SMALL_ENGINE)
     assert printed.returncode == 0, printed.stderr
     assert printed.stdout.count("--- 'The capital of France is' [beam ") == 2
-    for flags, message in ((["--temperature", "0.7"], "takes only max_tokens and ignore_eos"),
-                           (["--logprobs", "2"], "logprobs given"), (["--beam-width", "11"], "beam_width")):
+    for flags, message in ((["--temperature", "0.7"], "takes only max_tokens, ignore_eos and logprobs"),
+                           (["--logprobs", "5"], "at most 2 x --beam-width"), (["--beam-width", "11"], "beam_width")):
         refused = run_cli("generate", "hello", *(["--beam-width", "2"] if "--beam-width" not in flags else []),
                           *flags, *SMALL_ENGINE)
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr

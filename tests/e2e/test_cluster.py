@@ -445,7 +445,8 @@ def test_generate_cli_beam_search_through_the_cluster(cluster, tmp_path, model_d
     output = tmp_path / "beams.jsonl"
     result = subprocess.run(
         [sys.executable, "-m", "splitserve.cli", "generate", "--server", cluster.router.address,
-         "The capital of France is", "--max-tokens", "6", "--beam-width", "3", "--output", str(output)],
+         "The capital of France is", "--max-tokens", "6", "--beam-width", "3", "--logprobs", "1", "--output",
+         str(output)],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -453,6 +454,8 @@ def test_generate_cli_beam_search_through_the_cluster(cluster, tmp_path, model_d
     expected = hf_beams(str(model_dir), tokenizer.encode("The capital of France is"), 3, 6)
     assert [record["token_ids"] for record in records] == expected
     assert [record["index"] for record in records] == [0, 1, 2]
+    assert all(len(record["logprobs"]) == len(record["token_ids"]) and str(record["token_ids"][0]) in
+               record["logprobs"][0] for record in records)  # each token's, with the best of its step's candidates
 
 
 def test_decode_worker_kv_failure_policies(cluster, client, tokenizer):
