@@ -419,7 +419,7 @@ def test_generate_cli_streams_from_the_cluster(cluster, tmp_path):
     assert bad.returncode == 2 and "temperature" in bad.stderr
     # A JSONL line with an n: a record for each completion (its index), printed each at its end without --output.
     lines = tmp_path / "n.jsonl"
-    lines.write_text(json.dumps({"prompt": "The capital of France is", "n": 2, "temperature": 0}) + "\n")
+    lines.write_text(json.dumps({"prompt": "The capital of France is", "n": 2, "temperature": 0, "logprobs": 1}) + "\n")
     for output in (tmp_path / "n.out.jsonl", None):
         written = subprocess.run(
             [sys.executable, "-m", "splitserve.cli", "generate", "--server", cluster.router.address, "--file",
@@ -434,6 +434,8 @@ def test_generate_cli_streams_from_the_cluster(cluster, tmp_path):
             records = [json.loads(line) for line in output.read_text().splitlines()]
             assert [record["index"] for record in records] == [0, 1]
             assert records[0]["text"] == records[1]["text"] and records[0]["text"].startswith(" Paris")
+            for record in records:  # greedy: each token's entry has it, the best, alone
+                assert [list(map(int, step)) for step in record["logprobs"]] == [[t] for t in record["token_ids"]]
 
 
 def test_generate_cli_beam_search_through_the_cluster(cluster, tmp_path, model_dir, tokenizer):
