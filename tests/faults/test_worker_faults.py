@@ -135,6 +135,32 @@ def test_decode_worker_sigkilled_mid_stream_migrates_its_streams(cluster, client
     assert_settled(cluster, client, num_workers=2)
 
 
+def test_a_seeded_stream_migrated_through_the_prefill_worker_keeps_its_random_stream(cluster, client, ledger):
+    """A seeded sampled stream whose decode worker is killed mid-way: its continuation (the prompt plus the tokens
+    sent) is prefilled on the prefill worker, which samples the next token with the draw the undisturbed stream
+    took for it (num_resumed_tokens), and the new decode worker goes on from the draw after: the client gets the
+    undisturbed stream. (top_k 20: over the whole vocabulary the recomputed prompt's rounding now and then moves
+    a draw onto its neighbour.)"""
+    from splitserve.common.sampling_params import SamplingParams
+    from splitserve.v1 import inference_pb2
+
+    in_shape(cluster, client, ledger)
+    params = SamplingParams(temperature=1.0, top_k=20, seed=11, max_tokens=60, ignore_eos=True)
+    undisturbed = client.generate(PROMPTS[0], params, timeout=120)
+    migrations = cluster.router.log().count("migrating it")
+    token_ids, last, killed = [], None, None
+    for chunk in client.generate_stream(PROMPTS[0], params, timeout=120):
+        token_ids.extend(chunk.token_ids)
+        last = chunk
+        if killed is None and len(token_ids) >= 8:
+            killed = busiest_decode_worker(cluster)
+            killed.kill()
+    assert killed is not None and last.finish_reason == inference_pb2.FINISH_REASON_LENGTH, last
+    assert token_ids == list(undisturbed.token_ids) and len(set(token_ids)) > 10
+    assert cluster.router.log().count("migrating it") == migrations + 1
+    assert_settled(cluster, client, num_workers=2)
+
+
 def test_decode_worker_sigstopped_mid_stream(cluster, client, expected, ledger):
     """A decode worker stopped mid-stream (its lease lapses): its streams end as documented (or go on elsewhere)
     by the client's deadline, never hang; once it runs again it frees everything and serves again."""
