@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -442,8 +443,7 @@ def _beam_search_locally(args: argparse.Namespace, llm, items: list[dict], promp
         for position, output in zip(positions, found):
             outputs[position] = output
     eos = set(llm.engine.eos_token_ids)
-    sink = open(args.output, "w") if args.output else None
-    try:
+    with _results(args) as sink:
         for item, output, top in zip(items, outputs, num_logprobs):
             for index, sequence in enumerate(output.sequences):
                 generated = sequence.tokens[output.prompt_len:]
@@ -454,15 +454,27 @@ def _beam_search_locally(args: argparse.Namespace, llm, items: list[dict], promp
                 if top is not None:
                     record["logprobs"] = [_best_logprobs(step, token, top)
                                           for step, token in zip(sequence.logprobs, generated)]
-                if sink:
-                    sink.write(json.dumps(record) + "\n")
-                else:
-                    print(f"--- {item.get('prompt', '')!r} [beam {index}, log probability "
-                          f"{sequence.cum_logprob:.4f}]\n{sequence.text}\n[{reason}]")
-    finally:
-        if sink:
-            sink.close()
+                _emit(sink, record, f"--- {item.get('prompt', '')!r} [beam {index}, log probability "
+                                    f"{sequence.cum_logprob:.4f}]\n{sequence.text}\n[{reason}]")
     return 0
+
+
+@contextlib.contextmanager
+def _results(args: argparse.Namespace):
+    """The --output file to write a JSONL record a result to, closed at the end; None without --output."""
+    if not args.output:
+        yield None
+        return
+    with open(args.output, "w") as sink:
+        yield sink
+
+
+def _emit(sink, record: dict, printed: str) -> None:
+    """One result: its JSON ``record`` a line in ``sink`` (--output), else ``printed`` on the terminal."""
+    if sink:
+        sink.write(json.dumps(record) + "\n")
+    else:
+        print(printed)
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -500,8 +512,7 @@ def _generate(args: argparse.Namespace) -> int:
         _stream_one(llm, prompts[0], params[0], priorities[0], lora)
         return 0
     outputs = llm.generate(prompts, params, use_tqdm=True, priority=priorities, lora_request=lora)
-    sink = open(args.output, "w") if args.output else None
-    try:
+    with _results(args) as sink:
         for item, output, item_params in zip(items, outputs, params):
             for completion in output.outputs:  # n of them with an "n" (each record then says its "index")
                 record = {
@@ -516,14 +527,8 @@ def _generate(args: argparse.Namespace) -> int:
                 if output.prompt_logprobs is not None:
                     record["prompt_logprobs"] = [None] + [{str(token): value for token, value in entry.items()}
                                                           for entry in output.prompt_logprobs[1:]]
-                if sink:
-                    sink.write(json.dumps(record) + "\n")
-                else:
-                    print(f"--- {item.get('prompt', output.prompt)!r}\n{completion.text}\n"
-                          f"[{completion.finish_reason}]")
-    finally:
-        if sink:
-            sink.close()
+                _emit(sink, record, f"--- {item.get('prompt', output.prompt)!r}\n{completion.text}\n"
+                                    f"[{completion.finish_reason}]")
     return 0
 
 
