@@ -22,8 +22,8 @@ class RotaryEmbedding(nn.Module):
     With LongRoPE whose original context is shorter than ``max_positions`` the tables hold two rows a position:
     the first ``max_positions`` rows rotate with the short factors below the original context and the long ones
     from it on; the next ``max_positions`` (from ``long_offset``) with the long factors throughout, for a request
-    whose prompt is longer than the original context (:func:`long_rope_context`), as transformers and vLLM rotate
-    such a prompt. A position's row is ``position + long_offset`` for those requests.
+    longer than the original context (:func:`long_rope_context`; ``Request.rotate_long``), as transformers'
+    ``generate`` rotates such a sequence. A position's row is ``position + long_offset`` for those requests.
     """
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
@@ -55,8 +55,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def long_rope_context(config: ModelConfig) -> int | None:
-    """A LongRoPE model's original context (a request whose prompt is longer takes the long factors at every
-    position: ``RotaryEmbedding.long_offset``); None for any other rotary."""
+    """A LongRoPE model's original context (a request longer than it takes the long factors at every position:
+    ``RotaryEmbedding.long_offset``); None for any other rotary."""
     if config.rope_scaling.get("rope_type") != "longrope":
         return None
     return int(config.rope_scaling["original_max_position_embeddings"])
