@@ -19,7 +19,7 @@ from splitserve.client import Client
 from splitserve.common.beam_search_params import BeamSearchParams
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.v1 import inference_pb2
-from tests.cluster_helpers import start_cluster, stream_completions, wait_until
+from tests.cluster_helpers import start_cluster, stream_completions, wait_until, worker_status
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -75,9 +75,17 @@ def two_decode_workers_serving(cluster, client) -> None:
                message="two decode workers serving")
 
 
+def no_request_in_flight(client) -> None:
+    """Waits for the router to count no request on any worker: it counts a stream off its worker just after the
+    client has its last message, so a request started at once could otherwise see the one before as serving."""
+    wait_until(lambda: all(w.num_router_in_flight_requests == 0 for pool in client.cluster_status().pools
+                           for w in pool.workers), 30, interval=0.05, message="no request in flight")
+
+
 def stream_killing_its_decode_worker(cluster, client, prompt: str, params: SamplingParams, after: int = 10):
     """Stream ``prompt``, SIGKILLing the decode worker serving it once ``after`` tokens came; returns the tokens,
     the text and the last message the client got, and the worker killed."""
+    no_request_in_flight(client)
     token_ids, text, killed, last = [], "", None, None
     for chunk in client.generate_stream(prompt, params, timeout=300):
         token_ids.extend(chunk.token_ids)
@@ -106,8 +114,7 @@ def test_a_stream_whose_decode_worker_is_killed_migrates_to_another_and_stays_to
         assert (last.finish_reason, last.error_message) == (inference_pb2.FINISH_REASON_LENGTH, "")
         assert token_ids == list(undisturbed.token_ids)
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (undisturbed.usage.prompt_tokens, 120)
-        wait_until(lambda: all(w.num_router_in_flight_requests == 0 for pool in client.cluster_status().pools
-                               for w in pool.workers), 30, message="no request in flight on the router")
+        no_request_in_flight(client)
 
 
 def test_a_migrated_stream_resumes_its_grammar_after_the_tokens_sent(cluster):
@@ -131,6 +138,7 @@ def test_a_migrated_stream_resumes_its_grammar_after_the_tokens_sent(cluster):
 def stream_n_killing_their_decode_worker(cluster, client, params: SamplingParams, after: int = 5):
     """Stream ``params.n`` completions of PROMPT, SIGKILLing their decode worker once each sent ``after`` tokens;
     returns each completion's tokens and last message by index, and the worker killed."""
+    no_request_in_flight(client)
     token_ids: dict[int, list[int]] = {}
     last: dict[int, inference_pb2.GenerateStreamResponse] = {}
     killed = None
@@ -143,6 +151,12 @@ def stream_n_killing_their_decode_worker(cluster, client, params: SamplingParams
             killed.kill()
     assert killed is not None and sorted(last) == list(range(params.n))
     return token_ids, last, killed
+
+
+def holds_kv_blocks(worker) -> bool:
+    """Whether a request holds KV blocks on ``worker`` (after its latest step): its search has started."""
+    load = worker_status(worker.address, "decode").status.load
+    return load.num_free_kv_blocks < load.num_total_kv_blocks
 
 
 def serving_decode_workers(client) -> list[str]:
@@ -173,8 +187,7 @@ def test_n_completions_whose_decode_worker_is_killed_each_migrate_and_stay_token
         log = cluster.router.log()[len(log_before):]
         assert log.count("migrating it") == 3
         assert all(f"(completion {index}): decode worker {killed.worker_id} failed" in log for index in range(3))
-        wait_until(lambda: all(w.num_router_in_flight_requests == 0 for pool in client.cluster_status().pools
-                               for w in pool.workers), 30, message="no request in flight on the router")
+        no_request_in_flight(client)
 
 
 def test_n_completions_with_no_decode_worker_left_each_end_with_an_error_message(cluster):
@@ -206,6 +219,7 @@ def test_a_beam_search_whose_decode_worker_is_killed_starts_again_on_another(clu
         two_decode_workers_serving(cluster, client)
         undisturbed = stream_completions(client, PROMPT, beam, beam_search=beam)
         migrations = cluster.router.log().count("migrating it")
+        no_request_in_flight(client)  # else the worker of the search before may still count as serving
         outcome: dict = {}
 
         def search() -> None:
@@ -218,6 +232,9 @@ def test_a_beam_search_whose_decode_worker_is_killed_starts_again_on_another(clu
         searching.start()
         wait_until(lambda: serving_decode_workers(client), 60, interval=0.05, message="the search on a worker")
         [killed] = [p for p in live_decode_workers(cluster) if p.worker_id in serving_decode_workers(client)]
+        # Killed once its beams run (after the worker took the request, which the router then counts as sent to
+        # it: killed before, the router only tries the other worker, which is no migration).
+        wait_until(lambda: holds_kv_blocks(killed), 60, interval=0.02, message="the search holding KV blocks")
         killed.kill()
         searching.join(300)
         assert "error" not in outcome, outcome.get("error")
