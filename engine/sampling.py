@@ -16,9 +16,10 @@ The order of operations follows vLLM:
    probabilities and sampled by inverting their cumulative distribution at one
    uniform number per row. A request with a seed draws that number from its
    own generator (PCG64, seeded with all 64 bits of the seed), exactly one per
-   step, so its tokens do not depend on the rest of the batch or its row; a
-   continuation (``num_resumed_tokens``, a migration's) starts past the draws
-   of the tokens it resumes, so it draws what the undisturbed request would.
+   token (speculative steps too: ``verify_drafts``), so its tokens do not depend
+   on the rest of the batch, its row or its drafts; a continuation
+   (``num_resumed_tokens``, a migration's) starts past the draws of the tokens
+   it resumes, so it draws what the undisturbed request would.
 
 Log probabilities, when asked for, come from the raw logits (before the bias,
 penalties and temperature), as vLLM returns them by default.
@@ -145,11 +146,14 @@ class Sampler:
         0..i-1. The request takes no logit bias, penalties or logprobs (``may_speculate``); its grammar, when it
         has one past its think block, masks each row as of drafts 0..i-1 (``GrammarMatcher.draft_bitmask``). A greedy
         request accepts a draft while it equals the row's argmax, and the first argmax that differs is its own
-        token. A sampling request accepts draft i with the probability its row gives it (after temperature,
-        top-k, top-p and min-p), and on the first refusal samples its row without the draft; when every draft is
-        accepted it samples the last row. That is speculative sampling with a proposer that is certain of its
-        drafts, so each token has the distribution it would have one step at a time; the request's uniform numbers
-        come from its own generator when it has a seed (one per draft tested, one per token sampled).
+        token. A sampling request samples its rows in order as one step at a time would (after temperature,
+        top-k, top-p and min-p, one uniform number a row), accepting draft i while the token row i draws is the
+        draft; the first token that differs, or the last row's, is its own. Each token is then the one sampling
+        step by step draws from the same number, so it keeps its distribution, and a draft is accepted with the
+        probability its row gives it, as speculative sampling with a proposer certain of its drafts accepts it.
+        A request draws one number a token it gets, drafted or not: a seeded request's tokens are those it draws
+        without speculation (up to the rounding of the logits), whatever drafts were proposed or the batch cut
+        off, and a continuation (``num_resumed_tokens``) resumes its stream exactly after speculating steps.
 
         Returns: 1 to ``len(drafts) + 1`` token ids.
         """
@@ -160,17 +164,13 @@ class Sampler:
         if _is_greedy(request):
             return accepted_tokens(drafts, greedy_token_ids(logits, self.kernels).tolist())
         probs = self._random_probs(logits.float(), [request] * logits.shape[0])  # [len(drafts) + 1, vocab]
-        accepted: list[int] = []
-        for row, draft in enumerate(drafts):
-            if self._uniform(request) < float(probs[row, draft]):
-                accepted.append(draft)
-                continue
-            residual = probs[row : row + 1].clone()  # [1, vocab]: the row without the refused draft
-            residual[0, draft] = 0.0
+        tokens: list[int] = []
+        for row in range(len(drafts) + 1):
             uniform = torch.tensor([self._uniform(request)])
-            return accepted + [int(sample_from_probs(residual, uniform)[0])]
-        last = probs[len(drafts) :]  # [1, vocab]
-        return accepted + [int(sample_from_probs(last, torch.tensor([self._uniform(request)]))[0])]
+            tokens.append(int(sample_from_probs(probs[row : row + 1], uniform)[0]))
+            if row == len(drafts) or tokens[-1] != drafts[row]:
+                return tokens
+        raise AssertionError("unreachable: the last row always returns")
 
     def _uniform(self, request: Request) -> float:
         """One uniform number in [0, 1): from a seeded request's own generator, else from the sampler's."""
@@ -221,7 +221,7 @@ class Sampler:
 def _generator_of(request: Request) -> numpy.random.Generator:
     """A seeded request's generator, created the first time: its seed's stream, advanced past the draws of its
     ``num_resumed_tokens`` (a continuation's tokens generated before, one draw each), so that a migrated request
-    draws the numbers the undisturbed one would have (one a token: exact unless speculation drew more)."""
+    draws the numbers the undisturbed one would have (one a token, speculating or not)."""
     if request.generator is None:
         request.generator = seeded_generator(request.sampling_params.seed)
         resumed = request.sampling_params.num_resumed_tokens

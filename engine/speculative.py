@@ -7,10 +7,11 @@ earliest, as vLLM's proposer takes: the most tokens follow it). One step then co
 request's last token and its drafts together, as a prompt chunk over the paged cache, with logits at every row.
 Row i holds the model's distribution after draft i - 1. A greedy request accepts drafts while each equals its
 row's argmax, and the first argmax that differs (or the one after the last draft) is the step's own token, so
-greedy output is the same as without speculation. A sampling request accepts each draft with the probability its
-row gives it and, at the first refusal, samples that row without the draft (speculative sampling with a proposer
-certain of its drafts: every token keeps its distribution; ``Sampler.verify_drafts``). A step gives 1 to k + 1
-tokens. The KV of rejected drafts is left in slots past ``num_computed_tokens``, to be overwritten.
+greedy output is the same as without speculation. A sampling request samples its rows in order, one uniform number
+a row as one step at a time would, and accepts each draft its row draws (a draft is accepted with the probability
+its row gives it, as speculative sampling with a proposer certain of its drafts accepts it; every token keeps its
+distribution): a seeded request's tokens are the ones it draws without speculation (``Sampler.verify_drafts``).
+A step gives 1 to k + 1 tokens. The KV of rejected drafts is left in slots past ``num_computed_tokens``, to be overwritten.
 
 Which requests speculate: those whose rows depend on the logits and at most a grammar (no logit bias, penalties,
 logprobs or pending min_tokens); the others decode a token a step beside them. A request under structured outputs

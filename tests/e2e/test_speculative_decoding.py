@@ -143,6 +143,28 @@ def test_sampling_requests_speculate_and_their_seed_holds_whatever_the_batch(llm
     assert_all_blocks_free(llm)
 
 
+def test_a_seeded_request_samples_the_tokens_it_samples_without_speculation(llm, plain, copy_ids):
+    """A sampling request draws one number a token it gets, drafted or not (``Sampler.verify_drafts``): a seeded
+    request's tokens are the ones it samples on an engine that does not speculate, and a continuation after tokens
+    generated while speculating (``num_resumed_tokens``, as the router migrates a stream) samples the rest of them.
+    (top_k 20: over the whole vocabulary the logits' rounding in a step of several rows, against one row a step,
+    may move a token to its neighbour in the vocabulary now and then.)"""
+    before = dataclasses.replace(llm.engine.stats)
+    for seed in (1234, 99, 5):
+        params = SamplingParams(max_tokens=48, temperature=0.8, top_k=20, seed=seed, ignore_eos=True)
+        (speculating,) = llm.generate({"prompt_token_ids": copy_ids}, params, use_tqdm=False)
+        (alone,) = plain.generate({"prompt_token_ids": copy_ids}, params, use_tqdm=False)
+        tokens = speculating.outputs[0].token_ids
+        assert tokens == alone.outputs[0].token_ids, seed
+        resumed = dataclasses.replace(params, max_tokens=48 - 20, num_resumed_tokens=20)
+        (rest,) = llm.generate({"prompt_token_ids": copy_ids + tokens[:20]}, resumed, use_tqdm=False)
+        assert rest.outputs[0].token_ids == tokens[20:], seed
+    accepted = llm.engine.stats.num_accepted_tokens - before.num_accepted_tokens
+    drafts = llm.engine.stats.num_draft_tokens - before.num_draft_tokens
+    assert 0 < accepted < drafts, (accepted, drafts)  # drafts taken and drafts refused
+    assert_all_blocks_free(llm)
+
+
 def test_disable_by_batch_size_drafts_only_for_smaller_batches(model_dir, copy_ids):
     llm = LLM(str(model_dir), num_kv_blocks=128, max_model_len=2048,
               speculative_config={**SPEC, "disable_by_batch_size": 2})

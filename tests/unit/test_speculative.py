@@ -151,6 +151,28 @@ def test_sampled_verification_honours_the_filters_and_the_seed():
     assert tokens(7) == tokens(7) and tokens(7) != tokens(8)
 
 
+def test_a_seeded_request_draws_the_tokens_it_draws_without_drafts():
+    """A seeded request takes one uniform number a token, drafted or not: whatever the drafts, a speculative step's
+    tokens are the ones sampling the rows one at a time draws, and the stream after it goes on as step by step."""
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3)) * 2  # [rows, vocab]
+
+    def seeded():
+        return Request("s", [1], SamplingParams(max_tokens=8, temperature=1.0, top_k=30, seed=11))
+
+    step_by_step, stepping = [], seeded()
+    for row in range(5):
+        [token] = Sampler()(logits[row : row + 1], [stepping]).sampled_token_ids
+        step_by_step.append(token)
+    assert len(set(step_by_step)) > 2  # really sampled
+    assert Sampler().verify_drafts(logits, seeded(), step_by_step[:4]) == step_by_step  # every draft taken
+    for wrong in range(4):  # draft `wrong` is not the token its row draws: the step ends with the row's own token
+        drafts = step_by_step[:wrong] + [(step_by_step[wrong] + 1) % 50] + step_by_step[wrong + 1 : 4]
+        request = seeded()
+        assert Sampler().verify_drafts(logits, request, drafts) == step_by_step[: wrong + 1]
+        later = [Sampler()(logits[row : row + 1], [request]).sampled_token_ids[0] for row in range(wrong + 1, 5)]
+        assert later == step_by_step[wrong + 1 :]  # no number was drawn for the drafts not reached
+
+
 # ---- the scheduler's plans -------------------------------------------------------------------------------------
 
 def make_scheduler(num_blocks=16, block_size=4, budget=16, drafts=3, disable_at=None):
