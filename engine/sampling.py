@@ -69,7 +69,7 @@ class Sampler:
 
     The only state it changes is random: its own generator (for requests
     without a seed) and ``request.generator``, which it creates on a seeded
-    request's first random step and advances by one number per step.
+    request's first random step and advances by one number per token.
     """
 
     def __init__(self, seed: int = 0, kernels=None):
