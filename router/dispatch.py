@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve.common.block_hash import request_root_hash
 from splitserve.common.errors import Cancelled, NoWorkerAvailable, Overloaded, Unavailable
 from splitserve.common.sampling_params import completion_seed
 from splitserve.common.types import WorkerRole
@@ -199,8 +200,11 @@ class Dispatcher:
     """Runs requests across the registry's workers."""
 
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, prefill_policy: RoutingPolicy,
-                 decode_policy: RoutingPolicy, channels: Channels) -> None:
+                 decode_policy: RoutingPolicy, channels: Channels, long_rope_context: int | None = None) -> None:
+        """``long_rope_context``: the model's original context when it rotates by LongRoPE (a longer prompt's
+        blocks hash from a root of their own, which prefix-aware routing keys on), else None."""
         self.config = config
+        self.long_rope_context = long_rope_context
         self.registry = registry
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
@@ -344,7 +348,7 @@ class Dispatcher:
         for role, colocated in ((WorkerRole.DECODE, False), (WorkerRole.BOTH, True)):
             workers = [w for w in self.registry.routable(role) if w.worker_id not in tried and w.serves(job.lora_name)]
             if workers:
-                return self.decode_policy.choose(workers, job.prompt.token_ids), colocated
+                return self.decode_policy.choose(workers, job.prompt.token_ids, self._hash_root(job)), colocated
         if tried:
             raise Unavailable(f"No decode worker could take the request (tried {', '.join(sorted(tried))}).")
         raise NoWorkerAvailable("No decode worker is serving: the decode pool is empty or every worker is "
@@ -357,7 +361,13 @@ class Dispatcher:
                    if w.worker_id not in tried and w.serves(job.lora_name)]
         if not workers:  # none (that serves its adapter): the decode worker prefills it
             return None
-        return self.prefill_policy.choose(workers, job.prompt.token_ids)
+        return self.prefill_policy.choose(workers, job.prompt.token_ids, self._hash_root(job))
+
+    def _hash_root(self, job: RouterRequest) -> bytes | None:
+        """The hash the workers chain the request's blocks from: its adapter, salt and rotation (a continuation's
+        longer prompt may cross LongRoPE's original context, as its worker will see)."""
+        long_rope = self.long_rope_context is not None and len(job.prompt.token_ids) > self.long_rope_context
+        return request_root_hash(job.lora_name or None, job.cache_salt, long_rope)
 
     def _open_decode(self, job, attempt_id, decode_worker, prefill_worker, transfer_id, timeout):
         """Start Decode and read its acknowledgement: (call, ack), or the status code with which the worker

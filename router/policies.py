@@ -55,8 +55,10 @@ class RoutingPolicy(ABC):
     """Chooses a worker for a prompt. Implementations are thread-safe."""
 
     @abstractmethod
-    def choose(self, workers: list[Worker], prompt_token_ids: list[int]) -> Worker:
+    def choose(self, workers: list[Worker], prompt_token_ids: list[int], hash_root: bytes | None = None) -> Worker:
         """One of ``workers`` for the prompt (may update the policy's own bookkeeping, never the workers).
+        ``hash_root``: the hash the workers chain the prompt's blocks from (``block_hash.request_root_hash``: its
+        LoRA adapter's, cache salt's or LongRoPE's; None the base model's), for policies that key on them.
 
         Raises:
             NoWorkerAvailable: ``workers`` is empty.
@@ -90,7 +92,7 @@ class RoundRobin(RoutingPolicy):
         self._tick = 0
         self._lock = threading.Lock()
 
-    def choose(self, workers: list[Worker], prompt_token_ids: list[int] = ()) -> Worker:
+    def choose(self, workers: list[Worker], prompt_token_ids: list[int] = (), hash_root: bytes | None = None) -> Worker:
         _require(workers)
         with self._lock:
             worker = min(workers, key=lambda w: self._last_chosen.get(w.worker_id, -1))
@@ -136,7 +138,7 @@ class LeastLoaded(RoutingPolicy):
         max_num_seqs = getattr(worker.capacity, "max_num_seqs", 0) or DEFAULT_MAX_NUM_SEQS
         return round(load.kv_block_usage + max(reported, worker.num_in_flight) / max_num_seqs, 9)
 
-    def choose(self, workers: list[Worker], prompt_token_ids: list[int]) -> Worker:
+    def choose(self, workers: list[Worker], prompt_token_ids: list[int], hash_root: bytes | None = None) -> Worker:
         return self.route(workers, len(prompt_token_ids), self._least)
 
     def route(self, workers: list[Worker], num_tokens: int,
@@ -209,20 +211,22 @@ class PrefixAware(RoutingPolicy):
         self.max_imbalance = max_imbalance
         self.least_loaded = LeastLoaded(role)
 
-    def prefix_key(self, prompt_token_ids: list[int]) -> bytes | None:
-        """Chained hash of the prompt's first full blocks (at most ``prefix_blocks``); None under one block."""
+    def prefix_key(self, prompt_token_ids: list[int], hash_root: bytes | None = None) -> bytes | None:
+        """Chained hash of the prompt's first full blocks (at most ``prefix_blocks``) from ``hash_root``, as the
+        workers hash them (so an adapter's or a salt's prompts are keyed apart from the same tokens' on the base
+        model, whose cached blocks they could not use); None under one block."""
         num_blocks = min(len(prompt_token_ids) // self.block_size, self.prefix_blocks)
         key = None
         for start in range(0, num_blocks * self.block_size, self.block_size):
-            key = hash_block_tokens(key, list(prompt_token_ids[start : start + self.block_size]))
+            key = hash_block_tokens(key if start else hash_root, list(prompt_token_ids[start : start + self.block_size]))
         return key
 
     def ranking(self, workers: list[Worker], key: bytes) -> list[Worker]:
         """``workers`` by descending rendezvous weight for ``key`` (ties cannot happen: ids are unique)."""
         return sorted(workers, key=lambda w: hashlib.sha256(key + w.worker_id.encode()).digest(), reverse=True)
 
-    def choose(self, workers: list[Worker], prompt_token_ids: list[int]) -> Worker:
-        key = self.prefix_key(prompt_token_ids)
+    def choose(self, workers: list[Worker], prompt_token_ids: list[int], hash_root: bytes | None = None) -> Worker:
+        key = self.prefix_key(prompt_token_ids, hash_root)
         if key is None:
             return self.least_loaded.choose(workers, prompt_token_ids)
 

@@ -45,7 +45,7 @@ class Router:
             config, self.registry,
             make_policy(config.prefill_policy, WorkerRole.PREFILL, block_size=config.block_size),
             make_policy(config.decode_policy, WorkerRole.DECODE, block_size=config.block_size),
-            self.channels,
+            self.channels, long_rope_context=self.frontend.model_config.long_rope_context,
         )
         self.metrics = RouterMetrics(self.registry.pools, lambda: self.inference.num_in_flight)
         self.tracer = (RequestTracer("splitserve-router", config.otlp_traces_endpoint)

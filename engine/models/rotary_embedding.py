@@ -55,11 +55,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def long_rope_context(config: ModelConfig) -> int | None:
-    """A LongRoPE model's original context (a request longer than it takes the long factors at every position:
-    ``RotaryEmbedding.long_offset``); None for any other rotary."""
-    if config.rope_scaling.get("rope_type") != "longrope":
-        return None
-    return int(config.rope_scaling["original_max_position_embeddings"])
+    """A LongRoPE model's original context (``ModelConfig.long_rope_context``); None for any other rotary."""
+    return config.long_rope_context
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

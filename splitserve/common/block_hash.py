@@ -52,6 +52,14 @@ def long_rope_root_hash(root: bytes | None) -> bytes:
     return hashlib.sha256((root if root is not None else _ROOT_HASH) + b"/longrope").digest()
 
 
+def request_root_hash(lora_name: str | None, cache_salt: str | None, long_rope: bool) -> bytes | None:
+    """The hash a request's first block chains from, as the engine sets it (``LLMEngine.add_request``): its
+    LoRA adapter's root (None: the base model's), mixed with its cache salt, then with LongRoPE's long rotation
+    when its prompt is longer than the model's original context. The router's prefix-aware keys chain from it."""
+    root = salted_root_hash(lora_root_hash(lora_name) if lora_name else None, cache_salt)
+    return long_rope_root_hash(root) if long_rope else root
+
+
 def check_cache_salt(salt) -> str | None:
     """A request's cache salt as given: None (no salt) or a string of 1 to :data:`MAX_CACHE_SALT_CHARS` characters.
 

@@ -142,6 +142,15 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
 
     @property
+    def long_rope_context(self) -> int | None:
+        """A LongRoPE model's original context: a request longer than it takes the long factors at every position
+        (``RotaryEmbedding.long_offset``) and chains its blocks from a root of its own
+        (``block_hash.long_rope_root_hash``); None for any other rotary."""
+        if self.rope_scaling.get("rope_type") != "longrope":
+            return None
+        return int(self.rope_scaling["original_max_position_embeddings"])
+
+    @property
     def max_model_len(self) -> int:
         """The longest sequence the model computes exactly (sliding window included). With YaRN, the original
         context times its factor, as vLLM derives it (Qwen2.5's configs keep the original 32,768 as

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
+from splitserve.common.block_hash import request_root_hash
 from splitserve.engine.kv_connector import KVTransferParams
 from splitserve.engine.request import RequestStatus
+from splitserve.router.policies import PrefixAware
 from tests.reference import MAX_TOKENS, PROMPTS
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -69,6 +71,10 @@ def test_a_cache_salt_keeps_prefix_cache_hits_among_its_own_prompts(llm, prompt_
     assert num_cached_tokens(None) >= whole_blocks - llm.engine.config.block_size > 0
     assert num_cached_tokens("tenant-a") == 0 and num_cached_tokens("tenant-b") == 0
     assert num_cached_tokens("tenant-a") == num_cached_tokens(None) > 0
+    # The router's prefix-aware key for the salted prompt is a block hash of its salt's cached blocks.
+    policy = PrefixAware(block_size=llm.engine.config.block_size, prefix_blocks=8)
+    key = policy.prefix_key(ids, request_root_hash(None, "tenant-a", False))
+    assert llm.engine.kv_cache.pool.lookup(key) is not None and key != policy.prefix_key(ids)
     for salt in ("", 7, "x" * 257):
         with pytest.raises(ValueError, match="cache_salt"):
             llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids, "cache_salt": salt}], GREEDY,

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from splitserve import LLM, BeamSearchParams, SamplingParams
+from splitserve.common.block_hash import request_root_hash
 from splitserve.engine.lora import LoRARequest
+from splitserve.router.policies import PrefixAware
 from tests.lora_helpers import LORA_MAX_TOKENS as MAX_TOKENS
 from tests.lora_helpers import peft_beams
 from tests.reference import hf_greedy
@@ -85,6 +87,10 @@ def test_prefix_caching_keeps_each_adapters_kv_apart(llm, model_dir, prompt_toke
     assert again.num_cached_tokens == (len(prompt_token_ids[6]) - 1) // block_size * block_size > 0
     assert base.num_cached_tokens == 0 and other.num_cached_tokens == 0
     assert base.outputs[0].token_ids == hf_greedy(str(model_dir), prompt_token_ids[6], MAX_TOKENS)
+    # The router's prefix-aware key for the adapter's prompt is a block hash of the adapter's cached blocks.
+    policy = PrefixAware(block_size=block_size, prefix_blocks=4)
+    key = policy.prefix_key(prompt_token_ids[6], request_root_hash(adapters["every"].lora_name, None, False))
+    assert llm.engine.kv_cache.pool.lookup(key) is not None and key != policy.prefix_key(prompt_token_ids[6])
     assert_nothing_left(llm)
 
 

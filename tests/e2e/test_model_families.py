@@ -297,6 +297,16 @@ def test_a_prompt_past_longropes_original_context_takes_the_long_factors_through
     [again] = llm.generate([{"prompt_token_ids": prompt_ids[1]}], params, use_tqdm=False)
     assert again.outputs[0].token_ids == expected[1] and again.num_cached_tokens == 80  # its own five blocks
     assert llm.engine.free_block_count == llm.engine.num_kv_blocks
+    # The router's prefix-aware key for the long prompt (its model config saying the original context) is its
+    # fifth block's hash in this engine's prefix cache; keyed from the base root, it would be the shorter one's.
+    from splitserve.common.block_hash import request_root_hash
+    from splitserve.common.model_info import ModelConfig
+    from splitserve.router.policies import PrefixAware
+
+    assert ModelConfig.from_model_dir(tmp_path).long_rope_context == original
+    policy = PrefixAware(block_size=16, prefix_blocks=5)
+    assert llm.engine.kv_cache.pool.lookup(policy.prefix_key(prompt_ids[1], request_root_hash(None, None, True))) is not None
+    assert policy.prefix_key(prompt_ids[1]) != policy.prefix_key(prompt_ids[1], request_root_hash(None, None, True))
 
 
 def test_a_longrope_prompt_past_its_original_context_through_a_disaggregated_cluster(tmp_path, model_dir,

@@ -16,7 +16,7 @@ from splitserve.common.types import WorkerRole, WorkerState
 from splitserve.router.config import RouterConfig
 from splitserve.router.dispatch import DecodeStreamFailed, Dispatcher, RequestCancelled, RouterRequest
 from splitserve.router.frontend import Prompt
-from splitserve.router.policies import RoundRobin
+from splitserve.router.policies import PrefixAware, RoundRobin
 from splitserve.router.registry import WorkerRegistry
 from splitserve.router.servicer import InferenceServicer
 from splitserve.rpc.convert import sampling_params_from_pb
@@ -511,3 +511,24 @@ def test_when_every_decode_worker_is_full_the_client_is_told_to_back_off(cluster
                               FakeDecodeCall([], ack_error=FakeRpcError(grpc.StatusCode.UNAVAILABLE, "gone"))]
     with pytest.raises(Unavailable, match="No decode worker could take the request"):
         list(dispatcher.run(job(), lambda: None))
+
+
+def test_prefix_aware_routing_keys_a_request_as_its_workers_hash_its_blocks():
+    """The policies get the root the workers chain the request's blocks from: its adapter's, mixed with its salt,
+    then LongRoPE's once the prompt (a continuation's too) is longer than the original context, so a prefix-aware
+    policy keys an adapter's or a tenant's prompts apart from the same tokens on the base model."""
+    from splitserve.common.block_hash import hash_block_tokens, long_rope_root_hash, lora_root_hash, salted_root_hash
+
+    registry = WorkerRegistry(model_fingerprint="m")
+    dispatcher = Dispatcher(RouterConfig(), registry, PrefixAware(), PrefixAware(DECODE), FakeChannels(),
+                            long_rope_context=48)
+    request = RouterRequest("r1", Prompt(list(range(40)), None), inference_pb2.SamplingParams(), lora_name="sql",
+                            cache_salt="tenant")
+    salted = salted_root_hash(lora_root_hash("sql"), "tenant")
+    assert dispatcher._hash_root(request) == salted
+    request.continue_after(list(range(9)), "decode-1", 64)  # 49 tokens now: past the original context
+    assert dispatcher._hash_root(request) == long_rope_root_hash(salted)
+    plain = RouterRequest("r2", Prompt(list(range(40)), None), inference_pb2.SamplingParams())
+    assert dispatcher._hash_root(plain) is None
+    key = PrefixAware(block_size=16).prefix_key(list(range(40)), salted)
+    assert key == hash_block_tokens(hash_block_tokens(salted, list(range(16))), list(range(16, 32)))
