@@ -14,8 +14,11 @@ engine without speculation; the speculating engines take ``--speculative-config`
 
 Repeats interleave the systems and reverse their order each repeat, so a host drifting in speed favours none.
 Reported: output tokens per second of each system (medians), ngram over plain for splitserve, splitserve over
-vLLM with speculation, splitserve's drafts accepted, and for how many requests the greedy token ids are identical
-between splitserve with and without drafts (they must all be) and between splitserve and vLLM.
+vLLM with speculation, splitserve's drafts accepted, and for how many requests the token ids are identical
+between splitserve with and without drafts (greedy they must all be; seeded, a sampled token draws one number with
+or without drafts, so they are too, but for the logits' rounding in a step of several rows, which over the whole
+vocabulary at temperature 1 now and then moves a token onto a neighbour: ``--top-k`` keeps to the likeliest) and,
+greedy, between splitserve and vLLM.
 
 Usage::
 
@@ -125,8 +128,9 @@ def main():
         from vllm.sampling_params import StructuredOutputsParams
 
         constraint = {"structured_outputs": StructuredOutputsParams(json=config["json_schema"])}
+    top_k = {"top_k": config["top_k"]} if config["top_k"] > 0 else {}
     params = [SamplingParams(temperature=config["temperature"], max_tokens=config["max_tokens"], seed=1000 + index,
-                             **constraint)
+                             **top_k, **constraint)
               for index in range(len(prompts))]
 
     def run():
@@ -156,7 +160,7 @@ class Splitserve:
 
     def __init__(self, name: str, model: str, dtype: str, prompts: list[list[int]], max_tokens: int,
                  max_model_len: int, speculative_config: dict | None, batched: bool, temperature: float,
-                 json_schema: dict | None = None) -> None:
+                 json_schema: dict | None = None, top_k: int = 0) -> None:
         from splitserve import LLM
 
         self.name = name
@@ -166,14 +170,15 @@ class Splitserve:
         self.max_tokens = max_tokens
         self.batched = batched
         self.temperature = temperature
+        self.top_k = top_k
         self.run()  # warm-up: the first run maps the KV cache's pages
 
     def run(self) -> tuple[float, list[list[int]]]:
         from splitserve import SamplingParams
 
         constraint = {} if self.json_schema is None else {"structured_outputs": {"json": self.json_schema}}
-        params = [SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, seed=1000 + index,
-                                 **constraint)
+        params = [SamplingParams(temperature=self.temperature, top_k=self.top_k, max_tokens=self.max_tokens,
+                                 seed=1000 + index, **constraint)
                   for index in range(len(self.prompts))]
         start = time.perf_counter()
         if self.batched:
@@ -194,9 +199,9 @@ class VllmPeer:
 
     def __init__(self, python: str, model: str, dtype: str, prompts: list[list[int]], max_tokens: int,
                  max_model_len: int, speculative_config: dict, batched: bool, temperature: float,
-                 threads_bind: str, json_schema: dict | None = None) -> None:
+                 threads_bind: str, json_schema: dict | None = None, top_k: int = 0) -> None:
         config = {"model": model, "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens,
-                  "max_model_len": max_model_len, "batched": batched, "temperature": temperature,
+                  "max_model_len": max_model_len, "batched": batched, "temperature": temperature, "top_k": top_k,
                   "json_schema": json_schema,
                   # The fields set only: vLLM V1's config has no disable_by_batch_size, and refuses the key.
                   "speculative_config": {key: value for key, value in speculative_config.items() if value is not None}}
@@ -227,8 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPECULATIVE_CONFIG), metavar="JSON",
                         help="the speculating engines' config, vLLM's JSON (default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 is greedy; above it each request samples with seed 1000 + its index, and the "
-                        "systems' tokens differ, as sampling with and without drafts does (default: %(default)s)")
+                        help="0 is greedy; above it each request samples with seed 1000 + its index: splitserve's "
+                        "tokens are the same with and without drafts, vLLM's differ (default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="with --temperature, sample among the K likeliest tokens only; 0 is the whole vocabulary "
+                        "(default: %(default)s)")
     parser.add_argument("--batched", action="store_true",
                         help="all requests in one generate (default: one at a time, batch 1)")
     parser.add_argument("--json-schema", action="store_true",
@@ -257,15 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = max(len(prompt) for prompt in prompts) + args.max_tokens + 16
     mode = "all at once" if args.batched else "one at a time"
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
+    if args.temperature and args.top_k:
+        sampling += f", top-k {args.top_k}"
     schema = ANSWER_SCHEMA if args.json_schema else None
     if schema is not None:
         sampling += ", under a JSON schema"
     log(f"model {model}; {args.num_prompts} near-copy chat prompts {mode}, {sampling}, at most {args.max_tokens} "
         f"tokens, {args.dtype}; speculation {json.dumps(speculative)}")
     plain = Splitserve("splitserve", model, args.dtype, prompts, args.max_tokens, max_model_len, None, args.batched,
-                       args.temperature, schema)
+                       args.temperature, schema, args.top_k)
     ngram = Splitserve("splitserve ngram", model, args.dtype, prompts, args.max_tokens, max_model_len, speculative,
-                       args.batched, args.temperature, schema)
+                       args.batched, args.temperature, schema, args.top_k)
     systems = [plain, ngram]
     timings: dict[str, list[float]] = {}
     answers: dict[str, list[list[int]]] = {}
@@ -274,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             log("starting the vLLM peer (its first start compiles for minutes)")
             systems.append(VllmPeer(args.vllm_python, model, args.dtype, prompts, args.max_tokens, max_model_len,
                                     speculative, args.batched, args.temperature,
-                                    args.vllm_threads_bind or default_vllm_threads_bind(), schema))
+                                    args.vllm_threads_bind or default_vllm_threads_bind(), schema, args.top_k))
         stats = ngram.llm.engine.stats
         drafts_before, accepted_before = stats.num_draft_tokens, stats.num_accepted_tokens
         for repeat in range(args.repeats):
@@ -305,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
               for a, b in zip(timings["splitserve"], timings["splitserve ngram"])]
     print(f"\nsplitserve ngram / splitserve: {rate('splitserve ngram') / rate('splitserve'):.2f}x (repeat by repeat "
           f"{', '.join(f'{ratio:.2f}' for ratio in paired)}); drafts accepted {accepted}/{drafts} "
-          f"({accepted / max(drafts, 1):.0%})" + (f"; greedy token ids identical for {identical}/{len(prompts)} "
-                                                  "requests" if args.temperature == 0 else ""))
+          f"({accepted / max(drafts, 1):.0%}); {'greedy' if args.temperature == 0 else 'seeded'} token ids "
+          f"identical for {identical}/{len(prompts)} requests")
     if "vllm ngram" in timings:
         eos = set(ModelConfig.from_model_dir(model).eos_token_ids)
         same = sum(without_trailing(a, eos) == without_trailing(b, eos)

@@ -1,5 +1,5 @@
-"""benchmarks/speculative.py on a tiny workload: splitserve with drafts gives the same greedy token ids as without,
-accepts some of them, and the table compares the two."""
+"""benchmarks/speculative.py on a tiny workload: splitserve with drafts gives the same greedy (and seeded sampled)
+token ids as without, accepts some of them, and the table compares the two."""
 
 from __future__ import annotations
 
@@ -35,3 +35,13 @@ def test_under_a_json_schema_the_benchmark_speculates_with_the_plain_engines_tok
     assert 0 < report["accepted"] <= report["drafts"]
     printed = capsys.readouterr().out
     assert "greedy, under a JSON schema" in printed and "identical for 1/1 requests" in printed, printed
+
+
+def test_sampled_the_benchmark_speculates_with_the_plain_engines_tokens(model_dir, tmp_path, capsys):
+    out = tmp_path / "speculative.json"
+    assert speculative.main(["--model", str(model_dir), "--num-prompts", "2", "--max-tokens", "32", "--repeats", "1",
+                             "--temperature", "0.7", "--top-k", "20", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["answers"]["splitserve"] == report["answers"]["splitserve ngram"]
+    assert 0 < report["accepted"] <= report["drafts"]
+    assert "seeded token ids identical for 2/2 requests" in capsys.readouterr().out
