@@ -347,9 +347,11 @@ class ModelRunner:
                 token_id, logprobs = next(plain)
                 tokens.append(SampledToken(sample_requests[first], token_id, logprobs))
                 continue
-            accepted = self.sampler.verify_drafts(logits[first : first + count], item.request, item.spec_token_ids)
+            rows = logits[first : first + count]
+            accepted = self.sampler.verify_drafts(rows, item.request, item.spec_token_ids)
             item.num_rejected = count - len(accepted)
-            tokens.extend(SampledToken(item.request, token_id, None) for token_id in accepted)
+            tokens.extend(SampledToken(item.request, token_id, logprobs) for token_id, logprobs
+                          in zip(accepted, self.sampler.draft_logprobs(rows, item.request, accepted)))
         return tokens
 
     def _decode_rows(self, decodes: list[ScheduledRequest], block_tables: dict[str, list[int]]

@@ -143,7 +143,8 @@ class Sampler:
         then one token of its own.
 
         logits: [len(drafts) + 1, vocab], row i the model's logits after the request's last token and drafts
-        0..i-1. The request takes no logit bias, penalties or logprobs (``may_speculate``); its grammar, when it
+        0..i-1. Its ``allowed_token_ids`` and logit bias apply to every row alike; it has no penalties, bad words
+        or pending min_tokens, whose rows would depend on the drafts (``may_speculate``); its grammar, when it
         has one past its think block, masks each row as of drafts 0..i-1 (``GrammarMatcher.draft_bitmask``). A greedy
         request accepts a draft while it equals the row's argmax, and the first argmax that differs is its own
         token. A sampling request samples its rows in order as one step at a time would (after temperature,
@@ -155,15 +156,17 @@ class Sampler:
         without speculation (up to the rounding of the logits), whatever drafts were proposed or the batch cut
         off, and a continuation (``num_resumed_tokens``) resumes its stream exactly after speculating steps.
 
-        Returns: 1 to ``len(drafts) + 1`` token ids.
+        Returns: 1 to ``len(drafts) + 1`` token ids (their log probabilities: :meth:`draft_logprobs`).
         """
+        rows = [request] * logits.shape[0]
+        logits = apply_logit_bias(apply_allowed_token_ids(logits.float(), rows), rows)  # [len(drafts) + 1, vocab]
         if request.grammar is not None and request.grammar.active:
             num_words = -(-logits.shape[-1] // BITS_PER_WORD)
             bitmask = request.grammar.draft_bitmask(drafts, num_words)
-            logits = apply_token_bitmask(logits.float(), list(range(len(drafts) + 1)), bitmask, self.kernels)
+            logits = apply_token_bitmask(logits, list(range(len(drafts) + 1)), bitmask, self.kernels)
         if _is_greedy(request):
             return accepted_tokens(drafts, greedy_token_ids(logits, self.kernels).tolist())
-        probs = self._random_probs(logits.float(), [request] * logits.shape[0])  # [len(drafts) + 1, vocab]
+        probs = self._random_probs(logits, rows)  # [len(drafts) + 1, vocab]
         tokens: list[int] = []
         for row in range(len(drafts) + 1):
             uniform = torch.tensor([self._uniform(request)])
@@ -171,6 +174,12 @@ class Sampler:
             if row == len(drafts) or tokens[-1] != drafts[row]:
                 return tokens
         raise AssertionError("unreachable: the last row always returns")
+
+    @staticmethod
+    def draft_logprobs(logits: torch.Tensor, request: Request, token_ids: list[int]) -> list[dict[int, float] | None]:
+        """Per token of a speculative step (``verify_drafts``' tokens): None, or its {token_id: logprob} entry when
+        the request asked for logprobs, from its row's raw logits as one step at a time gives it."""
+        return compute_logprobs(logits[: len(token_ids)], [request] * len(token_ids), token_ids)
 
     def _uniform(self, request: Request) -> float:
         """One uniform number in [0, 1): from a seeded request's own generator, else from the sampler's."""

@@ -114,6 +114,8 @@ def test_stops_and_limits_land_where_they_would_without_drafts(llm, plain, copy_
 
 
 def test_requests_that_score_or_are_penalised_keep_their_tokens_beside_speculating_ones(llm, plain, copy_ids):
+    """A request with logprobs speculates beside a plain one, a penalised one decodes a token a step: each gives
+    the tokens (and logprobs) of an engine that does not speculate."""
     prompts = [{"prompt_token_ids": copy_ids}] * 3
     params = [SamplingParams(max_tokens=32, temperature=0.0),
               SamplingParams(max_tokens=32, temperature=0.0, logprobs=2),
@@ -126,6 +128,30 @@ def test_requests_that_score_or_are_penalised_keep_their_tokens_beside_speculati
     for mine, theirs in zip(got[1].outputs[0].logprobs, expected[1].outputs[0].logprobs):
         assert mine.keys() == theirs.keys()
         assert all(abs(mine[token] - theirs[token]) < 1e-4 for token in mine)
+    assert_all_blocks_free(llm)
+
+
+def test_requests_with_logprobs_a_logit_bias_or_allowed_tokens_speculate_with_the_plain_engines_tokens(
+        llm, plain, copy_ids):
+    """logprobs, a logit bias and allowed_token_ids apply to every row of a speculative step alike: such requests
+    speculate, each accepted token with its own row's logprobs, and give the tokens (and logprobs) of an engine
+    that does not speculate: greedy with logprobs, and seeded sampling under a bias and an allowed set (the
+    prompt's own tokens, so that copying stays possible)."""
+    cases = [SamplingParams(max_tokens=40, temperature=0.0, logprobs=3),
+             SamplingParams(max_tokens=40, temperature=0.8, top_k=20, seed=3, logprobs=1,
+                            logit_bias={copy_ids[-12]: 2.0}, allowed_token_ids=sorted(set(copy_ids)))]
+    for params in cases:
+        before = dataclasses.replace(llm.engine.stats)
+        (got,) = llm.generate({"prompt_token_ids": copy_ids}, params, use_tqdm=False)
+        assert llm.engine.stats.num_accepted_tokens > before.num_accepted_tokens, params  # it speculated
+        assert llm.engine.stats.num_steps - before.num_steps < len(got.outputs[0].token_ids)
+        (expected,) = plain.generate({"prompt_token_ids": copy_ids}, params, use_tqdm=False)
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids, params
+        assert len(got.outputs[0].logprobs) == len(got.outputs[0].token_ids)
+        for mine, theirs in zip(got.outputs[0].logprobs, expected.outputs[0].logprobs):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[token] - theirs[token]) < 1e-4 for token in mine)
+    assert set(got.outputs[0].token_ids) <= set(copy_ids)
     assert_all_blocks_free(llm)
 
 
@@ -189,7 +215,8 @@ def test_preemption_with_drafts_through_the_torch_reference(model_dir, prompt_to
 
 
 def test_a_speculating_cluster_streams_transformers_tokens_and_counts_its_drafts(tmp_path, model_dir, copy_ids,
-                                                                                 prompt_token_ids, hf_reference):
+                                                                                 prompt_token_ids, hf_reference,
+                                                                                 plain):
     cluster = start_cluster("p2p", tmp_path, worker_args=["--speculative-config", json.dumps(SPEC),
                                                           "--metrics-port", "0"])
     try:
@@ -201,6 +228,16 @@ def test_a_speculating_cluster_streams_transformers_tokens_and_counts_its_drafts
             assert [token for chunk in chunks for token in chunk.token_ids] == hf_greedy(str(model_dir), copy_ids, 48)
             for ids, reference in list(zip(prompt_token_ids, hf_reference))[1:6]:
                 assert list(client.generate(ids, GREEDY, timeout=120).token_ids) == reference
+            # With logprobs too: a message of several accepted tokens carries each one's, the plain engine's.
+            scored = SamplingParams(max_tokens=48, temperature=0.0, logprobs=2)
+            chunks = list(client.generate_stream(copy_ids, scored, timeout=120))
+            assert any(len(chunk.token_ids) > 1 for chunk in chunks)  # drafts accepted
+            (expected,) = plain.generate({"prompt_token_ids": copy_ids}, scored, use_tqdm=False)
+            positions = [position for chunk in chunks for position in chunk.logprobs]
+            assert [p.sampled.token_id for p in positions] == expected.outputs[0].token_ids
+            for position, theirs in zip(positions, expected.outputs[0].logprobs):
+                assert abs(position.sampled.logprob - theirs[position.sampled.token_id]) < 1e-3
+                assert [top.token_id for top in position.top] == list(theirs)[:2]
             samples = scrape(url)
             accepted = value(samples, "splitserve_worker_spec_decode_accepted_tokens_total", role="decode")
             drafts = value(samples, "splitserve_worker_spec_decode_draft_tokens_total", role="decode")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 import torch
@@ -88,16 +89,18 @@ def test_a_bad_config_is_refused_with_a_sentence(value, words):
     assert words in str(raised.value)
 
 
-def test_requests_whose_rows_depend_on_the_logits_alone_speculate():
+def test_requests_whose_rows_do_not_depend_on_the_drafts_before_them_speculate():
     def request(**params):
         return Request("r", [1, 2, 3], SamplingParams(max_tokens=8, **params))
 
     assert may_speculate(request(temperature=0.0))
     assert may_speculate(request(temperature=0.8, top_k=1))
     assert may_speculate(request(temperature=0.8, top_p=0.9, seed=3))
-    assert not may_speculate(request(temperature=0.0, logprobs=2))
-    assert not may_speculate(request(temperature=0.8, repetition_penalty=1.2))
-    assert not may_speculate(request(temperature=0.0, logit_bias={5: 1.0}))
+    assert may_speculate(request(temperature=0.0, logprobs=2))  # each token with its row's
+    assert may_speculate(request(temperature=0.0, logit_bias={5: 1.0}))  # alike on every row
+    assert may_speculate(request(temperature=0.7, allowed_token_ids=[1, 5, 7]))
+    assert not may_speculate(request(temperature=0.8, repetition_penalty=1.2))  # counts the drafts before a row
+    assert not may_speculate(request(temperature=0.0, bad_words=["x"]))
     assert not may_speculate(request(temperature=0.0, min_tokens=2))  # until it has 2 tokens
 
 
@@ -149,6 +152,18 @@ def test_sampled_verification_honours_the_filters_and_the_seed():
         return [sampler.verify_drafts(logits, request, [0]) for _ in range(50)]
 
     assert tokens(7) == tokens(7) and tokens(7) != tokens(8)
+
+
+def test_allowed_tokens_and_a_logit_bias_apply_to_every_row_and_each_token_gets_its_rows_logprobs():
+    logits = _rows([0.1, 0.7, 0.2], [0.6, 0.3, 0.1], [0.2, 0.2, 0.6])
+    biased = Request("b", [1], SamplingParams(max_tokens=8, temperature=0.0, logit_bias={2: 1.5}, logprobs=1))
+    # Row 0's argmax becomes 2 with the bias (log 0.2 + 1.5 > log 0.7): draft 1 refused there.
+    assert Sampler().verify_drafts(logits, biased, [1, 0]) == [2]
+    allowed = Request("a", [1], SamplingParams(max_tokens=8, temperature=0.0, allowed_token_ids=[0, 2]))
+    assert Sampler().verify_drafts(logits, allowed, [2, 0]) == [2, 0, 2]
+    entries = Sampler.draft_logprobs(logits, biased, [2])
+    assert entries[0].keys() == {1, 2} and abs(entries[0][2] - math.log(0.2)) < 1e-6  # raw logits, as a step
+    assert Sampler.draft_logprobs(logits, allowed, [2, 0, 2]) == [None, None, None]  # none asked for
 
 
 def test_a_seeded_request_draws_the_tokens_it_draws_without_drafts():
@@ -249,7 +264,7 @@ def test_drafts_are_dropped_before_anything_is_preempted_for_them():
     assert not scheduler.num_preemptions
 
 
-def test_requests_with_penalties_or_logprobs_decode_one_token_a_step():
+def test_requests_with_penalties_decode_one_token_a_step_and_those_with_logprobs_speculate():
     scheduler = make_scheduler()
     penalised = greedy("p", [1, 2, 1], repetition_penalty=1.2)
     scored = greedy("l", [1, 2, 1], logprobs=1)
@@ -257,7 +272,7 @@ def test_requests_with_penalties_or_logprobs_decode_one_token_a_step():
     for request in (penalised, scored, sampled):
         scheduler.add_request(request)
     step(scheduler, {"p": [2], "l": [2], "s": [2]})
-    assert step(scheduler, {"p": [1], "l": [1], "s": [1, 2, 1]}) == [("p", 1, []), ("l", 1, []), ("s", 3, [1, 2])]
+    assert step(scheduler, {"p": [1], "l": [1, 2, 1], "s": [1, 2, 1]}) == [("p", 1, []), ("l", 3, [1, 2]), ("s", 3, [1, 2])]
 
 
 # ---- the flag -------------------------------------------------------------------------------------------------
