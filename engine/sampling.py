@@ -143,9 +143,10 @@ class Sampler:
         then one token of its own.
 
         logits: [len(drafts) + 1, vocab], row i the model's logits after the request's last token and drafts
-        0..i-1. Its ``allowed_token_ids`` and logit bias apply to every row alike; it has no penalties, bad words
-        or pending min_tokens, whose rows would depend on the drafts (``may_speculate``); its grammar, when it
-        has one past its think block, masks each row as of drafts 0..i-1 (``GrammarMatcher.draft_bitmask``). A greedy
+        0..i-1. Each row goes through what one step at a time would apply to it: ``allowed_token_ids`` and the
+        logit bias alike on every row; bad words, penalties and min_tokens as if drafts 0..i-1 were already its
+        output (:class:`RowAfterDrafts`); its grammar, when it has one past its think block, masked as of drafts
+        0..i-1 (``GrammarMatcher.draft_bitmask``). A greedy
         request accepts a draft while it equals the row's argmax, and the first argmax that differs is its own
         token. A sampling request samples its rows in order as one step at a time would (after temperature,
         top-k, top-p and min-p, one uniform number a row), accepting draft i while the token row i draws is the
@@ -159,7 +160,12 @@ class Sampler:
         Returns: 1 to ``len(drafts) + 1`` token ids (their log probabilities: :meth:`draft_logprobs`).
         """
         rows = [request] * logits.shape[0]
-        logits = apply_logit_bias(apply_allowed_token_ids(logits.float(), rows), rows)  # [len(drafts) + 1, vocab]
+        after_drafts = [RowAfterDrafts(request, drafts[:row]) for row in range(len(drafts) + 1)]
+        logits = apply_allowed_token_ids(logits.float(), rows)  # [len(drafts) + 1, vocab]
+        logits = apply_bad_words(logits, after_drafts)
+        logits = apply_logit_bias(logits, rows)
+        logits = apply_penalties(logits, after_drafts)
+        logits = apply_min_tokens(logits, after_drafts)
         if request.grammar is not None and request.grammar.active:
             num_words = -(-logits.shape[-1] // BITS_PER_WORD)
             bitmask = request.grammar.draft_bitmask(drafts, num_words)
@@ -225,6 +231,30 @@ class Sampler:
                 len(unseeded_rows), generator=self.generator
             )
         return uniforms
+
+
+class RowAfterDrafts:
+    """Row i of a request's speculative step, as the logits processors that read its tokens see it: the request
+    with drafts 0..i-1 appended to its output (bad words, penalties and min_tokens apply to that row as they will
+    one step at a time once those drafts are accepted). Read-only."""
+
+    def __init__(self, request: Request, drafts: list[int]) -> None:
+        self.request, self.drafts = request, drafts
+        self.sampling_params = request.sampling_params
+        self.eos_token_ids = request.eos_token_ids
+        self.bad_word_bans = request.bad_word_bans
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.request.all_token_ids + self.drafts
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.drafts
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.request.generated_token_ids + self.drafts
 
 
 def _generator_of(request: Request) -> numpy.random.Generator:

@@ -13,9 +13,9 @@ its row gives it, as speculative sampling with a proposer certain of its drafts 
 distribution): a seeded request's tokens are the ones it draws without speculation (``Sampler.verify_drafts``).
 A step gives 1 to k + 1 tokens. The KV of rejected drafts is left in slots past ``num_computed_tokens``, to be overwritten.
 
-Which requests speculate: those whose rows depend on the logits, a logit bias or allowed tokens (alike on every
-row) and at most a grammar (no penalties, bad words or pending min_tokens), with their logprobs when asked for;
-the others decode a token a step beside them. A request under structured outputs
+Which requests speculate: all, each row processed as its own step would be (allowed tokens and a logit bias alike
+on every row; bad words, penalties and min_tokens as if the drafts before the row were already output), with
+logprobs when asked for. A request under structured outputs
 drafts only what its grammar takes, and each of its rows is masked as that token's own step would be. The scheduler asks the proposer
 for drafts when it schedules a request's decode (``Scheduler.proposer``) and trims them to the step's budget
 and the request's remaining output tokens.
@@ -112,29 +112,20 @@ class SpeculativeConfig:
         return json.dumps({field.name: getattr(self, field.name) for field in fields(self)})
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
-        """Drafts for ``request``'s next tokens: at most ``max_drafts`` (and num_speculative_tokens), none when it
-        may not speculate (:func:`may_speculate`) or its text holds no earlier occurrence of its suffix."""
+        """Drafts for ``request``'s next tokens: at most ``max_drafts`` (and num_speculative_tokens), none when its
+        text holds no earlier occurrence of its suffix. Every request may speculate: each row of its step goes
+        through what one step at a time would apply to it (``Sampler.verify_drafts``). A grammar masks each row as
+        it would mask that token one step at a time: the request drafts only tokens its grammar takes
+        (``GrammarMatcher.draftable``), and row i is masked after drafts 0..i-1 (``GrammarMatcher.draft_bitmask``,
+        llguidance's rollback). In the think block it masks nothing: drafts stop short of any token that could end
+        the block (``GrammarMatcher.thought_drafts``), so that the grammar starts after a step."""
         count = min(max_drafts, self.num_speculative_tokens)
-        if count <= 0 or not may_speculate(request):
+        if count <= 0:
             return []
         drafts = propose_ngram(request.all_token_ids, self.prompt_lookup_min, self.prompt_lookup_max, count)
         if request.grammar is not None:  # drafts its grammar takes (or, in the think block, that cannot end it)
             drafts = request.grammar.draftable(drafts)
         return drafts
-
-
-def may_speculate(request: Request) -> bool:
-    """Whether a request's next tokens may be verified several at a time: each row's distribution depends on the
-    model's logits, what applies to every row alike (allowed tokens, logit bias) and at most its grammar (no bad
-    words, penalties or pending min_tokens, which change with the drafts before the row), so the tokens accepted
-    are distributed as one step at a time would give them (``Sampler.verify_drafts``), greedy or sampled, each
-    with its row's logprobs when asked for. A grammar masks each row as it would mask that token one step at a time: the request drafts only
-    tokens its grammar takes (``GrammarMatcher.draftable``), and row i is masked after drafts 0..i-1
-    (``GrammarMatcher.draft_bitmask``, llguidance's rollback). In the think block it masks nothing: drafts stop
-    short of any token that could end the block (``GrammarMatcher.thought_drafts``), so that the grammar starts
-    after a step."""
-    params = request.sampling_params
-    return not params.needs_penalties and not params.bad_words and request.num_output_tokens >= params.min_tokens
 
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, count: int) -> list[int]:

@@ -114,8 +114,8 @@ def test_stops_and_limits_land_where_they_would_without_drafts(llm, plain, copy_
 
 
 def test_requests_that_score_or_are_penalised_keep_their_tokens_beside_speculating_ones(llm, plain, copy_ids):
-    """A request with logprobs speculates beside a plain one, a penalised one decodes a token a step: each gives
-    the tokens (and logprobs) of an engine that does not speculate."""
+    """Requests with logprobs and penalties speculate in one batch beside a plain one: each gives the tokens (and
+    logprobs) of an engine that does not speculate."""
     prompts = [{"prompt_token_ids": copy_ids}] * 3
     params = [SamplingParams(max_tokens=32, temperature=0.0),
               SamplingParams(max_tokens=32, temperature=0.0, logprobs=2),
@@ -131,27 +131,38 @@ def test_requests_that_score_or_are_penalised_keep_their_tokens_beside_speculati
     assert_all_blocks_free(llm)
 
 
-def test_requests_with_logprobs_a_logit_bias_or_allowed_tokens_speculate_with_the_plain_engines_tokens(
-        llm, plain, copy_ids):
-    """logprobs, a logit bias and allowed_token_ids apply to every row of a speculative step alike: such requests
-    speculate, each accepted token with its own row's logprobs, and give the tokens (and logprobs) of an engine
-    that does not speculate: greedy with logprobs, and seeded sampling under a bias and an allowed set (the
-    prompt's own tokens, so that copying stays possible)."""
-    cases = [SamplingParams(max_tokens=40, temperature=0.0, logprobs=3),
-             SamplingParams(max_tokens=40, temperature=0.8, top_k=20, seed=3, logprobs=1,
-                            logit_bias={copy_ids[-12]: 2.0}, allowed_token_ids=sorted(set(copy_ids)))]
-    for params in cases:
-        before = dataclasses.replace(llm.engine.stats)
-        (got,) = llm.generate({"prompt_token_ids": copy_ids}, params, use_tqdm=False)
-        assert llm.engine.stats.num_accepted_tokens > before.num_accepted_tokens, params  # it speculated
-        assert llm.engine.stats.num_steps - before.num_steps < len(got.outputs[0].token_ids)
-        (expected,) = plain.generate({"prompt_token_ids": copy_ids}, params, use_tqdm=False)
-        assert got.outputs[0].token_ids == expected.outputs[0].token_ids, params
+@pytest.mark.parametrize("case", ["logprobs", "bias-allowed", "penalties-min_tokens", "bad_words"])
+def test_requests_whatever_their_parameters_speculate_with_the_plain_engines_tokens(case, llm, plain, copy_ids):
+    """Every row of a speculative step goes through what its own step would apply: logprobs, a logit bias and
+    allowed_token_ids alike on every row, penalties, min_tokens and bad words as if the drafts before the row were
+    output. Such requests speculate, each accepted token with its own row's logprobs, and give the tokens (and
+    logprobs) of an engine that does not speculate, greedy or seeded. (The bad word " lazy dog" is drafted whole
+    within a step: only the row after " lazy" banning " dog" keeps the tokens; tests/unit/test_speculative.py
+    checks each processor's rows one by one.)"""
+    sampled = {"temperature": 0.8, "top_k": 20, "seed": 3}
+    params = {
+        "logprobs": SamplingParams(max_tokens=40, temperature=0.0, logprobs=3),
+        "bias-allowed": SamplingParams(max_tokens=40, **sampled, logprobs=1, logit_bias={copy_ids[-12]: 2.0},
+                                       allowed_token_ids=sorted(set(copy_ids))),  # copying stays possible
+        "penalties-min_tokens": SamplingParams(max_tokens=40, temperature=0.0, frequency_penalty=0.1,
+                                               presence_penalty=0.1, min_tokens=20),
+        "bad_words": SamplingParams(max_tokens=40, temperature=0.0, bad_words=[" lazy dog"], repetition_penalty=1.05),
+    }[case]
+    before = dataclasses.replace(llm.engine.stats)
+    (got,) = llm.generate({"prompt_token_ids": copy_ids}, params, use_tqdm=False)
+    assert llm.engine.stats.num_accepted_tokens > before.num_accepted_tokens, case  # it speculated
+    assert llm.engine.stats.num_steps - before.num_steps < len(got.outputs[0].token_ids)
+    (expected,) = plain.generate({"prompt_token_ids": copy_ids}, params, use_tqdm=False)
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids, case
+    if params.logprobs is not None:
         assert len(got.outputs[0].logprobs) == len(got.outputs[0].token_ids)
         for mine, theirs in zip(got.outputs[0].logprobs, expected.outputs[0].logprobs):
             assert mine.keys() == theirs.keys()
             assert all(abs(mine[token] - theirs[token]) < 1e-4 for token in mine)
-    assert set(got.outputs[0].token_ids) <= set(copy_ids)
+    if params.allowed_token_ids is not None:
+        assert set(got.outputs[0].token_ids) <= set(copy_ids)
+    if params.bad_words:  # the copy's " lazy dog" became " lazy dogs" (another token)
+        assert "lazy dog." not in got.outputs[0].text and "lazy dogs." in got.outputs[0].text
     assert_all_blocks_free(llm)
 
 

@@ -15,10 +15,11 @@ from splitserve.cli_serve import _engine_flags
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.logits_processors import BadWordBans
 from splitserve.engine.request import Request
 from splitserve.engine.sampling import Sampler
 from splitserve.engine.scheduler import Scheduler
-from splitserve.engine.speculative import SpeculativeConfig, accepted_tokens, may_speculate, propose_ngram
+from splitserve.engine.speculative import SpeculativeConfig, accepted_tokens, propose_ngram
 
 # ---- the lookup -----------------------------------------------------------------------------------------------
 
@@ -89,19 +90,43 @@ def test_a_bad_config_is_refused_with_a_sentence(value, words):
     assert words in str(raised.value)
 
 
-def test_requests_whose_rows_do_not_depend_on_the_drafts_before_them_speculate():
-    def request(**params):
-        return Request("r", [1, 2, 3], SamplingParams(max_tokens=8, **params))
+def _step_by_step(logits, make_request):
+    """The tokens sampling ``logits``' rows one step at a time gives a fresh request (each appended to its output)."""
+    request, tokens = make_request(), []
+    for row in range(logits.shape[0]):
+        [token] = Sampler()(logits[row : row + 1], [request]).sampled_token_ids
+        request.append_output_token(token)
+        tokens.append(token)
+    return tokens
 
-    assert may_speculate(request(temperature=0.0))
-    assert may_speculate(request(temperature=0.8, top_k=1))
-    assert may_speculate(request(temperature=0.8, top_p=0.9, seed=3))
-    assert may_speculate(request(temperature=0.0, logprobs=2))  # each token with its row's
-    assert may_speculate(request(temperature=0.0, logit_bias={5: 1.0}))  # alike on every row
-    assert may_speculate(request(temperature=0.7, allowed_token_ids=[1, 5, 7]))
-    assert not may_speculate(request(temperature=0.8, repetition_penalty=1.2))  # counts the drafts before a row
-    assert not may_speculate(request(temperature=0.0, bad_words=["x"]))
-    assert not may_speculate(request(temperature=0.0, min_tokens=2))  # until it has 2 tokens
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.0, "frequency_penalty": 2.0},
+    {"temperature": 0.0, "repetition_penalty": 3.0},
+    {"temperature": 0.2, "presence_penalty": 2.0, "seed": 4},
+    {"temperature": 0.0, "min_tokens": 3, "stop_token_ids": [3]},
+    {"temperature": 0.0, "bad_words": ["x"]},
+], ids=["frequency", "repetition", "presence-seeded", "min_tokens", "bad_words"])
+def test_each_row_sees_the_drafts_before_it_as_output(params):
+    """Penalties, min_tokens and bad words read the output: row i of a step is processed as if drafts 0..i-1 were
+    output already (``RowAfterDrafts``), so a step whose drafts are the step-by-step tokens accepts every one, and
+    one whose draft differs ends there with the step-by-step token. Every row prefers token 3, then token 9
+    (penalised, token 3 gives way after its first time; under min_tokens 3 is a stop token until 3 tokens are out;
+    the bad word is 3 twice)."""
+    logits = torch.full((5, 12), -2.0)
+    logits[:, 3], logits[:, 9], logits[:, 5] = 5.0, 4.0, 3.0
+
+    def make_request():
+        request = Request("r", [1], SamplingParams(max_tokens=8, **params))
+        if "bad_words" in params:
+            request.bad_word_bans = BadWordBans([(3, 3)])
+        return request
+
+    expected = _step_by_step(logits, make_request)
+    assert len(set(expected)) > 1  # the processors changed the choice somewhere
+    assert Sampler().verify_drafts(logits, make_request(), expected[:4]) == expected
+    wrong = expected[:1] + [(expected[1] + 1) % 12] + expected[2:4]
+    assert Sampler().verify_drafts(logits, make_request(), wrong) == expected[:2]
 
 
 # ---- verification ----------------------------------------------------------------------------------------------
@@ -264,7 +289,7 @@ def test_drafts_are_dropped_before_anything_is_preempted_for_them():
     assert not scheduler.num_preemptions
 
 
-def test_requests_with_penalties_decode_one_token_a_step_and_those_with_logprobs_speculate():
+def test_requests_with_penalties_or_logprobs_speculate_too():
     scheduler = make_scheduler()
     penalised = greedy("p", [1, 2, 1], repetition_penalty=1.2)
     scored = greedy("l", [1, 2, 1], logprobs=1)
@@ -272,7 +297,8 @@ def test_requests_with_penalties_decode_one_token_a_step_and_those_with_logprobs
     for request in (penalised, scored, sampled):
         scheduler.add_request(request)
     step(scheduler, {"p": [2], "l": [2], "s": [2]})
-    assert step(scheduler, {"p": [1], "l": [1, 2, 1], "s": [1, 2, 1]}) == [("p", 1, []), ("l", 3, [1, 2]), ("s", 3, [1, 2])]
+    rows = [1, 2, 1]
+    assert step(scheduler, {"p": rows, "l": rows, "s": rows}) == [("p", 3, [1, 2]), ("l", 3, [1, 2]), ("s", 3, [1, 2])]
 
 
 # ---- the flag -------------------------------------------------------------------------------------------------
