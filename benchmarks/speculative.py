@@ -128,9 +128,8 @@ def main():
         from vllm.sampling_params import StructuredOutputsParams
 
         constraint = {"structured_outputs": StructuredOutputsParams(json=config["json_schema"])}
-    top_k = {"top_k": config["top_k"]} if config["top_k"] > 0 else {}
     params = [SamplingParams(temperature=config["temperature"], max_tokens=config["max_tokens"], seed=1000 + index,
-                             **top_k, **constraint)
+                             **config["sampling"], **constraint)
               for index in range(len(prompts))]
 
     def run():
@@ -160,7 +159,7 @@ class Splitserve:
 
     def __init__(self, name: str, model: str, dtype: str, prompts: list[list[int]], max_tokens: int,
                  max_model_len: int, speculative_config: dict | None, batched: bool, temperature: float,
-                 json_schema: dict | None = None, top_k: int = 0) -> None:
+                 json_schema: dict | None = None, sampling: dict | None = None) -> None:
         from splitserve import LLM
 
         self.name = name
@@ -170,15 +169,15 @@ class Splitserve:
         self.max_tokens = max_tokens
         self.batched = batched
         self.temperature = temperature
-        self.top_k = top_k
+        self.sampling = sampling or {}  # more SamplingParams fields (top_k, frequency_penalty), alike on every system
         self.run()  # warm-up: the first run maps the KV cache's pages
 
     def run(self) -> tuple[float, list[list[int]]]:
         from splitserve import SamplingParams
 
         constraint = {} if self.json_schema is None else {"structured_outputs": {"json": self.json_schema}}
-        params = [SamplingParams(temperature=self.temperature, top_k=self.top_k, max_tokens=self.max_tokens,
-                                 seed=1000 + index, **constraint)
+        params = [SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, seed=1000 + index,
+                                 **self.sampling, **constraint)
                   for index in range(len(self.prompts))]
         start = time.perf_counter()
         if self.batched:
@@ -199,9 +198,10 @@ class VllmPeer:
 
     def __init__(self, python: str, model: str, dtype: str, prompts: list[list[int]], max_tokens: int,
                  max_model_len: int, speculative_config: dict, batched: bool, temperature: float,
-                 threads_bind: str, json_schema: dict | None = None, top_k: int = 0) -> None:
+                 threads_bind: str, json_schema: dict | None = None, sampling: dict | None = None) -> None:
         config = {"model": model, "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens,
-                  "max_model_len": max_model_len, "batched": batched, "temperature": temperature, "top_k": top_k,
+                  "max_model_len": max_model_len, "batched": batched, "temperature": temperature,
+                  "sampling": sampling or {},
                   "json_schema": json_schema,
                   # The fields set only: vLLM V1's config has no disable_by_batch_size, and refuses the key.
                   "speculative_config": {key: value for key, value in speculative_config.items() if value is not None}}
@@ -237,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0,
                         help="with --temperature, sample among the K likeliest tokens only; 0 is the whole vocabulary "
                         "(default: %(default)s)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="every request's frequency penalty, -2 to 2 (a penalised request speculates too: each row "
+                        "of a step penalised as if the drafts before it were output; default: %(default)s)")
     parser.add_argument("--batched", action="store_true",
                         help="all requests in one generate (default: one at a time, batch 1)")
     parser.add_argument("--json-schema", action="store_true",
@@ -265,17 +268,21 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = max(len(prompt) for prompt in prompts) + args.max_tokens + 16
     mode = "all at once" if args.batched else "one at a time"
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
+    extra = {}  # SamplingParams fields beyond the temperature, the same on every system
     if args.temperature and args.top_k:
-        sampling += f", top-k {args.top_k}"
+        sampling, extra["top_k"] = sampling + f", top-k {args.top_k}", args.top_k
+    if args.frequency_penalty:
+        sampling, extra["frequency_penalty"] = (sampling + f", frequency penalty {args.frequency_penalty:g}",
+                                                args.frequency_penalty)
     schema = ANSWER_SCHEMA if args.json_schema else None
     if schema is not None:
         sampling += ", under a JSON schema"
     log(f"model {model}; {args.num_prompts} near-copy chat prompts {mode}, {sampling}, at most {args.max_tokens} "
         f"tokens, {args.dtype}; speculation {json.dumps(speculative)}")
     plain = Splitserve("splitserve", model, args.dtype, prompts, args.max_tokens, max_model_len, None, args.batched,
-                       args.temperature, schema, args.top_k)
+                       args.temperature, schema, extra)
     ngram = Splitserve("splitserve ngram", model, args.dtype, prompts, args.max_tokens, max_model_len, speculative,
-                       args.batched, args.temperature, schema, args.top_k)
+                       args.batched, args.temperature, schema, extra)
     systems = [plain, ngram]
     timings: dict[str, list[float]] = {}
     answers: dict[str, list[list[int]]] = {}
@@ -284,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             log("starting the vLLM peer (its first start compiles for minutes)")
             systems.append(VllmPeer(args.vllm_python, model, args.dtype, prompts, args.max_tokens, max_model_len,
                                     speculative, args.batched, args.temperature,
-                                    args.vllm_threads_bind or default_vllm_threads_bind(), schema, args.top_k))
+                                    args.vllm_threads_bind or default_vllm_threads_bind(), schema, extra))
         stats = ngram.llm.engine.stats
         drafts_before, accepted_before = stats.num_draft_tokens, stats.num_accepted_tokens
         for repeat in range(args.repeats):

@@ -37,10 +37,10 @@ def test_under_a_json_schema_the_benchmark_speculates_with_the_plain_engines_tok
     assert "greedy, under a JSON schema" in printed and "identical for 1/1 requests" in printed, printed
 
 
-def test_sampled_the_benchmark_speculates_with_the_plain_engines_tokens(model_dir, tmp_path, capsys):
+def test_sampled_and_penalised_the_benchmark_speculates_with_the_plain_engines_tokens(model_dir, tmp_path, capsys):
     out = tmp_path / "speculative.json"
     assert speculative.main(["--model", str(model_dir), "--num-prompts", "2", "--max-tokens", "32", "--repeats", "1",
-                             "--temperature", "0.7", "--top-k", "20", "--json", str(out)]) == 0
+                             "--temperature", "0.7", "--top-k", "20", "--frequency-penalty", "0.3", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["answers"]["splitserve"] == report["answers"]["splitserve ngram"]
     assert 0 < report["accepted"] <= report["drafts"]
