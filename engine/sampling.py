@@ -92,12 +92,7 @@ class Sampler:
             return SamplerOutput(greedy_token_ids(logits, self.kernels).tolist(), [None] * len(requests))
 
         raw_logits = logits.float()  # [num_rows, vocab]
-        logits = apply_allowed_token_ids(raw_logits, requests)
-        logits = apply_bad_words(logits, requests)
-        logits = apply_logit_bias(logits, requests)
-        logits = apply_penalties(logits, requests)
-        logits = apply_min_tokens(logits, requests)
-        logits = self._apply_grammars(logits, requests)
+        logits = self._apply_grammars(_processed(raw_logits, requests, requests), requests)
 
         greedy_rows = [row for row, request in enumerate(requests) if _is_greedy(request)]
         random_rows = [row for row, request in enumerate(requests) if not _is_greedy(request)]
@@ -161,11 +156,7 @@ class Sampler:
         """
         rows = [request] * logits.shape[0]
         after_drafts = [RowAfterDrafts(request, drafts[:row]) for row in range(len(drafts) + 1)]
-        logits = apply_allowed_token_ids(logits.float(), rows)  # [len(drafts) + 1, vocab]
-        logits = apply_bad_words(logits, after_drafts)
-        logits = apply_logit_bias(logits, rows)
-        logits = apply_penalties(logits, after_drafts)
-        logits = apply_min_tokens(logits, after_drafts)
+        logits = _processed(logits.float(), rows, after_drafts)  # [len(drafts) + 1, vocab]
         if request.grammar is not None and request.grammar.active:
             num_words = -(-logits.shape[-1] // BITS_PER_WORD)
             bitmask = request.grammar.draft_bitmask(drafts, num_words)
@@ -231,6 +222,17 @@ class Sampler:
                 len(unseeded_rows), generator=self.generator
             )
         return uniforms
+
+
+def _processed(logits: torch.Tensor, requests: list[Request], histories: list) -> torch.Tensor:
+    """Steps 1 to 3 before the grammar, in vLLM's order: what depends on the parameters alone from ``requests``,
+    what reads the tokens so far (bad words, penalties, min_tokens) from ``histories`` (the requests themselves,
+    or a speculative step's :class:`RowAfterDrafts`). logits: [rows, vocab] float32, not modified."""
+    logits = apply_allowed_token_ids(logits, requests)
+    logits = apply_bad_words(logits, histories)
+    logits = apply_logit_bias(logits, requests)
+    logits = apply_penalties(logits, histories)
+    return apply_min_tokens(logits, histories)
 
 
 class RowAfterDrafts:
