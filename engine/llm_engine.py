@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.common.block_hash import check_cache_salt, lora_root_hash, salted_root_hash
+from splitserve.common.block_hash import check_cache_salt, request_root_hash
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.load import WorkerLoad
 from splitserve.common.log_fields import request_log
@@ -207,7 +207,9 @@ class LLMEngine:
             request.bad_word_bans = BadWordBans(bad_words_token_ids(self.tokenizer, params.bad_words))
         if lora_request is not None:
             self._acquire_lora(request, lora_request)
-        request.block_hash_root = salted_root_hash(request.block_hash_root, cache_salt)
+        # The root the router's prefix-aware keys chain from too (block_hash.request_root_hash).
+        lora_name = request.lora_request.lora_name if request.lora_request is not None else None
+        request.block_hash_root = request_root_hash(lora_name, cache_salt, long_rope=False)
         if self.long_rope_context is not None and len(token_ids) > self.long_rope_context:
             request.rotate_long()
         try:
@@ -226,7 +228,7 @@ class LLMEngine:
             raise InvalidRequest(f"This engine serves no LoRA adapters (asked for {lora_request.lora_name[:64]!r}); "
                                  "start it with enable_lora (--enable-lora).")
         lora.acquire(lora_request)
-        request.lora_request, request.block_hash_root = lora_request, lora_root_hash(lora_request.lora_name)
+        request.lora_request = lora_request
 
     def _release_lora(self, request: Request) -> None:
         if request.lora_request is not None:
